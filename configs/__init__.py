@@ -1,0 +1,1 @@
+"""Training configs: `default.py` documents every field; size presets override only what differs."""

@@ -1,0 +1,88 @@
+"""The default config: every field, with what it means. Size presets override only what differs.
+
+With no `--config`, `launch.py` trains this: a ~3M-parameter Llama-style model on the embedded
+default corpus (Python's own documentation text, byte-level), which runs on a laptop CPU in
+minutes. Override any field from the command line: `--config.train.steps=50`.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+
+  # ---------------------------------------------------------------------------------------------
+  # Model: a Llama-family decoder (Llama 2/3, Mistral, Qwen2 shapes).
+  # ---------------------------------------------------------------------------------------------
+  config.model = model = ml_collections.ConfigDict()
+  model.vocab_size = 256  # Token ids [0, vocab_size). 256 = the byte-level tokenizer.
+  model.d_model = 256  # Width of the residual stream (HF hidden_size).
+  model.num_layers = 4  # Decoder layers, stored stacked with a leading layer axis.
+  model.num_heads = 4  # Query heads.
+  model.num_kv_heads = 2  # Key/value heads (grouped-query attention); must divide num_heads.
+  model.head_dim = 0  # Features per head; 0 = d_model // num_heads.
+  model.d_ff = 688  # Hidden width of the SwiGLU MLP (HF intermediate_size).
+  model.max_seq_len = 1024  # Longest sequence the model is meant for; train.seq_len must fit.
+  model.rope_theta = 10000.0  # RoPE base period (Llama 2: 1e4, Llama 3: 5e5).
+  model.rope_scaling = ml_collections.ConfigDict()
+  model.rope_scaling.type = 'none'  # 'none', 'linear' or 'llama3' (Llama 3.1 long context).
+  model.rope_scaling.factor = 1.0  # Frequency divisor for 'linear' and 'llama3'.
+  model.rope_scaling.low_freq_factor = 1.0  # 'llama3': wavelengths above old_len/this are scaled.
+  model.rope_scaling.high_freq_factor = 4.0  # 'llama3': wavelengths below old_len/this are kept.
+  model.rope_scaling.original_max_len = 8192  # 'llama3': the pre-extension context length.
+  model.qkv_bias = False  # Bias on the q/k/v projections (Qwen2).
+  model.tie_embeddings = True  # LM head = embedding transposed (no separate head matrix).
+  model.norm_eps = 1e-5  # RMSNorm epsilon.
+  model.sliding_window = 0  # Attend only to the last N positions (Mistral); 0 = full causal.
+  model.init_std = 0.02  # Std of the normal init of every matrix (HF initializer_range).
+  model.dtype = 'float32'  # Compute dtype: 'float32' or 'bfloat16'. Params are always float32.
+  model.matmul_precision = 'highest'  # 'highest' = true FP32 matmuls on GPU (no TF32); 'default'.
+  model.remat = 'full'  # Per-layer rematerialisation: 'none', 'full', 'minimal' (keep matmul
+  #                       outputs), 'offload' (keep them in pinned host memory).
+  model.scan_layers = True  # Apply layers with lax.scan (fast compile) or an unrolled loop.
+
+  # ---------------------------------------------------------------------------------------------
+  # Training.
+  # ---------------------------------------------------------------------------------------------
+  config.train = train = ml_collections.ConfigDict()
+  train.steps = 600  # Optimizer steps in total (a resumed run continues to this count).
+  train.microbatches = 1  # Gradient accumulation: microbatches summed into each optimizer step.
+  train.batch_size = 16  # Sequences per microbatch.
+  train.seq_len = 128  # Tokens per sequence (each sample holds seq_len + 1 for the shifted target).
+  train.lr = 3e-3  # Peak learning rate of AdamW.
+  train.warmup_steps = 50  # Linear warmup from 0 to lr, then cosine decay to lr * min_lr_ratio.
+  train.min_lr_ratio = 0.1  # Final learning rate as a fraction of lr.
+  train.weight_decay = 0.1  # Decoupled weight decay on matrices and embeddings (not norms, biases).
+  train.b1 = 0.9  # AdamW first-moment decay.
+  train.b2 = 0.95  # AdamW second-moment decay.
+  train.eps = 1e-8  # AdamW epsilon.
+  train.grad_clip = 1.0  # Clip the global gradient norm to this value (exactly); 0 = off.
+  train.log_every = 10  # Steps between metric rows (metrics.jsonl, TensorBoard, console line).
+  train.eval_every = 100  # Steps between validation passes; 0 = only at the end.
+  train.eval_batches = 8  # Validation batches (of batch_size sequences) per evaluation.
+  train.seed = 0  # Seeds the parameter init and the data order.
+  train.progress_bar = True  # Show a progress bar with ETA on stderr.
+
+  # ---------------------------------------------------------------------------------------------
+  # Data.
+  # ---------------------------------------------------------------------------------------------
+  config.data = data = ml_collections.ConfigDict()
+  data.path = ''  # '' = embedded default corpus; else a text file, a directory of text files, or a
+  #                 directory already prepared (holding meta.json, train.bin, val.bin).
+  data.val_path = ''  # Validation text; '' = hold out the last val_fraction of data.path.
+  data.val_fraction = 0.05  # Share of the token stream held out for validation (when no val_path).
+  data.tokenizer = 'byte'  # 'byte' (256 ids) or a path to a Hugging Face tokenizer.json.
+  data.cache_dir = ''  # Where prepared token files go; '' = <workdir>/data.
+
+  # ---------------------------------------------------------------------------------------------
+  # Checkpoints (orbax), in <workdir>/checkpoints. A run resumes from the latest one.
+  # ---------------------------------------------------------------------------------------------
+  config.checkpoint = checkpoint = ml_collections.ConfigDict()
+  checkpoint.every = 200  # Steps between checkpoints (one is also written at the end); 0 = end only.
+  checkpoint.keep = 3  # Newest checkpoints kept on disk.
+
+  # ---------------------------------------------------------------------------------------------
+  # Runtime.
+  # ---------------------------------------------------------------------------------------------
+  config.jax_cache_dir = '~/.cache/megatrain_jax/jax'  # Persistent XLA compile cache; '' = off.
+  return config

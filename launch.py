@@ -1,0 +1,62 @@
+"""Command line: train a config, or print its size without allocating.
+
+  python launch.py                                  # configs/default.py (tiny model, CPU minutes)
+  python launch.py --config tiny --config.train.steps=50 --workdir runs/x
+  python launch.py --config 101b --dry_run          # params and FP32 state bytes, no allocation
+
+A bare config name resolves to configs/<name>.py. Every config field can be overridden with
+--config.<section>.<field>=value.
+"""
+
+import sys
+
+from absl import app
+from absl import logging
+from absl import flags
+from ml_collections import config_flags
+
+from megatrain_jax import config as config_lib
+from megatrain_jax.errors import ConfigError
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', str(config_lib.CONFIGS_DIR / 'default.py'),
+    'Config file, or a bare name from configs/ (tiny, 7b, 101b, ...).', lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', 'runs/default',
+                               'Directory for checkpoints, metrics and TensorBoard logs.')
+_DRY_RUN = flags.DEFINE_bool('dry_run', False,
+                             'Print the parameter count and train-state bytes, then exit.')
+
+
+def _preprocess_argv(argv: list[str]) -> list[str]:
+  """Resolves `--config NAME` to a file and checks `--config.a.b=` keys, before absl parses."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    if arg == '--config' and i + 1 < len(out):
+      out[i + 1] = str(config_lib.resolve_config_path(out[i + 1]))
+    elif arg.startswith('--config='):
+      out[i] = '--config=' + str(config_lib.resolve_config_path(arg.split('=', 1)[1]))
+    elif arg.startswith('--config.'):
+      config_lib.check_override_key(arg[len('--config.'):].split('=', 1)[0])
+  return out
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  from megatrain_jax import train  # imported after flag parsing: `--help` stays fast
+  try:
+    if _DRY_RUN.value:
+      train.dry_run(_CONFIG.value)
+    else:
+      train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except ConfigError as e:
+    sys.exit(f'error: {e}')
+
+
+if __name__ == '__main__':
+  try:
+    resolved = _preprocess_argv(sys.argv)
+  except ConfigError as e:
+    sys.exit(f'error: {e}')
+  app.run(main, argv=resolved)

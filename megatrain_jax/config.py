@@ -1,0 +1,167 @@
+"""Loading and validating ml_collections configs.
+
+`validate` runs before anything is allocated or written. Each failure is a `ConfigError` that
+names the field (`train.seq_len`, `model.num_heads`, ...) and says how to fix it.
+
+The schema is `configs/default.py`: a key that it does not define is a typo, reported with the
+closest known names.
+"""
+
+import difflib
+import importlib.util
+import os
+import pathlib
+import sys
+
+import ml_collections
+
+from megatrain_jax.errors import ConfigError
+from megatrain_jax.model.config import ModelConfig
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS_DIR = REPO_ROOT / 'configs'
+
+
+def resolve_config_path(name: str) -> pathlib.Path:
+  """'tiny', 'tiny.py' or a path -> the config file. Bare names resolve to configs/."""
+  spec, sep, arg = name.partition(':')  # config_flags' "file.py:arg" syntax
+  path = pathlib.Path(spec).expanduser()
+  if not path.exists() and path.parent == pathlib.Path('.'):
+    for candidate in (CONFIGS_DIR / spec, CONFIGS_DIR / f'{spec}.py'):
+      if candidate.is_file():
+        path = candidate
+        break
+  if not path.is_file():
+    known = sorted(p.stem for p in CONFIGS_DIR.glob('*.py') if not p.stem.startswith('_'))
+    raise ConfigError(f'--config={name!r}: no such config file. Give a path, or one of the names in '
+                      f'{CONFIGS_DIR}: {", ".join(known)}.')
+  return path.resolve()
+
+
+def load_config(name: str = 'default', **overrides) -> ml_collections.ConfigDict:
+  """Loads a config by name or path (for notebooks and tests); `overrides` use dotted keys
+  written with '__' for '.', e.g. `load_config('tiny', train__steps=5)`."""
+  path = resolve_config_path(name)
+  if str(REPO_ROOT) not in sys.path:  # size presets do `from configs import default`
+    sys.path.insert(0, str(REPO_ROOT))
+  spec = importlib.util.spec_from_file_location(f'_megatrain_config_{path.stem}', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for key, value in overrides.items():
+    set_field(config, key.replace('__', '.'), value)
+  return config
+
+
+def set_field(config: ml_collections.ConfigDict, dotted: str, value) -> None:
+  """Sets config['a.b.c'] = value, refusing keys the schema does not know."""
+  *parents, leaf = dotted.split('.')
+  node = config
+  for part in parents:
+    node = node[part]
+  if leaf not in node:
+    raise ConfigError(_unknown_key_message(dotted, list(node.keys())))
+  node[leaf] = value
+
+
+def _default_schema() -> ml_collections.ConfigDict:
+  return load_config(str(CONFIGS_DIR / 'default.py'))
+
+
+def _flatten(config, prefix=''):
+  out = {}
+  for key, value in config.items():
+    name = f'{prefix}{key}'
+    if isinstance(value, ml_collections.ConfigDict):
+      out.update(_flatten(value, f'{name}.'))
+    else:
+      out[name] = value
+  return out
+
+
+def _unknown_key_message(name: str, known) -> str:
+  leaf = name.rsplit('.', 1)[-1]
+  close = difflib.get_close_matches(leaf, [k.rsplit('.', 1)[-1] for k in known], n=3)
+  hint = f' Did you mean {", ".join(repr(c) for c in close)}?' if close else ''
+  return (f'unknown config key {name!r}.{hint} Every key must be defined in configs/default.py '
+          '(which documents them all); fix the spelling or add the field there.')
+
+
+def _check_known(dotted: str, schema: dict) -> None:
+  if dotted not in schema:
+    prefix = dotted.rsplit('.', 1)[0] + '.' if '.' in dotted else ''
+    siblings = [k for k in schema if k.startswith(prefix)] or list(schema)
+    raise ConfigError(_unknown_key_message(dotted, siblings))
+
+
+def check_override_key(dotted: str) -> None:
+  """Refuses a command-line override `--config.<dotted>=` that names no config field."""
+  _check_known(dotted, _flatten(_default_schema()))
+
+
+def check_keys(config: ml_collections.ConfigDict) -> None:
+  schema = _flatten(_default_schema())
+  given = _flatten(config)
+  for name in given:
+    _check_known(name, schema)
+  for name, default in schema.items():
+    if name not in given:
+      raise ConfigError(f'config key {name!r} is missing. Build size configs from '
+                        'configs/default.py (`config = default.get_config()`) and override fields.')
+    value = given[name]
+    if isinstance(default, bool) != isinstance(value, bool) or (
+        isinstance(default, (int, float)) and not isinstance(value, (int, float))) or (
+            isinstance(default, str) and not isinstance(value, str)):
+      raise ConfigError(f'config key {name!r} = {value!r} should be a {type(default).__name__} '
+                        f'(like its default {default!r}).')
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+  if not ok:
+    raise ConfigError(f'{field}: {message}')
+
+
+def validate(config: ml_collections.ConfigDict) -> ModelConfig:
+  """Checks every field; returns the ModelConfig. Allocates and writes nothing."""
+  check_keys(config)
+  model_cfg = ModelConfig.from_config_dict(config.model)
+  t = config.train
+  for name in ('steps', 'microbatches', 'batch_size', 'seq_len', 'log_every', 'eval_batches'):
+    _require(t[name] >= 1, f'train.{name}', f'must be >= 1, got {t[name]}.')
+  _require(t.seq_len <= model_cfg.max_seq_len, 'train.seq_len',
+           f'{t.seq_len} is longer than the model maximum model.max_seq_len='
+           f'{model_cfg.max_seq_len}. Lower train.seq_len, or raise model.max_seq_len (RoPE models '
+           'may need model.rope_scaling to work beyond their trained length).')
+  _require(t.lr > 0, 'train.lr', f'must be > 0, got {t.lr}.')
+  _require(t.warmup_steps >= 0, 'train.warmup_steps', f'must be >= 0, got {t.warmup_steps}.')
+  _require(0 <= t.min_lr_ratio <= 1, 'train.min_lr_ratio', f'must be in [0, 1], got {t.min_lr_ratio}.')
+  _require(t.weight_decay >= 0, 'train.weight_decay', f'must be >= 0, got {t.weight_decay}.')
+  for name in ('b1', 'b2'):
+    _require(0 <= t[name] < 1, f'train.{name}', f'must be in [0, 1), got {t[name]}.')
+  _require(t.eps > 0, 'train.eps', f'must be > 0, got {t.eps}.')
+  _require(t.grad_clip >= 0, 'train.grad_clip', f'must be >= 0 (0 = off), got {t.grad_clip}.')
+  _require(t.eval_every >= 0, 'train.eval_every', f'must be >= 0 (0 = at the end), got {t.eval_every}.')
+  _require(config.checkpoint.every >= 0, 'checkpoint.every',
+           f'must be >= 0 (0 = at the end only), got {config.checkpoint.every}.')
+  _require(config.checkpoint.keep >= 1, 'checkpoint.keep',
+           f'must be >= 1, got {config.checkpoint.keep}.')
+  _require(0 < config.data.val_fraction <= 0.5, 'data.val_fraction',
+           f'must be in (0, 0.5], got {config.data.val_fraction}.')
+  return model_cfg
+
+
+def check_workdir(workdir: str) -> pathlib.Path:
+  """Checks that `workdir` exists or can be created, and is writable, without writing anything."""
+  if not workdir:
+    raise ConfigError('--workdir is empty: give a directory for checkpoints and metrics.')
+  path = pathlib.Path(workdir).expanduser().absolute()
+  existing = path
+  while not existing.exists():
+    existing = existing.parent
+  if not existing.is_dir():
+    raise ConfigError(f'--workdir={workdir}: {existing} is a file, not a directory. Choose another '
+                      'workdir.')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f'--workdir={workdir}: {existing} is not writable. Choose a workdir you can '
+                      'write to, or fix its permissions.')
+  return path

@@ -1,0 +1,142 @@
+"""Tokenizers: a dependency-free byte tokenizer and local Hugging Face `tokenizer.json` files.
+
+Both expose the same small interface (`Tokenizer`), which is all the prepare step, the trainer and
+the samplers rely on. Nothing here downloads: a Hugging Face tokenizer must already be on disk.
+"""
+
+import hashlib
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+import tokenizers
+
+from megatrain_jax.errors import ConfigError
+
+# Token ids never reach 2**31 for any real vocabulary, and int32 is what the model consumes.
+_ID_DTYPE = np.int32
+
+
+class Tokenizer(Protocol):
+  """The interface every tokenizer in this package implements."""
+
+  @property
+  def name(self) -> str:
+    """A stable identity string; it changes whenever the id mapping could change."""
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of distinct ids; every id returned by `encode` is below it."""
+
+  def encode(self, text: str) -> np.ndarray:
+    """Returns the 1-D integer token ids of `text`."""
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    """Returns the text of `ids`."""
+
+
+class ByteTokenizer:
+  """Maps text to its UTF-8 bytes: 256 ids, no vocabulary file, lossless on any text."""
+
+  @property
+  def name(self) -> str:
+    return 'byte'
+
+  @property
+  def vocab_size(self) -> int:
+    return 256
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(_ID_DTYPE)
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    # A silent uint8 wrap-around would turn id 300 into byte 44 and hide a model/vocab mismatch.
+    if ids.size and (ids.min() < 0 or ids.max() > 255):
+      raise ValueError(f'ByteTokenizer.decode: ids must be in [0, 255], got range '
+                       f'[{ids.min()}, {ids.max()}]')
+    # Sampled byte sequences can cut a multi-byte character in half; show U+FFFD, don't fail.
+    return ids.astype(np.uint8).tobytes().decode('utf-8', errors='replace')
+
+
+class HFTokenizer:
+  """A Hugging Face `tokenizers` tokenizer loaded from a local `tokenizer.json`.
+
+  Attributes:
+    path: The resolved path of the `tokenizer.json` file.
+  """
+
+  def __init__(self, path: str | Path):
+    """Loads the tokenizer.
+
+    Args:
+      path: A `tokenizer.json` file, or a directory that contains one.
+
+    Raises:
+      ConfigError: (naming `data.tokenizer`) if the file is missing or cannot be parsed.
+    """
+    self.path = _resolve_tokenizer_file(path)
+    try:
+      self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
+    except Exception as e:  # The Rust binding raises a bare Exception for any parse error.
+      raise ConfigError(
+          f'data.tokenizer: could not load {self.path} as a Hugging Face tokenizer.json ({e}); '
+          f"point data.tokenizer at a valid tokenizer.json or use 'byte'.") from e
+    # Identity by content, not by path: moving a checkpoint's tokenizer must not invalidate
+    # prepared data, while editing the file in place must.
+    digest = hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+    self._name = f'hf:{digest}'
+
+  @property
+  def name(self) -> str:
+    return self._name
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> np.ndarray:
+    # Pretraining streams are concatenations of chunks; a BOS/EOS per chunk would be noise.
+    ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+    return np.asarray(ids, dtype=_ID_DTYPE)
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+    return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _resolve_tokenizer_file(path: str | Path) -> Path:
+  """Returns the `tokenizer.json` file named by `path` (a file or a directory holding one)."""
+  path = Path(path).expanduser()
+  if path.is_dir():
+    path = path / 'tokenizer.json'
+  if not path.is_file():
+    raise ConfigError(
+        f'data.tokenizer: {path} does not exist; set data.tokenizer to a local tokenizer.json '
+        f"(or a directory containing one), or to 'byte' for the built-in byte tokenizer.")
+  return path.resolve()
+
+
+def check_tokenizer_spec(spec: str) -> None:
+  """Checks that `spec` names a tokenizer that exists, without loading it.
+
+  Raises:
+    ConfigError: (naming `data.tokenizer`) if `spec` is empty or a path that does not exist.
+  """
+  if not isinstance(spec, str) or not spec:
+    raise ConfigError(f"data.tokenizer: got {spec!r}; set it to 'byte' or to the path of a local "
+                      'tokenizer.json.')
+  if spec != 'byte':
+    _resolve_tokenizer_file(spec)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+  """Returns the tokenizer named by `spec`: 'byte' or a path to a local `tokenizer.json`.
+
+  Raises:
+    ConfigError: (naming `data.tokenizer`) if the path is missing or not a valid tokenizer.json.
+  """
+  check_tokenizer_spec(spec)
+  if spec == 'byte':
+    return ByteTokenizer()
+  return HFTokenizer(spec)

@@ -1,0 +1,1 @@
+"""Training engines: `resident` (everything in device memory) and, later, streamed ones."""

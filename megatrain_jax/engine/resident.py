@@ -1,0 +1,77 @@
+"""The resident engine: params, gradients and optimizer state all live in device memory.
+
+This is the fast path for models that fit, and the reference every streamed engine must match.
+One optimizer step = gradient accumulation over M microbatches (a `lax.scan`), exact global-norm
+clipping, then the AdamW update, all in one jitted function over the plain state pytree:
+
+    state = {'step': int32[], 'params': <model params>, 'opt_state': <optax AdamW state>,
+             'rng': uint32[2]}   # rng: reserved for stochastic layers; carried and checkpointed
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from megatrain_jax import model as model_lib
+from megatrain_jax import optim
+from megatrain_jax.model import ModelConfig
+
+
+def init_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -> dict:
+  """Fresh train state. Param init depends only on `seed` (see model.init_params)."""
+  init_key, rng = jax.random.split(jax.random.key(seed))
+  params = model_lib.init_params(model_cfg, init_key)
+  return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params),
+          'rng': jax.random.key_data(rng)}
+
+
+def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int = 0):
+  """ShapeDtypeStructs of the train state, without allocating it."""
+  return jax.eval_shape(functools.partial(init_state, model_cfg, tx), seed)
+
+
+def accumulate_gradients(loss_and_grad, params, batch):
+  """Mean loss and gradient over the microbatches of `batch` [M, B, S+1].
+
+  Gradients are summed in float32 over microbatches (a scan, so one microbatch's activations
+  are live at a time) and divided by M: for equal-sized microbatches this is the gradient of the
+  mean loss over the whole M*B batch.
+  """
+  num_micro = batch.shape[0]
+  if num_micro == 1:
+    return loss_and_grad(params, batch[0])
+
+  def add_microbatch(carry, microbatch):
+    loss_sum, grad_sum = carry
+    loss, grads = loss_and_grad(params, microbatch)
+    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (loss_sum, grad_sum), _ = jax.lax.scan(add_microbatch, (jnp.zeros((), jnp.float32), zeros), batch)
+  return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grad_sum)
+
+
+def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, grad_clip: float,
+                    schedule: optax.Schedule):
+  """Returns jitted `step(state, batch[M, B, S+1] int32) -> (state, metrics)`; donates `state`."""
+  loss_and_grad = jax.value_and_grad(functools.partial(model_lib.loss_fn, model_cfg))
+
+  def train_step(state, batch):
+    params = state['params']
+    loss, grads = accumulate_gradients(loss_and_grad, params, batch)
+    grads, grad_norm = optim.clip_by_global_norm(grads, grad_clip)
+    updates, opt_state = tx.update(grads, state['opt_state'], params)
+    new_state = {'step': state['step'] + 1, 'params': optax.apply_updates(params, updates),
+                 'opt_state': opt_state, 'rng': state['rng']}
+    metrics = {'learning/loss': loss, 'learning/grad_norm': grad_norm,
+               'learning/lr': schedule(state['step'])}
+    return new_state, metrics
+
+  return jax.jit(train_step, donate_argnums=0)
+
+
+def make_eval_step(model_cfg: ModelConfig):
+  """Returns jitted `eval_step(params, batch[B, S+1]) -> mean loss`."""
+  return jax.jit(functools.partial(model_lib.loss_fn, model_cfg))

@@ -1,0 +1,17 @@
+"""Errors raised for bad user input.
+
+Every user-facing check raises one of these *before* anything is allocated or written, with a
+message that names the offending field (or path) and says how to fix it.
+"""
+
+
+class ConfigError(ValueError):
+  """A config field, CLI flag or path has a bad value. The message names the field and the fix."""
+
+
+class UnsupportedModelError(ConfigError):
+  """A Hugging Face checkpoint whose architecture this framework does not implement."""
+
+
+class TrainingDivergedError(RuntimeError):
+  """The loss became NaN or infinite; the message names the step and what to change."""

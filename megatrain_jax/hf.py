@@ -1,0 +1,504 @@
+"""Hugging Face checkpoints: Llama, Qwen2 and Mistral safetensors <-> `ModelConfig` + params.
+
+`load_hf` reads a local directory as written by transformers' `save_pretrained`: `config.json` and
+either `model.safetensors` or `model.safetensors.index.json` with its shards. Nothing is
+downloaded. The three architectures share one decoder layout (pre-norm RMSNorm, RoPE, grouped-query
+attention, SwiGLU); they differ only in config fields, which `model_config_from_hf` maps: Qwen2's
+q/k/v projections always carry a bias, Mistral may use a sliding attention window, and any of them
+may use plain, linear or Llama-3 RoPE scaling.
+
+Every tensor goes through one explicit name map (`_tensor_map`): HF name -> our params path, the
+shape `ModelConfig` implies for it, and whether it is a linear weight (torch stores `nn.Linear`
+weights [out, in]; our kernels are [in, out]). Names, shapes and dtypes of the whole checkpoint are
+checked against that map from the safetensors headers before any tensor data is read, so a
+mismatched config.json fails fast with the offending tensor named.
+
+`save_hf` is the inverse, for exporting a trained model to transformers (>= 5 config layout).
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+# Registers bfloat16 with numpy: safetensors' numpy backend cannot read BF16 tensors (the usual
+# dtype of released checkpoints) without it.
+import ml_dtypes  # noqa: F401  pylint: disable=unused-import
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from megatrain_jax.errors import ConfigError, UnsupportedModelError
+from megatrain_jax.model.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'MistralForCausalLM')
+# `model_type` -> architecture, for config.json files without an `architectures` list.
+_MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
+                'mistral': 'MistralForCausalLM'}
+
+_CONFIG_FILE = 'config.json'
+_SINGLE_FILE = 'model.safetensors'
+_INDEX_FILE = 'model.safetensors.index.json'
+
+# config.json keys without a sensible default: they fix the shapes of the weights.
+_REQUIRED_KEYS = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
+                  'num_attention_heads', 'max_position_embeddings')
+# transformers' own defaults for Llama, Qwen2 and Mistral, used when config.json omits the key.
+_DEFAULT_RMS_NORM_EPS = 1e-6
+_DEFAULT_ROPE_THETA = 10000.0
+_DEFAULT_INIT_STD = 0.02
+# Qwen2: layers at index >= max_window_layers use the sliding window (transformers' default 28).
+_DEFAULT_QWEN2_MAX_WINDOW_LAYERS = 28
+
+# HF rope_type -> ModelConfig.rope_scaling_type.
+_ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}
+
+# Floating-point safetensors dtypes; anything else (int8, fp8 ...) is a quantized checkpoint.
+_FLOAT_DTYPES = ('F16', 'BF16', 'F32', 'F64')
+# How many names an error message lists before summarising the rest.
+_MAX_LISTED = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+  """One checkpoint tensor and where it goes in our params.
+
+  Attributes:
+    hf_name: The safetensors name, e.g. 'model.layers.3.self_attn.q_proj.weight'.
+    path: Keys of the params leaf, e.g. ('layers', 'attn', 'q_proj', 'kernel').
+    hf_shape: The shape in the checkpoint (torch layout).
+    transpose: True for linear weights: HF [out, in] <-> our kernel [in, out].
+    layer: Index along the stacked layer axis of the leaf, or None for non-layer tensors.
+  """
+  hf_name: str
+  path: tuple[str, ...]
+  hf_shape: tuple[int, ...]
+  transpose: bool
+  layer: int | None = None
+
+
+def _tensor_map(cfg: ModelConfig) -> list[_Tensor]:
+  """Every tensor a checkpoint of `cfg` holds, with its shape as implied by `cfg`."""
+  d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
+  q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  # (name after 'model.layers.{i}.', path under 'layers', HF shape, transpose)
+  per_layer = [
+      ('input_layernorm.weight', ('attn_norm', 'scale'), (d,), False),
+      ('self_attn.q_proj.weight', ('attn', 'q_proj', 'kernel'), (q_out, d), True),
+      ('self_attn.k_proj.weight', ('attn', 'k_proj', 'kernel'), (kv_out, d), True),
+      ('self_attn.v_proj.weight', ('attn', 'v_proj', 'kernel'), (kv_out, d), True),
+      ('self_attn.o_proj.weight', ('attn', 'o_proj', 'kernel'), (d, q_out), True),
+      ('post_attention_layernorm.weight', ('mlp_norm', 'scale'), (d,), False),
+      ('mlp.gate_proj.weight', ('mlp', 'gate_proj', 'kernel'), (f, d), True),
+      ('mlp.up_proj.weight', ('mlp', 'up_proj', 'kernel'), (f, d), True),
+      ('mlp.down_proj.weight', ('mlp', 'down_proj', 'kernel'), (d, f), True),
+  ]
+  if cfg.qkv_bias:
+    per_layer += [
+        ('self_attn.q_proj.bias', ('attn', 'q_proj', 'bias'), (q_out,), False),
+        ('self_attn.k_proj.bias', ('attn', 'k_proj', 'bias'), (kv_out,), False),
+        ('self_attn.v_proj.bias', ('attn', 'v_proj', 'bias'), (kv_out,), False),
+    ]
+  tensors = [_Tensor('model.embed_tokens.weight', ('embed', 'embedding'), (v, d), False),
+             _Tensor('model.norm.weight', ('head', 'final_norm', 'scale'), (d,), False)]
+  if not cfg.tie_embeddings:
+    tensors.append(_Tensor('lm_head.weight', ('head', 'lm_head', 'kernel'), (v, d), True))
+  for i in range(cfg.num_layers):
+    tensors += [_Tensor(f'model.layers.{i}.{name}', ('layers',) + path, shape, transpose, i)
+                for name, path, shape, transpose in per_layer]
+  return tensors
+
+
+def _is_ignorable(name: str, cfg: ModelConfig) -> bool:
+  """Tensors some checkpoints carry that the model does not need."""
+  # Old transformers versions saved the (recomputable) RoPE frequencies as a buffer.
+  if name.endswith('rotary_emb.inv_freq'):
+    return True
+  # Tied checkpoints sometimes keep a copy of the embedding as the head; transformers ignores it.
+  return cfg.tie_embeddings and name == 'lm_head.weight'
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json
+# ----------------------------------------------------------------------------------------------
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+  """Reads `config.json` of a local Hugging Face model directory.
+
+  Args:
+    path: The model directory.
+
+  Returns:
+    The parsed config.json.
+
+  Raises:
+    ConfigError: if the directory or its config.json is missing or unreadable.
+  """
+  directory = Path(path)
+  if not directory.exists():
+    raise ConfigError(f'Hugging Face model directory {directory} does not exist. Pass a local '
+                      'directory written by save_pretrained (nothing is downloaded).')
+  if not directory.is_dir():
+    raise ConfigError(f'{directory} is a file; pass the Hugging Face model directory that holds '
+                      f'{_CONFIG_FILE} and the safetensors weights.')
+  config_file = directory / _CONFIG_FILE
+  if not config_file.is_file():
+    raise ConfigError(f'{directory} has no {_CONFIG_FILE}: it is not a Hugging Face model '
+                      'directory. Pass the directory written by save_pretrained.')
+  try:
+    hf_config = json.loads(config_file.read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ConfigError(f'cannot parse {config_file}: {e}. Re-export it with save_pretrained.') from e
+  if not isinstance(hf_config, dict):
+    raise ConfigError(f'{config_file} must hold a JSON object, found {type(hf_config).__name__}.')
+  return hf_config
+
+
+def _architecture(hf_config: dict[str, Any]) -> str:
+  """The supported architecture named by config.json; UnsupportedModelError otherwise."""
+  archs = hf_config.get('architectures') or []
+  if not archs and hf_config.get('model_type') in _MODEL_TYPES:
+    archs = [_MODEL_TYPES[hf_config['model_type']]]
+  for arch in archs:
+    if arch in SUPPORTED_ARCHITECTURES:
+      return arch
+  found = ', '.join(archs) if archs else f'none (model_type={hf_config.get("model_type")!r})'
+  raise UnsupportedModelError(
+      f'Hugging Face architecture {found} is not supported. megatrain_jax loads '
+      f'{", ".join(SUPPORTED_ARCHITECTURES)} checkpoints; convert the model to one of these or '
+      'choose a supported one.')
+
+
+def _required(hf_config: dict[str, Any], key: str):
+  value = hf_config.get(key)
+  if value is None:
+    raise ConfigError(f'config.json lacks {key!r}, which fixes the shape of the weights. Add it '
+                      '(save_pretrained always writes it).')
+  return value
+
+
+def _rope_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
+  """RoPE settings as ModelConfig fields, from the transformers 5 or 4 config layout."""
+  # transformers 5: everything in `rope_parameters`. 4.x: top-level `rope_theta` and an optional
+  # `rope_scaling` dict whose type key is `rope_type` (newer) or `type` (older).
+  params = hf_config.get('rope_parameters')
+  if params is None:
+    params = dict(hf_config.get('rope_scaling') or {})
+    params.setdefault('rope_theta', hf_config.get('rope_theta', _DEFAULT_ROPE_THETA))
+  if any(isinstance(value, dict) for value in params.values()):
+    raise UnsupportedModelError(f'config.json sets RoPE parameters per layer type '
+                                f'({", ".join(params)}); only one RoPE for all layers is '
+                                'supported.')
+  partial = params.get('partial_rotary_factor', hf_config.get('partial_rotary_factor'))
+  if partial not in (None, 1, 1.0):
+    raise UnsupportedModelError(f'partial_rotary_factor={partial} is not supported: RoPE rotates '
+                                'the whole head dimension here.')
+  rope_type = params.get('rope_type', params.get('type', 'default'))
+  if rope_type not in _ROPE_TYPES:
+    raise UnsupportedModelError(
+        f'RoPE type {rope_type!r} is not supported; supported types: {", ".join(_ROPE_TYPES)}.')
+  fields = {'rope_theta': float(params.get('rope_theta', _DEFAULT_ROPE_THETA)),
+            'rope_scaling_type': _ROPE_TYPES[rope_type]}
+  if rope_type in ('linear', 'llama3'):
+    fields['rope_scaling_factor'] = float(_rope_param(params, 'factor', rope_type))
+  if rope_type == 'llama3':
+    fields['rope_low_freq_factor'] = float(_rope_param(params, 'low_freq_factor', rope_type))
+    fields['rope_high_freq_factor'] = float(_rope_param(params, 'high_freq_factor', rope_type))
+    # As in transformers: without it, the model was trained at its full length.
+    fields['rope_original_max_len'] = int(params.get('original_max_position_embeddings',
+                                                     hf_config['max_position_embeddings']))
+  return fields
+
+
+def _rope_param(params: dict[str, Any], key: str, rope_type: str):
+  if params.get(key) is None:
+    raise ConfigError(f'config.json RoPE type {rope_type!r} needs {key!r} in rope_parameters '
+                      '(or rope_scaling); add it.')
+  return params[key]
+
+
+def _sliding_window(arch: str, hf_config: dict[str, Any]) -> int:
+  """The attention window (0 = full causal attention), as transformers applies it."""
+  window = hf_config.get('sliding_window')
+  if arch == 'MistralForCausalLM':
+    return int(window) if window else 0
+  if arch != 'Qwen2ForCausalLM' or not hf_config.get('use_sliding_window') or not window:
+    return 0
+  # Qwen2 windows only the layers marked 'sliding_attention' (by default those at index >=
+  # max_window_layers); our model applies one window to every layer, so a mix is unsupported.
+  num_layers = hf_config['num_hidden_layers']
+  layer_types = hf_config.get('layer_types') or [
+      'sliding_attention'
+      if i >= hf_config.get('max_window_layers', _DEFAULT_QWEN2_MAX_WINDOW_LAYERS)
+      else 'full_attention' for i in range(num_layers)]
+  sliding = {t == 'sliding_attention' for t in layer_types}
+  if len(sliding) > 1:
+    raise UnsupportedModelError(
+        'this Qwen2 config uses a sliding window on some layers only (layer_types / '
+        'max_window_layers); only a window on all layers or on none is supported.')
+  return int(window) if sliding.pop() else 0
+
+
+def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
+  """Maps a Hugging Face config.json (transformers 4.x or 5.x layout) to a `ModelConfig`.
+
+  Args:
+    hf_config: The parsed config.json of a Llama, Qwen2 or Mistral causal LM.
+
+  Returns:
+    The ModelConfig with the checkpoint's shapes and numerics; training-only fields (dtype, remat,
+    scan_layers, ...) keep their defaults.
+
+  Raises:
+    UnsupportedModelError: for another architecture or a feature the model lacks (MLP or output
+      projection biases, an activation other than SiLU, other RoPE types, quantized weights).
+    ConfigError: if a shape field is missing or the values do not form a valid ModelConfig.
+  """
+  arch = _architecture(hf_config)
+  if hf_config.get('quantization_config'):
+    raise UnsupportedModelError('quantized checkpoints are not supported; load the unquantized '
+                                '(float16/bfloat16/float32) weights.')
+  activation = hf_config.get('hidden_act', 'silu')
+  if activation != 'silu':
+    raise UnsupportedModelError(f'hidden_act={activation!r} is not supported: the MLP is SwiGLU '
+                                '(silu).')
+  if hf_config.get('mlp_bias'):
+    raise UnsupportedModelError('mlp_bias=true is not supported: the MLP projections have no bias.')
+  if arch == 'LlamaForCausalLM' and hf_config.get('attention_bias'):
+    # Llama's attention_bias also puts a bias on o_proj, which the model does not have.
+    raise UnsupportedModelError('attention_bias=true is not supported for LlamaForCausalLM: it '
+                                'adds a bias to o_proj too, and only q/k/v biases exist here.')
+  shapes = {key: _required(hf_config, key) for key in _REQUIRED_KEYS}
+  num_heads = shapes['num_attention_heads']
+  rope = _rope_fields(hf_config)
+  window = _sliding_window(arch, hf_config)
+  try:
+    return ModelConfig(
+        vocab_size=shapes['vocab_size'], d_model=shapes['hidden_size'],
+        num_layers=shapes['num_hidden_layers'], num_heads=num_heads,
+        num_kv_heads=hf_config.get('num_key_value_heads') or num_heads,
+        d_ff=shapes['intermediate_size'], head_dim=hf_config.get('head_dim') or 0,
+        max_seq_len=shapes['max_position_embeddings'],
+        norm_eps=float(hf_config.get('rms_norm_eps', _DEFAULT_RMS_NORM_EPS)),
+        tie_embeddings=bool(hf_config.get('tie_word_embeddings', False)),
+        init_std=float(hf_config.get('initializer_range', _DEFAULT_INIT_STD)),
+        qkv_bias=arch == 'Qwen2ForCausalLM', sliding_window=window, **rope)
+  except ConfigError as e:
+    # ModelConfig names its own fields (model.*); say where the bad values came from.
+    raise ConfigError(f'config.json does not describe a valid {arch}: {e}') from e
+
+
+def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
+  """The config.json (transformers 5 layout) of `cfg`; inverse of `model_config_from_hf`.
+
+  Qwen2 when the model has q/k/v biases, Mistral when it has a sliding window, Llama otherwise.
+  """
+  if cfg.qkv_bias:
+    arch = 'Qwen2ForCausalLM'
+  elif cfg.sliding_window:
+    arch = 'MistralForCausalLM'
+  else:
+    arch = 'LlamaForCausalLM'
+  rope = {'rope_type': {v: k for k, v in _ROPE_TYPES.items()}[cfg.rope_scaling_type],
+          'rope_theta': cfg.rope_theta}
+  if cfg.rope_scaling_type != 'none':
+    rope['factor'] = cfg.rope_scaling_factor
+  if cfg.rope_scaling_type == 'llama3':
+    rope.update(low_freq_factor=cfg.rope_low_freq_factor,
+                high_freq_factor=cfg.rope_high_freq_factor,
+                original_max_position_embeddings=cfg.rope_original_max_len)
+  hf_config = {
+      'architectures': [arch], 'model_type': next(t for t, a in _MODEL_TYPES.items() if a == arch),
+      'vocab_size': cfg.vocab_size, 'hidden_size': cfg.d_model, 'intermediate_size': cfg.d_ff,
+      'num_hidden_layers': cfg.num_layers, 'num_attention_heads': cfg.num_heads,
+      'num_key_value_heads': cfg.num_kv_heads, 'head_dim': cfg.head_dim,
+      'max_position_embeddings': cfg.max_seq_len, 'rms_norm_eps': cfg.norm_eps,
+      'tie_word_embeddings': cfg.tie_embeddings, 'initializer_range': cfg.init_std,
+      'hidden_act': 'silu', 'rope_parameters': rope,
+  }
+  if arch == 'LlamaForCausalLM':
+    hf_config.update(attention_bias=False, mlp_bias=False)
+  elif arch == 'MistralForCausalLM':
+    hf_config['sliding_window'] = cfg.sliding_window
+  else:
+    window = cfg.sliding_window or None
+    hf_config.update(use_sliding_window=window is not None, sliding_window=window,
+                     max_window_layers=0,
+                     layer_types=[('sliding_attention' if window else 'full_attention')] *
+                     cfg.num_layers)
+  return hf_config
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------------------
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+  """Tensor name -> the safetensors file holding it (single file or sharded index)."""
+  single, index = directory / _SINGLE_FILE, directory / _INDEX_FILE
+  if single.is_file():
+    with safetensors.safe_open(single, framework='numpy') as f:
+      return {name: single for name in f.keys()}
+  if index.is_file():
+    try:
+      weight_map = json.loads(index.read_text())['weight_map']
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+      raise ConfigError(f'cannot read the weight_map of {index}: {e!r}. Re-export the model with '
+                        'save_pretrained.') from e
+    files = {name: directory / shard for name, shard in weight_map.items()}
+    absent = sorted({str(p) for p in files.values() if not p.is_file()})
+    if absent:
+      raise ConfigError(f'{index} lists shard(s) missing from the directory: {_listing(absent)}. '
+                        'Copy the complete checkpoint.')
+    return files
+  raise ConfigError(
+      f'{directory} has neither {_SINGLE_FILE} nor {_INDEX_FILE}: only safetensors weights are '
+      'read. Convert with model.save_pretrained(directory) (transformers writes safetensors).')
+
+
+def _listing(names: Iterable[str]) -> str:
+  names = list(names)
+  shown = ', '.join(names[:_MAX_LISTED])
+  more = len(names) - _MAX_LISTED
+  return f'{shown} ... ({more} more)' if more > 0 else shown
+
+
+def _check_names(directory: Path, cfg: ModelConfig, tensors: list[_Tensor],
+                 files: dict[str, Path]) -> None:
+  expected = {t.hf_name for t in tensors}
+  missing = sorted(expected - files.keys())
+  if missing:
+    raise ConfigError(
+        f'{directory}: the checkpoint lacks {len(missing)} tensor(s) that its config.json implies: '
+        f'{_listing(missing)}. The weights are incomplete or config.json does not belong to them '
+        '(check num_hidden_layers, tie_word_embeddings).')
+  unexpected = sorted(n for n in files.keys() - expected if not _is_ignorable(n, cfg))
+  if unexpected:
+    raise ConfigError(
+        f'{directory}: the checkpoint has {len(unexpected)} tensor(s) this model has no place for: '
+        f'{_listing(unexpected)}. config.json does not match the weights (check '
+        'num_hidden_layers and the bias settings) or the checkpoint is not a plain decoder.')
+
+
+def _check_headers(cfg: ModelConfig, tensors: list[_Tensor], files: dict[str, Path]) -> None:
+  """Checks every shape and dtype from the safetensors headers, reading no tensor data."""
+  for file, group in _by_file(tensors, files).items():
+    with safetensors.safe_open(file, framework='numpy') as f:
+      for t in group:
+        info = f.get_slice(t.hf_name)
+        shape, dtype = tuple(info.get_shape()), info.get_dtype()
+        if shape != t.hf_shape:
+          raise ConfigError(
+              f'tensor {t.hf_name} in {file.name} has shape {list(shape)}, but config.json implies '
+              f'{list(t.hf_shape)} (d_model={cfg.d_model}, d_ff={cfg.d_ff}, '
+              f'heads={cfg.num_heads}x{cfg.head_dim}, kv_heads={cfg.num_kv_heads}, '
+              f'vocab={cfg.vocab_size}). config.json does not belong to these weights.')
+        if dtype not in _FLOAT_DTYPES:
+          raise ConfigError(f'tensor {t.hf_name} in {file.name} has dtype {dtype}; only '
+                            f'{", ".join(_FLOAT_DTYPES)} weights can be loaded (no quantized '
+                            'checkpoints).')
+
+
+def _by_file(tensors: list[_Tensor], files: dict[str, Path]) -> dict[Path, list[_Tensor]]:
+  groups: dict[Path, list[_Tensor]] = {}
+  for t in tensors:
+    groups.setdefault(files[t.hf_name], []).append(t)
+  return groups
+
+
+def _our_shape(t: _Tensor) -> tuple[int, ...]:
+  return t.hf_shape[::-1] if t.transpose else t.hf_shape
+
+
+def _set_leaf(tree: dict, path: tuple[str, ...], value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def _get_leaf(tree: dict, path: tuple[str, ...]):
+  try:
+    for key in path:
+      tree = tree[key]
+  except (KeyError, TypeError) as e:
+    raise ConfigError(f'params have no leaf {"/".join(path)}, which the config implies: params '
+                      'and cfg do not belong together.') from e
+  return tree
+
+
+def load_hf(path: str | Path) -> tuple[ModelConfig, dict]:
+  """Loads a local Hugging Face Llama / Qwen2 / Mistral checkpoint.
+
+  Args:
+    path: A directory with config.json and model.safetensors (or model.safetensors.index.json
+      and its shards).
+
+  Returns:
+    (cfg, params): the ModelConfig and the params pytree in the layout of
+    `megatrain_jax.model.decoder` (float32 jax arrays, layers stacked on a leading axis).
+
+  Raises:
+    UnsupportedModelError: for an architecture or feature the model does not implement.
+    ConfigError: for a missing path or file, or weights that do not match config.json (missing,
+      unexpected or wrongly shaped tensors are named).
+  """
+  directory = Path(path)
+  hf_config = read_hf_config(directory)
+  cfg = model_config_from_hf(hf_config)
+  files = _weight_files(directory)
+  if 'lm_head.weight' not in files and not cfg.tie_embeddings:
+    # Some exporters drop a head that equals the embedding without setting tie_word_embeddings.
+    cfg = cfg.replace(tie_embeddings=True)
+  tensors = _tensor_map(cfg)
+  _check_names(directory, cfg, tensors, files)
+  _check_headers(cfg, tensors, files)
+
+  # Stacked layer leaves are filled slice by slice: one layer's tensors may span several shards.
+  arrays: dict[tuple[str, ...], np.ndarray] = {}
+  for t in tensors:
+    if t.path not in arrays:
+      shape = _our_shape(t) if t.layer is None else (cfg.num_layers,) + _our_shape(t)
+      arrays[t.path] = np.empty(shape, np.float32)
+  for file, group in _by_file(tensors, files).items():
+    with safetensors.safe_open(file, framework='numpy') as f:
+      for t in group:
+        value = f.get_tensor(t.hf_name)
+        target = arrays[t.path] if t.layer is None else arrays[t.path][t.layer]
+        target[...] = value.T if t.transpose else value  # casts to float32 in the same copy
+  params: dict = {}
+  for leaf_path in list(arrays):
+    _set_leaf(params, leaf_path, jnp.asarray(arrays.pop(leaf_path)))  # pop: free host copies early
+  return cfg, params
+
+
+def save_hf(path: str | Path, cfg: ModelConfig, params: dict) -> None:
+  """Writes `params` as a float32 Hugging Face checkpoint (config.json + model.safetensors).
+
+  transformers' `AutoModelForCausalLM.from_pretrained(path)` and `load_hf(path)` both read it.
+
+  Args:
+    path: The output directory (created if needed; existing files of the same name are replaced).
+    cfg: The model's config.
+    params: The params pytree (as returned by `load_hf` or `init_params`).
+
+  Raises:
+    ConfigError: if a params leaf does not have the shape `cfg` implies.
+  """
+  directory = Path(path)
+  directory.mkdir(parents=True, exist_ok=True)
+  host = jax.device_get(params)  # one transfer, not one per layer slice
+  flat = {}
+  for t in _tensor_map(cfg):
+    leaf = np.asarray(_get_leaf(host, t.path), np.float32)
+    expected = _our_shape(t) if t.layer is None else (cfg.num_layers,) + _our_shape(t)
+    if leaf.shape != expected:
+      raise ConfigError(f'params leaf {"/".join(t.path)} has shape {list(leaf.shape)}, but the '
+                        f'config implies {list(expected)}: params and cfg do not belong together.')
+    value = leaf if t.layer is None else leaf[t.layer]
+    flat[t.hf_name] = np.ascontiguousarray(value.T if t.transpose else value)
+  # transformers 4.x rejects safetensors files without a format tag; 'pt' = torch layout.
+  safetensors.numpy.save_file(flat, directory / _SINGLE_FILE, metadata={'format': 'pt'})
+  (directory / _CONFIG_FILE).write_text(json.dumps(hf_config_from_model_config(cfg), indent=2) +
+                                        '\n')

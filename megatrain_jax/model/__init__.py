@@ -1,0 +1,11 @@
+"""Llama-family decoder: config, NNX layer modules, and pure stage functions over plain params."""
+
+from megatrain_jax.model.config import ModelConfig
+from megatrain_jax.model.decoder import (abstract_params, apply_group, apply_layer, count_params,
+                                         cross_entropy, default_positions, embed, forward, head,
+                                         head_loss, init_layer, init_layers, init_params, loss_fn,
+                                         param_keys)
+
+__all__ = ['ModelConfig', 'abstract_params', 'apply_group', 'apply_layer', 'count_params',
+           'cross_entropy', 'default_positions', 'embed', 'forward', 'head', 'head_loss',
+           'init_layer', 'init_layers', 'init_params', 'loss_fn', 'param_keys']

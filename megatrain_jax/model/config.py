@@ -1,0 +1,164 @@
+"""`ModelConfig`: the hashable description of one Llama-family decoder.
+
+A frozen dataclass (not the ml_collections `config.model` it is built from) because it is passed
+as a static argument to jitted functions and must be hashable, and because `hf.load_hf` returns
+one too. `from_config_dict` validates and converts; every failure names the `model.*` field.
+"""
+
+import dataclasses
+import math
+
+from megatrain_jax.errors import ConfigError
+
+REMAT_POLICIES = ('none', 'full', 'minimal', 'offload')
+ROPE_SCALING_TYPES = ('none', 'linear', 'llama3')
+COMPUTE_DTYPES = ('float32', 'bfloat16')
+MATMUL_PRECISIONS = ('highest', 'high', 'default')
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes and numerics of a decoder. Field meanings are documented in configs/default.py."""
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  d_ff: int
+  head_dim: int = 0  # 0 = d_model // num_heads (resolved in __post_init__)
+  max_seq_len: int = 2048
+  rope_theta: float = 10000.0
+  rope_scaling_type: str = 'none'
+  rope_scaling_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
+  qkv_bias: bool = False
+  tie_embeddings: bool = False
+  norm_eps: float = 1e-5
+  sliding_window: int = 0  # 0 = full causal attention (Mistral uses a window)
+  init_std: float = 0.02
+  dtype: str = 'float32'  # compute dtype; params are always float32
+  matmul_precision: str = 'highest'
+  remat: str = 'full'
+  scan_layers: bool = True
+
+  def __post_init__(self):
+    _check_positive(self, ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads',
+                           'd_ff', 'max_seq_len'))
+    if self.head_dim == 0:
+      if self.d_model % self.num_heads:
+        raise ConfigError(
+            f'model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}: '
+            'each head needs d_model / num_heads features. Choose num_heads dividing d_model, or set '
+            'model.head_dim explicitly.')
+      object.__setattr__(self, 'head_dim', self.d_model // self.num_heads)
+    elif self.head_dim < 0 or self.head_dim % 2:
+      raise ConfigError(f'model.head_dim={self.head_dim} must be a positive even number (RoPE '
+                        'rotates pairs of features), or 0 for d_model / num_heads.')
+    if self.head_dim % 2:
+      raise ConfigError(f'the head dimension d_model / num_heads = {self.head_dim} must be even '
+                        '(RoPE rotates pairs of features): change model.d_model or model.num_heads.')
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+          f'model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads='
+          f'{self.num_kv_heads}: grouped-query attention shares each key/value head among '
+          'num_heads / num_kv_heads query heads. Pick num_kv_heads dividing num_heads.')
+    _check_choice('model.remat', self.remat, REMAT_POLICIES)
+    _check_choice('model.rope_scaling.type', self.rope_scaling_type, ROPE_SCALING_TYPES)
+    _check_choice('model.dtype', self.dtype, COMPUTE_DTYPES)
+    _check_choice('model.matmul_precision', self.matmul_precision, MATMUL_PRECISIONS)
+    if self.rope_theta <= 0:
+      raise ConfigError(f'model.rope_theta={self.rope_theta} must be > 0 (Llama uses 10000 or 500000).')
+    if self.rope_scaling_type != 'none' and self.rope_scaling_factor <= 0:
+      raise ConfigError(f'model.rope_scaling.factor={self.rope_scaling_factor} must be > 0.')
+    if self.sliding_window < 0:
+      raise ConfigError(f'model.sliding_window={self.sliding_window} must be >= 0 (0 = off).')
+
+  @classmethod
+  def from_config_dict(cls, model) -> 'ModelConfig':
+    """Builds from the ml_collections `config.model` section (see configs/default.py)."""
+    scaling = model.rope_scaling
+    return cls(
+        vocab_size=model.vocab_size, d_model=model.d_model, num_layers=model.num_layers,
+        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, d_ff=model.d_ff,
+        head_dim=model.head_dim, max_seq_len=model.max_seq_len, rope_theta=model.rope_theta,
+        rope_scaling_type=scaling.type, rope_scaling_factor=scaling.factor,
+        rope_low_freq_factor=scaling.low_freq_factor,
+        rope_high_freq_factor=scaling.high_freq_factor,
+        rope_original_max_len=scaling.original_max_len, qkv_bias=model.qkv_bias,
+        tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps,
+        sliding_window=model.sliding_window, init_std=model.init_std, dtype=model.dtype,
+        matmul_precision=model.matmul_precision, remat=model.remat,
+        scan_layers=model.scan_layers)
+
+  def replace(self, **changes) -> 'ModelConfig':
+    return dataclasses.replace(self, **changes)
+
+  # --- Sizes, from the shapes alone (no arrays are created). ---
+
+  @property
+  def params_per_layer(self) -> int:
+    d, hd = self.d_model, self.head_dim
+    q_out, kv_out = self.num_heads * hd, self.num_kv_heads * hd
+    attn = d * q_out + 2 * d * kv_out + q_out * d
+    if self.qkv_bias:
+      attn += q_out + 2 * kv_out
+    mlp = 3 * d * self.d_ff
+    norms = 2 * d
+    return attn + mlp + norms
+
+  @property
+  def num_params(self) -> int:
+    embed = self.vocab_size * self.d_model
+    head = 0 if self.tie_embeddings else self.d_model * self.vocab_size
+    return embed + self.num_layers * self.params_per_layer + self.d_model + head
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), excluding remat recompute.
+
+    6 * (matmul params) plus causal attention scores and values: 6 * L * S * H * Dh
+    (half of the 12 L S H Dh of full attention, because of the causal mask).
+    """
+    matmul_params = self.num_layers * (self.params_per_layer - 2 * self.d_model)
+    matmul_params += self.d_model * self.vocab_size  # LM head (embedding lookup is free)
+    attn = 6 * self.num_layers * seq_len * self.num_heads * self.head_dim
+    return 6.0 * matmul_params + attn
+
+
+def _check_positive(cfg, names):
+  for name in names:
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or value <= 0:
+      raise ConfigError(f'model.{name}={value!r} must be a positive integer.')
+
+
+def _check_choice(field, value, choices):
+  if value not in choices:
+    raise ConfigError(f'{field}={value!r} is not one of {", ".join(choices)}.')
+
+
+def rope_inverse_frequencies(cfg: ModelConfig):
+  """Per-pair rotation frequencies [head_dim // 2], float32, exactly as Hugging Face computes them.
+
+  Llama-3 scaling keeps high frequencies, divides low frequencies by `factor`, and blends the band
+  between (transformers `_compute_llama3_parameters`).
+  """
+  import numpy as np  # local: keeps this module import-light for the config layer
+  dim = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+  inv_freq = inv_freq.astype(np.float32)
+  if cfg.rope_scaling_type == 'linear':
+    inv_freq = inv_freq / np.float32(cfg.rope_scaling_factor)
+  elif cfg.rope_scaling_type == 'llama3':
+    factor = cfg.rope_scaling_factor
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_len
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    inv_freq = np.where(is_medium, smoothed, scaled).astype(np.float32)
+  return inv_freq

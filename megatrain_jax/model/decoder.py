@@ -1,0 +1,177 @@
+"""The decoder as pure functions over a plain params pytree.
+
+Params (all float32; L = num_layers; every leaf under 'layers' has a leading layer axis):
+
+    {'embed':  {'embedding': [V, D]},
+     'layers': {'attn_norm': {'scale': [L, D]},
+                'attn': {'q_proj': {'kernel': [L, D, H*Dh], 'bias': [L, H*Dh]},  # bias: qkv_bias
+                         'k_proj': {'kernel': [L, D, KV*Dh], 'bias': [L, KV*Dh]},
+                         'v_proj': {'kernel': [L, D, KV*Dh], 'bias': [L, KV*Dh]},
+                         'o_proj': {'kernel': [L, H*Dh, D]}},
+                'mlp_norm': {'scale': [L, D]},
+                'mlp': {'gate_proj': {'kernel': [L, D, F]}, 'up_proj': {'kernel': [L, D, F]},
+                        'down_proj': {'kernel': [L, F, D]}}},
+     'head':   {'final_norm': {'scale': [D]}, 'lm_head': {'kernel': [D, V]}}}  # no lm_head if tied
+
+The model is cut into three stages so that a streaming engine can run it from weights that arrive
+one layer group at a time: `embed` -> `apply_group` over consecutive K-slices of 'layers' ->
+`head_loss`/`head`. `forward` and `loss_fn` chain them over the whole stack (the resident path).
+
+The NNX modules in layers.py define the parameters and the math; here each stage rebuilds its
+module from a cached graph definition and the plain params (`nnx.merge`), so every function is
+pure and jittable over ordinary dicts of arrays.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megatrain_jax.model import layers as layers_lib
+from megatrain_jax.model.config import ModelConfig
+
+_MODULES = {'layer': layers_lib.DecoderLayer, 'embed': layers_lib.Embedder,
+            'head': layers_lib.Head}
+
+
+@functools.lru_cache(maxsize=None)
+def _module_def(cfg: ModelConfig, kind: str):
+  """(graphdef, abstract state) of one module; built once per config without allocating."""
+  module = nnx.eval_shape(lambda: _MODULES[kind](cfg, nnx.Rngs(0)))
+  return nnx.split(module)
+
+
+def _merge(cfg: ModelConfig, kind: str, params):
+  graphdef, abstract_state = _module_def(cfg, kind)
+  state = jax.tree.map(lambda x: x, abstract_state)  # a fresh copy: replace_by_pure_dict mutates
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(graphdef, state)
+
+
+def _pure(module):
+  return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+# ----------------------------------------------------------------------------------------------
+# Initialisation. Layer i's params depend only on (key, i), so initialising the stack group by
+# group (as the NVMe tier does for models larger than RAM) gives exactly the whole-stack init.
+# ----------------------------------------------------------------------------------------------
+
+def init_layer(cfg: ModelConfig, key) -> dict:
+  return _pure(layers_lib.DecoderLayer(cfg, nnx.Rngs(key)))
+
+
+def init_layers(cfg: ModelConfig, key, start: int, count: int) -> dict:
+  """Stacked params of layers [start, start + count): leaves [count, ...]."""
+  keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(start, start + count))
+  return jax.vmap(lambda k: init_layer(cfg, k))(keys)
+
+
+def param_keys(key):
+  """Splits the model seed into (embed, layers, head) keys."""
+  return jax.random.split(key, 3)
+
+
+def init_params(cfg: ModelConfig, key) -> dict:
+  k_embed, k_layers, k_head = param_keys(key)
+  return {'embed': _pure(layers_lib.Embedder(cfg, nnx.Rngs(k_embed))),
+          'layers': init_layers(cfg, k_layers, 0, cfg.num_layers),
+          'head': _pure(layers_lib.Head(cfg, nnx.Rngs(k_head)))}
+
+
+def abstract_params(cfg: ModelConfig) -> dict:
+  """ShapeDtypeStructs of every param, by abstract evaluation: allocates nothing."""
+  return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
+
+
+def count_params(params) -> int:
+  return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+# ----------------------------------------------------------------------------------------------
+# Stages.
+# ----------------------------------------------------------------------------------------------
+
+def default_positions(tokens):
+  """[B, S] int tokens -> [B, S] int32 positions 0..S-1."""
+  b, s = tokens.shape
+  return jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+
+
+def embed(cfg: ModelConfig, params, tokens):
+  """tokens [B, S] -> hidden [B, S, D] in the compute dtype."""
+  return _merge(cfg, 'embed', params['embed'])(tokens)
+
+
+def apply_layer(cfg: ModelConfig, layer_params, x, positions):
+  """One decoder layer as a pure function of one slice of the stack: [B, S, D] -> [B, S, D]."""
+  return _merge(cfg, 'layer', layer_params)(x, positions)
+
+
+def _remat(cfg: ModelConfig, fn, prevent_cse: bool):
+  """Wraps a layer function in jax.checkpoint according to `cfg.remat`.
+
+  full:    save only the layer input; recompute everything in the backward pass.
+  minimal: also save the named matmul outputs (cheap elementwise work is recomputed).
+  offload: save the named projection outputs in pinned host memory instead of device memory.
+  """
+  if cfg.remat == 'none':
+    return fn
+  if cfg.remat == 'full':
+    policy = jax.checkpoint_policies.nothing_saveable
+  elif cfg.remat == 'minimal':
+    policy = jax.checkpoint_policies.save_only_these_names(*layers_lib.MATMUL_OUTPUT_NAMES)
+  else:  # 'offload'
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(layers_lib.OFFLOAD_NAMES),
+        offload_src='device', offload_dst='pinned_host')
+  return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
+
+
+def apply_group(cfg: ModelConfig, group_params, x, positions):
+  """K consecutive layers: group_params leaves have a leading axis K; [B, S, D] -> [B, S, D].
+
+  With `cfg.scan_layers` the layers run as a `lax.scan` over the K-slice (one compiled layer body);
+  otherwise as an unrolled Python loop (same math, longer compile).
+  """
+  num = jax.tree.leaves(group_params)[0].shape[0]
+  if cfg.scan_layers:
+    # Inside a scan the CSE that prevent_cse guards against cannot happen (JAX docs).
+    layer = _remat(cfg, functools.partial(apply_layer, cfg), prevent_cse=False)
+    x, _ = jax.lax.scan(lambda h, p: (layer(p, h, positions), None), x, group_params)
+    return x
+  layer = _remat(cfg, functools.partial(apply_layer, cfg), prevent_cse=True)
+  for i in range(num):
+    x = layer(jax.tree.map(lambda a, i=i: a[i], group_params), x, positions)
+  return x
+
+
+def head(cfg: ModelConfig, params, x):
+  """hidden [B, S, D] -> logits [B, S, V] float32. Needs params['head'] (and 'embed' if tied)."""
+  embedding = params['embed']['embedding'] if cfg.tie_embeddings else None
+  return _merge(cfg, 'head', params['head'])(x, embedding)
+
+
+def cross_entropy(logits, targets):
+  """Mean token cross-entropy; logits [B, S, V] float32, targets [B, S] int."""
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def head_loss(cfg: ModelConfig, params, x, targets):
+  return cross_entropy(head(cfg, params, x), targets)
+
+
+def forward(cfg: ModelConfig, params, tokens, positions=None):
+  """tokens [B, S] int -> logits [B, S, V] float32, all layers in one scan."""
+  positions = default_positions(tokens) if positions is None else positions
+  x = embed(cfg, params, tokens)
+  x = apply_group(cfg, params['layers'], x, positions)
+  return head(cfg, params, x)
+
+
+def loss_fn(cfg: ModelConfig, params, batch):
+  """batch [B, S + 1] int tokens -> mean next-token cross-entropy (inputs [:, :-1], targets [:, 1:])."""
+  tokens, targets = batch[:, :-1], batch[:, 1:]
+  return cross_entropy(forward(cfg, params, tokens), targets)

@@ -1,0 +1,163 @@
+"""Flax NNX modules of one Llama-family decoder layer, and the embedding and head pieces.
+
+Notation in shape comments: B batch, S sequence, D d_model, H query heads, KV key/value heads,
+G = H / KV query heads per key/value head, Dh head_dim, F d_ff, V vocab.
+
+Params are float32 (`param_dtype`); activations and matmuls run in `cfg.dtype` with
+`cfg.matmul_precision`. The numerics follow Hugging Face's LlamaForCausalLM (RMSNorm in float32,
+rotate-half RoPE, softmax in float32) so that logits match it to float32 rounding.
+
+Matmul outputs carry `checkpoint_name`s so remat policies can save (`minimal`) or offload them
+(`offload`) by name.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from megatrain_jax.model.config import ModelConfig, rope_inverse_frequencies
+
+# Names given to matmul outputs inside a layer (see remat policies in decoder.py).
+MATMUL_OUTPUT_NAMES = ('q_proj', 'k_proj', 'v_proj', 'attn_out', 'o_proj', 'gate_proj', 'up_proj',
+                       'down_proj')
+# The layer input/outputs of each sub-block: what `offload` moves to host memory.
+OFFLOAD_NAMES = ('q_proj', 'k_proj', 'v_proj', 'attn_out', 'gate_proj', 'up_proj')
+
+
+def compute_dtype(cfg: ModelConfig):
+  return jnp.dtype(cfg.dtype)
+
+
+def _linear(cfg: ModelConfig, d_in: int, d_out: int, rngs: nnx.Rngs, use_bias: bool = False):
+  return nnx.Linear(
+      d_in, d_out, use_bias=use_bias, dtype=compute_dtype(cfg), param_dtype=jnp.float32,
+      precision=cfg.matmul_precision, kernel_init=nnx.initializers.normal(cfg.init_std),
+      bias_init=nnx.initializers.zeros_init(), rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+  """y = x / sqrt(mean(x^2) + eps) * scale, statistics in float32 as in Hugging Face Llama."""
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.eps = eps
+    self.dtype = dtype
+
+  def __call__(self, x):  # [..., D] -> [..., D]
+    x32 = x.astype(jnp.float32)
+    variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)
+    return normed * self.scale[...].astype(self.dtype)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions):
+  """positions [B, S] or [S] int -> cos, sin [..., S, Dh] (float32), rotate-half layout."""
+  inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))  # [Dh/2]
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., S, Dh/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)  # [..., S, Dh]
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+  """x [B, S, N, Dh]; cos/sin [B or 1, S, Dh]. Rotates (x_i, x_{i+Dh/2}) pairs (HF convention)."""
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+  out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+  return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Causal grouped-query attention with RoPE; optional q/k/v bias (Qwen2) and sliding window."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, hd = cfg.d_model, cfg.head_dim
+    self.q_proj = _linear(cfg, d, cfg.num_heads * hd, rngs, cfg.qkv_bias)
+    self.k_proj = _linear(cfg, d, cfg.num_kv_heads * hd, rngs, cfg.qkv_bias)
+    self.v_proj = _linear(cfg, d, cfg.num_kv_heads * hd, rngs, cfg.qkv_bias)
+    self.o_proj = _linear(cfg, cfg.num_heads * hd, d, rngs)
+
+  def __call__(self, x, positions):  # x [B, S, D], positions [B, S] -> [B, S, D]
+    cfg = self.cfg
+    b, s, _ = x.shape
+    kv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    q = checkpoint_name(self.q_proj(x), 'q_proj').reshape(b, s, cfg.num_heads, hd)
+    k = checkpoint_name(self.k_proj(x), 'k_proj').reshape(b, s, kv, hd)
+    v = checkpoint_name(self.v_proj(x), 'v_proj').reshape(b, s, kv, hd)
+    cos, sin = rope_cos_sin(cfg, positions)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q = q.reshape(b, s, kv, g, hd)
+    # scores [B, KV, G, S_q, S_k], in float32 for a stable softmax.
+    scores = jnp.einsum('bskgd,btkd->bkgst', q, k, precision=cfg.matmul_precision,
+                        preferred_element_type=jnp.float32) * (hd ** -0.5)
+    q_pos, k_pos = positions[:, :, None], positions[:, None, :]  # [B, S, 1], [B, 1, S]
+    allowed = k_pos <= q_pos
+    if cfg.sliding_window:
+      allowed &= (q_pos - k_pos) < cfg.sliding_window
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum('bkgst,btkd->bskgd', probs, v, precision=cfg.matmul_precision)
+    out = checkpoint_name(out.reshape(b, s, cfg.num_heads * hd), 'attn_out')
+    return checkpoint_name(self.o_proj(out), 'o_proj')
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x)); [B, S, D] -> [B, S, F] -> [B, S, D]."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.gate_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs)
+    self.up_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs)
+    self.down_proj = _linear(cfg, cfg.d_ff, cfg.d_model, rngs)
+
+  def __call__(self, x):
+    gate = checkpoint_name(self.gate_proj(x), 'gate_proj')
+    up = checkpoint_name(self.up_proj(x), 'up_proj')
+    return checkpoint_name(self.down_proj(jax.nn.silu(gate) * up), 'down_proj')
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    dtype = compute_dtype(cfg)
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, positions):
+    h = x + self.attn(self.attn_norm(x), positions)
+    return h + self.mlp(self.mlp_norm(h))
+
+
+class Embedder(nnx.Module):
+  """Token embedding [V, D]."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.embedding = nnx.Param(
+        nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.vocab_size, cfg.d_model),
+                                              jnp.float32))
+    self.dtype = compute_dtype(cfg)
+
+  def __call__(self, tokens):  # [B, S] int -> [B, S, D]
+    return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+
+
+class Head(nnx.Module):
+  """Final RMSNorm and the LM head; with tied embeddings the head is the embedding transposed."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, compute_dtype(cfg))
+    self.lm_head = None if cfg.tie_embeddings else _linear(cfg, cfg.d_model, cfg.vocab_size, rngs)
+
+  def __call__(self, x, embedding=None):  # x [B, S, D] -> logits [B, S, V] float32
+    x = self.final_norm(x)
+    if self.lm_head is None:
+      logits = jnp.einsum('bsd,vd->bsv', x, embedding.astype(x.dtype),
+                          precision=self.cfg.matmul_precision)
+    else:
+      logits = self.lm_head(x)
+    return logits.astype(jnp.float32)

@@ -1,0 +1,168 @@
+"""`train_and_evaluate(config, workdir)`: the one entry point of a training run; and `dry_run`.
+
+Order of work (each failure is reported before the next stage allocates or writes anything):
+  1. validate the config, the data paths and the workdir;
+  2. prepare the token files (cached in <workdir>/data), open the sampler and eval batches;
+  3. build the optimizer, then restore the newest checkpoint in <workdir>/checkpoints or
+     initialise a fresh state;
+  4. loop: batch -> step -> (log, eval, checkpoint) until `train.steps`.
+
+The data sampler is stateless given its position, and the position is saved with each checkpoint,
+so a resumed run replays exactly the batches the uninterrupted run would have seen.
+"""
+
+import json
+import math
+import os
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from megatrain_jax import config as config_lib
+from megatrain_jax import data as data_lib
+from megatrain_jax import metrics as metrics_lib
+from megatrain_jax import model as model_lib
+from megatrain_jax import optim
+from megatrain_jax.checkpoint import Checkpointer
+from megatrain_jax.engine import resident
+from megatrain_jax.errors import ConfigError, TrainingDivergedError
+
+
+def enable_compilation_cache(cache_dir: str) -> None:
+  """Persistent XLA compile cache: a re-run skips most compile time."""
+  if cache_dir:
+    jax.config.update('jax_compilation_cache_dir', os.path.expanduser(cache_dir))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+    jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
+
+
+def state_bytes(model_cfg: model_lib.ModelConfig) -> dict:
+  """Bytes of the FP32 train state by part, from shapes alone (nothing is allocated)."""
+  params = model_lib.abstract_params(model_cfg)
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  per_part = 4 * n  # float32 params; grads, Adam m and v have the same shapes
+  return {'params': n, 'params_bytes': per_part, 'grads_bytes': per_part,
+          'adam_m_bytes': per_part, 'adam_v_bytes': per_part, 'total_bytes': 4 * per_part}
+
+
+def dry_run(config: ml_collections.ConfigDict) -> dict:
+  """Validates `config` and prints the parameter count and train-state bytes; allocates nothing."""
+  model_cfg = config_lib.validate(config)
+  sizes = state_bytes(model_cfg)
+  gib = 1024 ** 3
+  print(f'params: {sizes["params"]}')
+  for part in ('params', 'grads', 'adam_m', 'adam_v'):
+    print(f'{part + "_bytes:":<16}{sizes[part + "_bytes"]:>20,d}  ({sizes[part + "_bytes"] / gib:,.1f} GiB)')
+  print(f'{"state_bytes:":<16}{sizes["total_bytes"]:>20,d}  ({sizes["total_bytes"] / gib:,.1f} GiB, '
+        'FP32 params + grads + Adam m, v)')
+  return sizes
+
+
+def _write_json_atomic(path: pathlib.Path, obj) -> None:
+  tmp = path.with_suffix(path.suffix + '.tmp')
+  tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+  os.replace(tmp, path)
+
+
+def _evaluate(eval_step, params, batches) -> dict:
+  loss = float(np.mean([float(eval_step(params, jnp.asarray(b))) for b in batches]))
+  return {'eval/loss': loss, 'eval/perplexity': math.exp(min(loss, 80.0))}
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains (or resumes) the run in `workdir` to `config.train.steps`; returns the last metrics."""
+  # 1. Validate everything before any allocation or write.
+  model_cfg = config_lib.validate(config)
+  data_lib.check_data_config(config.data)
+  workdir = config_lib.check_workdir(workdir)
+  enable_compilation_cache(config.jax_cache_dir)
+  train_cfg = config.train
+
+  # 2. Data.
+  workdir.mkdir(parents=True, exist_ok=True)
+  info, tokenizer = data_lib.load_data(config.data, workdir)
+  if tokenizer.vocab_size > model_cfg.vocab_size:
+    raise ConfigError(f'model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer '
+                      f'({tokenizer.name}: {tokenizer.vocab_size} ids). Raise model.vocab_size or '
+                      'change data.tokenizer.')
+  sampler = data_lib.BatchSampler(
+      data_lib.load_split(info, 'train'), seq_len=train_cfg.seq_len,
+      batch_size=train_cfg.batch_size, microbatches=train_cfg.microbatches, seed=train_cfg.seed)
+  eval_data = data_lib.eval_batches(
+      data_lib.load_split(info, 'val'), seq_len=train_cfg.seq_len,
+      batch_size=train_cfg.batch_size, num_batches=train_cfg.eval_batches)
+
+  # 3. State: resume from the newest checkpoint, or start fresh.
+  tx = optim.make_optimizer(train_cfg)
+  schedule = optim.lr_schedule(train_cfg)
+  checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep)
+  start_step = checkpointer.latest_step()
+  if start_step is None:
+    start_step, position = 0, 0
+    state = jax.jit(resident.init_state, static_argnums=(0, 1))(model_cfg, tx, train_cfg.seed)
+  else:
+    state, meta = checkpointer.restore(start_step, resident.abstract_state(model_cfg, tx),
+                                       model_cfg)
+    position = meta['data_position']
+  _write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
+
+  train_step = resident.make_train_step(model_cfg, tx, train_cfg.grad_clip, schedule)
+  eval_step = resident.make_eval_step(model_cfg)
+  tokens_per_step = sampler.samples_per_step * train_cfg.seq_len
+  flops_per_step = model_cfg.flops_per_token(train_cfg.seq_len) * tokens_per_step
+  peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind, model_cfg.dtype,
+                                 model_cfg.matmul_precision)
+
+  # 4. The loop.
+  last = {}
+  with metrics_lib.MetricsWriter(workdir, total_steps=train_cfg.steps, start_step=start_step,
+                                 progress_bar=train_cfg.progress_bar) as writer:
+    if start_step:
+      writer.print(f'resumed from {checkpointer.directory / str(start_step)} '
+                   f'(step {start_step}, data position {position})')
+    writer.print(f'model: {model_lib.count_params(state["params"]):,} params, '
+                 f'{tokens_per_step:,} tokens/step, on {jax.devices()[0].device_kind}')
+    if start_step == 0:  # the baseline every later eval is compared with
+      writer.write(0, _evaluate(eval_step, state['params'], eval_data))
+    timed_steps, timed_seconds = 0, 0.0
+    for step in range(start_step, train_cfg.steps):
+      batch = jnp.asarray(sampler.batch(position))
+      started = time.perf_counter()
+      state, step_metrics = train_step(state, batch)
+      loss = float(step_metrics['learning/loss'])  # waits for the step
+      elapsed = time.perf_counter() - started
+      position += sampler.samples_per_step
+      done = step + 1
+      if not math.isfinite(loss):
+        raise TrainingDivergedError(
+            f'loss is {loss} at step {done}: training diverged. The newest checkpoint is step '
+            f'{checkpointer.latest_step()} in {checkpointer.directory}. Lower train.lr, lengthen '
+            'train.warmup_steps or set train.grad_clip (e.g. 1.0), then resume.')
+      if step > start_step:  # the first step of a process includes compilation
+        timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
+      writer.advance(1, loss)
+
+      scalars = {}
+      if done % train_cfg.log_every == 0 or done == train_cfg.steps:
+        step_time = timed_seconds / timed_steps if timed_steps else elapsed
+        scalars = {k: float(v) for k, v in step_metrics.items()}
+        scalars.update({'perf/step_time_s': step_time,
+                        'perf/tokens_per_sec': tokens_per_step / step_time,
+                        'perf/tflops': flops_per_step / step_time / 1e12})
+        if peak:
+          scalars['perf/mfu'] = flops_per_step / step_time / 1e12 / peak
+        timed_steps, timed_seconds = 0, 0.0
+      if (train_cfg.eval_every and done % train_cfg.eval_every == 0) or done == train_cfg.steps:
+        scalars.update(_evaluate(eval_step, state['params'], eval_data))
+      if scalars:
+        writer.write(done, scalars)
+        last = {'step': done, **scalars}
+      if (config.checkpoint.every and done % config.checkpoint.every == 0) or (
+          done == train_cfg.steps):
+        checkpointer.save(done, state, data_position=position, model_cfg=model_cfg)
+  checkpointer.close()
+  return last

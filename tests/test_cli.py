@@ -1,0 +1,134 @@
+"""The command line (launch.py) and the bad-input table: each bad input is a clear ConfigError that
+names the field and the fix, raised before anything is allocated or written."""
+
+import contextlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from megatrain_jax import config as config_lib
+from megatrain_jax import train
+from megatrain_jax.errors import ConfigError
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_launch(*args, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  return subprocess.run([sys.executable, str(REPO_ROOT / 'launch.py'), *args], cwd=REPO_ROOT,
+                        env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize('name, target', [('101b', 101e9), ('405b.py', 405e9)])
+def test_dry_run_of_the_largest_presets_is_fast_and_exact(name, target):
+  started = time.monotonic()
+  result = run_launch('--config', name, '--dry_run')
+  elapsed = time.monotonic() - started
+  assert result.returncode == 0, result.stderr
+  lines = dict(line.split(':', 1) for line in result.stdout.splitlines() if ':' in line)
+  params = int(lines['params'])
+  assert abs(params - target) / target < 0.01
+  state = int(lines['state_bytes'].split()[0].replace(',', ''))
+  assert state == 16 * params  # FP32 params + grads + Adam m + Adam v
+  assert elapsed < 30, elapsed
+
+
+def test_launch_trains_with_overrides(tmp_path, shared_data):
+  workdir = tmp_path / 'run'
+  result = run_launch('--config=tiny', '--config.train.steps=3', '--config.train.log_every=1',
+                      '--config.model.num_layers=1', '--config.train.seq_len=32',
+                      '--config.train.batch_size=2', '--config.train.eval_batches=1',
+                      f'--config.data.path={shared_data / "tinyshakespeare" / "input.txt"}',
+                      f'--workdir={workdir}')
+  assert result.returncode == 0, result.stderr
+  rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in rows if 'learning/loss' in r] == [1, 2, 3]
+  assert 'step 3/3 | loss' in result.stderr + result.stdout  # the console line
+  saved = json.loads((workdir / 'config.json').read_text())
+  assert saved['train']['steps'] == 3 and saved['model']['num_layers'] == 1
+
+
+def test_launch_reports_an_unknown_override_key(tmp_path):
+  result = run_launch('--config', 'tiny', '--config.train.stpes=3', f'--workdir={tmp_path / "w"}')
+  assert result.returncode != 0
+  assert "unknown config key 'train.stpes'" in result.stderr and "'steps'" in result.stderr
+  assert 'Traceback' not in result.stderr
+  assert not (tmp_path / 'w').exists()
+
+
+def test_launch_reports_an_unknown_config_name():
+  result = run_launch('--config', 'no_such_size', '--dry_run')
+  assert result.returncode != 0 and 'no_such_size' in result.stderr and 'tiny' in result.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# The bad-input table, in process: each case raises before the workdir is created.
+# ------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def read_only_directory():
+  """A directory no one can write to: a read-only tmpfs as root (root ignores mode bits), else a
+  mode-0555 directory."""
+  path = pathlib.Path(tempfile.mkdtemp())
+  if os.geteuid() == 0:
+    subprocess.run(['mount', '-t', 'tmpfs', '-o', 'ro,size=1m', 'tmpfs', str(path)], check=True)
+    try:
+      yield path
+    finally:
+      subprocess.run(['umount', str(path)], check=True)
+      path.rmdir()
+  else:
+    path.chmod(0o555)
+    try:
+      yield path
+    finally:
+      path.chmod(0o755)
+      path.rmdir()
+
+
+def config_with(**overrides):
+  return config_lib.load_config('tiny', jax_cache_dir='', train__progress_bar=False, **overrides)
+
+
+@pytest.mark.parametrize('overrides, field, fix', [
+    (dict(model__d_model=250), 'model.d_model', 'num_heads dividing d_model'),
+    (dict(model__num_kv_heads=3), 'model.num_kv_heads', 'num_kv_heads dividing num_heads'),
+    (dict(train__seq_len=2048), 'train.seq_len', 'Lower train.seq_len'),
+    (dict(data__path='/no/such/corpus.txt'), 'data.path', '/no/such/corpus.txt'),
+    (dict(model__remat='sometimes'), 'model.remat', 'full'),
+    (dict(train__microbatches=0), 'train.microbatches', '>= 1'),
+    (dict(data__tokenizer='/no/tokenizer.json'), 'data.tokenizer', '/no/tokenizer.json'),
+])
+def test_bad_config_values(tmp_path, overrides, field, fix):
+  workdir = tmp_path / 'run'
+  with pytest.raises(ConfigError) as error:
+    train.train_and_evaluate(config_with(**overrides), str(workdir))
+  assert field in str(error.value) and fix in str(error.value), str(error.value)
+  assert not workdir.exists()
+
+
+def test_unknown_key_in_a_config_file(tmp_path):
+  config = config_with()
+  config.unlock()
+  config.train.stpes = 5
+  with pytest.raises(ConfigError, match=r"unknown config key 'train.stpes'.*'steps'"):
+    train.train_and_evaluate(config, str(tmp_path / 'run'))
+  with pytest.raises(ConfigError, match="unknown config key 'train.lrr'"):
+    config_lib.load_config('tiny', train__lrr=1.0)
+  assert not (tmp_path / 'run').exists()
+
+
+def test_workdir_not_writable(tmp_path):
+  with read_only_directory() as locked:
+    with pytest.raises(ConfigError, match=r'--workdir=.*not writable'):
+      train.train_and_evaluate(config_with(), str(locked / 'run'))
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('')
+  with pytest.raises(ConfigError, match=r'--workdir=.*is a file'):
+    train.train_and_evaluate(config_with(), str(blocker / 'run'))

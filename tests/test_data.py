@@ -1,0 +1,389 @@
+"""Tests for megatrain_jax.data: tokenizers, prepare step, loaders, samplers and config checks.
+
+Real text comes from the shared data directory beside the repository (../shared/data); every output
+is written under pytest's tmp_path.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import ml_collections
+import numpy as np
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from megatrain_jax.data import (BatchSampler, ByteTokenizer, HFTokenizer, check_data_config,
+                                default_corpus_text, eval_batches, load_data, load_split,
+                                load_tokenizer, open_tokens, prepare_dataset, read_dataset_info)
+from megatrain_jax.data import prepare as prepare_module
+from megatrain_jax.errors import ConfigError
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / 'shared' / 'data'
+SHAKESPEARE = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
+WIKITEXT_VALID = SHARED_DATA / 'wikitext-2' / 'valid.txt'
+
+
+def _text(path: Path) -> str:
+  # Exact file contents (no newline translation), as the prepare step reads them.
+  return path.read_bytes().decode('utf-8')
+
+
+def _data_config(**overrides) -> ml_collections.ConfigDict:
+  fields = dict(path='', val_path='', val_fraction=0.05, tokenizer='byte', cache_dir='')
+  fields.update(overrides)
+  return ml_collections.ConfigDict(fields)
+
+
+def _tree(root: Path) -> list[str]:
+  return sorted(str(p.relative_to(root)) for p in root.rglob('*'))
+
+
+class _WideTokenizer:
+  """A stub tokenizer with a vocabulary too large for uint16 ids."""
+
+  name = 'wide-stub'
+  vocab_size = 70_000
+
+  def encode(self, text: str) -> np.ndarray:
+    # Shift bytes past 65535 so a uint16 store would corrupt them.
+    return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(np.int32) + 65_500
+
+  def decode(self, ids) -> str:
+    return bytes(int(i) - 65_500 for i in ids).decode('utf-8')
+
+
+@pytest.fixture(scope='module')
+def shakespeare_lines() -> list[str]:
+  return _text(SHAKESPEARE).splitlines(keepends=True)
+
+
+@pytest.fixture(scope='module')
+def hf_tokenizer_file(tmp_path_factory, shakespeare_lines) -> Path:
+  """A small byte-level BPE trained on a few hundred lines of Shakespeare (no download)."""
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=400,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(shakespeare_lines[:500], trainer=trainer)
+  path = tmp_path_factory.mktemp('hf_tok') / 'tokenizer.json'
+  tok.save(str(path))
+  return path
+
+
+@pytest.fixture(scope='module')
+def small_text_file(tmp_path_factory, shakespeare_lines) -> Path:
+  path = tmp_path_factory.mktemp('text') / 'small.txt'
+  path.write_text(''.join(shakespeare_lines[:2000]), encoding='utf-8')
+  return path
+
+
+# --- tokenizers ---------------------------------------------------------------------------------
+
+
+def test_byte_tokenizer_round_trip(shakespeare_lines):
+  tok = ByteTokenizer()
+  text = ''.join(shakespeare_lines[:200]) + 'naïve café — ✓'
+  ids = tok.encode(text)
+  assert tok.name == 'byte' and tok.vocab_size == 256
+  assert ids.ndim == 1 and ids.min() >= 0 and ids.max() < 256
+  assert len(ids) == len(text.encode('utf-8'))
+  assert tok.decode(ids) == text
+  # A multi-byte character cut in half decodes with a replacement character, not an error.
+  assert tok.decode(tok.encode('é')[:1]) == '\ufffd'
+
+
+def test_hf_tokenizer_round_trip(hf_tokenizer_file, shakespeare_lines):
+  text = ''.join(shakespeare_lines[1000:1100])
+  names = set()
+  for spec in (hf_tokenizer_file, hf_tokenizer_file.parent):  # The file, or its directory.
+    tok = load_tokenizer(str(spec))
+    names.add(tok.name)
+    assert isinstance(tok, HFTokenizer)
+    assert tok.vocab_size == tokenizers.Tokenizer.from_file(str(hf_tokenizer_file)).get_vocab_size()
+    ids = tok.encode(text)
+    assert ids.max() < tok.vocab_size
+    assert len(ids) < len(text)  # BPE merges actually happened.
+    assert tok.decode(ids) == text
+  assert len(names) == 1 and names.pop().startswith('hf:')
+
+
+def test_load_tokenizer_errors(tmp_path):
+  assert isinstance(load_tokenizer('byte'), ByteTokenizer)
+  with pytest.raises(ConfigError, match='data.tokenizer'):
+    load_tokenizer(str(tmp_path / 'missing' / 'tokenizer.json'))
+  with pytest.raises(ConfigError, match='data.tokenizer'):
+    load_tokenizer(str(tmp_path))  # A directory without tokenizer.json.
+  bad = tmp_path / 'tokenizer.json'
+  bad.write_text('{not json', encoding='utf-8')
+  with pytest.raises(ConfigError, match='data.tokenizer'):
+    load_tokenizer(str(bad))
+
+
+# --- default corpus -----------------------------------------------------------------------------
+
+
+def test_default_corpus_is_large_and_deterministic():
+  text = default_corpus_text()
+  assert len(text.encode('utf-8')) > 300_000
+  assert text == default_corpus_text()
+  assert 'statement' in text  # It is English prose about Python.
+
+
+# --- prepare ------------------------------------------------------------------------------------
+
+
+def test_prepare_byte_dtype_counts_and_tail_split(tmp_path):
+  tok = ByteTokenizer()
+  info = prepare_dataset(tmp_path / 'out', tok, train_sources=[SHAKESPEARE], val_fraction=0.1)
+  expected = tok.encode(_text(SHAKESPEARE))
+  assert info.dtype == 'uint16' and info.vocab_size == 256 and info.tokenizer == 'byte'
+  assert info.train_tokens + info.val_tokens == len(expected)
+  assert info.val_tokens == int(len(expected) * 0.1)
+
+  train, val = load_split(info, 'train'), load_split(tmp_path / 'out', 'val')
+  assert train.dtype == np.dtype('<u2') and not train.flags.writeable
+  assert (tmp_path / 'out' / 'train.bin').stat().st_size == 2 * info.train_tokens
+  # Validation is the contiguous tail of the stream; train is everything before it.
+  np.testing.assert_array_equal(train, expected[:info.train_tokens])
+  np.testing.assert_array_equal(val, expected[info.train_tokens:])
+  np.testing.assert_array_equal(open_tokens(tmp_path / 'out' / 'val.bin'), val)
+
+  meta = json.loads((tmp_path / 'out' / 'meta.json').read_text())
+  assert meta['dtype'] == 'uint16' and meta['train_tokens'] == info.train_tokens
+  assert meta['train_sources'][0]['path'] == str(SHAKESPEARE.resolve())
+  assert meta['train_sources'][0]['size'] == SHAKESPEARE.stat().st_size
+  assert isinstance(meta['fingerprint'], str) and meta['fingerprint']
+  assert read_dataset_info(tmp_path / 'out') == info
+  # Only the three committed files remain: no temp files left behind.
+  assert _tree(tmp_path / 'out') == ['meta.json', 'train.bin', 'val.bin']
+
+
+def test_prepare_chunked_reading_is_lossless(tmp_path, monkeypatch):
+  # Force many small chunks; with '\r\n' line ends the stored bytes must still be exact.
+  monkeypatch.setattr(prepare_module, '_CHUNK_CHARS', 4096)
+  source = tmp_path / 'crlf.txt'
+  source.write_bytes(SHAKESPEARE.read_bytes()[:200_000].replace(b'\n', b'\r\n'))
+  info = prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[source])
+  tokens = np.concatenate([load_split(info, 'train'), load_split(info, 'val')])
+  assert tokens.astype(np.uint8).tobytes() == source.read_bytes()
+
+
+def test_prepare_wide_vocab_uses_uint32(tmp_path, small_text_file):
+  tok = _WideTokenizer()
+  info = prepare_dataset(tmp_path, tok, train_sources=[small_text_file])
+  assert info.dtype == 'uint32'
+  tokens = np.concatenate([load_split(info, 'train'), load_split(info, 'val')])
+  np.testing.assert_array_equal(tokens, tok.encode(_text(small_text_file)))
+  assert tokens.max() > 65_535
+
+
+def test_prepare_separate_val_and_directory_sources(tmp_path, small_text_file):
+  text_dir = tmp_path / 'texts'
+  text_dir.mkdir()
+  (text_dir / 'b.txt').write_text('second file\n', encoding='utf-8')
+  (text_dir / 'a.txt').write_text('first file\n', encoding='utf-8')
+  (text_dir / '.hidden').write_text('never read\n', encoding='utf-8')
+  tok = ByteTokenizer()
+  info = prepare_dataset(tmp_path / 'out', tok, train_sources=[text_dir, small_text_file],
+                         val_sources=[WIKITEXT_VALID])
+  expected_train = tok.encode('first file\nsecond file\n' + _text(small_text_file))
+  np.testing.assert_array_equal(load_split(info, 'train'), expected_train)
+  np.testing.assert_array_equal(load_split(info, 'val'), tok.encode(_text(WIKITEXT_VALID)))
+
+
+def test_prepare_reuses_and_reprepares_on_change(tmp_path, shakespeare_lines):
+  source = tmp_path / 'input.txt'
+  source.write_text(''.join(shakespeare_lines[:3000]), encoding='utf-8')
+  out = tmp_path / 'out'
+  info = prepare_dataset(out, ByteTokenizer(), train_sources=[source])
+  train_bin = out / 'train.bin'
+  mtime = train_bin.stat().st_mtime_ns
+  os.utime(train_bin, ns=(mtime - 10**9, mtime - 10**9))  # Make any rewrite visible in mtime.
+  mtime = train_bin.stat().st_mtime_ns
+
+  assert prepare_dataset(out, ByteTokenizer(), train_sources=[source]) == info
+  assert train_bin.stat().st_mtime_ns == mtime
+
+  # A different val_fraction or tokenizer is a different dataset.
+  assert prepare_dataset(out, ByteTokenizer(), train_sources=[source],
+                         val_fraction=0.2).val_tokens > info.val_tokens
+  assert prepare_dataset(out, _WideTokenizer(), train_sources=[source]).dtype == 'uint32'
+
+  source.write_text(''.join(shakespeare_lines[:4000]), encoding='utf-8')
+  changed = prepare_dataset(out, ByteTokenizer(), train_sources=[source])
+  assert changed.train_tokens + changed.val_tokens == len(source.read_bytes())
+  assert changed.train_tokens > info.train_tokens
+
+
+def test_prepare_default_corpus(tmp_path):
+  info = prepare_dataset(tmp_path, ByteTokenizer(), train_sources=[])
+  assert info.train_tokens + info.val_tokens == len(default_corpus_text().encode('utf-8'))
+  meta = json.loads((tmp_path / 'meta.json').read_text())
+  assert meta['train_sources'][0]['path'].startswith('<embedded')
+
+
+def test_prepare_errors(tmp_path):
+  tok = ByteTokenizer()
+  with pytest.raises(ConfigError, match='data.path'):
+    prepare_dataset(tmp_path / 'out', tok, train_sources=[tmp_path / 'missing.txt'])
+  (tmp_path / 'empty').mkdir()
+  with pytest.raises(ConfigError, match='data.path'):
+    prepare_dataset(tmp_path / 'out', tok, train_sources=[tmp_path / 'empty'])
+  with pytest.raises(ConfigError, match='data.val_path'):
+    prepare_dataset(tmp_path / 'out', tok, train_sources=[SHAKESPEARE],
+                    val_sources=[tmp_path / 'missing.txt'])
+  for bad in (0, 0.0, 0.6, -0.1, float('nan'), True, '0.1'):
+    with pytest.raises(ConfigError, match='data.val_fraction'):
+      prepare_dataset(tmp_path / 'out', tok, train_sources=[SHAKESPEARE], val_fraction=bad)
+  latin1 = tmp_path / 'latin1.txt'
+  latin1.write_bytes('café\n'.encode('latin-1'))
+  with pytest.raises(ConfigError, match='data.path'):
+    prepare_dataset(tmp_path / 'out2', tok, train_sources=[latin1])
+  assert not (tmp_path / 'out').exists()
+  assert not [p for p in (tmp_path / 'out2').iterdir()]  # The failed run left no temp files.
+
+
+# --- samplers -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def prepared(tmp_path_factory):
+  return prepare_dataset(tmp_path_factory.mktemp('prepared'), ByteTokenizer(),
+                         train_sources=[SHAKESPEARE])
+
+
+def test_sampler_deterministic_and_shifted(prepared):
+  tokens = load_split(prepared, 'train')
+  kwargs = dict(seq_len=64, batch_size=4, microbatches=2)
+  sampler = BatchSampler(tokens, seed=0, **kwargs)
+  batch = sampler.batch(24)
+  assert batch.shape == (2, 4, 65) and batch.dtype == np.int32
+  assert sampler.samples_per_step == 8
+  # A fresh sampler (as after a resume) gives bitwise the same batch for the same position.
+  np.testing.assert_array_equal(BatchSampler(tokens, seed=0, **kwargs).batch(24), batch)
+  np.testing.assert_array_equal(sampler.batch(24), batch)
+  assert not np.array_equal(BatchSampler(tokens, seed=1, **kwargs).batch(24), batch)
+  assert not np.array_equal(sampler.batch(32), batch)
+  # Each row is a contiguous slice of the stream: targets are the inputs shifted by one.
+  starts = sampler.window_starts(24)
+  for m in range(2):
+    for b in range(4):
+      start = starts[m, b]
+      np.testing.assert_array_equal(batch[m, b, :-1], tokens[start:start + 64])
+      np.testing.assert_array_equal(batch[m, b, 1:], tokens[start + 1:start + 65])
+
+
+def test_sampler_epochs_cover_every_window_once():
+  seq_len, window = 7, 8
+  tokens = np.arange(window * 50 + 5, dtype=np.uint32)  # 50 windows plus an unused remainder.
+  sampler = BatchSampler(tokens, seq_len=seq_len, batch_size=3, microbatches=2, seed=5)
+  assert sampler.n_windows == 50
+  steps = 3 * 50 // sampler.samples_per_step + 1
+  batches = np.concatenate(
+      [sampler.batch(step * sampler.samples_per_step).reshape(-1, window) for step in range(steps)])
+  assert np.all(np.diff(batches, axis=1) == 1)  # Windows are contiguous...
+  windows = batches[:, 0] // window
+  assert np.all(batches[:, 0] % window == 0)  # ...and aligned, never straddling two windows.
+  for epoch in range(3):
+    epoch_windows = windows[epoch * 50:(epoch + 1) * 50]
+    assert sorted(epoch_windows) == list(range(50))
+    np.testing.assert_array_equal(
+        epoch_windows, np.random.default_rng([5, epoch]).permutation(50))
+  assert not np.array_equal(windows[:50], windows[50:100])  # Each epoch reshuffles.
+
+
+def test_sampler_position_in_later_epoch(prepared):
+  tokens = load_split(prepared, 'train')
+  sampler = BatchSampler(tokens, seq_len=128, batch_size=2, microbatches=1, seed=3)
+  position = 2 * sampler.n_windows + 7
+  batch = sampler.batch(position)
+  perm = np.random.default_rng([3, 2]).permutation(sampler.n_windows)
+  for b in range(2):
+    start = perm[7 + b] * 129
+    np.testing.assert_array_equal(batch[0, b], tokens[start:start + 129])
+  # A step straddling the end of an epoch takes the next samples from the next epoch's order.
+  straddle = sampler.batch(sampler.n_windows - 1)
+  first = np.random.default_rng([3, 0]).permutation(sampler.n_windows)[-1]
+  second = np.random.default_rng([3, 1]).permutation(sampler.n_windows)[0]
+  np.testing.assert_array_equal(straddle[0, 0], tokens[first * 129:first * 129 + 129])
+  np.testing.assert_array_equal(straddle[0, 1], tokens[second * 129:second * 129 + 129])
+
+
+def test_eval_batches(prepared):
+  val = load_split(prepared, 'val')
+  batches = eval_batches(val, seq_len=32, batch_size=4, num_batches=3)
+  assert len(batches) == 3
+  assert all(b.shape == (4, 33) and b.dtype == np.int32 for b in batches)
+  np.testing.assert_array_equal(np.stack(batches).reshape(-1), val[:3 * 4 * 33])
+  again = eval_batches(val, seq_len=32, batch_size=4, num_batches=3)
+  assert all(np.array_equal(a, b) for a, b in zip(batches, again))
+  # The split runs out: only the full batches that fit come back.
+  big = eval_batches(val, seq_len=1023, batch_size=8, num_batches=1000)
+  assert len(big) == len(val) // (8 * 1024)
+
+
+def test_sampler_errors(prepared):
+  short = np.arange(100, dtype=np.uint16)
+  with pytest.raises(ConfigError, match='train.seq_len') as err:
+    BatchSampler(short, seq_len=100, batch_size=1, microbatches=1, seed=0)
+  assert '100 tokens' in str(err.value) and '101' in str(err.value)
+  with pytest.raises(ConfigError, match='train.seq_len'):
+    BatchSampler(load_split(prepared, 'train'), seq_len=0, batch_size=1, microbatches=1, seed=0)
+  with pytest.raises(ConfigError, match='train.seed'):
+    BatchSampler(short, seq_len=8, batch_size=1, microbatches=1, seed=-1)
+  with pytest.raises(ConfigError) as err:
+    eval_batches(short, seq_len=32, batch_size=4, num_batches=1)
+  for field in ('data.val_path', 'data.val_fraction', 'train.seq_len'):
+    assert field in str(err.value)
+
+
+# --- config resolution --------------------------------------------------------------------------
+
+
+def test_load_data_default_and_prepared_dir(tmp_path):
+  info, tok = load_data(_data_config(), tmp_path)
+  assert info.dir == (tmp_path / 'data').resolve() and isinstance(tok, ByteTokenizer)
+  assert info.train_tokens + info.val_tokens == len(default_corpus_text().encode('utf-8'))
+  # A prepared directory is used as is, wherever the cache would go.
+  again, _ = load_data(_data_config(path=str(info.dir)), tmp_path / 'elsewhere')
+  assert again == info and not (tmp_path / 'elsewhere').exists()
+
+
+def test_load_data_file_with_val_and_cache_dir(tmp_path, small_text_file, hf_tokenizer_file):
+  config = _data_config(path=str(small_text_file), val_path=str(WIKITEXT_VALID),
+                        tokenizer=str(hf_tokenizer_file), cache_dir=str(tmp_path / 'cache'))
+  info, tok = load_data(config, tmp_path / 'run')
+  assert info.dir == (tmp_path / 'cache').resolve() and isinstance(tok, HFTokenizer)
+  assert info.tokenizer == tok.name and info.vocab_size == tok.vocab_size
+  assert len(load_split(info, 'val')) == len(tok.encode(_text(WIKITEXT_VALID)))
+  # Using the prepared dir with another tokenizer is refused.
+  with pytest.raises(ConfigError, match='data.tokenizer'):
+    load_data(_data_config(path=str(info.dir)), tmp_path)
+
+
+def test_check_data_config_errors_and_writes_nothing(tmp_path, small_text_file):
+  before = _tree(tmp_path)
+  check_data_config(_data_config(path=str(small_text_file), cache_dir=str(tmp_path / 'cache')))
+  check_data_config(_data_config())
+  cases = {
+      'data.path': _data_config(path=str(tmp_path / 'missing.txt')),
+      'data.val_path': _data_config(val_path=str(tmp_path / 'missing.txt')),
+      'data.tokenizer': _data_config(tokenizer=str(tmp_path / 'no_tokenizer.json')),
+      'data.val_fraction': _data_config(val_fraction=0.9),
+      'data.cache_dir': _data_config(cache_dir=str(small_text_file)),
+  }
+  for field, config in cases.items():
+    with pytest.raises(ConfigError, match=field):
+      check_data_config(config)
+    with pytest.raises(ConfigError, match=field):
+      load_data(config, tmp_path / 'run')
+  with pytest.raises(ConfigError, match='data.tokenizer'):
+    check_data_config(_data_config(tokenizer=''))
+  with pytest.raises(ConfigError, match='data.cache_dir'):
+    check_data_config(ml_collections.ConfigDict(
+        dict(path='', val_path='', val_fraction=0.05, tokenizer='byte')))
+  assert _tree(tmp_path) == before

@@ -1,0 +1,309 @@
+"""`hf.load_hf` + `model.forward` against transformers' own Llama, Qwen2 and Mistral.
+
+Tiny randomly initialised transformers models (built from configs; nothing is downloaded) are
+saved with `save_pretrained`, loaded with `load_hf` and run on the same random tokens: the logits
+must agree to float32 rounding and give the same argmax everywhere. Weights use a large init std,
+random norm scales and non-zero biases, so a swapped, dropped or untransposed tensor cannot hide
+behind tiny activations. The rest checks the error paths and the `save_hf` round trip.
+"""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+
+from megatrain_jax import hf
+from megatrain_jax.errors import ConfigError, UnsupportedModelError
+from megatrain_jax.model import abstract_params, forward
+from megatrain_jax.model.config import rope_inverse_frequencies
+
+VOCAB, BATCH, SEQ = 256, 2, 24
+LOGIT_TOL = 1e-4
+
+# One compile per distinct ModelConfig; cases sharing a config (sharded vs single file) reuse it.
+_forward = jax.jit(forward, static_argnums=0)
+
+_LLAMA = (transformers.LlamaConfig, transformers.LlamaForCausalLM)
+_QWEN2 = (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
+_MISTRAL = (transformers.MistralConfig, transformers.MistralForCausalLM)
+
+# name -> (transformers classes, config overrides, ModelConfig fields the mapping must produce).
+CASES = {
+    'llama_mha_untied': (_LLAMA, dict(num_key_value_heads=4, tie_word_embeddings=False),
+                         dict(num_kv_heads=4, tie_embeddings=False, rope_scaling_type='none')),
+    'llama_gqa_tied': (_LLAMA, dict(num_key_value_heads=2, tie_word_embeddings=True),
+                       dict(num_kv_heads=2, tie_embeddings=True)),
+    # original_max_position_embeddings=64 with head_dim 16 and theta 5e5 puts one frequency in
+    # each llama3 band (kept, smoothed, divided by factor), so every branch is exercised.
+    'llama3_rope': (_LLAMA, dict(num_key_value_heads=2, rope_parameters={
+        'rope_type': 'llama3', 'rope_theta': 500000.0, 'factor': 8.0, 'low_freq_factor': 1.0,
+        'high_freq_factor': 4.0, 'original_max_position_embeddings': 64}),
+                    dict(rope_scaling_type='llama3', rope_theta=500000.0, rope_scaling_factor=8.0,
+                         rope_original_max_len=64)),
+    'llama_linear_rope': (_LLAMA, dict(rope_parameters={'rope_type': 'linear',
+                                                        'rope_theta': 10000.0, 'factor': 4.0}),
+                          dict(rope_scaling_type='linear', rope_scaling_factor=4.0)),
+    'qwen2_bias': (_QWEN2, dict(num_key_value_heads=2, tie_word_embeddings=False),
+                   dict(qkv_bias=True, num_kv_heads=2, sliding_window=0)),
+    # A window of 8 < SEQ makes it matter; head_dim 32 != d_model / num_heads tests that path.
+    'mistral_window': (_MISTRAL, dict(num_key_value_heads=2, head_dim=32, sliding_window=8),
+                       dict(sliding_window=8, head_dim=32, num_kv_heads=2)),
+}
+
+
+def _torch_model(case: str, **extra) -> transformers.PreTrainedModel:
+  (config_cls, model_cls), overrides, _ = CASES[case]
+  config = config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                      initializer_range=0.2, attn_implementation='eager', **(overrides | extra))
+  torch.manual_seed(0)
+  model = model_cls(config).float().eval()
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      if name.endswith('norm.weight'):  # all-ones norms would hide swapped or misplaced norms
+        param.copy_(1.0 + 0.3 * torch.randn_like(param))
+      elif name.endswith('bias'):  # zero biases would hide dropped ones
+        torch.nn.init.normal_(param, std=0.2)
+  return model
+
+
+def _torch_logits(model, tokens: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.from_numpy(tokens).long()).logits.float().numpy()
+
+
+def _our_logits(cfg, params, tokens: np.ndarray) -> np.ndarray:
+  return np.asarray(_forward(cfg, params, jnp.asarray(tokens, jnp.int32)))
+
+
+def _max_err(ours: np.ndarray, theirs: np.ndarray) -> float:
+  return float(np.max(np.abs(ours - theirs)))
+
+
+def _assert_parity(label: str, ours: np.ndarray, theirs: np.ndarray) -> None:
+  err = _max_err(ours, theirs)
+  print(f'{label}: max abs logit error {err:.2e} (logit scale {np.abs(theirs).max():.1f})')
+  assert err <= LOGIT_TOL, f'{label}: logits differ by {err:.3e} > {LOGIT_TOL}'
+  np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1), err_msg=label)
+
+
+@pytest.fixture(scope='module')
+def tokens() -> np.ndarray:
+  return np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ))
+
+
+@pytest.fixture(scope='module')
+def saved(tmp_path_factory):
+  """case -> (checkpoint directory, torch model), each saved once per module."""
+  cache = {}
+
+  def get(case):
+    if case not in cache:
+      model = _torch_model(case)
+      directory = tmp_path_factory.mktemp(case)
+      model.save_pretrained(directory)
+      cache[case] = directory, model
+    return cache[case]
+
+  return get
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_logits_match_transformers(case, saved, tokens):
+  directory, model = saved(case)
+  cfg, params = hf.load_hf(directory)
+  for field, value in CASES[case][2].items():
+    assert getattr(cfg, field) == value, field
+  expected = abstract_params(cfg)
+  assert jax.tree.structure(params) == jax.tree.structure(expected)
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
+  _assert_parity(case, _our_logits(cfg, params, tokens), _torch_logits(model, tokens))
+
+
+def test_sharded_checkpoint(saved, tokens, tmp_path):
+  _, model = saved('llama_mha_untied')
+  model.save_pretrained(tmp_path, max_shard_size='20KB')
+  index = json.loads((tmp_path / 'model.safetensors.index.json').read_text())
+  assert len(set(index['weight_map'].values())) > 1
+  assert not (tmp_path / 'model.safetensors').exists()
+  cfg, params = hf.load_hf(tmp_path)
+  _assert_parity('sharded', _our_logits(cfg, params, tokens), _torch_logits(model, tokens))
+
+
+def test_rope_scaling_and_window_are_exercised(saved, tokens):
+  """Guards the test cases themselves: the features they cover must change the output."""
+  cfg, _ = hf.load_hf(saved('llama3_rope')[0])
+  scaled = rope_inverse_frequencies(cfg)
+  plain = rope_inverse_frequencies(cfg.replace(rope_scaling_type='none'))
+  kept, divided = np.isclose(scaled, plain), np.isclose(scaled, plain / 8.0)
+  assert kept.any() and divided.any() and (~kept & ~divided).any()  # the last: smoothed band
+  _, windowed = saved('mistral_window')
+  full = _torch_model('mistral_window', sliding_window=None)
+  assert _max_err(_torch_logits(windowed, tokens), _torch_logits(full, tokens)) > 1e-2
+
+
+@pytest.mark.parametrize('changes', [dict(remat='none'), dict(scan_layers=False)])
+def test_remat_and_unrolled_layers_give_same_logits(changes, saved, tokens):
+  cfg, params = hf.load_hf(saved('llama_gqa_tied')[0])
+  base = _our_logits(cfg, params, tokens)
+  variant = _our_logits(cfg.replace(**changes), params, tokens)
+  err = _max_err(variant, base)
+  print(f'{changes}: max abs logit difference {err:.2e}')
+  assert err <= 1e-5
+
+
+def test_bfloat16_checkpoint(tmp_path):
+  model = _torch_model('llama_gqa_tied').to(torch.bfloat16)
+  model.save_pretrained(tmp_path)
+  _, params = hf.load_hf(tmp_path)
+  want = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().T
+  np.testing.assert_array_equal(np.asarray(params['layers']['attn']['q_proj']['kernel'][1]), want)
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_save_hf_round_trip(case, saved, tokens, tmp_path):
+  directory, model = saved(case)
+  cfg, params = hf.load_hf(directory)
+  hf.save_hf(tmp_path, cfg, params)
+  cfg2, params2 = hf.load_hf(tmp_path)
+  assert cfg2 == cfg
+  jax.tree.map(np.testing.assert_array_equal, params2, params)
+  # transformers itself must read the export as the same model.
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path, attn_implementation='eager').eval()
+  assert type(reloaded) is type(model)
+  assert _max_err(_torch_logits(reloaded, tokens), _torch_logits(model, tokens)) <= 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors: raised before any tensor data is read, naming the problem.
+# ----------------------------------------------------------------------------------------------
+
+def test_unsupported_architecture(tmp_path):
+  (tmp_path / 'config.json').write_text(json.dumps(
+      {'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', 'n_embd': 64}))
+  # No weights at all: the architecture check must come first.
+  with pytest.raises(UnsupportedModelError) as info:
+    hf.load_hf(tmp_path)
+  message = str(info.value)
+  assert 'GPT2LMHeadModel' in message
+  assert all(arch in message for arch in hf.SUPPORTED_ARCHITECTURES)
+
+
+def test_missing_path_and_files(tmp_path):
+  with pytest.raises(ConfigError, match='does not exist'):
+    hf.load_hf(tmp_path / 'nope')
+  with pytest.raises(ConfigError, match='no config.json'):
+    hf.load_hf(tmp_path)
+  (tmp_path / 'config.json').write_text(json.dumps(_BASE))
+  with pytest.raises(ConfigError, match='model.safetensors'):
+    hf.load_hf(tmp_path)
+
+
+def _edited_copy(saved, tmp_path, edit, case='llama_mha_untied'):
+  """A copy of the checkpoint of `case` whose tensors dict went through `edit`."""
+  source, _ = saved(case)
+  shutil.copy(source / 'config.json', tmp_path / 'config.json')
+  tensors = safetensors.numpy.load_file(source / 'model.safetensors')
+  edit(tensors)
+  safetensors.numpy.save_file(tensors, tmp_path / 'model.safetensors', metadata={'format': 'pt'})
+  return tmp_path
+
+
+def test_wrong_shape_names_tensor(saved, tmp_path):
+  name = 'model.layers.1.mlp.up_proj.weight'
+  directory = _edited_copy(saved, tmp_path,
+                           lambda t: t.update({name: np.zeros((100, 64), np.float32)}))
+  with pytest.raises(ConfigError, match=rf'{name}.*\[100, 64\].*\[128, 64\]'):
+    hf.load_hf(directory)
+
+
+def test_missing_tensor_is_named(saved, tmp_path):
+  name = 'model.layers.1.self_attn.k_proj.weight'
+  directory = _edited_copy(saved, tmp_path, lambda t: t.pop(name))
+  with pytest.raises(ConfigError, match=name):
+    hf.load_hf(directory)
+
+
+def test_unexpected_tensor_is_named_and_inv_freq_ignored(saved, tmp_path):
+  extra = 'model.layers.0.self_attn.o_proj.bias'
+  inv_freq = 'model.layers.0.self_attn.rotary_emb.inv_freq'
+  directory = _edited_copy(saved, tmp_path, lambda t: t.update(
+      {extra: np.zeros(64, np.float32), inv_freq: np.ones(8, np.float32)}))
+  with pytest.raises(ConfigError, match=extra) as info:
+    hf.load_hf(directory)
+  assert inv_freq not in str(info.value)
+  _edited_copy(saved, tmp_path, lambda t: t.update({inv_freq: np.ones(8, np.float32)}))
+  hf.load_hf(directory)
+
+
+def test_missing_head_means_tied(saved, tmp_path):
+  directory = _edited_copy(saved, tmp_path, lambda t: t.pop('lm_head.weight'))
+  cfg, params = hf.load_hf(directory)
+  assert cfg.tie_embeddings and 'lm_head' not in params['head']
+
+
+def test_tied_checkpoint_with_head_copy_loads(saved, tmp_path):
+  def add_head(tensors):
+    tensors['lm_head.weight'] = tensors['model.embed_tokens.weight']
+
+  cfg, params = hf.load_hf(_edited_copy(saved, tmp_path, add_head, case='llama_gqa_tied'))
+  assert cfg.tie_embeddings and 'lm_head' not in params['head']
+
+
+# ----------------------------------------------------------------------------------------------
+# model_config_from_hf on hand-written configs.
+# ----------------------------------------------------------------------------------------------
+
+_BASE = {'architectures': ['LlamaForCausalLM'], 'vocab_size': 32, 'hidden_size': 64,
+         'intermediate_size': 128, 'num_hidden_layers': 2, 'num_attention_heads': 4,
+         'max_position_embeddings': 128}
+
+
+def test_transformers4_rope_layout():
+  cfg = hf.model_config_from_hf(_BASE | {'rope_theta': 500000.0, 'rope_scaling': {
+      'type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0}})
+  rope = (cfg.rope_theta, cfg.rope_scaling_type, cfg.rope_scaling_factor)
+  assert rope == (500000.0, 'llama3', 8.0)
+  assert cfg.rope_original_max_len == 128  # defaults to max_position_embeddings, as in transformers
+  assert cfg.num_kv_heads == 4 and cfg.head_dim == 16 and not cfg.tie_embeddings
+  cfg = hf.model_config_from_hf(_BASE | {'rope_scaling': {'rope_type': 'linear', 'factor': 2.0}})
+  rope = (cfg.rope_theta, cfg.rope_scaling_type, cfg.rope_scaling_factor)
+  assert rope == (10000.0, 'linear', 2.0)
+  assert hf.model_config_from_hf(_BASE | {'rope_scaling': None}).rope_scaling_type == 'none'
+
+
+@pytest.mark.parametrize('extra, match', [
+    ({'rope_parameters': {'rope_type': 'yarn', 'rope_theta': 1e4, 'factor': 4.0}}, 'yarn'),
+    ({'rope_scaling': {'type': 'dynamic', 'factor': 2.0}}, 'dynamic'),
+    ({'mlp_bias': True}, 'mlp_bias'),
+    ({'attention_bias': True}, 'o_proj'),
+    ({'hidden_act': 'gelu'}, 'gelu'),
+])
+def test_unsupported_features(extra, match):
+  with pytest.raises(UnsupportedModelError, match=match):
+    hf.model_config_from_hf(_BASE | extra)
+
+
+def test_qwen2_sliding_window_follows_layer_types():
+  qwen = _BASE | {'architectures': ['Qwen2ForCausalLM'], 'sliding_window': 8}
+  assert hf.model_config_from_hf(qwen).sliding_window == 0  # use_sliding_window defaults off
+  on = qwen | {'use_sliding_window': True}
+  assert hf.model_config_from_hf(on | {'max_window_layers': 0}).sliding_window == 8
+  assert hf.model_config_from_hf(on).sliding_window == 0  # default max_window_layers=28 > 2 layers
+  with pytest.raises(UnsupportedModelError, match='some layers'):
+    hf.model_config_from_hf(on | {'max_window_layers': 1})
+
+
+def test_missing_shape_key_and_invalid_values():
+  with pytest.raises(ConfigError, match='hidden_size'):
+    hf.model_config_from_hf({k: v for k, v in _BASE.items() if k != 'hidden_size'})
+  with pytest.raises(ConfigError, match='config.json.*num_heads'):
+    hf.model_config_from_hf(_BASE | {'num_key_value_heads': 3})

@@ -1,0 +1,126 @@
+"""Model invariants: remat policies and unrolled layers change nothing; layer groups compose to the
+whole stack; group-wise init equals whole init; accumulation over M microbatches equals one batch."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from megatrain_jax import model as model_lib
+from megatrain_jax import optim
+from megatrain_jax.engine import resident
+from megatrain_jax.model import ModelConfig
+
+CFG = ModelConfig(vocab_size=97, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, d_ff=48,
+                  max_seq_len=64, qkv_bias=True, tie_embeddings=False, init_std=0.2)
+
+
+@pytest.fixture(scope='module')
+def params():
+  return model_lib.init_params(CFG, jax.random.key(0))
+
+
+def _batch(seed, shape):
+  return jax.random.randint(jax.random.key(seed), shape, 0, CFG.vocab_size)
+
+
+def _loss_and_grads(cfg, params, batch):
+  return jax.jit(jax.value_and_grad(functools.partial(model_lib.loss_fn, cfg)))(params, batch)
+
+
+def test_param_count_matches_formula(params):
+  assert model_lib.count_params(params) == CFG.num_params
+  tied = CFG.replace(tie_embeddings=True, qkv_bias=False)
+  assert model_lib.count_params(model_lib.abstract_params(tied)) == tied.num_params
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+  assert params['layers']['mlp']['up_proj']['kernel'].shape == (3, 32, 48)
+
+
+@pytest.mark.parametrize('variant', [dict(remat='full'), dict(remat='minimal'),
+                                     dict(remat='offload'), dict(scan_layers=False),
+                                     dict(scan_layers=False, remat='none')])
+def test_remat_and_unrolled_match_plain_scan(params, variant):
+  batch = _batch(1, (2, 17))
+  ref_loss, ref_grads = _loss_and_grads(CFG.replace(remat='none'), params, batch)
+  loss, grads = _loss_and_grads(CFG.replace(**variant), params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads,
+               ref_grads)
+
+
+def test_groups_compose_to_the_whole_stack(params):
+  """embed -> apply_group over K-slices (with a remainder group) -> head equals forward."""
+  tokens = _batch(2, (2, 16))
+  positions = model_lib.default_positions(tokens)
+  x = model_lib.embed(CFG, params, tokens)
+  for start, size in ((0, 2), (2, 1)):
+    group = jax.tree.map(lambda a: a[start:start + size], params['layers'])
+    x = model_lib.apply_group(CFG, group, x, positions)
+  np.testing.assert_allclose(model_lib.head(CFG, params, x),
+                             model_lib.forward(CFG, params, tokens), rtol=1e-5, atol=1e-5)
+  # and a single layer is a pure function of one slice of the stack
+  layer0 = jax.tree.map(lambda a: a[0], params['layers'])
+  one = model_lib.apply_layer(CFG, layer0, model_lib.embed(CFG, params, tokens), positions)
+  first = model_lib.apply_group(CFG, jax.tree.map(lambda a: a[:1], params['layers']),
+                                model_lib.embed(CFG, params, tokens), positions)
+  np.testing.assert_allclose(one, first, rtol=1e-5, atol=1e-5)
+
+
+def test_groupwise_init_equals_whole_init(params):
+  _, layers_key, _ = model_lib.param_keys(jax.random.key(0))
+  init = jax.jit(model_lib.init_layers, static_argnums=(0, 2, 3))
+  whole = init(CFG, layers_key, 0, 3)
+  parts = [init(CFG, layers_key, 0, 2), init(CFG, layers_key, 2, 1)]
+  stitched = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), stitched,
+               whole)
+  assert not np.allclose(whole['attn']['q_proj']['kernel'][0], whole['attn']['q_proj']['kernel'][1])
+
+
+def test_gradient_accumulation_equals_one_big_batch(params):
+  big = _batch(3, (8, 17))
+  loss_and_grad = jax.value_and_grad(functools.partial(model_lib.loss_fn, CFG))
+  accumulate = jax.jit(functools.partial(resident.accumulate_gradients, loss_and_grad))
+  loss_1, grads_1 = accumulate(params, big[None])  # M = 1, B = 8
+  loss_4, grads_4 = accumulate(params, big.reshape(4, 2, 17))  # M = 4, B = 2
+  np.testing.assert_allclose(loss_4, loss_1, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_4,
+               grads_1)
+
+
+def test_bfloat16_compute_keeps_float32_params(params):
+  cfg = CFG.replace(dtype='bfloat16', matmul_precision='default')
+  tokens = _batch(4, (2, 16))
+  logits = jax.jit(functools.partial(model_lib.forward, cfg))(params, tokens)
+  ref = jax.jit(functools.partial(model_lib.forward, CFG))(params, tokens)
+  assert logits.dtype == jnp.float32
+  assert float(jnp.max(jnp.abs(logits - ref))) < 0.1 * float(jnp.max(jnp.abs(ref)))
+  _, grads = _loss_and_grads(cfg, params, jnp.concatenate([tokens, tokens[:, :1]], axis=1))
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+
+
+def test_clipping_is_exact():
+  grads = {'a': jnp.array([3.0, 0.0]), 'b': jnp.array([[4.0]])}  # global norm 5
+  clipped, norm = optim.clip_by_global_norm(grads, 1.0)
+  assert float(norm) == 5.0
+  np.testing.assert_allclose(clipped['a'], [0.6, 0.0], rtol=1e-7)
+  unclipped, _ = optim.clip_by_global_norm(grads, 10.0)
+  np.testing.assert_array_equal(unclipped['b'], grads['b'])
+  off, _ = optim.clip_by_global_norm(grads, 0.0)
+  np.testing.assert_array_equal(off['a'], grads['a'])
+
+
+def test_sliding_window_limits_attention(params):
+  """With a window of 4, the logits at position 10 ignore tokens 0..6."""
+  cfg = CFG.replace(sliding_window=4)
+  tokens = _batch(5, (1, 12))
+  changed = tokens.at[0, 2].set((tokens[0, 2] + 1) % CFG.vocab_size)
+  fwd = jax.jit(functools.partial(model_lib.forward, cfg))
+  a, b = fwd(params, tokens), fwd(params, changed)
+  # 3 layers x window 4 = receptive field 3*(4-1)=9 back: position 11 sees down to position 2.
+  np.testing.assert_array_equal(a[0, :2], b[0, :2])
+  assert not np.allclose(a[0, 11], b[0, 11])
+  far = tokens.at[0, 1].set((tokens[0, 1] + 1) % CFG.vocab_size)
+  np.testing.assert_array_equal(fwd(params, far)[0, 11], a[0, 11])
