@@ -82,6 +82,21 @@ def get_config() -> ml_collections.ConfigDict:
   checkpoint.keep = 3  # Newest checkpoints kept on disk.
 
   # ---------------------------------------------------------------------------------------------
+  # Placement: where each part of the train state lives between uses. All 'device' = the resident
+  # engine (everything in accelerator memory). Anything else = the streamed engine, which runs the
+  # model one group of layers at a time and fetches each group's weights ahead of use.
+  # ---------------------------------------------------------------------------------------------
+  config.offload = offload = ml_collections.ConfigDict()
+  offload.params = 'device'  # Layer weights: 'device' or 'host' (pinned host RAM).
+  offload.opt_state = 'device'  # Adam m and v of the layers: 'device' or 'host'.
+  offload.activations = 'device'  # Group-boundary activations kept for backward: 'device'/'host'.
+  offload.embed_head = 'device'  # Embedding, final norm and LM head (params + Adam state).
+  offload.layers_per_group = 1  # K: layers per streamed group (the last group may be smaller).
+  offload.prefetch_depth = 1  # Groups whose weights are in flight ahead of the compute (>= 1).
+  offload.optimizer_on = 'device'  # Where a group's AdamW update runs: 'device' (its Adam state is
+  #                                  fetched in and written back) or 'host' (needs opt_state=host).
+
+  # ---------------------------------------------------------------------------------------------
   # Runtime.
   # ---------------------------------------------------------------------------------------------
   config.jax_cache_dir = '~/.cache/megatrain_jax/jax'  # Persistent XLA compile cache; '' = off.

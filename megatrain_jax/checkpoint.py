@@ -20,9 +20,9 @@ from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import ModelConfig
 
 
-def _with_sharding(abstract_tree):
-  """Restore targets need a sharding; everything here lives on the default device."""
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+def _with_sharding(abstract_tree, memory_kind: str):
+  """Restore targets need a sharding: the default device, in device or pinned host memory."""
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                       abstract_tree)
 
@@ -46,7 +46,8 @@ class Checkpointer:
     self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                      meta=ocp.args.JsonSave(meta)), force=True)
 
-  def restore(self, step: int, abstract_state, model_cfg: ModelConfig):
+  def restore(self, step: int, abstract_state, model_cfg: ModelConfig,
+              memory_kind: str = 'device'):
     """Returns (state, meta) of checkpoint `step`; refuses one written for other model shapes."""
     meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
     saved = meta['model_config']
@@ -60,7 +61,7 @@ class Checkpointer:
                         f'model shapes ({"; ".join(changed)}). Use the config it was trained with, '
                         'or a new --workdir to start fresh.')
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_with_sharding(abstract_state))))
+        state=ocp.args.StandardRestore(_with_sharding(abstract_state, memory_kind))))
     return restored['state'], meta
 
   def wait(self) -> None:

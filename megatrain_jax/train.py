@@ -29,7 +29,9 @@ from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
+from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError, TrainingDivergedError
+from megatrain_jax.placement import Placement
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
@@ -62,14 +64,33 @@ def dry_run(config: ml_collections.ConfigDict) -> dict:
   return sizes
 
 
+def describe(placement: Placement, model_cfg) -> str:
+  if not placement.streamed:
+    return 'resident engine (all state in device memory)'
+  groups = len(placement.group_slices(model_cfg.num_layers))
+  return (f'streamed engine: params on {placement.params}, Adam state on {placement.opt_state}, '
+          f'activations on {placement.activations}, embedding/head on {placement.embed_head}, '
+          f'{groups} groups of {placement.layers_per_group} layers, prefetch depth '
+          f'{placement.prefetch_depth}, optimizer on {placement.optimizer_on}')
+
+
 def _write_json_atomic(path: pathlib.Path, obj) -> None:
   tmp = path.with_suffix(path.suffix + '.tmp')
   tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
   os.replace(tmp, path)
 
 
-def _evaluate(eval_step, params, batches) -> dict:
-  loss = float(np.mean([float(eval_step(params, jnp.asarray(b))) for b in batches]))
+def make_engine(model_cfg, tx, schedule, train_cfg, placement: Placement, state=None):
+  """The resident engine when everything stays on the device, else the streamed engine."""
+  if placement.streamed:
+    return StreamedEngine(model_cfg, tx, schedule, train_cfg.grad_clip, placement, state,
+                          seed=train_cfg.seed)
+  return resident.ResidentEngine(model_cfg, tx, schedule, train_cfg.grad_clip, state,
+                                 seed=train_cfg.seed)
+
+
+def _evaluate(engine, batches) -> dict:
+  loss = float(np.mean(engine.eval_losses(batches)))
   return {'eval/loss': loss, 'eval/perplexity': math.exp(min(loss, 80.0))}
 
 
@@ -77,6 +98,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (or resumes) the run in `workdir` to `config.train.steps`; returns the last metrics."""
   # 1. Validate everything before any allocation or write.
   model_cfg = config_lib.validate(config)
+  placement = Placement.from_config(config.offload, model_cfg)
   data_lib.check_data_config(config.data)
   workdir = config_lib.check_workdir(workdir)
   enable_compilation_cache(config.jax_cache_dir)
@@ -96,22 +118,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       data_lib.load_split(info, 'val'), seq_len=train_cfg.seq_len,
       batch_size=train_cfg.batch_size, num_batches=train_cfg.eval_batches)
 
-  # 3. State: resume from the newest checkpoint, or start fresh.
+  # 3. State: resume from the newest checkpoint, or start fresh, in the engine the placement picks.
   tx = optim.make_optimizer(train_cfg)
   schedule = optim.lr_schedule(train_cfg)
   checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep)
   start_step = checkpointer.latest_step()
-  if start_step is None:
-    start_step, position = 0, 0
-    state = jax.jit(resident.init_state, static_argnums=(0, 1))(model_cfg, tx, train_cfg.seed)
-  else:
-    state, meta = checkpointer.restore(start_step, resident.abstract_state(model_cfg, tx),
-                                       model_cfg)
+  state, position = None, 0
+  if start_step is not None:
+    # A streamed run restores into host memory: the device may not hold the whole state.
+    state, meta = checkpointer.restore(
+        start_step, resident.abstract_state(model_cfg, tx), model_cfg,
+        memory_kind='pinned_host' if placement.streamed else 'device')
     position = meta['data_position']
+  engine = make_engine(model_cfg, tx, schedule, train_cfg, placement, state)
+  del state
+  start_step = engine.step
   _write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
 
-  train_step = resident.make_train_step(model_cfg, tx, train_cfg.grad_clip, schedule)
-  eval_step = resident.make_eval_step(model_cfg)
   tokens_per_step = sampler.samples_per_step * train_cfg.seq_len
   flops_per_step = model_cfg.flops_per_token(train_cfg.seq_len) * tokens_per_step
   peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind, model_cfg.dtype,
@@ -124,15 +147,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if start_step:
       writer.print(f'resumed from {checkpointer.directory / str(start_step)} '
                    f'(step {start_step}, data position {position})')
-    writer.print(f'model: {model_lib.count_params(state["params"]):,} params, '
-                 f'{tokens_per_step:,} tokens/step, on {jax.devices()[0].device_kind}')
+    writer.print(f'model: {model_cfg.num_params:,} params, {tokens_per_step:,} tokens/step, '
+                 f'on {jax.devices()[0].device_kind}, {describe(placement, model_cfg)}')
     if start_step == 0:  # the baseline every later eval is compared with
-      writer.write(0, _evaluate(eval_step, state['params'], eval_data))
+      writer.write(0, _evaluate(engine, eval_data))
     timed_steps, timed_seconds = 0, 0.0
     for step in range(start_step, train_cfg.steps):
-      batch = jnp.asarray(sampler.batch(position))
+      batch = sampler.batch(position)
       started = time.perf_counter()
-      state, step_metrics = train_step(state, batch)
+      step_metrics = engine.train_step(batch)
       loss = float(step_metrics['learning/loss'])  # waits for the step
       elapsed = time.perf_counter() - started
       position += sampler.samples_per_step
@@ -157,12 +180,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           scalars['perf/mfu'] = flops_per_step / step_time / 1e12 / peak
         timed_steps, timed_seconds = 0, 0.0
       if (train_cfg.eval_every and done % train_cfg.eval_every == 0) or done == train_cfg.steps:
-        scalars.update(_evaluate(eval_step, state['params'], eval_data))
+        scalars.update(_evaluate(engine, eval_data))
       if scalars:
         writer.write(done, scalars)
         last = {'step': done, **scalars}
       if (config.checkpoint.every and done % config.checkpoint.every == 0) or (
           done == train_cfg.steps):
-        checkpointer.save(done, state, data_position=position, model_cfg=model_cfg)
+        checkpointer.save(done, engine.export_state(), data_position=position,
+                          model_cfg=model_cfg)
   checkpointer.close()
   return last

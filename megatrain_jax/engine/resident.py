@@ -75,3 +75,29 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, gr
 def make_eval_step(model_cfg: ModelConfig):
   """Returns jitted `eval_step(params, batch[B, S+1]) -> mean loss`."""
   return jax.jit(functools.partial(model_lib.loss_fn, model_cfg))
+
+
+class ResidentEngine:
+  """The resident step behind the engine interface the training loop uses (shared with
+  engine/streamed.py): `train_step(batch)`, `eval_losses(batches)`, `export_state()`, `step`."""
+
+  def __init__(self, model_cfg: ModelConfig, tx: optax.GradientTransformation,
+               schedule: optax.Schedule, grad_clip: float, state: dict | None = None,
+               seed: int = 0):
+    if state is None:
+      state = jax.jit(init_state, static_argnums=(0, 1))(model_cfg, tx, seed)
+    self.state = state
+    self.step = int(state['step'])
+    self._train_step = make_train_step(model_cfg, tx, grad_clip, schedule)
+    self._eval_step = make_eval_step(model_cfg)
+
+  def train_step(self, batch) -> dict:
+    self.state, metrics = self._train_step(self.state, jnp.asarray(batch))
+    self.step += 1
+    return metrics
+
+  def eval_losses(self, batches) -> list[float]:
+    return [float(self._eval_step(self.state['params'], jnp.asarray(b))) for b in batches]
+
+  def export_state(self) -> dict:
+    return self.state

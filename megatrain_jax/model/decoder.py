@@ -73,11 +73,15 @@ def param_keys(key):
   return jax.random.split(key, 3)
 
 
-def init_params(cfg: ModelConfig, key) -> dict:
-  k_embed, k_layers, k_head = param_keys(key)
+def init_outer(cfg: ModelConfig, key) -> dict:
+  """The params outside the layer stack: {'embed': ..., 'head': ...}."""
+  k_embed, _, k_head = param_keys(key)
   return {'embed': _pure(layers_lib.Embedder(cfg, nnx.Rngs(k_embed))),
-          'layers': init_layers(cfg, k_layers, 0, cfg.num_layers),
           'head': _pure(layers_lib.Head(cfg, nnx.Rngs(k_head)))}
+
+
+def init_params(cfg: ModelConfig, key) -> dict:
+  return {**init_outer(cfg, key), 'layers': init_layers(cfg, param_keys(key)[1], 0, cfg.num_layers)}
 
 
 def abstract_params(cfg: ModelConfig) -> dict:

@@ -1,0 +1,67 @@
+"""Cutting the full train state into the pieces a streamed engine stores, and joining them back.
+
+The full state (what the resident engine trains and every checkpoint holds) has layer leaves
+stacked over all L layers. The streamed engine keeps:
+  outer:    {'params': {'embed', 'head'}, 'opt_state': tx.init(those params)}
+  group g:  {'params': {'layers': leaves[start:stop]}, 'opt_state': tx.init(that slice)}
+
+Optax states mirror the params tree inside their own structure (e.g. AdamW's mu and nu), so a
+leaf of a piece's optimizer state sits at the *same tree path* as the matching leaf of the full
+state: pieces are filled by path, slicing leaves whose path goes through 'layers' and copying the
+rest (step counts). This works for any optax transformation whose state is per-parameter or
+scalar, which is what "elementwise" means here.
+"""
+
+import jax
+import numpy as np
+import optax
+
+OUTER_KEYS = ('embed', 'head')
+_LAYERS = "['layers']"
+
+
+def _by_path(tree) -> dict:
+  return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def outer_of(params) -> dict:
+  return {k: params[k] for k in OUTER_KEYS}
+
+
+def group_of(params, start: int, stop: int) -> dict:
+  return {'layers': jax.tree.map(lambda a: a[start:stop], params['layers'])}
+
+
+def _fill(template, source: dict, layer_leaf):
+  """A tree shaped like `template` whose leaves come from `source` (by path)."""
+  def leaf(path, _):
+    key = jax.tree_util.keystr(path)
+    return layer_leaf(key) if _LAYERS in key else np.asarray(source[key])
+  return jax.tree_util.tree_map_with_path(leaf, template)
+
+
+def split_state(state: dict, tx: optax.GradientTransformation, slices) -> tuple[dict, list[dict]]:
+  """Full state -> (outer piece, [group pieces]) as host numpy arrays."""
+  params = jax.tree.map(np.asarray, state['params'])
+  full_opt = _by_path(state['opt_state'])
+  outer_params = outer_of(params)
+  outer = {'params': outer_params,
+           'opt_state': _fill(jax.eval_shape(tx.init, outer_params), full_opt, None)}
+  groups = []
+  for start, stop in slices:
+    group_params = group_of(params, start, stop)
+    opt = _fill(jax.eval_shape(tx.init, group_params), full_opt,
+                lambda key, a=start, b=stop: np.asarray(full_opt[key])[a:b])
+    groups.append({'params': group_params, 'opt_state': opt})
+  return outer, groups
+
+
+def merge_state(outer: dict, groups: list[dict], tx: optax.GradientTransformation, step, rng) -> dict:
+  """(outer piece, [group pieces]) -> full state, as host numpy arrays (for checkpoints)."""
+  layers = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]),
+                        *[g['params']['layers'] for g in groups])
+  params = {**jax.tree.map(np.asarray, outer['params']), 'layers': layers}
+  group_opts = [_by_path(g['opt_state']) for g in groups]
+  opt = _fill(jax.eval_shape(tx.init, params), _by_path(outer['opt_state']),
+              lambda key: np.concatenate([np.asarray(g[key]) for g in group_opts]))
+  return {'step': np.asarray(step), 'params': params, 'opt_state': opt, 'rng': np.asarray(rng)}

@@ -1,0 +1,184 @@
+"""The streamed engine reproduces the resident engine: same loss at every step and params within
+float32 rounding after 5 steps, for every group size, microbatch count, clipping, optimizer and
+activation placement; each group's weights cross to the device exactly twice per step; leaves keep
+their memory kinds; checkpoints move between engines."""
+
+import functools
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from megatrain_jax import config as config_lib
+from megatrain_jax import optim
+from megatrain_jax.engine import resident
+from megatrain_jax.engine.streamed import StreamedEngine
+from megatrain_jax.errors import ConfigError
+from megatrain_jax.model import ModelConfig
+from megatrain_jax.placement import Placement
+
+CFG = ModelConfig(vocab_size=97, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=48,
+                  max_seq_len=64, init_std=0.2, remat='full')
+STEPS = 5
+TRAIN = config_lib.load_config('tiny', train__steps=10, train__warmup_steps=2, train__lr=1e-2).train
+
+
+def _batches(num_micro):
+  rng = np.random.default_rng(num_micro)
+  return [rng.integers(0, CFG.vocab_size, (num_micro, 2, 17)).astype(np.int32)
+          for _ in range(STEPS)]
+
+
+def _tx(grad_clip):
+  return optim.make_optimizer(TRAIN), optim.lr_schedule(TRAIN), grad_clip
+
+
+@functools.lru_cache(maxsize=None)
+def _initial_state():
+  tx, _, _ = _tx(0.0)
+  return jax.tree.map(np.asarray, jax.jit(resident.init_state, static_argnums=(0, 1))(CFG, tx, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def resident_run(num_micro, grad_clip):
+  tx, schedule, clip = _tx(grad_clip)
+  engine = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, _initial_state()))
+  losses = [float(engine.train_step(b)['learning/loss']) for b in _batches(num_micro)]
+  return losses, jax.tree.map(np.asarray, engine.export_state())
+
+
+def streamed_run(num_micro, grad_clip, **placement):
+  tx, schedule, clip = _tx(grad_clip)
+  placement = Placement(**{'params': 'host', 'opt_state': 'host', **placement})
+  placement.check(CFG)
+  engine = StreamedEngine(CFG, tx, schedule, clip, placement, jax.tree.map(np.copy, _initial_state()))
+  metrics = [engine.train_step(b) for b in _batches(num_micro)]
+  return engine, [float(m['learning/loss']) for m in metrics], engine.export_state()
+
+
+def assert_states_match(got, want):
+  """Within float32 rounding, leaf by leaf: ||a - b|| <= 1e-6 ||b|| for params (the acceptance
+  bound), 1e-5 for the Adam moments (squared gradients, one rounding step further from the loss).
+
+  A norm rather than every element: Adam divides each gradient by its own running magnitude, so an
+  element whose gradient is pure rounding noise (a near-total cancellation) moves by a noisy
+  fraction of the learning rate in *any* two correct implementations.
+  """
+  def check(bound, path, a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    assert error <= bound, (jax.tree_util.keystr(path), error)
+  jax.tree_util.tree_map_with_path(functools.partial(check, 1e-6), got['params'], want['params'])
+  jax.tree_util.tree_map_with_path(functools.partial(check, 1e-5), got['opt_state'],
+                                   want['opt_state'])
+  assert int(got['step']) == int(want['step']) == STEPS
+
+
+# K = 1, 2 (even split), 3 (a remainder group of 1), 4 (all layers) over 4 layers.
+GROUP_SIZES = (1, 2, 3, 4)
+
+
+@pytest.mark.parametrize('layers_per_group, num_micro, grad_clip, optimizer_on',
+                         itertools.product(GROUP_SIZES, (1, 4), (1.0, 0.0), ('device', 'host')))
+def test_streamed_matches_resident(layers_per_group, num_micro, grad_clip, optimizer_on):
+  want_losses, want_state = resident_run(num_micro, grad_clip)
+  _, losses, state = streamed_run(num_micro, grad_clip, layers_per_group=layers_per_group,
+                                  optimizer_on=optimizer_on,
+                                  activations='host' if layers_per_group % 2 else 'device')
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+  assert_states_match(state, want_state)
+
+
+@pytest.mark.parametrize('placement', [
+    dict(params='device', opt_state='host'),
+    dict(params='host', opt_state='device'),
+    dict(params='device', opt_state='device', activations='host'),
+    dict(params='device', opt_state='device', embed_head='host'),
+    dict(params='host', opt_state='host', embed_head='host', activations='host', prefetch_depth=3),
+])
+def test_tiers_apart_and_together_match_resident(placement):
+  want_losses, want_state = resident_run(4, 1.0)
+  _, losses, state = streamed_run(4, 1.0, layers_per_group=2, **placement)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+  assert_states_match(state, want_state)
+
+
+@pytest.mark.parametrize('num_micro', [1, 8])
+@pytest.mark.parametrize('grad_clip, optimizer_on, fetches', [
+    (0.0, 'device', 2),  # forward + backward; the update reuses the backward's copy
+    (1.0, 'host', 2),  # the host optimizer updates the weights where they live
+    (1.0, 'device', 3),  # exact clipping on the device: one more fetch after the global norm
+])
+def test_each_group_crosses_to_the_device_twice(num_micro, grad_clip, optimizer_on, fetches):
+  engine, _, _ = streamed_run(num_micro, grad_clip, layers_per_group=1, optimizer_on=optimizer_on)
+  num_groups = CFG.num_layers
+  assert {g: engine.stats.fetches[('params', g)] for g in range(num_groups)} == {
+      g: fetches for g in range(num_groups)}
+  opt_fetches = 0 if optimizer_on == 'host' else 1
+  assert all(engine.stats.fetches[('opt_state', g)] == opt_fetches for g in range(num_groups))
+  # and the bytes: weights in, fetches times; new weights and Adam state out once (device optimizer)
+  group_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params.get(0)))
+  assert engine.stats.h2d_bytes >= fetches * num_groups * group_bytes
+
+
+@pytest.mark.parametrize('placement, kinds', [
+    (dict(params='host', opt_state='host'), ('pinned_host', 'pinned_host', 'device')),
+    (dict(params='device', opt_state='host', embed_head='host'),
+     ('device', 'pinned_host', 'pinned_host')),
+])
+def test_leaves_keep_their_memory_kinds(placement, kinds):
+  engine, _, _ = streamed_run(1, 1.0, layers_per_group=2, **placement)
+  params_kind, opt_kind, outer_kind = kinds
+  for g in range(2):
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(engine.params.get(g))} == {params_kind}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(engine.opt_state.get(g))} == {opt_kind}
+  outer = [engine.outer.get('params'), engine.outer.get('opt_state')]
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(outer)} == {outer_kind}
+
+
+def test_streamed_init_equals_resident_init():
+  tx, schedule, clip = _tx(1.0)
+  engine = StreamedEngine(CFG, tx, schedule, clip, Placement(params='host', opt_state='host',
+                                                             layers_per_group=3), seed=0)
+  got, want = engine.export_state(), _initial_state()
+  jax.tree.map(np.testing.assert_array_equal, got['params'], want['params'])
+  jax.tree.map(np.testing.assert_array_equal, got['opt_state'], want['opt_state'])
+  np.testing.assert_array_equal(got['rng'], want['rng'])
+
+
+def test_streamed_eval_matches_resident():
+  tx, schedule, clip = _tx(1.0)
+  state = _initial_state()
+  batches = [b[0] for b in _batches(1)[:3]]
+  res = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, state))
+  streamed = StreamedEngine(CFG, tx, schedule, clip, Placement(params='host', opt_state='host',
+                                                               layers_per_group=3), state)
+  np.testing.assert_allclose(streamed.eval_losses(batches), res.eval_losses(batches), rtol=1e-6)
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('params', 'disk', "offload.params='disk' is not a tier"),
+    ('opt_state', 'nvme', 'NVMe tier is not implemented yet'),
+    ('activations', 'gpu', "offload.activations='gpu'"),
+    ('prefetch_depth', 0, 'offload.prefetch_depth=0 must be >= 1'),
+    ('layers_per_group', 0, 'offload.layers_per_group=0 must be between 1'),
+    ('layers_per_group', 9, 'offload.layers_per_group=9 must be between 1 and model.num_layers=4'),
+    ('optimizer_on', 'host', 'needs offload.params=host and offload.opt_state=host'),
+    ('optimizer_on', 'tpu', 'offload.optimizer_on'),
+])
+def test_bad_placements(field, value, message):
+  with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace(')', r'\)')):
+    Placement(**{field: value}).check(CFG)
+
+
+def test_host_tier_needs_the_pinned_host_memory_kind(monkeypatch):
+  class NoHostMemory:  # a backend whose device offers only device memory
+    platform, device_kind = 'fake', 'Fake accelerator'
+
+    def addressable_memories(self):
+      return [type('Memory', (), {'kind': 'device'})()]
+
+  monkeypatch.setattr(jax, 'devices', lambda *a: [NoHostMemory()])
+  with pytest.raises(ConfigError, match=r"offload.params=host needs the memory kind 'pinned_host'"):
+    Placement(params='host', opt_state='host').check(CFG)
