@@ -16,7 +16,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from megatrain_jax import config as config_lib
-from megatrain_jax.errors import ConfigError
+from megatrain_jax.errors import ConfigError, TrainingDivergedError
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', str(config_lib.CONFIGS_DIR / 'default.py'),
@@ -50,7 +50,7 @@ def main(argv):
       train.dry_run(_CONFIG.value)
     else:
       train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except ConfigError as e:
+  except (ConfigError, TrainingDivergedError) as e:
     sys.exit(f'error: {e}')
 
 

@@ -45,7 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Training.
   # ---------------------------------------------------------------------------------------------
   config.train = train = ml_collections.ConfigDict()
-  train.steps = 600  # Optimizer steps in total (a resumed run continues to this count).
+  train.steps = 300  # Optimizer steps in total (a resumed run continues to this count).
   train.microbatches = 1  # Gradient accumulation: microbatches summed into each optimizer step.
   train.batch_size = 16  # Sequences per microbatch.
   train.seq_len = 128  # Tokens per sequence (each sample holds seq_len + 1 for the shifted target).

@@ -8,14 +8,13 @@ hence identical numbers), then `tx.update` on whatever slice of the tree they ho
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
 # Leaves that get weight decay: matrices and the embedding; never norm scales or biases.
 _DECAYED_LEAVES = ('kernel', 'embedding')
 
 
-def lr_schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
+def lr_schedule(train) -> optax.Schedule:
   """Linear warmup 0 -> lr over warmup_steps, then cosine decay to lr * min_lr_ratio at `steps`."""
   warmup = min(train.warmup_steps, train.steps - 1)
   return optax.warmup_cosine_decay_schedule(
@@ -27,8 +26,11 @@ def weight_decay_mask(params):
   return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in _DECAYED_LEAVES, params)
 
 
-def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW without clipping (see module docstring). All state is float32 like the params."""
+def make_optimizer(train) -> optax.GradientTransformation:
+  """AdamW without clipping (see module docstring). All state is float32 like the params.
+
+  `train` is the `config.train` section (any object with its attributes: lr, b1, b2, ...).
+  """
   return optax.adamw(lr_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
                      weight_decay=train.weight_decay, mask=weight_decay_mask)
 

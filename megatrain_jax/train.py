@@ -101,16 +101,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   placement = Placement.from_config(config.offload, model_cfg)
   data_lib.check_data_config(config.data)
   workdir = config_lib.check_workdir(workdir)
+  tokenizer = data_lib.load_tokenizer(config.data.tokenizer)  # reads tokenizer.json, writes nothing
+  if tokenizer.vocab_size > model_cfg.vocab_size:
+    raise ConfigError(f'model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer '
+                      f'({tokenizer.name}: {tokenizer.vocab_size} ids). Raise model.vocab_size or '
+                      'change data.tokenizer.')
   enable_compilation_cache(config.jax_cache_dir)
   train_cfg = config.train
 
   # 2. Data.
   workdir.mkdir(parents=True, exist_ok=True)
-  info, tokenizer = data_lib.load_data(config.data, workdir)
-  if tokenizer.vocab_size > model_cfg.vocab_size:
-    raise ConfigError(f'model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer '
-                      f'({tokenizer.name}: {tokenizer.vocab_size} ids). Raise model.vocab_size or '
-                      'change data.tokenizer.')
+  info, _ = data_lib.load_data(config.data, workdir)
   sampler = data_lib.BatchSampler(
       data_lib.load_split(info, 'train'), seq_len=train_cfg.seq_len,
       batch_size=train_cfg.batch_size, microbatches=train_cfg.microbatches, seed=train_cfg.seed)
@@ -161,10 +162,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       position += sampler.samples_per_step
       done = step + 1
       if not math.isfinite(loss):
+        newest = checkpointer.latest_step()
+        where = (f'The newest checkpoint is step {newest} in {checkpointer.directory}; a rerun '
+                 'resumes from it.' if newest is not None else 'No checkpoint was written yet.')
         raise TrainingDivergedError(
-            f'loss is {loss} at step {done}: training diverged. The newest checkpoint is step '
-            f'{checkpointer.latest_step()} in {checkpointer.directory}. Lower train.lr, lengthen '
-            'train.warmup_steps or set train.grad_clip (e.g. 1.0), then resume.')
+            f'loss is {loss} at step {done}: training diverged. {where} Lower train.lr, lengthen '
+            'train.warmup_steps or set train.grad_clip (e.g. 1.0).')
       if step > start_step:  # the first step of a process includes compilation
         timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
       writer.advance(1, loss)

@@ -12,6 +12,7 @@ import pytest
 
 from megatrain_jax import config as config_lib
 from megatrain_jax import optim
+from megatrain_jax import train
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError
@@ -182,3 +183,31 @@ def test_host_tier_needs_the_pinned_host_memory_kind(monkeypatch):
   monkeypatch.setattr(jax, 'devices', lambda *a: [NoHostMemory()])
   with pytest.raises(ConfigError, match=r"offload.params=host needs the memory kind 'pinned_host'"):
     Placement(params='host', opt_state='host').check(CFG)
+
+
+# ------------------------------------------------------------------------------------------------
+# Through the training loop: the engine is chosen by the placement; checkpoints are portable.
+# ------------------------------------------------------------------------------------------------
+
+HOST_TIER = dict(offload__params='host', offload__opt_state='host', offload__activations='host',
+                 offload__layers_per_group=1)
+
+
+@pytest.mark.parametrize('first, second', [(HOST_TIER, {}), ({}, HOST_TIER)],
+                         ids=['host-then-resident', 'resident-then-host'])
+def test_checkpoints_move_between_engines(tmp_path, shared_data, monkeypatch, first, second):
+  from test_train import read_rows, run_until_crash, small_config  # pylint: disable=g-import-not-at-top
+  data = shared_data / 'wikitext-2' / 'valid.txt'
+  train.train_and_evaluate(small_config(data, train__steps=8), str(tmp_path / 'reference'))
+  run_until_crash(monkeypatch, small_config(data, train__steps=8, **first), tmp_path / 'moved',
+                  crash_after_checkpoint=4)
+  train.train_and_evaluate(small_config(data, train__steps=8, **second), str(tmp_path / 'moved'))
+  want = {r['step']: r for r in read_rows(tmp_path / 'reference')}
+  got = {r['step']: r for r in read_rows(tmp_path / 'moved')}
+  assert sorted(got) == sorted(want) == list(range(0, 9))
+  for step in range(1, 9):
+    np.testing.assert_allclose(got[step]['learning/loss'], want[step]['learning/loss'], rtol=1e-5)
+  np.testing.assert_allclose(got[8]['eval/loss'], want[8]['eval/loss'], rtol=1e-5)
+  streamed_rows = [got[s] for s in (range(1, 5) if first else range(5, 9))]
+  assert all(r['io/h2d_gb'] > 0 and r['io/d2h_gb'] > 0 and r['perf/compute_s'] > 0
+             and r['perf/fetch_wait_s'] >= 0 and r['perf/optimizer_s'] >= 0 for r in streamed_rows)

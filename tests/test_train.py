@@ -54,6 +54,22 @@ def test_training_on_shakespeare_lowers_validation_loss(tmp_path, shared_data):
   assert Checkpointer(tmp_path, keep=1).latest_step() == 150
 
 
+def run_until_crash(monkeypatch, config, workdir, crash_after_checkpoint: int):
+  """Trains until the checkpoint of step `crash_after_checkpoint` is written, then 'crashes'."""
+  original_save = Checkpointer.save
+
+  def save_then_crash(self, step, *args, **kwargs):
+    original_save(self, step, *args, **kwargs)
+    if step == crash_after_checkpoint:
+      self.wait()
+      raise KeyboardInterrupt('simulated crash')
+
+  monkeypatch.setattr(Checkpointer, 'save', save_then_crash)
+  with pytest.raises(KeyboardInterrupt):
+    train.train_and_evaluate(config, str(workdir))
+  monkeypatch.undo()
+
+
 def _learning_rows(rows):
   return [{k: v for k, v in r.items() if not k.startswith('perf/')} for r in rows]
 
@@ -66,19 +82,7 @@ def test_resume_reproduces_uninterrupted_run_bitwise(tmp_path, shared_data, monk
   train.train_and_evaluate(config, str(tmp_path / 'full'))
   expected = _learning_rows(read_rows(tmp_path / 'full'))
 
-  # Crash right after the checkpoint at step 8 is written (steps 9.. never happen).
-  original_save = Checkpointer.save
-
-  def save_then_crash(self, step, *args, **kwargs):
-    original_save(self, step, *args, **kwargs)
-    if step == 8:
-      self.wait()
-      raise KeyboardInterrupt('simulated crash')
-
-  monkeypatch.setattr(Checkpointer, 'save', save_then_crash)
-  with pytest.raises(KeyboardInterrupt):
-    train.train_and_evaluate(config, str(tmp_path / 'resumed'))
-  monkeypatch.undo()
+  run_until_crash(monkeypatch, config, tmp_path / 'resumed', crash_after_checkpoint=8)
   assert Checkpointer(tmp_path / 'resumed', keep=3).latest_step() == 8
   train.train_and_evaluate(config, str(tmp_path / 'resumed'))
   got = _learning_rows(read_rows(tmp_path / 'resumed'))
@@ -98,5 +102,6 @@ def test_diverging_loss_stops_with_the_step(tmp_path, shared_data):
   config = small_config(shared_data / 'tinyshakespeare' / 'input.txt', train__lr=1e9,
                         train__warmup_steps=0, train__grad_clip=0.0, train__steps=20,
                         checkpoint__every=0)
-  with pytest.raises(TrainingDivergedError, match=r'at step \d+.*train.lr'):
+  with pytest.raises(TrainingDivergedError,
+                     match=r'at step \d+: training diverged. No checkpoint was written yet.*train.lr'):
     train.train_and_evaluate(config, str(tmp_path))

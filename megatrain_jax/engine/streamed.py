@@ -164,7 +164,14 @@ class StreamedEngine:
       return loss, d_outer, dx
 
     def group_backward(group_params, x, dy, positions, grad_sum):
-      _, vjp = jax.vjp(lambda p, h: group_fn(p, h, positions), group_params, x)
+      # The vjp recomputes the group's forward from its saved input x. For a one-layer group that
+      # recompute *is* the layer checkpoint, so per-layer remat would run the layer's forward a
+      # third time for nothing: keep its residuals instead (forward runs 2x per step, as in the
+      # resident engine). Larger groups apply model.remat per layer to bound their memory.
+      layers = jax.tree.leaves(group_params)[0].shape[0]
+      layer_cfg = cfg.replace(remat='none') if layers == 1 else cfg
+      _, vjp = jax.vjp(
+          lambda p, h: model_lib.apply_group(layer_cfg, p['layers'], h, positions), group_params, x)
       d_params, dx = vjp(dy)
       return _tree_add(grad_sum, d_params), dx
 

@@ -1,0 +1,95 @@
+"""Streamed host-tier step time vs resident step time, measured side by side in one process.
+
+    python bench/streamed_vs_resident.py [--rounds 3] [--steps 3] [--json out.json]
+
+The same model, batch and optimizer run in the resident engine (everything in device memory) and
+in the streamed engine with layer weights and Adam state in pinned host memory, for a few
+placements. Engines take turns, round by round, so machine noise hits them alike; each figure is
+the median step time over all rounds (compilation and the first step excluded).
+
+On CPU both memory kinds are the same RAM: the ratio measures the engine's own overhead (group
+loop, extra dispatches, copies between memory kinds, the recompute schedule), not PCIe.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from megatrain_jax import config as config_lib
+from megatrain_jax import optim
+from megatrain_jax.engine import resident
+from megatrain_jax.engine.streamed import StreamedEngine
+from megatrain_jax.model import ModelConfig
+from megatrain_jax.placement import Placement
+
+MODEL = ModelConfig(vocab_size=256, d_model=384, num_layers=6, num_heads=6, num_kv_heads=3,
+                    d_ff=1024, max_seq_len=256, remat='full')
+MICROBATCHES, BATCH, SEQ = 2, 4, 256
+
+PLACEMENTS = {
+    'streamed K=1, optimizer on device': Placement(params='host', opt_state='host',
+                                                   layers_per_group=1),
+    'streamed K=2, optimizer on device': Placement(params='host', opt_state='host',
+                                                   layers_per_group=2),
+    'streamed K=1, optimizer on host': Placement(params='host', opt_state='host',
+                                                 layers_per_group=1, optimizer_on='host'),
+    'streamed K=1, activations on host': Placement(params='host', opt_state='host',
+                                                   activations='host', layers_per_group=1),
+}
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--rounds', type=int, default=3)
+  parser.add_argument('--steps', type=int, default=3, help='timed steps per engine per round')
+  parser.add_argument('--json', default='')
+  args = parser.parse_args()
+
+  train_cfg = config_lib.load_config('tiny', train__steps=1000).train
+  tx, schedule = optim.make_optimizer(train_cfg), optim.lr_schedule(train_cfg)
+  state = jax.tree.map(np.asarray, jax.jit(resident.init_state, static_argnums=(0, 1))(MODEL, tx, 0))
+  rng = np.random.default_rng(0)
+  batch = rng.integers(0, MODEL.vocab_size, (MICROBATCHES, BATCH, SEQ + 1)).astype(np.int32)
+
+  engines = {'resident': resident.ResidentEngine(MODEL, tx, schedule, 1.0,
+                                                 jax.tree.map(np.copy, state))}
+  for name, placement in PLACEMENTS.items():
+    engines[name] = StreamedEngine(MODEL, tx, schedule, 1.0, placement, state)
+  for engine in engines.values():  # compile + first step
+    float(engine.train_step(batch)['learning/loss'])
+
+  times = {name: [] for name in engines}
+  for _ in range(args.rounds):
+    for name, engine in engines.items():
+      for _ in range(args.steps):
+        started = time.perf_counter()
+        float(engine.train_step(batch)['learning/loss'])
+        times[name].append(time.perf_counter() - started)
+
+  base = statistics.median(times['resident'])
+  tokens = MICROBATCHES * BATCH * SEQ
+  flops = MODEL.flops_per_token(SEQ) * tokens
+  print(f'machine: {platform.node()} {platform.processor() or platform.machine()}, '
+        f'{jax.devices()[0].device_kind}, jax {jax.__version__}')
+  print(f'model: {MODEL.num_params:,} params, {MODEL.num_layers} layers, d_model {MODEL.d_model}; '
+        f'{MICROBATCHES} x {BATCH} x {SEQ} tokens/step; remat {MODEL.remat}; '
+        f'{args.rounds} rounds x {args.steps} steps each')
+  print(f'| engine | median step (s) | ratio to resident | TFLOP/s |')
+  print('|---|---|---|---|')
+  rows = {}
+  for name, samples in times.items():
+    median = statistics.median(samples)
+    rows[name] = {'median_s': median, 'ratio': median / base, 'samples': samples}
+    print(f'| {name} | {median:.3f} | {median / base:.3f} | {flops / median / 1e12:.3f} |')
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(rows, f, indent=2)
+
+
+if __name__ == '__main__':
+  main()
