@@ -1,0 +1,71 @@
+"""On-disk layout of the NVMe tier: one zarr3 TensorStore array per stacked leaf.
+
+Array [L, *leaf_shape] float32; one outer chunk per layer (a zarr3 shard = one file per layer),
+split by `sharding_indexed` into inner chunks of at most `shard_mb` so that codecs and reads run
+in parallel over a layer. Every inner chunk and the shard index carry a crc32c checksum: a read of
+a corrupted chunk fails instead of returning wrong numbers. Missing chunks are errors too
+(`fill_missing_data_reads=False`): a layer that was never written is never read as zeros.
+
+Codecs (all lossless):
+  none   raw little-endian bytes
+  zstd   zstd at `level`
+  blosc  blosc (zstd inside) with a 4-byte shuffle over 1 MiB blocks: groups the exponent bytes of
+         FP32 values, which is where almost all of their redundancy is
+"""
+
+import math
+
+CODECS = ('none', 'zstd', 'blosc')
+
+
+def compression_codecs(codec: str, level: int) -> list[dict]:
+  if codec == 'none':
+    return []
+  if codec == 'zstd':
+    return [{'name': 'zstd', 'configuration': {'level': level, 'checksum': False}}]
+  if codec == 'blosc':
+    return [{'name': 'blosc', 'configuration': {'cname': 'zstd', 'clevel': level,
+                                                 'shuffle': 'shuffle', 'typesize': 4,
+                                                 'blocksize': 1 << 20}}]
+  raise ValueError(f'unknown codec {codec!r}; use one of {CODECS}')
+
+
+def inner_chunk_shape(layer_shape: tuple[int, ...], shard_mb: float, itemsize: int = 4) -> list[int]:
+  """[1, rows, *rest]: split a layer along its first axis into pieces of at most shard_mb."""
+  if not layer_shape:
+    return [1]
+  row_bytes = itemsize * math.prod(layer_shape[1:])
+  rows = max(1, min(layer_shape[0], int(shard_mb * 2**20 // max(row_bytes, 1))))
+  return [1, rows, *layer_shape[1:]]
+
+
+def array_spec(path: str, shape: tuple[int, ...], *, codec: str = 'none', level: int = 1,
+               shard_mb: float = 512, dtype: str = 'float32') -> dict:
+  """TensorStore spec of a stacked leaf [L, *layer_shape] stored one layer per file."""
+  layer_shape = tuple(shape[1:])
+  return {
+      'driver': 'zarr3',
+      'kvstore': {'driver': 'file', 'path': path},
+      'fill_missing_data_reads': False,
+      'metadata': {
+          'shape': list(shape),
+          'data_type': dtype,
+          'chunk_grid': {'name': 'regular',
+                         'configuration': {'chunk_shape': [1, *layer_shape]}},
+          'codecs': [{
+              'name': 'sharding_indexed',
+              'configuration': {
+                  'chunk_shape': inner_chunk_shape(layer_shape, shard_mb),
+                  'codecs': [{'name': 'bytes', 'configuration': {'endian': 'little'}},
+                             *compression_codecs(codec, level), {'name': 'crc32c'}],
+                  'index_codecs': [{'name': 'bytes', 'configuration': {'endian': 'little'}},
+                                   {'name': 'crc32c'}],
+              },
+          }],
+      },
+  }
+
+
+def chunk_file(path: str, layer: int, ndim: int) -> str:
+  """The file holding `layer` of the array at `path` (zarr3 default chunk key encoding)."""
+  return '/'.join([path, 'c', str(layer)] + ['0'] * (ndim - 1))
