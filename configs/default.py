@@ -87,14 +87,22 @@ def get_config() -> ml_collections.ConfigDict:
   # model one group of layers at a time and fetches each group's weights ahead of use.
   # ---------------------------------------------------------------------------------------------
   config.offload = offload = ml_collections.ConfigDict()
-  offload.params = 'device'  # Layer weights: 'device' or 'host' (pinned host RAM).
-  offload.opt_state = 'device'  # Adam m and v of the layers: 'device' or 'host'.
+  offload.params = 'device'  # Layer weights: 'device', 'host' (pinned host RAM) or 'nvme' (disk).
+  offload.opt_state = 'device'  # Adam m and v of the layers: 'device', 'host' or 'nvme'.
   offload.activations = 'device'  # Group-boundary activations kept for backward: 'device'/'host'.
   offload.embed_head = 'device'  # Embedding, final norm and LM head (params + Adam state).
   offload.layers_per_group = 1  # K: layers per streamed group (the last group may be smaller).
   offload.prefetch_depth = 1  # Groups whose weights are in flight ahead of the compute (>= 1).
   offload.optimizer_on = 'device'  # Where a group's AdamW update runs: 'device' (its Adam state is
-  #                                  fetched in and written back) or 'host' (needs opt_state=host).
+  #                                  fetched in and written back) or 'host' (needs params and
+  #                                  opt_state off the device).
+  # NVMe tier (offload.params / offload.opt_state = 'nvme'): TensorStore zarr3 arrays on disk.
+  offload.dir = ''  # Directory of the NVMe stores (a local disk); '' = <workdir>/offload.
+  offload.codec = 'none'  # Lossless on-disk codec: 'none', 'zstd' or 'blosc' (zstd + byte
+  #                         shuffle). See BENCHMARKS.md for why 'none' is the default.
+  offload.codec_level = 1  # Compression level of 'zstd' / 'blosc'.
+  offload.shard_mb = 512.0  # Largest on-disk chunk (MB); a layer larger than this is split.
+  offload.host_buffer_gb = 8.0  # Host RAM for the NVMe pipeline's read and write staging.
 
   # ---------------------------------------------------------------------------------------------
   # Runtime.

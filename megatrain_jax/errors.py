@@ -15,3 +15,7 @@ class UnsupportedModelError(ConfigError):
 
 class TrainingDivergedError(RuntimeError):
   """The loss became NaN or infinite; the message names the step and what to change."""
+
+
+class StoreCorruptionError(RuntimeError):
+  """Data read back from a store failed its checksum or is missing; names array, layer and file."""

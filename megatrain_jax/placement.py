@@ -1,7 +1,7 @@
 """`Placement`: where each part of the train state lives, validated from `config.offload`.
 
-Tiers: 'device' (accelerator memory) and 'host' (pinned host RAM, JAX memory kind
-`pinned_host`). If every part is on the device the resident engine runs; otherwise the streamed
+Tiers: 'device' (accelerator memory), 'host' (pinned host RAM, JAX memory kind `pinned_host`)
+and, for layer weights and Adam state, 'nvme' (TensorStore arrays on local disk, tiers/nvme.py). If every part is on the device the resident engine runs; otherwise the streamed
 engine (engine/streamed.py) runs the model group by group.
 """
 
@@ -11,10 +11,13 @@ import jax
 
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import ModelConfig
+from megatrain_jax.tiers import codecs
 
-TIERS = ('device', 'host')
+TIERS = ('device', 'host', 'nvme')
+MEMORY_TIERS = ('device', 'host')  # activations and embedding/head never go to disk
 OPTIMIZER_PLACES = ('device', 'host')
 HOST_MEMORY_KIND = 'pinned_host'
+_GB = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +29,11 @@ class Placement:
   layers_per_group: int = 1
   prefetch_depth: int = 1
   optimizer_on: str = 'device'
+  dir: str = ''  # NVMe tier directory; '' = <workdir>/offload (resolved by the trainer)
+  codec: str = 'none'
+  codec_level: int = 1
+  shard_mb: float = 512.0
+  host_buffer_gb: float = 8.0
 
   @property
   def streamed(self) -> bool:
@@ -38,6 +46,20 @@ class Placement:
     k = self.layers_per_group
     return [(s, min(s + k, num_layers)) for s in range(0, num_layers, k)]
 
+  def group_bytes(self, model_cfg: ModelConfig, tier: str) -> int:
+    """Bytes of the largest group's leaves held in `tier`: 4 B/param weights, 8 B/param Adam."""
+    per_param = 4 * (self.params == tier) + 8 * (self.opt_state == tier)
+    return per_param * self.layers_per_group * model_cfg.params_per_layer
+
+  def staging_bytes(self, model_cfg: ModelConfig, groups_in_flight: int) -> int:
+    """Host staging of the NVMe pipeline: `groups_in_flight` groups of the disk-resident leaves."""
+    return groups_in_flight * self.group_bytes(model_cfg, 'nvme')
+
+  def max_pending_writes(self, model_cfg: ModelConfig) -> int:
+    """Write-behind queue depth that keeps reads + writes within host_buffer_gb."""
+    group = max(self.group_bytes(model_cfg, 'nvme'), 1)
+    return max(1, int(self.host_buffer_gb * _GB // group) - (self.prefetch_depth + 1))
+
   @classmethod
   def from_config(cls, offload, model_cfg: ModelConfig) -> 'Placement':
     placement = cls(**{f.name: offload[f.name] for f in dataclasses.fields(cls)})
@@ -45,19 +67,32 @@ class Placement:
     return placement
 
   def check(self, model_cfg: ModelConfig) -> None:
-    for name in ('params', 'opt_state', 'activations', 'embed_head'):
+    for name, allowed in (('params', TIERS), ('opt_state', TIERS),
+                          ('activations', MEMORY_TIERS), ('embed_head', MEMORY_TIERS)):
       tier = getattr(self, name)
-      if tier not in TIERS:
-        hint = (' The NVMe tier is not implemented yet; use host.' if tier == 'nvme' else '')
-        raise ConfigError(f'offload.{name}={tier!r} is not a tier: use one of '
-                          f'{", ".join(TIERS)}.{hint}')
+      if tier not in allowed:
+        raise ConfigError(f'offload.{name}={tier!r} is not a tier for it: use one of '
+                          f'{", ".join(allowed)}.')
+    if self.codec not in codecs.CODECS:
+      raise ConfigError(f'offload.codec={self.codec!r}: use one of {", ".join(codecs.CODECS)}.')
+    if self.shard_mb <= 0:
+      raise ConfigError(f'offload.shard_mb={self.shard_mb} must be > 0 (MB per on-disk chunk).')
+    if 'nvme' in (self.params, self.opt_state):
+      needed = self.staging_bytes(model_cfg, groups_in_flight=self.prefetch_depth + 2)
+      if self.host_buffer_gb * _GB < needed:
+        raise ConfigError(
+            f'offload.host_buffer_gb={self.host_buffer_gb} is too small: the NVMe pipeline needs '
+            f'{needed / _GB:.2f} GB of host staging for prefetch_depth + 1 groups being read and '
+            'one being written. Raise offload.host_buffer_gb, or lower offload.layers_per_group '
+            'or offload.prefetch_depth.')
     if self.optimizer_on not in OPTIMIZER_PLACES:
       raise ConfigError(f'offload.optimizer_on={self.optimizer_on!r}: use device or host.')
-    if self.optimizer_on == 'host' and (self.opt_state != 'host' or self.params != 'host'):
+    if self.optimizer_on == 'host' and 'device' in (self.opt_state, self.params):
       raise ConfigError(
-          "offload.optimizer_on='host' runs AdamW where the weights and Adam state live, so it "
-          f'needs offload.params=host and offload.opt_state=host (got params={self.params}, '
-          f"opt_state={self.opt_state}). Set those to host, or offload.optimizer_on='device'.")
+          "offload.optimizer_on='host' runs AdamW in host memory, next to the weights and Adam "
+          'state, so it needs offload.params and offload.opt_state off the device (host or nvme; '
+          f"got params={self.params}, opt_state={self.opt_state}). Move them, or set "
+          "offload.optimizer_on='device'.")
     if not 1 <= self.layers_per_group <= model_cfg.num_layers:
       raise ConfigError(f'offload.layers_per_group={self.layers_per_group} must be between 1 and '
                         f'model.num_layers={model_cfg.num_layers}.')

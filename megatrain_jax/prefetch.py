@@ -14,6 +14,8 @@ from typing import Callable, Hashable, Iterable
 
 import jax
 
+from megatrain_jax.tiers.base import resolve
+
 
 class Prefetcher:
 
@@ -37,6 +39,7 @@ class Prefetcher:
       key, tree = self._in_flight.popleft()
       self._issue_next()  # the next transfer starts before this group computes
       started = time.perf_counter()
+      tree = resolve(tree)  # a disk tier hands out Futures from its reader threads
       jax.block_until_ready(tree)
       self.wait_s += time.perf_counter() - started
       yield key, tree

@@ -11,6 +11,7 @@ The data sampler is stateless given its position, and the position is saved with
 so a resumed run replays exactly the batches the uninterrupted run would have seen.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError, TrainingDivergedError
 from megatrain_jax.placement import Placement
+from megatrain_jax.tiers import nvme
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
@@ -101,6 +103,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   placement = Placement.from_config(config.offload, model_cfg)
   data_lib.check_data_config(config.data)
   workdir = config_lib.check_workdir(workdir)
+  if 'nvme' in (placement.params, placement.opt_state):
+    placement = dataclasses.replace(placement, dir=placement.dir or str(workdir / 'offload'))
+    layer_bytes = 4 * model_cfg.num_layers * model_cfg.params_per_layer
+    nvme.check_offload_dir(placement.dir, nvme.nvme_bytes(layer_bytes, placement.params,
+                                                          placement.opt_state))
   tokenizer = data_lib.load_tokenizer(config.data.tokenizer)  # reads tokenizer.json, writes nothing
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise ConfigError(f'model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer '
@@ -143,53 +150,56 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   # 4. The loop.
   last = {}
-  with metrics_lib.MetricsWriter(workdir, total_steps=train_cfg.steps, start_step=start_step,
-                                 progress_bar=train_cfg.progress_bar) as writer:
-    if start_step:
-      writer.print(f'resumed from {checkpointer.directory / str(start_step)} '
-                   f'(step {start_step}, data position {position})')
-    writer.print(f'model: {model_cfg.num_params:,} params, {tokens_per_step:,} tokens/step, '
-                 f'on {jax.devices()[0].device_kind}, {describe(placement, model_cfg)}')
-    if start_step == 0:  # the baseline every later eval is compared with
-      writer.write(0, _evaluate(engine, eval_data))
-    timed_steps, timed_seconds = 0, 0.0
-    for step in range(start_step, train_cfg.steps):
-      batch = sampler.batch(position)
-      started = time.perf_counter()
-      step_metrics = engine.train_step(batch)
-      loss = float(step_metrics['learning/loss'])  # waits for the step
-      elapsed = time.perf_counter() - started
-      position += sampler.samples_per_step
-      done = step + 1
-      if not math.isfinite(loss):
-        newest = checkpointer.latest_step()
-        where = (f'The newest checkpoint is step {newest} in {checkpointer.directory}; a rerun '
-                 'resumes from it.' if newest is not None else 'No checkpoint was written yet.')
-        raise TrainingDivergedError(
-            f'loss is {loss} at step {done}: training diverged. {where} Lower train.lr, lengthen '
-            'train.warmup_steps or set train.grad_clip (e.g. 1.0).')
-      if step > start_step:  # the first step of a process includes compilation
-        timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
-      writer.advance(1, loss)
+  try:
+    with metrics_lib.MetricsWriter(workdir, total_steps=train_cfg.steps, start_step=start_step,
+                                   progress_bar=train_cfg.progress_bar) as writer:
+      if start_step:
+        writer.print(f'resumed from {checkpointer.directory / str(start_step)} '
+                     f'(step {start_step}, data position {position})')
+      writer.print(f'model: {model_cfg.num_params:,} params, {tokens_per_step:,} tokens/step, '
+                   f'on {jax.devices()[0].device_kind}, {describe(placement, model_cfg)}')
+      if start_step == 0:  # the baseline every later eval is compared with
+        writer.write(0, _evaluate(engine, eval_data))
+      timed_steps, timed_seconds = 0, 0.0
+      for step in range(start_step, train_cfg.steps):
+        batch = sampler.batch(position)
+        started = time.perf_counter()
+        step_metrics = engine.train_step(batch)
+        loss = float(step_metrics['learning/loss'])  # waits for the step
+        elapsed = time.perf_counter() - started
+        position += sampler.samples_per_step
+        done = step + 1
+        if not math.isfinite(loss):
+          newest = checkpointer.latest_step()
+          where = (f'The newest checkpoint is step {newest} in {checkpointer.directory}; a rerun '
+                   'resumes from it.' if newest is not None else 'No checkpoint was written yet.')
+          raise TrainingDivergedError(
+              f'loss is {loss} at step {done}: training diverged. {where} Lower train.lr, lengthen '
+              'train.warmup_steps or set train.grad_clip (e.g. 1.0).')
+        if step > start_step:  # the first step of a process includes compilation
+          timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
+        writer.advance(1, loss)
 
-      scalars = {}
-      if done % train_cfg.log_every == 0 or done == train_cfg.steps:
-        step_time = timed_seconds / timed_steps if timed_steps else elapsed
-        scalars = {k: float(v) for k, v in step_metrics.items()}
-        scalars.update({'perf/step_time_s': step_time,
-                        'perf/tokens_per_sec': tokens_per_step / step_time,
-                        'perf/tflops': flops_per_step / step_time / 1e12})
-        if peak:
-          scalars['perf/mfu'] = flops_per_step / step_time / 1e12 / peak
-        timed_steps, timed_seconds = 0, 0.0
-      if (train_cfg.eval_every and done % train_cfg.eval_every == 0) or done == train_cfg.steps:
-        scalars.update(_evaluate(engine, eval_data))
-      if scalars:
-        writer.write(done, scalars)
-        last = {'step': done, **scalars}
-      if (config.checkpoint.every and done % config.checkpoint.every == 0) or (
-          done == train_cfg.steps):
-        checkpointer.save(done, engine.export_state(), data_position=position,
-                          model_cfg=model_cfg)
+        scalars = {}
+        if done % train_cfg.log_every == 0 or done == train_cfg.steps:
+          step_time = timed_seconds / timed_steps if timed_steps else elapsed
+          scalars = {k: float(v) for k, v in step_metrics.items()}
+          scalars.update({'perf/step_time_s': step_time,
+                          'perf/tokens_per_sec': tokens_per_step / step_time,
+                          'perf/tflops': flops_per_step / step_time / 1e12})
+          if peak:
+            scalars['perf/mfu'] = flops_per_step / step_time / 1e12 / peak
+          timed_steps, timed_seconds = 0, 0.0
+        if (train_cfg.eval_every and done % train_cfg.eval_every == 0) or done == train_cfg.steps:
+          scalars.update(_evaluate(engine, eval_data))
+        if scalars:
+          writer.write(done, scalars)
+          last = {'step': done, **scalars}
+        if (config.checkpoint.every and done % config.checkpoint.every == 0) or (
+            done == train_cfg.steps):
+          checkpointer.save(done, engine.export_state(), data_position=position,
+                            model_cfg=model_cfg)
+  finally:
+    engine.close()  # waits for write-behind, stops I/O threads
   checkpointer.close()
   return last

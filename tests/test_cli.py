@@ -105,7 +105,9 @@ def config_with(**overrides):
     (dict(train__microbatches=0), 'train.microbatches', '>= 1'),
     (dict(data__tokenizer='/no/tokenizer.json'), 'data.tokenizer', '/no/tokenizer.json'),
     (dict(model__vocab_size=100), 'model.vocab_size=100', 'Raise model.vocab_size'),
-    (dict(offload__params='nvme'), 'offload.params', 'use one of device, host'),
+    (dict(offload__params='disk'), 'offload.params', 'use one of device, host, nvme'),
+    (dict(offload__params='nvme', offload__host_buffer_gb=0.001), 'offload.host_buffer_gb',
+     'Raise offload.host_buffer_gb'),
     (dict(offload__prefetch_depth=0), 'offload.prefetch_depth', '>= 1'),
 ])
 def test_bad_config_values(tmp_path, overrides, field, fix):

@@ -159,13 +159,14 @@ def test_streamed_eval_matches_resident():
 
 
 @pytest.mark.parametrize('field, value, message', [
-    ('params', 'disk', "offload.params='disk' is not a tier"),
-    ('opt_state', 'nvme', 'NVMe tier is not implemented yet'),
-    ('activations', 'gpu', "offload.activations='gpu'"),
+    ('params', 'disk', "offload.params='disk' is not a tier for it: use one of device, host, nvme"),
+    ('activations', 'nvme', "offload.activations='nvme' is not a tier for it: use one of device, host"),
+    ('embed_head', 'gpu', "offload.embed_head='gpu'"),
+    ('codec', 'lz4', "offload.codec='lz4': use one of none, zstd, blosc"),
     ('prefetch_depth', 0, 'offload.prefetch_depth=0 must be >= 1'),
     ('layers_per_group', 0, 'offload.layers_per_group=0 must be between 1'),
     ('layers_per_group', 9, 'offload.layers_per_group=9 must be between 1 and model.num_layers=4'),
-    ('optimizer_on', 'host', 'needs offload.params=host and offload.opt_state=host'),
+    ('optimizer_on', 'host', 'needs offload.params and offload.opt_state off the device'),
     ('optimizer_on', 'tpu', 'offload.optimizer_on'),
 ])
 def test_bad_placements(field, value, message):

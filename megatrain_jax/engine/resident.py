@@ -101,3 +101,6 @@ class ResidentEngine:
 
   def export_state(self) -> dict:
     return self.state
+
+  def close(self) -> None:
+    """Nothing to release: the state is ordinary device arrays."""

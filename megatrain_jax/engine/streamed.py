@@ -49,7 +49,8 @@ from megatrain_jax.model import ModelConfig
 from megatrain_jax.placement import Placement
 from megatrain_jax.prefetch import Prefetcher
 from megatrain_jax.tiers import TransferStats, make_store
-from megatrain_jax.tiers.base import tree_nbytes
+from megatrain_jax.tiers.base import resolve, tree_nbytes
+from megatrain_jax.tiers.nvme import NvmeStore
 from megatrain_jax.tiers.memory import memory_kind, memory_sharding
 
 _GB = 1e9
@@ -97,9 +98,14 @@ class StreamedEngine:
     self.placement = placement
     self.slices = placement.group_slices(model_cfg.num_layers)
     self.stats = TransferStats()
-    self.params = make_store(placement.params, 'params', self.stats)
-    self.opt_state = make_store(placement.opt_state, 'opt_state', self.stats)
-    self.outer = make_store(placement.embed_head, 'embed_head', self.stats)
+    self.params = self._make_store(placement.params, 'params')
+    self.opt_state = self._make_store(placement.opt_state, 'opt_state')
+    self.outer = self._make_store(placement.embed_head, 'embed_head')
+    # With exact clipping, finished group gradients wait here (in the weights' tier, so memory
+    # stays bounded on every tier) until the global norm is known.
+    self.parked_grads = self._make_store(placement.params, 'grads')
+    self._last_update = None
+    self._disk_seen = {}
     self._act_host = placement.activations == 'host'
     self._host = memory_sharding('pinned_host')
     self._device = memory_sharding('device')
@@ -108,6 +114,22 @@ class StreamedEngine:
       self.init_state(seed)
     else:
       self.load_state(state)
+
+  def _make_store(self, tier: str, name: str):
+    if tier != 'nvme':
+      return make_store(tier, name, self.stats)
+    if not self.placement.dir:
+      raise ValueError('the NVMe tier needs placement.dir (the trainer sets <workdir>/offload)')
+    return NvmeStore(name, self.stats, directory=self.placement.dir, slices=self.slices,
+                     codec=self.placement.codec, level=self.placement.codec_level,
+                     shard_mb=self.placement.shard_mb,
+                     max_pending_writes=self.placement.max_pending_writes(self.cfg),
+                     read_threads=max(2, self.placement.prefetch_depth))
+
+  def close(self) -> None:
+    """Waits for pending writes and stops the stores' I/O threads."""
+    for store in (self.params, self.opt_state, self.outer, self.parked_grads):
+      store.close()
 
   # --------------------------------------------------------------------------------------------
   # State in and out (checkpoints hold the full, resident-shaped state: portable across engines).
@@ -133,7 +155,7 @@ class StreamedEngine:
     outer = jax.jit(model_lib.init_outer, static_argnums=0)(self.cfg, init_key)
     self.outer.put('params', outer)
     self.outer.put('opt_state', jax.jit(self.tx.init)(outer))
-    init_layers = jax.jit(model_lib.init_layers, static_argnums=(0, 2, 3))
+    init_layers = jax.jit(model_lib.init_layers, static_argnums=(0, 3))
     for g, (start, stop) in enumerate(self.slices):
       group = {'layers': init_layers(self.cfg, layers_key, start, stop - start)}
       self.params.put(g, group)
@@ -142,7 +164,11 @@ class StreamedEngine:
     self.rng = np.asarray(jax.random.key_data(rng))
 
   def export_state(self) -> dict:
-    """The full train state as host numpy arrays (what the resident engine would hold)."""
+    """The full train state as host numpy arrays (what the resident engine would hold).
+
+    Gathers every group in host RAM: fine for the host tier; for a state larger than RAM the NVMe
+    tier needs a streaming checkpoint instead (not implemented yet).
+    """
     outer = {'params': self.outer.get('params'), 'opt_state': self.outer.get('opt_state')}
     groups = [{'params': self.params.get(g), 'opt_state': self.opt_state.get(g)}
               for g in range(len(self.slices))]
@@ -213,6 +239,10 @@ class StreamedEngine:
     self.stats.h2d_bytes += x.nbytes
     return jax.device_put(x, self._device)
 
+  def _host_tree(self, tree):
+    """Host staging (numpy from the NVMe tier) as pinned-host jax arrays for host compute."""
+    return tree if memory_kind(tree) == 'pinned_host' else jax.device_put(tree, self._host)
+
   def _to(self, tree, kind: str):
     """Moves a tree of device arrays to `kind` ('device' or 'pinned_host'), counting bytes."""
     if memory_kind(tree) == kind:
@@ -227,19 +257,34 @@ class StreamedEngine:
   # Updates.
   # --------------------------------------------------------------------------------------------
 
-  def _update_group(self, g: int, grad_sum, device_params, scale, num_micro: int) -> None:
-    """AdamW on group g. `device_params`: the group's weights if still on the device, else None."""
+  def _request_update_inputs(self, g: int, parked: bool):
+    """Starts reading what group g's update needs, so disk reads overlap the compute: its Adam
+    state, and if its gradient was parked (clipping), the gradient and the weights (the
+    backward's device copy is gone by then). Returns (opt, params, grads) handles or None."""
+    if self.placement.optimizer_on == 'host':
+      return (self.opt_state.get_async(g), self.params.get_async(g),
+              self.parked_grads.get_async(g) if parked else None)
+    return (self.opt_state.fetch(g), self.params.fetch(g) if parked else None,
+            self.parked_grads.fetch(g) if parked else None)
+
+  def _update_group(self, g: int, inputs, grad_sum=None, device_params=None, *, scale,
+                    num_micro: int) -> None:
+    """AdamW on group g from `inputs` = _request_update_inputs(g, ...). Right after the group's
+    backward, `grad_sum` and `device_params` (its device copy of the weights) are passed in."""
+    opt, params, parked_grads = inputs
+    grad_sum = resolve(parked_grads) if grad_sum is None else grad_sum
     if self.placement.optimizer_on == 'host':
       scale = jax.device_put(scale, self._host)
-      params, opt = self._host_update(self._to(grad_sum, 'pinned_host'), self.opt_state.get(g),
-                                      self.params.get(g), scale, num_micro)
+      params, opt = self._host_update(self._host_tree(self._to(grad_sum, 'pinned_host')),
+                                      self._host_tree(resolve(opt)),
+                                      self._host_tree(resolve(params)), scale, num_micro)
     else:
-      if device_params is None:  # clipping: the backward's copy is gone; fetch once more
-        device_params = self.params.fetch(g)
-      params, opt = self._device_update(self._to(grad_sum, 'device'), self.opt_state.fetch(g),
-                                        device_params, scale, num_micro)
+      params = device_params if device_params is not None else resolve(params)
+      params, opt = self._device_update(self._to(grad_sum, 'device'), resolve(opt), params,
+                                        scale, num_micro)
     self.params.put(g, params)
     self.opt_state.put(g, opt)
+    self._last_update = (params, opt)
 
   def _update_outer(self, grad_sum, device_params, scale, num_micro: int) -> None:
     params, opt = self._device_update(grad_sum, self.outer.fetch('opt_state'), device_params,
@@ -282,20 +327,24 @@ class StreamedEngine:
     del hidden
 
     # 4. Backward, groups in reverse; each group's update follows its backward at once.
-    squares, parked = [], {}
+    squares, parked = [], []
     backward = Prefetcher(self.params.fetch, reversed(range(len(self.slices))),
                           self.placement.prefetch_depth)
     for g, group_params in backward:
+      if not clipping:  # the update follows this backward: start reading its inputs now
+        update_inputs = self._request_update_inputs(g, parked=False)
       grad_sum = self._zeros(group_params)
       for m in range(num_micro):
         grad_sum, dys[m] = self._group_backward(
             group_params, self._unstash_activation(saved[g][m]), dys[m], positions, grad_sum)
       saved[g] = None
       squares.append(self._sum_squares(grad_sum, num_micro))
-      if clipping:  # park until the global norm is known (in the params' tier)
-        parked[g] = self._to(grad_sum, 'pinned_host' if self.placement.params == 'host' else 'device')
+      if clipping:  # park until the global norm is known
+        self.parked_grads.put(g, grad_sum)
+        parked.append(g)
       else:
-        self._update_group(g, grad_sum, group_params, jnp.ones((), jnp.float32), num_micro)
+        self._update_group(g, update_inputs, grad_sum, group_params,
+                           scale=jnp.ones((), jnp.float32), num_micro=num_micro)
       jax.block_until_ready(dys)
     backward_done = time.perf_counter()
 
@@ -305,21 +354,41 @@ class StreamedEngine:
     squares.append(self._sum_squares(outer_grad, num_micro))
     grad_norm = jnp.sqrt(sum(squares))
     scale = optim.clip_scale(grad_norm, self.grad_clip)
-    for g in sorted(parked):
-      self._update_group(g, parked.pop(g), None, scale, num_micro)
+    order = sorted(parked)
+    next_inputs = self._request_update_inputs(order[0], parked=True) if order else None
+    for i, g in enumerate(order):  # each group's reads are issued one update ahead
+      inputs = next_inputs
+      if i + 1 < len(order):
+        next_inputs = self._request_update_inputs(order[i + 1], parked=True)
+      self._update_group(g, inputs, scale=scale, num_micro=num_micro)
     self._update_outer(outer_grad, outer_params, scale, num_micro)
     loss = loss_sum / num_micro if num_micro > 1 else loss_sum
-    jax.block_until_ready((loss, self.params.get(0), self.opt_state.get(0)))
+    # Wait for the last update's results (not for write-behind to disk, which overlaps the next
+    # step's forward).
+    jax.block_until_ready((loss, self._last_update, self.outer.get('params')))
     finished = time.perf_counter()
 
     lr = self.schedule(self.step)
     self.step += 1
     fetch_wait = forward.wait_s + backward.wait_s
-    return {'learning/loss': loss, 'learning/grad_norm': grad_norm, 'learning/lr': lr,
-            'io/h2d_gb': self.stats.h2d_bytes / _GB, 'io/d2h_gb': self.stats.d2h_bytes / _GB,
-            'perf/fetch_wait_s': fetch_wait,
-            'perf/compute_s': backward_done - started - fetch_wait,
-            'perf/optimizer_s': finished - backward_done}
+    metrics = {'learning/loss': loss, 'learning/grad_norm': grad_norm, 'learning/lr': lr,
+               'io/h2d_gb': self.stats.h2d_bytes / _GB, 'io/d2h_gb': self.stats.d2h_bytes / _GB,
+               'perf/fetch_wait_s': fetch_wait,
+               'perf/compute_s': backward_done - started - fetch_wait,
+               'perf/optimizer_s': finished - backward_done}
+    if 'nvme' in (self.placement.params, self.placement.opt_state):
+      # Disk I/O completed since the previous step's end (write-behind lands a step late).
+      now = self.stats.disk_snapshot()
+      disk = {k: now[k] - self._disk_seen.get(k, 0) for k in now}
+      self._disk_seen = now
+      metrics.update({
+          'io/read_gb': disk['read_bytes'] / _GB,
+          'io/read_gbps': disk['read_bytes'] / _GB / max(disk['read_busy_s'], 1e-9),
+          'io/write_gb': disk['write_bytes'] / _GB,
+          'io/write_gbps': disk['write_bytes'] / _GB / max(disk['write_busy_s'], 1e-9),
+          'io/compression_ratio': disk['write_bytes'] / max(disk['stored_bytes'], 1),
+          'perf/prefetch_stall_s': fetch_wait})
+    return metrics
 
   def eval_losses(self, batches: list[np.ndarray]) -> list[float]:
     """Mean loss of each [B, S+1] batch; layer-major, so each group is fetched once for all."""

@@ -64,7 +64,8 @@ def init_layer(cfg: ModelConfig, key) -> dict:
 
 def init_layers(cfg: ModelConfig, key, start: int, count: int) -> dict:
   """Stacked params of layers [start, start + count): leaves [count, ...]."""
-  keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(start, start + count))
+  # `start` may be traced: one compiled init serves every group of the same size.
+  keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(start + jnp.arange(count))
   return jax.vmap(lambda k: init_layer(cfg, k))(keys)
 
 

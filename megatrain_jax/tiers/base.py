@@ -2,7 +2,10 @@
 
 import abc
 import collections
+import concurrent.futures
 import dataclasses
+import threading
+import time
 from typing import Any, Hashable
 
 import jax
@@ -16,14 +19,61 @@ def tree_nbytes(tree: PyTree) -> int:
 
 @dataclasses.dataclass
 class TransferStats:
-  """Bytes moved between tiers, and fetch counts per (store, key), since the last `reset`."""
+  """Bytes moved between tiers, and fetch counts per (store, key), since the last `reset`.
+
+  Disk figures (NVMe tier): logical bytes read and written, bytes the written files take on disk
+  (for the compression ratio), and the wall time during which at least one read (or write) was
+  in flight, so read_bytes / read_busy_s is the throughput the disk delivered while busy.
+  Updated from I/O threads: go through `add`.
+  """
   h2d_bytes: int = 0
   d2h_bytes: int = 0
+  read_bytes: int = 0
+  write_bytes: int = 0
+  stored_bytes: int = 0
+  read_busy_s: float = 0.0
+  write_busy_s: float = 0.0
   fetches: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+  def add(self, **amounts) -> None:
+    with self.lock:
+      for name, amount in amounts.items():
+        setattr(self, name, getattr(self, name) + amount)
 
   def reset(self) -> None:
-    self.h2d_bytes = self.d2h_bytes = 0
-    self.fetches.clear()
+    """Starts a new step's transfer and fetch counts. Disk counters are cumulative (write-behind
+    lands during the next step): engines report their differences between snapshots."""
+    with self.lock:
+      self.h2d_bytes = self.d2h_bytes = 0
+      self.fetches.clear()
+
+  def disk_snapshot(self) -> dict:
+    with self.lock:
+      return {name: getattr(self, name) for name in ('read_bytes', 'write_bytes', 'stored_bytes',
+                                                      'read_busy_s', 'write_busy_s')}
+
+
+class BusyTimer:
+  """Accumulates the wall time during which at least one operation is in flight (thread-safe)."""
+
+  def __init__(self, stats: TransferStats, field: str):
+    self._stats, self._field = stats, field
+    self._lock = threading.Lock()
+    self._active = 0
+    self._since = 0.0
+
+  def __enter__(self):
+    with self._lock:
+      if self._active == 0:
+        self._since = time.perf_counter()
+      self._active += 1
+
+  def __exit__(self, *exc):
+    with self._lock:
+      self._active -= 1
+      if self._active == 0:
+        self._stats.add(**{self._field: time.perf_counter() - self._since})
 
 
 class Store(abc.ABC):
@@ -49,4 +99,21 @@ class Store(abc.ABC):
 
   @abc.abstractmethod
   def fetch(self, key: Hashable) -> PyTree:
-    """A device-resident copy of the tree under `key`; the transfer is asynchronous."""
+    """A device-resident copy of the tree under `key` (or a Future of one); asynchronous."""
+
+  def get_async(self, key: Hashable) -> concurrent.futures.Future:
+    """`get(key)` as a Future: tiers that must read from disk start the read now."""
+    future = concurrent.futures.Future()
+    future.set_result(self.get(key))
+    return future
+
+  def flush(self) -> None:
+    """Waits until every `put` has reached the tier (a no-op for in-memory tiers)."""
+
+  def close(self) -> None:
+    self.flush()
+
+
+def resolve(value):
+  """The value of a Future, or the value itself."""
+  return value.result() if isinstance(value, concurrent.futures.Future) else value

@@ -4,7 +4,8 @@ Array [L, *leaf_shape] float32; one outer chunk per layer (a zarr3 shard = one f
 split by `sharding_indexed` into inner chunks of at most `shard_mb` so that codecs and reads run
 in parallel over a layer. Every inner chunk and the shard index carry a crc32c checksum: a read of
 a corrupted chunk fails instead of returning wrong numbers. Missing chunks are errors too
-(`fill_missing_data_reads=False`): a layer that was never written is never read as zeros.
+(`fill_missing_data_reads=False`): a layer that was never written is never read as zeros, and
+all-zero chunks are written like any other (`store_data_equal_to_fill_value`).
 
 Codecs (all lossless):
   none   raw little-endian bytes
@@ -31,11 +32,14 @@ def compression_codecs(codec: str, level: int) -> list[dict]:
 
 
 def inner_chunk_shape(layer_shape: tuple[int, ...], shard_mb: float, itemsize: int = 4) -> list[int]:
-  """[1, rows, *rest]: split a layer along its first axis into pieces of at most shard_mb."""
+  """[1, rows, *rest]: split a layer along its first axis into pieces of at most shard_mb
+  (rows divides the first axis; a single row larger than shard_mb stays whole)."""
   if not layer_shape:
     return [1]
   row_bytes = itemsize * math.prod(layer_shape[1:])
-  rows = max(1, min(layer_shape[0], int(shard_mb * 2**20 // max(row_bytes, 1))))
+  max_rows = max(1, min(layer_shape[0], int(shard_mb * 2**20 // max(row_bytes, 1))))
+  # zarr3 needs inner chunks that tile the layer exactly: the largest divisor within the bound.
+  rows = next(r for r in range(max_rows, 0, -1) if layer_shape[0] % r == 0)
   return [1, rows, *layer_shape[1:]]
 
 
@@ -47,6 +51,7 @@ def array_spec(path: str, shape: tuple[int, ...], *, codec: str = 'none', level:
       'driver': 'zarr3',
       'kvstore': {'driver': 'file', 'path': path},
       'fill_missing_data_reads': False,
+      'store_data_equal_to_fill_value': True,  # Adam state starts at zero: still write it
       'metadata': {
           'shape': list(shape),
           'data_type': dtype,

@@ -1,0 +1,342 @@
+"""NVMe-tier codecs on real FP32 training state: compression ratio, write and cold-read MB/s.
+
+    python bench/codecs.py [--dir DIR] [--steps 24] [--mib-per-kind 256] [--layer-mib 32]
+                           [--shard-mb 512,16] [--inflight 1,2,4] [--repeats 2]
+                           [--file-io-mode default] [--raw-gb 1] [--state-cache NPZ]
+                           [--json out.json]
+
+Run as root to get cold reads: the page cache is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`)
+before every cold pass, and `fincore` confirms that none of the files are still cached. Without
+root it falls back to TensorStore's O_DIRECT reads (`file_io_mode: direct`) and says so.
+
+The state is real: a small Llama-style model (4 layers, d_model 512, ~2.9M params per layer) is
+trained for --steps AdamW steps with the resident engine on byte-level tinyshakespeare, then
+
+  weights   params['layers']              adam_m / adam_v   opt_state mu / nu of the layers
+  grads     one more step's raw (unclipped) gradient of loss_fn, params['layers'] part
+
+Each kind is flattened layer by layer into one FP32 stream (~46 MB of real values), tiled
+(repeated) up to --mib-per-kind and cut into benchmark "layers" of --layer-mib, stored as
+[L, rows, 1024] with `megatrain_jax.tiers.codecs.array_spec` (one file per layer, inner chunks of
+at most shard_mb, crc32c). The repeats sit ~46 MB apart, far beyond what any codec here can see
+(zstd-1/-3 windows are 0.5/2 MiB, blosc blocks 1 MiB, one inner chunk at most 512 MiB but every
+chunk compressed on its own), so tiling does not inflate the ratio; it only gives the disk enough
+bytes to time.
+
+Per kind x codec x shard_mb: write MB/s (logical bytes / wall time of one TensorStore write of
+the whole array, which includes fsync), ratio (logical bytes / bytes of the layer files), cold
+read MB/s with 1..N layer reads in flight (each pass after a page-cache drop; best of --repeats
+passes, all kept in the JSON), a warm read (page
+cache) with the most reads in flight, and a bit-exact check of every read. MB = 1e6 bytes.
+"""
+
+import argparse
+import collections
+import functools
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import types
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from megatrain_jax import model as model_lib
+from megatrain_jax import optim
+from megatrain_jax.engine import resident
+from megatrain_jax.model import ModelConfig
+from megatrain_jax.tiers import codecs as tier_codecs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import disk_read  # noqa: E402  (sibling script in bench/)
+
+MODEL = ModelConfig(vocab_size=256, d_model=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                    d_ff=1376, max_seq_len=256)
+TRAIN = types.SimpleNamespace(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+                              warmup_steps=5, steps=24, min_lr_ratio=0.1)
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                    '../../shared/data/tinyshakespeare/input.txt')
+CODECS = (('none', 0), ('zstd', 1), ('zstd', 3), ('blosc', 1))  # (codec, level)
+ROW = 1024  # floats per row of the benchmark arrays: 4 KiB, the unit inner chunks are cut in
+
+
+def _layers_flat(tree) -> np.ndarray:
+  """{'layers': leaves [L, ...]} subtree -> [L, P] float32, each layer's leaves concatenated."""
+  leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
+  num_layers = leaves[0].shape[0]
+  return np.concatenate([x.reshape(num_layers, -1) for x in leaves], axis=1)
+
+
+def make_state(steps: int, batch: int, seq: int, seed: int = 0, cache: str = ''):
+  """Trains MODEL for `steps` steps; returns ({kind: [L, P] float32}, loss log, from_cache).
+
+  With `cache`, a .npz saved by an earlier run with the same settings is loaded instead of
+  training again (training is most of a run's time on 2 cores); otherwise it is written there.
+  """
+  settings = np.array([steps, batch, seq, seed])
+  if cache and os.path.exists(cache):
+    saved = np.load(cache)
+    if np.array_equal(saved['settings'], settings):
+      kinds = {k: saved[k] for k in ('weights', 'adam_m', 'adam_v', 'grads')}
+      return kinds, list(saved['losses']), True
+  text = np.frombuffer(open(DATA, 'rb').read(), np.uint8)
+  rng = np.random.default_rng(seed)
+
+  def next_batch():  # [1, B, S+1]: one microbatch of random byte windows
+    starts = rng.integers(0, len(text) - seq - 1, batch)
+    return np.stack([text[s:s + seq + 1] for s in starts]).astype(np.int32)[None]
+
+  train = types.SimpleNamespace(**{**vars(TRAIN), 'steps': steps})
+  tx, schedule = optim.make_optimizer(train), optim.lr_schedule(train)
+  engine = resident.ResidentEngine(MODEL, tx, schedule, grad_clip=1.0, seed=seed)
+  losses = [float(engine.train_step(next_batch())['learning/loss']) for _ in range(steps)]
+  state = engine.export_state()
+  # optax.adamw = chain(scale_by_adam, add_decayed_weights, scale_by_lr): [0] holds mu and nu.
+  adam = state['opt_state'][0]
+  grads = jax.jit(jax.grad(functools.partial(model_lib.loss_fn, MODEL)))(
+      state['params'], next_batch()[0])
+  kinds = {'weights': _layers_flat(state['params']['layers']),
+           'adam_m': _layers_flat(adam.mu['layers']),
+           'adam_v': _layers_flat(adam.nu['layers']),
+           'grads': _layers_flat(grads['layers'])}
+  if cache:
+    np.savez(cache, settings=settings, losses=np.array(losses), **kinds)
+  return kinds, losses, False
+
+
+def stack(flat: np.ndarray, total_mib: int, layer_mib: int) -> np.ndarray:
+  """Real values [L, P] tiled cyclically to [total/layer, rows, ROW] float32."""
+  rows = layer_mib * 2**20 // (4 * ROW)
+  num = max(1, total_mib // layer_mib)
+  return np.resize(flat.reshape(-1), (num, rows, ROW))
+
+
+def _context(file_io_mode: str) -> ts.Context:
+  # As the NVMe tier (tiers/nvme.py): no chunk cache, so a read always goes to the file.
+  spec = {'cache_pool': {'total_bytes_limit': 0},
+          'data_copy_concurrency': {'limit': os.cpu_count() or 2}}
+  if file_io_mode != 'default':
+    spec['file_io_mode'] = {'mode': file_io_mode}
+  return ts.Context(spec)
+
+
+def read_pass(spec: dict, num_layers: int, inflight: int, context: ts.Context):
+  """Reads layer by layer keeping `inflight` layer reads outstanding; (seconds, [arrays])."""
+  store = ts.open(spec, open=True, context=context).result()  # metadata read, not timed
+  out = [None] * num_layers
+  pending = collections.deque()
+  started = time.perf_counter()
+  for layer in range(num_layers):
+    if len(pending) == inflight:
+      done, future = pending.popleft()
+      out[done] = future.result()
+    pending.append((layer, store[layer].read()))
+  while pending:
+    done, future = pending.popleft()
+    out[done] = future.result()
+  return time.perf_counter() - started, out
+
+
+def bit_exact(out, data) -> bool:
+  # Compare bits, not values: NaN != NaN and -0.0 == 0.0 would hide a lossy round trip.
+  return all(np.array_equal(o.view(np.uint32), d.view(np.uint32)) for o, d in zip(out, data))
+
+
+def bench_one(directory, data, codec, level, shard_mb, inflights, repeats, cold_mode,
+              file_io_mode):
+  path = os.path.join(directory, f'{codec}{level}_{shard_mb}')
+  spec = tier_codecs.array_spec(path, data.shape, codec=codec, level=level, shard_mb=shard_mb)
+  logical = data.nbytes
+  files = [tier_codecs.chunk_file(path, layer, data.ndim) for layer in range(data.shape[0])]
+
+  store = ts.open(spec, create=True, delete_existing=True, context=_context('default')).result()
+  started = time.perf_counter()
+  store.write(data).result()  # resolves once the shard files are written (and fsynced)
+  write_s = time.perf_counter() - started
+  stored = sum(os.path.getsize(f) for f in files)
+
+  row = {'codec': codec, 'level': level, 'shard_mb': shard_mb,
+         'inner_chunks_per_layer': -(-data.shape[1] // tier_codecs.inner_chunk_shape(
+             data.shape[1:], shard_mb)[1]),
+         'logical_bytes': logical, 'stored_bytes': stored, 'ratio': logical / stored,
+         'write_mbps': logical / write_s / 1e6, 'cold_read_mbps': {}, 'cached_before_read': {},
+         'bit_exact': True}
+  read_mode = 'direct' if cold_mode == 'o_direct' else file_io_mode
+  row['cold_read_samples'] = {}
+  for n in inflights:
+    samples = []
+    for _ in range(repeats):
+      if cold_mode == 'drop_caches':
+        disk_read.drop_page_cache()
+      cached = disk_read.cached_bytes(files)
+      row['cached_before_read'][n] = max(cached or 0, row['cached_before_read'].get(n, 0))
+      seconds, out = read_pass(spec, data.shape[0], n, _context(read_mode))
+      samples.append(logical / seconds / 1e6)
+      row['bit_exact'] &= bit_exact(out, data)
+      del out
+    # Best of the repeats: on a shared machine the slower passes are the ones others disturbed.
+    row['cold_read_samples'][n] = samples
+    row['cold_read_mbps'][n] = max(samples)
+  # Warm: the last cold pass left the files in the page cache (unless reads were O_DIRECT), so
+  # these passes price decode + copies alone: the ceiling of the codec on these cores.
+  warm = []
+  for _ in range(repeats):
+    seconds, out = read_pass(spec, data.shape[0], max(inflights), _context(read_mode))
+    warm.append(logical / seconds / 1e6)
+    row['bit_exact'] &= bit_exact(out, data)
+    del out
+  row['warm_read_samples'], row['warm_read_mbps'] = warm, max(warm)
+  shutil.rmtree(path)
+  return row
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--dir', default='', help='scratch directory (default: a fresh '
+                      '/tmp/megatrain_bench_*); everything written is deleted at the end')
+  parser.add_argument('--steps', type=int, default=24, help='training steps before sampling')
+  parser.add_argument('--batch', type=int, default=8)
+  parser.add_argument('--seq', type=int, default=128)
+  parser.add_argument('--state-cache', default='', help='.npz to reuse the trained state across '
+                      'runs (e.g. /tmp/codecs_state.npz); trained and saved if missing')
+  parser.add_argument('--mib-per-kind', type=int, default=256)
+  parser.add_argument('--layer-mib', type=int, default=32, help='bytes per layer file')
+  parser.add_argument('--shard-mb', default='512,16', help='inner chunk sizes to compare')
+  parser.add_argument('--inflight', default='1,2,4', help='layer reads kept in flight')
+  parser.add_argument('--repeats', type=int, default=2,
+                      help='cold passes per in-flight setting; the table shows the best')
+  parser.add_argument('--kinds', default='weights,adam_m,adam_v,grads')
+  parser.add_argument('--file-io-mode', default='default', choices=('default', 'memmap', 'direct'),
+                      help="TensorStore 'file_io_mode' for reads")
+  parser.add_argument('--raw-gb', type=float, default=1,
+                      help='GiB for the dd reference read (bench/disk_read.py); 0 = skip')
+  parser.add_argument('--json', default='')
+  args = parser.parse_args()
+  shard_mbs = [float(s) if '.' in s else int(s) for s in args.shard_mb.split(',')]
+  inflights = [int(s) for s in args.inflight.split(',')]
+  kinds_wanted = args.kinds.split(',')
+
+  own_dir = not args.dir
+  directory = args.dir or tempfile.mkdtemp(prefix='megatrain_bench_', dir='/tmp')
+  os.makedirs(directory, exist_ok=True)
+  try:
+    started = time.perf_counter()
+    flats, losses, from_cache = make_state(args.steps, args.batch, args.seq, cache=args.state_cache)
+    train_s = time.perf_counter() - started
+
+    # Can this process drop the page cache? Proved on a real file: cached after a read, gone after.
+    probe = os.path.join(directory, 'probe.bin')
+    with open(probe, 'wb') as f:
+      f.write(np.random.default_rng(0).bytes(8 << 20))
+    with open(probe, 'rb') as f:
+      f.read()
+    cached_probe = disk_read.cached_bytes([probe])
+    drop_ok = disk_read.drop_page_cache()
+    after_drop = disk_read.cached_bytes([probe])
+    os.remove(probe)
+    drop_ok = drop_ok and after_drop in (0, None)
+    cold_mode = 'drop_caches' if drop_ok else 'o_direct'
+
+    raw = disk_read.raw_read_gbps(directory, args.raw_gb, repeats=1) if args.raw_gb else None
+
+    results = []
+    for kind in kinds_wanted:
+      data = stack(flats[kind], args.mib_per_kind, args.layer_mib)
+      repeats = data.size / flats[kind].size
+      for codec, level in CODECS:
+        for shard_mb in shard_mbs:
+          row = bench_one(directory, data, codec, level, shard_mb, inflights, args.repeats,
+                          cold_mode, args.file_io_mode)
+          row.update(kind=kind, real_bytes=flats[kind].nbytes, repeats=repeats)
+          results.append(row)
+          print(f'  {kind} {codec}-{level} shard {shard_mb}: ratio {row["ratio"]:.3f} '
+                f'write {row["write_mbps"]:.0f} cold {row["cold_read_mbps"]} '
+                f'warm {row["warm_read_mbps"]:.0f} exact {row["bit_exact"]}', flush=True)
+      del data
+  finally:
+    if own_dir:
+      shutil.rmtree(directory, ignore_errors=True)
+
+  # --- report ----------------------------------------------------------------------------------
+  print()
+  print(f'machine: {platform.node()}, {os.cpu_count()} cores, load average '
+        f'{os.getloadavg()[0]:.2f}; tensorstore zarr3, file_io_mode {args.file_io_mode}')
+  print(f'state: {MODEL.num_layers}-layer d_model {MODEL.d_model} model trained {args.steps} steps '
+        f'(B={args.batch}, S={args.seq}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, '
+        f'{"loaded from --state-cache" if from_cache else f"{train_s:.0f} s"}); per kind {flats["weights"].nbytes / 1e6:.1f} MB of real values tiled '
+        f'{results[0]["repeats"]:.1f}x to {args.mib_per_kind} MiB = '
+        f'{args.mib_per_kind // args.layer_mib} layer files of {args.layer_mib} MiB')
+  print(f'cold reads: {cold_mode} (drop_caches works: {drop_ok}; probe cached before drop '
+        f'{cached_probe} B, after {after_drop} B); most layer-file bytes still cached before any '
+        f'cold pass (fincore): {max(max(r["cached_before_read"].values()) for r in results)} B; '
+        f'best of {args.repeats} cold passes')
+  if raw:
+    print(f'dd reference, {raw["size_bytes"] / 2**30:.1f} GiB bs=16M: buffered cold '
+          f'{raw["buffered_cold_gbps"] or 0:.2f} GB/s, O_DIRECT {raw["direct_gbps"]:.2f} GB/s, '
+          f'page cache {raw["cached_gbps"] or 0:.2f} GB/s, '
+          f'write+fsync {raw["write_gbps"]:.2f} GB/s')
+  print()
+  head = ' | '.join(f'cold read MB/s ({n} in flight)' for n in inflights)
+  print(f'| kind | codec | shard MB (chunks/layer) | ratio | write MB/s | {head} | '
+        f'warm read MB/s ({max(inflights)}) | bit-exact |')
+  print('|---|---|---|---|---|' + '---|' * len(inflights) + '---|---|')
+  for r in results:
+    cold = ' | '.join(f'{r["cold_read_mbps"][n]:.0f}' for n in inflights)
+    print(f'| {r["kind"]} | {r["codec"]}{"-" + str(r["level"]) if r["level"] else ""} | '
+          f'{r["shard_mb"]} ({r["inner_chunks_per_layer"]}) | {r["ratio"]:.3f} | '
+          f'{r["write_mbps"]:.0f} | {cold} | {r["warm_read_mbps"]:.0f} | '
+          f'{"yes" if r["bit_exact"] else "NO"} |')
+
+  print()
+  n = max(inflights)
+  for metric, label in (('write_mbps', 'write'), ('cold', f'cold read, {n} in flight')):
+    winners = []
+    for kind in kinds_wanted:
+      rows = [r for r in results if r['kind'] == kind]
+      key = (lambda r: r['write_mbps']) if metric == 'write_mbps' else (
+          lambda r: r['cold_read_mbps'][n])
+      best = max(rows, key=key)
+      winners.append(f'{kind}: {best["codec"]}{"-" + str(best["level"]) if best["level"] else ""}'
+                     f' (shard {best["shard_mb"]}, {key(best):.0f} MB/s)')
+    print(f'fastest {label}: ' + '; '.join(winners))
+
+  # Per codec, averaged over kinds, each kind at its better shard size: one line to pick from.
+  print()
+  print(f'| codec (mean over kinds, better shard size each) | ratio | write MB/s | '
+        f'cold read MB/s ({n} in flight) |')
+  print('|---|---|---|---|')
+  summary = {}
+  for codec, level in CODECS:
+    picked = [max((r for r in results if r['kind'] == kind and r['codec'] == codec
+                   and r['level'] == level), key=lambda r: r['cold_read_mbps'][n])
+              for kind in kinds_wanted]
+    name = f'{codec}-{level}' if level else codec
+    summary[name] = {k: float(np.mean(v)) for k, v in (
+        ('ratio', [r['ratio'] for r in picked]), ('write_mbps', [r['write_mbps'] for r in picked]),
+        ('cold_read_mbps', [r['cold_read_mbps'][n] for r in picked]))}
+    avg = summary[name]
+    print(f'| {name} | {avg["ratio"]:.3f} | {avg["write_mbps"]:.0f} | '
+          f'{avg["cold_read_mbps"]:.0f} |')
+  best = max(summary, key=lambda c: summary[c]['cold_read_mbps'])
+  print(f'\nthroughput winner on this disk (cold read, {n} in flight, lossless): {best}'
+        + (' -- no compression' if best == 'none' else
+           f' ({summary[best]["cold_read_mbps"] / summary["none"]["cold_read_mbps"]:.2f}x none)'))
+  if not all(r['bit_exact'] for r in results):
+    print('ERROR: some round trips were not bit-exact')
+
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump({'args': vars(args), 'cold_mode': cold_mode, 'drop_caches_ok': drop_ok,
+                 'losses': losses, 'raw_dd': raw, 'summary': summary, 'winner': best,
+                 'results': results}, f, indent=2)
+  if not all(r['bit_exact'] for r in results):
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  main()

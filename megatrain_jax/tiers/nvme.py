@@ -1,0 +1,204 @@
+"""The NVMe tier: stacked leaves in TensorStore zarr3 arrays on local disk (layout: codecs.py).
+
+Reads run on background reader threads (`fetch` returns a Future: disk -> host staging ->
+device), so the prefetcher keeps `prefetch_depth` groups in flight. Writes are write-behind:
+`put` queues the updated leaves (still device arrays: the copy to host happens on the writer
+thread, so the main thread never waits for the update to finish) and returns; at most
+`max_pending_writes` groups may be queued, after which `put` blocks (back-pressure, bounded RAM).
+A read of key k first waits for the pending write of k, so step n+1 always reads step n's values.
+
+Leaves whose tree path goes through 'layers' are stored on disk, one array per leaf path,
+[num_layers, ...] with one file per layer; other leaves (optax step counts) are scalars kept in
+memory.
+"""
+
+import concurrent.futures
+import os
+import pathlib
+import re
+import shutil
+import threading
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from megatrain_jax.errors import ConfigError, StoreCorruptionError
+from megatrain_jax.tiers import codecs
+from megatrain_jax.tiers.base import BusyTimer, Store, TransferStats
+
+_LAYERS = "['layers']"
+
+
+def _array_name(path: str) -> str:
+  """Tree path -> directory name: "[0].mu['layers']['attn']['q_proj']['kernel']" ->
+  "0.mu.layers.attn.q_proj.kernel"."""
+  return re.sub(r'[^A-Za-z0-9_]+', '.', path).strip('.')
+
+
+class NvmeStore(Store):
+  """Named trees of layer-group leaves on disk; `key` g covers layers slices[g]."""
+
+  tier = 'nvme'
+
+  def __init__(self, name: str, stats: TransferStats, *, directory: str,
+               slices: list[tuple[int, int]], codec: str = 'none', level: int = 1,
+               shard_mb: float = 512, max_pending_writes: int = 2, read_threads: int = 2):
+    super().__init__(name, stats)
+    self.directory = pathlib.Path(directory) / name
+    if self.directory.exists():  # the live store is never trusted across runs: resume = reload
+      shutil.rmtree(self.directory)
+    self.directory.mkdir(parents=True)
+    self.slices = slices
+    self.num_layers = slices[-1][1]
+    self._codec = dict(codec=codec, level=level, shard_mb=shard_mb)
+    self._context = ts.Context({'cache_pool': {'total_bytes_limit': 0},
+                                'data_copy_concurrency': {'limit': os.cpu_count() or 2}})
+    self._arrays: dict[str, ts.TensorStore] = {}  # tree path -> array [L, ...]
+    self._structure = {}  # key -> (treedef, [paths])
+    self._small = {}  # key -> {path: small in-memory leaf}
+    self._pending: dict = {}  # key -> Future of the newest write
+    self._write_slots = threading.BoundedSemaphore(max_pending_writes)
+    self._readers = concurrent.futures.ThreadPoolExecutor(read_threads, f'{name}-read')
+    self._writers = concurrent.futures.ThreadPoolExecutor(1, f'{name}-write')
+    self._read_timer = BusyTimer(stats, 'read_busy_s')
+    self._write_timer = BusyTimer(stats, 'write_busy_s')
+    self._device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind='device')
+
+  def keys(self):
+    return self._structure.keys()
+
+  # --- writing ---------------------------------------------------------------------------------
+
+  def _array(self, path: str, layer_shape) -> ts.TensorStore:
+    if path not in self._arrays:
+      spec = codecs.array_spec(str(self.directory / _array_name(path)),
+                               (self.num_layers, *layer_shape), **self._codec)
+      self._arrays[path] = ts.open(spec, create=True, delete_existing=True,
+                                   context=self._context).result()
+    return self._arrays[path]
+
+  def put(self, key, tree) -> None:
+    """Queues `tree` for writing; blocks only while max_pending_writes writes are queued."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    leaves = [x for _, x in flat]
+    previous = self._pending.get(key)
+    self._raise_failed(previous)
+    self._write_slots.acquire()
+    self._structure[key] = (treedef, paths)
+    future = self._writers.submit(self._write, key, paths, leaves, previous)
+    future.add_done_callback(lambda _: self._write_slots.release())
+    self._pending[key] = future
+
+  def _write(self, key, paths, leaves, previous) -> None:
+    if previous is not None:
+      previous.result()  # writes of one key land in order
+    start, stop = self.slices[key]
+    small, writes, nbytes, files = {}, [], 0, []
+    with self._write_timer:
+      for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, jax.Array) and leaf.sharding.memory_kind == 'device':
+          self.stats.add(d2h_bytes=leaf.nbytes)
+        host = np.asarray(leaf)  # waits for the update that produced it
+        if _LAYERS not in path:
+          small[path] = host
+          continue
+        array = self._array(path, host.shape[1:])
+        writes.append(array[start:stop].write(host))
+        nbytes += host.nbytes
+        files += [codecs.chunk_file(str(self.directory / _array_name(path)), layer, host.ndim)
+                  for layer in range(start, stop)]
+      for write in writes:
+        write.result()
+    self._small[key] = small
+    self.stats.add(write_bytes=nbytes, stored_bytes=sum(os.path.getsize(f) for f in files))
+
+  def _raise_failed(self, future) -> None:
+    if future is not None and future.done() and future.exception() is not None:
+      raise future.exception()
+
+  def flush(self) -> None:
+    for future in list(self._pending.values()):
+      future.result()
+
+  # --- reading ---------------------------------------------------------------------------------
+
+  def _read(self, key):
+    pending = self._pending.get(key)
+    if pending is not None:
+      pending.result()  # read-after-write: see the newest values of this key
+    treedef, paths = self._structure[key]
+    start, stop = self.slices[key]
+    small = self._small[key]
+    with self._read_timer:
+      reads = {p: self._arrays[p][start:stop].read() for p in paths if _LAYERS in p}
+      leaves = []
+      for path in paths:
+        if path in reads:
+          leaves.append(self._result(path, reads[path], start, stop))
+        else:
+          leaves.append(small[path])
+    self.stats.add(read_bytes=sum(x.nbytes for p, x in zip(paths, leaves) if p in reads))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+  def _result(self, path, read, start, stop) -> np.ndarray:
+    try:
+      return read.result()
+    except ValueError as error:  # TensorStore reports DATA_LOSS / NOT_FOUND as ValueError
+      array = self._arrays[path]
+      for layer in range(start, stop):  # name the first bad layer and its file
+        try:
+          array[layer:layer + 1].read().result()
+        except ValueError as layer_error:
+          file = codecs.chunk_file(str(self.directory / _array_name(path)), layer, array.ndim)
+          raise StoreCorruptionError(
+              f'NVMe store {self.name!r}: array {_array_name(path)} layer {layer} in file {file} '
+              f'cannot be read back intact ({layer_error}). Training stops rather than use '
+              'damaged data: check the disk, then resume from the last checkpoint.') from error
+      raise
+
+  def get(self, key):
+    """The tree as host numpy arrays (a disk read)."""
+    return self._read(key)
+
+  def get_async(self, key) -> concurrent.futures.Future:
+    return self._readers.submit(self._read, key)
+
+  def fetch(self, key) -> concurrent.futures.Future:
+    """Disk -> host -> device on a reader thread; returns a Future of the device tree."""
+    self.stats.fetches[(self.name, key)] += 1
+
+    def read_to_device():
+      tree = self._read(key)
+      self.stats.add(h2d_bytes=sum(x.nbytes for x in jax.tree.leaves(tree)))
+      return jax.device_put(tree, self._device)
+
+    return self._readers.submit(read_to_device)
+
+  def close(self) -> None:
+    self.flush()
+    self._readers.shutdown(wait=True)
+    self._writers.shutdown(wait=True)
+
+
+def nvme_bytes(layer_params_bytes: int, params_tier: str, opt_tier: str) -> int:
+  """Disk bytes the NVMe stores need, uncompressed: 4 B/param for weights, 8 for Adam m and v."""
+  return layer_params_bytes * ((params_tier == 'nvme') + 2 * (opt_tier == 'nvme'))
+
+
+def check_offload_dir(directory: str, needed_bytes: int) -> None:
+  """offload.dir must be writable and hold `needed_bytes`; checked before anything is written."""
+  path = pathlib.Path(directory).expanduser().absolute()
+  existing = path
+  while not existing.exists():
+    existing = existing.parent
+  if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f'offload.dir={directory}: {existing} is not a writable directory. Point '
+                      'offload.dir at a directory on a local disk you can write to.')
+  free = shutil.disk_usage(existing).free
+  if free < needed_bytes:
+    raise ConfigError(
+        f'offload.dir={directory}: the NVMe stores need {needed_bytes / 1e9:,.2f} GB '
+        f'(uncompressed FP32) but only {free / 1e9:,.2f} GB are free there. Free space, point '
+        'offload.dir at a larger disk, or keep offload.opt_state (2/3 of it) on host.')
