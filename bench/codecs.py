@@ -28,6 +28,10 @@ the whole array, which includes fsync), ratio (logical bytes / bytes of the laye
 read MB/s with 1..N layer reads in flight (each pass after a page-cache drop; best of --repeats
 passes, all kept in the JSON), a warm read (page
 cache) with the most reads in flight, and a bit-exact check of every read. MB = 1e6 bytes.
+`--file-io-mode default,memmap,direct` reads the same files in each TensorStore file I/O mode
+(`memmap` maps the file instead of read(2) into a buffer; `direct` uses O_DIRECT). Writes always
+use the default mode. The tables end with each codec averaged over the kinds and the fastest
+codec for cold reads with the most reads in flight.
 """
 
 import argparse
@@ -116,6 +120,10 @@ def stack(flat: np.ndarray, total_mib: int, layer_mib: int) -> np.ndarray:
   return np.resize(flat.reshape(-1), (num, rows, ROW))
 
 
+def _label(row) -> str:
+  return f'{row["codec"]}-{row["level"]}' if row['level'] else row['codec']
+
+
 def _context(file_io_mode: str) -> ts.Context:
   # As the NVMe tier (tiers/nvme.py): no chunk cache, so a read always goes to the file.
   spec = {'cache_pool': {'total_bytes_limit': 0},
@@ -147,8 +155,41 @@ def bit_exact(out, data) -> bool:
   return all(np.array_equal(o.view(np.uint32), d.view(np.uint32)) for o, d in zip(out, data))
 
 
+def read_passes(spec, data, files, inflights, repeats, cold_mode, read_mode) -> dict:
+  """Cold passes (best of `repeats` per in-flight setting), then warm passes, in `read_mode`."""
+  logical, num_layers = data.nbytes, data.shape[0]
+  row = {'file_io_mode': read_mode, 'cold_read_mbps': {}, 'cold_read_samples': {},
+         'cached_before_read': {}, 'bit_exact': True}
+  for n in inflights:
+    samples = []
+    for _ in range(repeats):
+      if cold_mode == 'drop_caches':
+        disk_read.drop_page_cache()
+      cached = disk_read.cached_bytes(files) or 0
+      row['cached_before_read'][n] = max(cached, row['cached_before_read'].get(n, 0))
+      seconds, out = read_pass(spec, num_layers, n, _context(read_mode))
+      samples.append(logical / seconds / 1e6)
+      row['bit_exact'] &= bit_exact(out, data)
+      del out
+    # Best of the repeats: on a shared machine the slower passes are the ones others disturbed.
+    row['cold_read_samples'][n] = samples
+    row['cold_read_mbps'][n] = max(samples)
+  # Warm: the last cold pass left the files in the page cache, so these passes price decode and
+  # copies alone: the ceiling of the codec on these cores. (O_DIRECT reads never fill the cache:
+  # in 'direct' mode they are just more uncached passes.)
+  warm = []
+  for _ in range(repeats):
+    seconds, out = read_pass(spec, num_layers, max(inflights), _context(read_mode))
+    warm.append(logical / seconds / 1e6)
+    row['bit_exact'] &= bit_exact(out, data)
+    del out
+  row['warm_read_samples'], row['warm_read_mbps'] = warm, max(warm)
+  return row
+
+
 def bench_one(directory, data, codec, level, shard_mb, inflights, repeats, cold_mode,
-              file_io_mode):
+              read_modes) -> list[dict]:
+  """Writes `data` once with this codec; one result row per TensorStore file_io_mode read."""
   path = os.path.join(directory, f'{codec}{level}_{shard_mb}')
   spec = tier_codecs.array_spec(path, data.shape, codec=codec, level=level, shard_mb=shard_mb)
   logical = data.nbytes
@@ -160,39 +201,15 @@ def bench_one(directory, data, codec, level, shard_mb, inflights, repeats, cold_
   write_s = time.perf_counter() - started
   stored = sum(os.path.getsize(f) for f in files)
 
-  row = {'codec': codec, 'level': level, 'shard_mb': shard_mb,
-         'inner_chunks_per_layer': -(-data.shape[1] // tier_codecs.inner_chunk_shape(
-             data.shape[1:], shard_mb)[1]),
-         'logical_bytes': logical, 'stored_bytes': stored, 'ratio': logical / stored,
-         'write_mbps': logical / write_s / 1e6, 'cold_read_mbps': {}, 'cached_before_read': {},
-         'bit_exact': True}
-  read_mode = 'direct' if cold_mode == 'o_direct' else file_io_mode
-  row['cold_read_samples'] = {}
-  for n in inflights:
-    samples = []
-    for _ in range(repeats):
-      if cold_mode == 'drop_caches':
-        disk_read.drop_page_cache()
-      cached = disk_read.cached_bytes(files)
-      row['cached_before_read'][n] = max(cached or 0, row['cached_before_read'].get(n, 0))
-      seconds, out = read_pass(spec, data.shape[0], n, _context(read_mode))
-      samples.append(logical / seconds / 1e6)
-      row['bit_exact'] &= bit_exact(out, data)
-      del out
-    # Best of the repeats: on a shared machine the slower passes are the ones others disturbed.
-    row['cold_read_samples'][n] = samples
-    row['cold_read_mbps'][n] = max(samples)
-  # Warm: the last cold pass left the files in the page cache (unless reads were O_DIRECT), so
-  # these passes price decode + copies alone: the ceiling of the codec on these cores.
-  warm = []
-  for _ in range(repeats):
-    seconds, out = read_pass(spec, data.shape[0], max(inflights), _context(read_mode))
-    warm.append(logical / seconds / 1e6)
-    row['bit_exact'] &= bit_exact(out, data)
-    del out
-  row['warm_read_samples'], row['warm_read_mbps'] = warm, max(warm)
+  common = {'codec': codec, 'level': level, 'shard_mb': shard_mb,
+            'inner_chunks_per_layer': -(-data.shape[1] // tier_codecs.inner_chunk_shape(
+                data.shape[1:], shard_mb)[1]),
+            'logical_bytes': logical, 'stored_bytes': stored, 'ratio': logical / stored,
+            'write_mbps': logical / write_s / 1e6}
+  rows = [{**common, **read_passes(spec, data, files, inflights, repeats, cold_mode, mode)}
+          for mode in read_modes]
   shutil.rmtree(path)
-  return row
+  return rows
 
 
 def main():
@@ -211,8 +228,9 @@ def main():
   parser.add_argument('--repeats', type=int, default=2,
                       help='cold passes per in-flight setting; the table shows the best')
   parser.add_argument('--kinds', default='weights,adam_m,adam_v,grads')
-  parser.add_argument('--file-io-mode', default='default', choices=('default', 'memmap', 'direct'),
-                      help="TensorStore 'file_io_mode' for reads")
+  parser.add_argument('--file-io-mode', default='default',
+                      help="TensorStore 'file_io_mode' for reads: default, memmap, direct, or a "
+                      "comma list to compare them on the same files")
   parser.add_argument('--raw-gb', type=float, default=1,
                       help='GiB for the dd reference read (bench/disk_read.py); 0 = skip')
   parser.add_argument('--json', default='')
@@ -220,6 +238,7 @@ def main():
   shard_mbs = [float(s) if '.' in s else int(s) for s in args.shard_mb.split(',')]
   inflights = [int(s) for s in args.inflight.split(',')]
   kinds_wanted = args.kinds.split(',')
+  read_modes = args.file_io_mode.split(',')
 
   own_dir = not args.dir
   directory = args.dir or tempfile.mkdtemp(prefix='megatrain_bench_', dir='/tmp')
@@ -241,6 +260,8 @@ def main():
     os.remove(probe)
     drop_ok = drop_ok and after_drop in (0, None)
     cold_mode = 'drop_caches' if drop_ok else 'o_direct'
+    if not drop_ok:  # without a drop only O_DIRECT reads are cold
+      read_modes = ['direct']
 
     raw = disk_read.raw_read_gbps(directory, args.raw_gb, repeats=1) if args.raw_gb else None
 
@@ -250,13 +271,14 @@ def main():
       repeats = data.size / flats[kind].size
       for codec, level in CODECS:
         for shard_mb in shard_mbs:
-          row = bench_one(directory, data, codec, level, shard_mb, inflights, args.repeats,
-                          cold_mode, args.file_io_mode)
-          row.update(kind=kind, real_bytes=flats[kind].nbytes, repeats=repeats)
-          results.append(row)
-          print(f'  {kind} {codec}-{level} shard {shard_mb}: ratio {row["ratio"]:.3f} '
-                f'write {row["write_mbps"]:.0f} cold {row["cold_read_mbps"]} '
-                f'warm {row["warm_read_mbps"]:.0f} exact {row["bit_exact"]}', flush=True)
+          for row in bench_one(directory, data, codec, level, shard_mb, inflights, args.repeats,
+                               cold_mode, read_modes):
+            row.update(kind=kind, real_bytes=flats[kind].nbytes, repeats=repeats)
+            results.append(row)
+            cold = ', '.join(f'{v:.0f}' for v in row['cold_read_mbps'].values())
+            print(f'  {kind} {codec}-{level} shard {shard_mb} {row["file_io_mode"]}: ratio '
+                  f'{row["ratio"]:.3f} write {row["write_mbps"]:.0f} cold {cold} '
+                  f'warm {row["warm_read_mbps"]:.0f} exact {row["bit_exact"]}', flush=True)
       del data
   finally:
     if own_dir:
@@ -265,75 +287,68 @@ def main():
   # --- report ----------------------------------------------------------------------------------
   print()
   print(f'machine: {platform.node()}, {os.cpu_count()} cores, load average '
-        f'{os.getloadavg()[0]:.2f}; tensorstore zarr3, file_io_mode {args.file_io_mode}')
+        f'{os.getloadavg()[0]:.2f} (others share it); TensorStore zarr3')
+  trained = 'loaded from --state-cache' if from_cache else f'{train_s:.0f} s'
   print(f'state: {MODEL.num_layers}-layer d_model {MODEL.d_model} model trained {args.steps} steps '
-        f'(B={args.batch}, S={args.seq}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, '
-        f'{"loaded from --state-cache" if from_cache else f"{train_s:.0f} s"}); per kind {flats["weights"].nbytes / 1e6:.1f} MB of real values tiled '
+        f'(B={args.batch}, S={args.seq}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, {trained}); '
+        f'per kind {flats["weights"].nbytes / 1e6:.1f} MB of real values tiled '
         f'{results[0]["repeats"]:.1f}x to {args.mib_per_kind} MiB = '
         f'{args.mib_per_kind // args.layer_mib} layer files of {args.layer_mib} MiB')
+  still_cached = max(max(r['cached_before_read'].values()) for r in results)
   print(f'cold reads: {cold_mode} (drop_caches works: {drop_ok}; probe cached before drop '
         f'{cached_probe} B, after {after_drop} B); most layer-file bytes still cached before any '
-        f'cold pass (fincore): {max(max(r["cached_before_read"].values()) for r in results)} B; '
-        f'best of {args.repeats} cold passes')
+        f'cold pass (fincore): {still_cached} B; best of {args.repeats} cold passes')
   if raw:
     print(f'dd reference, {raw["size_bytes"] / 2**30:.1f} GiB bs=16M: buffered cold '
           f'{raw["buffered_cold_gbps"] or 0:.2f} GB/s, O_DIRECT {raw["direct_gbps"]:.2f} GB/s, '
           f'page cache {raw["cached_gbps"] or 0:.2f} GB/s, '
           f'write+fsync {raw["write_gbps"]:.2f} GB/s')
   print()
-  head = ' | '.join(f'cold read MB/s ({n} in flight)' for n in inflights)
-  print(f'| kind | codec | shard MB (chunks/layer) | ratio | write MB/s | {head} | '
-        f'warm read MB/s ({max(inflights)}) | bit-exact |')
-  print('|---|---|---|---|---|' + '---|' * len(inflights) + '---|---|')
-  for r in results:
-    cold = ' | '.join(f'{r["cold_read_mbps"][n]:.0f}' for n in inflights)
-    print(f'| {r["kind"]} | {r["codec"]}{"-" + str(r["level"]) if r["level"] else ""} | '
-          f'{r["shard_mb"]} ({r["inner_chunks_per_layer"]}) | {r["ratio"]:.3f} | '
-          f'{r["write_mbps"]:.0f} | {cold} | {r["warm_read_mbps"]:.0f} | '
-          f'{"yes" if r["bit_exact"] else "NO"} |')
-
-  print()
   n = max(inflights)
-  for metric, label in (('write_mbps', 'write'), ('cold', f'cold read, {n} in flight')):
-    winners = []
-    for kind in kinds_wanted:
-      rows = [r for r in results if r['kind'] == kind]
-      key = (lambda r: r['write_mbps']) if metric == 'write_mbps' else (
-          lambda r: r['cold_read_mbps'][n])
-      best = max(rows, key=key)
-      winners.append(f'{kind}: {best["codec"]}{"-" + str(best["level"]) if best["level"] else ""}'
-                     f' (shard {best["shard_mb"]}, {key(best):.0f} MB/s)')
-    print(f'fastest {label}: ' + '; '.join(winners))
+  head = ' | '.join(f'cold read MB/s ({k} in flight)' for k in inflights)
+  print(f'| kind | codec | shard MB (chunks/layer) | read file_io_mode | ratio | write MB/s | '
+        f'{head} | warm read MB/s ({n}) | bit-exact |')
+  print('|---|---|---|---|---|---|' + '---|' * len(inflights) + '---|---|')
+  for r in results:
+    cold = ' | '.join(f'{r["cold_read_mbps"][k]:.0f}' for k in inflights)
+    print(f'| {r["kind"]} | {_label(r)} | {r["shard_mb"]} ({r["inner_chunks_per_layer"]}) | '
+          f'{r["file_io_mode"]} | {r["ratio"]:.3f} | {r["write_mbps"]:.0f} | {cold} | '
+          f'{r["warm_read_mbps"]:.0f} | {"yes" if r["bit_exact"] else "NO"} |')
+  if 'direct' in read_modes:
+    print("('direct' rows: O_DIRECT never fills the page cache, so their warm column is uncached)")
 
-  # Per codec, averaged over kinds, each kind at its better shard size: one line to pick from.
+  # Per codec and read mode, averaged over kinds, each kind at its better shard size.
   print()
-  print(f'| codec (mean over kinds, better shard size each) | ratio | write MB/s | '
-        f'cold read MB/s ({n} in flight) |')
-  print('|---|---|---|---|')
+  print(f'| codec (mean over kinds, better shard size each) | read file_io_mode | ratio | '
+        f'write MB/s | cold read MB/s ({n} in flight) |')
+  print('|---|---|---|---|---|')
   summary = {}
-  for codec, level in CODECS:
-    picked = [max((r for r in results if r['kind'] == kind and r['codec'] == codec
-                   and r['level'] == level), key=lambda r: r['cold_read_mbps'][n])
-              for kind in kinds_wanted]
-    name = f'{codec}-{level}' if level else codec
-    summary[name] = {k: float(np.mean(v)) for k, v in (
-        ('ratio', [r['ratio'] for r in picked]), ('write_mbps', [r['write_mbps'] for r in picked]),
-        ('cold_read_mbps', [r['cold_read_mbps'][n] for r in picked]))}
-    avg = summary[name]
-    print(f'| {name} | {avg["ratio"]:.3f} | {avg["write_mbps"]:.0f} | '
-          f'{avg["cold_read_mbps"]:.0f} |')
-  best = max(summary, key=lambda c: summary[c]['cold_read_mbps'])
-  print(f'\nthroughput winner on this disk (cold read, {n} in flight, lossless): {best}'
-        + (' -- no compression' if best == 'none' else
-           f' ({summary[best]["cold_read_mbps"] / summary["none"]["cold_read_mbps"]:.2f}x none)'))
+  for mode in read_modes:
+    for codec, level in CODECS:
+      picked = [max((r for r in results if r['kind'] == kind and r['codec'] == codec
+                     and r['level'] == level and r['file_io_mode'] == mode),
+                    key=lambda r: r['cold_read_mbps'][n]) for kind in kinds_wanted]
+      avg = {key: float(np.mean([get(r) for r in picked])) for key, get in (
+          ('ratio', lambda r: r['ratio']), ('write_mbps', lambda r: r['write_mbps']),
+          ('cold_read_mbps', lambda r: r['cold_read_mbps'][n]))}
+      summary[f'{_label(picked[0])} {mode}'] = avg
+      print(f'| {_label(picked[0])} | {mode} | {avg["ratio"]:.3f} | {avg["write_mbps"]:.0f} | '
+            f'{avg["cold_read_mbps"]:.0f} |')
+  print()
+  for mode in read_modes:
+    by_codec = {name.split()[0]: v for name, v in summary.items() if name.endswith(' ' + mode)}
+    best = max(by_codec, key=lambda c: by_codec[c]['cold_read_mbps'])
+    versus = by_codec[best]['cold_read_mbps'] / by_codec['none']['cold_read_mbps']
+    print(f'throughput winner, cold read with {n} in flight, file_io_mode {mode}: {best}'
+          + (' -- no compression' if best == 'none' else f' ({versus:.2f}x none)'))
   if not all(r['bit_exact'] for r in results):
     print('ERROR: some round trips were not bit-exact')
 
   if args.json:
     with open(args.json, 'w') as f:
       json.dump({'args': vars(args), 'cold_mode': cold_mode, 'drop_caches_ok': drop_ok,
-                 'losses': losses, 'raw_dd': raw, 'summary': summary, 'winner': best,
-                 'results': results}, f, indent=2)
+                 'losses': losses, 'raw_dd': raw, 'summary': summary, 'results': results},
+                f, indent=2)
   if not all(r['bit_exact'] for r in results):
     sys.exit(1)
 

@@ -78,7 +78,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Checkpoints (orbax), in <workdir>/checkpoints. A run resumes from the latest one.
   # ---------------------------------------------------------------------------------------------
   config.checkpoint = checkpoint = ml_collections.ConfigDict()
-  checkpoint.every = 200  # Steps between checkpoints (one is also written at the end); 0 = end only.
+  checkpoint.every = 200  # Steps between checkpoints (one is also written at the end); 0 = end
+  #                         only; -1 = never (NVMe runs larger than RAM: their checkpoints
+  #                         still gather the state in RAM).
   checkpoint.keep = 3  # Newest checkpoints kept on disk.
 
   # ---------------------------------------------------------------------------------------------

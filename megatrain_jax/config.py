@@ -141,8 +141,8 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   _require(t.eps > 0, 'train.eps', f'must be > 0, got {t.eps}.')
   _require(t.grad_clip >= 0, 'train.grad_clip', f'must be >= 0 (0 = off), got {t.grad_clip}.')
   _require(t.eval_every >= 0, 'train.eval_every', f'must be >= 0 (0 = at the end), got {t.eval_every}.')
-  _require(config.checkpoint.every >= 0, 'checkpoint.every',
-           f'must be >= 0 (0 = at the end only), got {config.checkpoint.every}.')
+  _require(config.checkpoint.every >= -1, 'checkpoint.every',
+           f'must be >= 0 (0 = at the end only) or -1 (never), got {config.checkpoint.every}.')
   _require(config.checkpoint.keep >= 1, 'checkpoint.keep',
            f'must be >= 1, got {config.checkpoint.keep}.')
   _require(0 < config.data.val_fraction <= 0.5, 'data.val_fraction',

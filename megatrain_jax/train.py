@@ -76,6 +76,21 @@ def describe(placement: Placement, model_cfg) -> str:
           f'{placement.prefetch_depth}, optimizer on {placement.optimizer_on}')
 
 
+def _check_checkpoint_fits_in_ram(every: int, model_cfg) -> None:
+  """A checkpoint gathers params + Adam m, v (12 B/param) in host RAM; refuse up front if that
+  cannot fit, rather than fail at the first checkpoint hours into the run."""
+  if every < 0:
+    return
+  ram = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+  needed = 12 * model_cfg.num_params
+  if needed > 0.8 * ram:
+    raise ConfigError(
+        f'checkpoint.every={every}: a checkpoint gathers the FP32 params and Adam state '
+        f'({needed / 1e9:,.1f} GB) in host RAM, more than this machine has ({ram / 1e9:,.1f} GB); '
+        'streaming checkpoints for the NVMe tier are not implemented yet. Set '
+        'checkpoint.every=-1 to train without checkpoints, or use a machine with more RAM.')
+
+
 def _write_json_atomic(path: pathlib.Path, obj) -> None:
   tmp = path.with_suffix(path.suffix + '.tmp')
   tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
@@ -108,6 +123,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     layer_bytes = 4 * model_cfg.num_layers * model_cfg.params_per_layer
     nvme.check_offload_dir(placement.dir, nvme.nvme_bytes(layer_bytes, placement.params,
                                                           placement.opt_state))
+    _check_checkpoint_fits_in_ram(config.checkpoint.every, model_cfg)
   tokenizer = data_lib.load_tokenizer(config.data.tokenizer)  # reads tokenizer.json, writes nothing
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise ConfigError(f'model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer '
@@ -195,8 +211,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         if scalars:
           writer.write(done, scalars)
           last = {'step': done, **scalars}
-        if (config.checkpoint.every and done % config.checkpoint.every == 0) or (
-            done == train_cfg.steps):
+        every = config.checkpoint.every
+        if every >= 0 and ((every and done % every == 0) or done == train_cfg.steps):
           checkpointer.save(done, engine.export_state(), data_position=position,
                             model_cfg=model_cfg)
   finally:
