@@ -7,7 +7,9 @@
 
 Run as root to get cold reads: the page cache is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`)
 before every cold pass, and `fincore` confirms that none of the files are still cached. Without
-root it falls back to TensorStore's O_DIRECT reads (`file_io_mode: direct`) and says so.
+root the "cold" passes are not cold: the script says so and reports the bytes `fincore` found
+cached. (TensorStore's `file_io_mode: direct` is no way around it: with tensorstore 0.1.86 a
+'direct' read pass still left every byte of the files in the page cache.)
 
 The state is real: a small Llama-style model (4 layers, d_model 512, ~2.9M params per layer) is
 trained for --steps AdamW steps with the resident engine on byte-level tinyshakespeare, then
@@ -26,8 +28,8 @@ bytes to time.
 Per kind x codec x shard_mb: write MB/s (logical bytes / wall time of one TensorStore write of
 the whole array, which includes fsync), ratio (logical bytes / bytes of the layer files), cold
 read MB/s with 1..N layer reads in flight (each pass after a page-cache drop; best of --repeats
-passes, all kept in the JSON), a warm read (page
-cache) with the most reads in flight, and a bit-exact check of every read. MB = 1e6 bytes.
+passes, all kept in the JSON), a warm read (page cache) with the most reads in flight, and a
+bit-exact check of every read. MB = 1e6 bytes.
 `--file-io-mode default,memmap,direct` reads the same files in each TensorStore file I/O mode
 (`memmap` maps the file instead of read(2) into a buffer; `direct` uses O_DIRECT). Writes always
 use the default mode. The tables end with each codec averaged over the kinds and the fastest
@@ -165,7 +167,7 @@ def read_passes(spec, data, files, inflights, repeats, cold_mode, read_mode) -> 
     for _ in range(repeats):
       if cold_mode == 'drop_caches':
         disk_read.drop_page_cache()
-      cached = disk_read.cached_bytes(files) or 0
+      cached = disk_read.cached_bytes(files) or 0  # fincore: 0 after a successful drop
       row['cached_before_read'][n] = max(cached, row['cached_before_read'].get(n, 0))
       seconds, out = read_pass(spec, num_layers, n, _context(read_mode))
       samples.append(logical / seconds / 1e6)
@@ -174,9 +176,9 @@ def read_passes(spec, data, files, inflights, repeats, cold_mode, read_mode) -> 
     # Best of the repeats: on a shared machine the slower passes are the ones others disturbed.
     row['cold_read_samples'][n] = samples
     row['cold_read_mbps'][n] = max(samples)
-  # Warm: the last cold pass left the files in the page cache, so these passes price decode and
-  # copies alone: the ceiling of the codec on these cores. (O_DIRECT reads never fill the cache:
-  # in 'direct' mode they are just more uncached passes.)
+  # Warm: the last cold pass left the files in the page cache (in every file_io_mode, 'direct'
+  # included, as fincore shows), so these passes price decode and copies alone: the ceiling of
+  # the codec on these cores.
   warm = []
   for _ in range(repeats):
     seconds, out = read_pass(spec, num_layers, max(inflights), _context(read_mode))
@@ -259,9 +261,7 @@ def main():
     after_drop = disk_read.cached_bytes([probe])
     os.remove(probe)
     drop_ok = drop_ok and after_drop in (0, None)
-    cold_mode = 'drop_caches' if drop_ok else 'o_direct'
-    if not drop_ok:  # without a drop only O_DIRECT reads are cold
-      read_modes = ['direct']
+    cold_mode = 'drop_caches' if drop_ok else 'NOT COLD (cannot drop the page cache)'
 
     raw = disk_read.raw_read_gbps(directory, args.raw_gb, repeats=1) if args.raw_gb else None
 
@@ -314,8 +314,6 @@ def main():
     print(f'| {r["kind"]} | {_label(r)} | {r["shard_mb"]} ({r["inner_chunks_per_layer"]}) | '
           f'{r["file_io_mode"]} | {r["ratio"]:.3f} | {r["write_mbps"]:.0f} | {cold} | '
           f'{r["warm_read_mbps"]:.0f} | {"yes" if r["bit_exact"] else "NO"} |')
-  if 'direct' in read_modes:
-    print("('direct' rows: O_DIRECT never fills the page cache, so their warm column is uncached)")
 
   # Per codec and read mode, averaged over kinds, each kind at its better shard size.
   print()
