@@ -2,8 +2,8 @@
 
     /usr/bin/time -v python bench/nvme_big_run.py --dir /path/on/local/disk [--steps 3]
 
-A 3.03B-parameter Llama-style model (44 layers x 2560, GQA 20/4, SwiGLU 6912, byte vocab): FP32
-params + Adam m + v = 36.4 GB, plus 12 GB of parked gradients (exact clipping), all on disk in the NVMe
+A ~3B-parameter Llama-style model ('wide': 44 layers x 2560, GQA 20/4, SwiGLU 6912; 'deep': 67 x
+2048, GQA 16/4, SwiGLU 5632; byte vocab): FP32 params + Adam m + v = 36.3-36.4 GB, plus 12 GB of parked gradients (exact clipping), all on disk in the NVMe
 tier; the machine has 24 GiB of RAM. Before training, the script measures the raw cold read
 bandwidth of the same disk with dd (bench/disk_read.py), so the achieved read GB/s of the
 I/O-bound training steps can be compared side by side. Prints per step: loss, step time and its
@@ -31,8 +31,12 @@ from megatrain_jax.engine.streamed import StreamedEngine  # pylint: disable=g-im
 from megatrain_jax.model import ModelConfig  # pylint: disable=g-import-not-at-top
 from megatrain_jax.placement import Placement  # pylint: disable=g-import-not-at-top
 
-MODEL = ModelConfig(vocab_size=256, d_model=2560, num_layers=44, num_heads=20, num_kv_heads=4,
-                    d_ff=6912, max_seq_len=256, remat='full')
+MODELS = {  # both ~3.0B params, 36.3-36.4 GB of FP32 params + Adam m, v
+    'wide': ModelConfig(vocab_size=256, d_model=2560, num_layers=44, num_heads=20, num_kv_heads=4,
+                        d_ff=6912, max_seq_len=256, remat='full'),
+    'deep': ModelConfig(vocab_size=256, d_model=2048, num_layers=67, num_heads=16, num_kv_heads=4,
+                        d_ff=5632, max_seq_len=256, remat='full'),  # 35% smaller groups: less RSS
+}
 SHARED = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'data'
 
 
@@ -40,10 +44,14 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument('--dir', required=True, help='directory on the disk under test')
   parser.add_argument('--steps', type=int, default=3)
-  parser.add_argument('--host_buffer_gb', type=float, default=2.5)
+  parser.add_argument('--model', choices=sorted(MODELS), default='wide')
+  parser.add_argument('--host_buffer_gb', type=float, default=2.5,
+                      help='>= 3 groups: 2.5 for wide, 1.7 for deep')
   parser.add_argument('--json', default='')
   args = parser.parse_args()
   directory = pathlib.Path(args.dir)
+  global MODEL
+  MODEL = MODELS[args.model]
   directory.mkdir(parents=True, exist_ok=True)
 
   import disk_read  # pylint: disable=g-import-not-at-top
