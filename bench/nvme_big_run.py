@@ -50,15 +50,14 @@ def main():
   parser.add_argument('--json', default='')
   args = parser.parse_args()
   directory = pathlib.Path(args.dir)
-  global MODEL
-  MODEL = MODELS[args.model]
+  model = MODELS[args.model]
   directory.mkdir(parents=True, exist_ok=True)
 
   import disk_read  # pylint: disable=g-import-not-at-top
   raw = disk_read.raw_read_gbps(str(directory))
   print('raw disk read (dd):', json.dumps(raw), flush=True)
 
-  n = MODEL.num_params
+  n = model.num_params
   print(f'model: {n / 1e9:.2f}B params; FP32 params + Adam m, v = {12 * n / 1e9:.1f} GB '
         f'(+ {4 * n / 1e9:.1f} GB parked gradients); RAM {os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30:.1f} GiB',
         flush=True)
@@ -68,9 +67,9 @@ def main():
                                 warmup_steps=0, steps=100, min_lr_ratio=0.1)
   placement = Placement(params='nvme', opt_state='nvme', layers_per_group=1, prefetch_depth=1,
                         dir=str(directory / 'stores'), host_buffer_gb=args.host_buffer_gb)
-  placement.check(MODEL)
+  placement.check(model)
   started = time.perf_counter()
-  engine = StreamedEngine(MODEL, optim.make_optimizer(train), optim.lr_schedule(train), 1.0,
+  engine = StreamedEngine(model, optim.make_optimizer(train), optim.lr_schedule(train), 1.0,
                           placement, seed=0)
   engine.params.flush()
   engine.opt_state.flush()

@@ -150,14 +150,19 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   return model_cfg
 
 
+def nearest_existing(path: pathlib.Path) -> pathlib.Path:
+  """`path` or its closest existing ancestor: what a later mkdir would create inside."""
+  while not path.exists():
+    path = path.parent
+  return path
+
+
 def check_workdir(workdir: str) -> pathlib.Path:
   """Checks that `workdir` exists or can be created, and is writable, without writing anything."""
   if not workdir:
     raise ConfigError('--workdir is empty: give a directory for checkpoints and metrics.')
   path = pathlib.Path(workdir).expanduser().absolute()
-  existing = path
-  while not existing.exists():
-    existing = existing.parent
+  existing = nearest_existing(path)
   if not existing.is_dir():
     raise ConfigError(f'--workdir={workdir}: {existing} is a file, not a directory. Choose another '
                       'workdir.')

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from megatrain_jax.config import nearest_existing
 from megatrain_jax.errors import ConfigError, StoreCorruptionError
 from megatrain_jax.tiers import codecs
 from megatrain_jax.tiers.base import BusyTimer, Store, TransferStats
@@ -189,10 +190,7 @@ def nvme_bytes(layer_params_bytes: int, params_tier: str, opt_tier: str) -> int:
 
 def check_offload_dir(directory: str, needed_bytes: int) -> None:
   """offload.dir must be writable and hold `needed_bytes`; checked before anything is written."""
-  path = pathlib.Path(directory).expanduser().absolute()
-  existing = path
-  while not existing.exists():
-    existing = existing.parent
+  existing = nearest_existing(pathlib.Path(directory).expanduser().absolute())
   if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
     raise ConfigError(f'offload.dir={directory}: {existing} is not a writable directory. Point '
                       'offload.dir at a directory on a local disk you can write to.')
