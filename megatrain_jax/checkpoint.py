@@ -16,6 +16,7 @@ import pathlib
 import jax
 import orbax.checkpoint as ocp
 
+from megatrain_jax import faults
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import ModelConfig
 
@@ -45,6 +46,7 @@ class Checkpointer:
             'model_config': dataclasses.asdict(model_cfg)}
     self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                      meta=ocp.args.JsonSave(meta)), force=True)
+    faults.point('checkpoint')  # files being written in the background, nothing committed
 
   def restore(self, step: int, abstract_state, model_cfg: ModelConfig,
               memory_kind: str = 'device'):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from megatrain_jax import faults
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax.model import ModelConfig
@@ -92,7 +93,9 @@ class ResidentEngine:
     self._eval_step = make_eval_step(model_cfg)
 
   def train_step(self, batch) -> dict:
+    faults.point('forward')
     self.state, metrics = self._train_step(self.state, jnp.asarray(batch))
+    faults.point('backward')  # the step is in flight: old state donated, new one not yet ready
     self.step += 1
     return metrics
 

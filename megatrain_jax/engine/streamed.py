@@ -42,6 +42,7 @@ import numpy as np
 import optax
 from jax.experimental import compute_on as compute_on_lib
 
+from megatrain_jax import faults
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax.engine import partition
@@ -283,6 +284,7 @@ class StreamedEngine:
       params, opt = self._device_update(self._to(grad_sum, 'device'), resolve(opt), params,
                                         scale, num_micro)
     self.params.put(g, params)
+    faults.point('optimizer')  # the group's new weights are queued, its Adam state not yet
     self.opt_state.put(g, opt)
     self._last_update = (params, opt)
 
@@ -291,6 +293,7 @@ class StreamedEngine:
                                       scale, num_micro)
     self.outer.put('params', params)
     self.outer.put('opt_state', opt)
+    faults.point('optimizer')
 
   # --------------------------------------------------------------------------------------------
   # The step.
@@ -314,6 +317,7 @@ class StreamedEngine:
     for _, group_params in forward:
       saved.append([self._stash_activation(h) for h in hidden])
       hidden = [self._group_forward(group_params, h, positions) for h in hidden]
+      faults.point('forward')
       jax.block_until_ready(hidden)
 
     # 3. Head and loss for every microbatch.
@@ -338,6 +342,7 @@ class StreamedEngine:
         grad_sum, dys[m] = self._group_backward(
             group_params, self._unstash_activation(saved[g][m]), dys[m], positions, grad_sum)
       saved[g] = None
+      faults.point('backward')
       squares.append(self._sum_squares(grad_sum, num_micro))
       if clipping:  # park until the global norm is known
         self.parked_grads.put(g, grad_sum)
