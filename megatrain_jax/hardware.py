@@ -1,0 +1,407 @@
+"""Hardware profiles: the sizes and rates the planner (planner.py) predicts a run from.
+
+A profile is either a preset (datasheet figures of a known machine, plus stated assumptions) or
+a file written by the calibration probe (`python launch.py --calibrate`), which measures this
+machine. `config.hardware` picks one: a preset name, a path to a profile JSON, or '' (auto: the
+calibrated profile in ~/.cache/megatrain_jax/hardware.json if it was made on this kind of device,
+else the preset matching the device, else the CPU preset).
+
+Units: bytes and seconds; rates in GB/s (1e9 B/s), TFLOP/s (1e12) and Gparam/s (1e9 params/s).
+
+Where a preset's figure is not a datasheet number it is an assumption, and says so:
+  * `compute_tflops` is what whole decoder layers achieve (forward + backward), taken as 70% of
+    the dense datasheet peak for the precision. Calibrated profiles measure it on real layers.
+  * host<->device copies from pinned memory reach ~80% of the PCIe link (Gen5 x16: 64 GB/s,
+    Gen4 x16: 32 GB/s per direction).
+  * `disk_*` are per drive (PCIe Gen4 data-centre NVMe, e.g. 6.8 GB/s read, 4.0 GB/s write);
+    `disks` drives are striped (RAID-0 or one store per drive), so rates add.
+  * AdamW moves 28 B/param (reads weight, grad, m, v; writes weight, m, v): the optimizer rate is
+    the memory bandwidth it can use / 28 B; on the host we assume ~100 GB/s usable by XLA:CPU
+    (a two-socket server streams 300+ GB/s; XLA:CPU's elementwise loops use a fraction of it).
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import time
+
+from megatrain_jax.errors import ConfigError
+
+PROFILE_CACHE = pathlib.Path('~/.cache/megatrain_jax/hardware.json')
+_GB = 1e9
+ADAM_BYTES_PER_PARAM = 28
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+  """One machine: accelerator, host and disks. See the module docstring for units."""
+  name: str
+  device_kind: str  # jax device_kind this profile describes ('cpu' for the CPU backend)
+  device_memory_gb: float  # accelerator memory
+  host_memory_gb: float  # host RAM
+  disk_gb: float  # free space for the NVMe tier; 0 = measure offload.dir when planning
+  # Achieved TFLOP/s of decoder layers (forward + backward), by compute precision:
+  # 'float32' (precision highest), 'tf32' (float32, precision default/high), 'bfloat16'.
+  # Calibrated profiles measure float32 at two widths: keys 'float32@256', 'float32@1024' (the
+  # planner interpolates in log(d_model)).
+  compute_tflops: dict
+  h2d_gbps: float  # pinned host -> device copy rate
+  d2h_gbps: float  # device -> pinned host copy rate
+  disk_read_gbps: float  # per drive, through the NVMe tier's TensorStore read path, cold
+  disk_write_gbps: float  # per drive, written and fsynced
+  disks: int  # drives the NVMe tier is striped over
+  device_adam_gparams: float  # AdamW update rate on the device (Gparam/s)
+  host_adam_gparams: float  # AdamW update rate on the host (compute_on device_host)
+  # Seconds of host-side overhead per jitted call the engines dispatch (Python + runtime); it
+  # matters only for small models, where a step is many short calls.
+  dispatch_s: float = 20e-6
+  # True on accelerators: compute, copies and disk I/O run on separate engines and overlap. False
+  # on the CPU backend, where "device" compute, copies and the I/O threads share the same cores.
+  overlap: bool = True
+  # True when "device" and "host" memory are the same RAM (the CPU backend): the planner then
+  # checks device + host bytes against one pool.
+  unified_memory: bool = False
+  # Disk reads of data the page cache still holds (just written, RAM to spare) run at this rate.
+  disk_read_cached_gbps: float = 0.0
+  source: str = ''  # 'preset' or 'calibrated on <host> at <time>'
+  # Datasheet dense peak TFLOP/s (same keys as compute_tflops), the denominator of MFU. Empty for
+  # calibrated profiles: their MFU is then relative to the measured layer rate.
+  peak_tflops: dict = dataclasses.field(default_factory=dict)
+
+  # --- derived ---
+
+  @property
+  def device_bytes(self) -> float:
+    return self.device_memory_gb * _GB
+
+  @property
+  def host_bytes(self) -> float:
+    return self.host_memory_gb * _GB
+
+  def tflops(self, dtype: str, precision: str, d_model: int) -> float:
+    """Achieved layer TFLOP/s for this compute dtype and matmul precision at width d_model."""
+    if dtype == 'bfloat16':
+      key = 'bfloat16'
+    else:
+      key = 'float32' if precision == 'highest' else 'tf32'
+    sized = sorted((int(k.split('@')[1]), v) for k, v in self.compute_tflops.items()
+                   if k.startswith(key + '@'))
+    if sized:
+      return _log_interpolate(sized, d_model)
+    for fallback in (key, 'float32'):
+      if fallback in self.compute_tflops:
+        return self.compute_tflops[fallback]
+    raise ConfigError(f'hardware profile {self.name!r} has no compute rate for {key} '
+                      f'(it has {", ".join(self.compute_tflops)}). Re-run --calibrate.')
+
+  def peak(self, dtype: str, precision: str, d_model: int) -> float:
+    """The MFU denominator: datasheet peak where known, else the achieved layer rate."""
+    key = 'bfloat16' if dtype == 'bfloat16' else ('float32' if precision == 'highest' else 'tf32')
+    if key in self.peak_tflops:
+      return self.peak_tflops[key]
+    return self.tflops(dtype, precision, d_model)
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+
+def _log_interpolate(points: list[tuple[int, float]], x: float) -> float:
+  """Piecewise-linear in log(x) through `points`, constant beyond the ends."""
+  import math
+  if x <= points[0][0]:
+    return points[0][1]
+  for (x0, y0), (x1, y1) in zip(points, points[1:]):
+    if x <= x1:
+      t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+      return y0 + t * (y1 - y0)
+  return points[-1][1]
+
+
+def _gpu(name, kind, memory_gb, host_gb, fp32, tf32, bf16, hbm_gbps, pcie_gbps):
+  efficiency = 0.7
+  return HardwareProfile(
+      name=name, device_kind=kind, device_memory_gb=memory_gb, host_memory_gb=host_gb,
+      disk_gb=30_000.0,
+      compute_tflops={'float32': efficiency * fp32, 'tf32': efficiency * tf32,
+                      'bfloat16': efficiency * bf16},
+      h2d_gbps=0.8 * pcie_gbps, d2h_gbps=0.8 * pcie_gbps,
+      disk_read_gbps=6.8, disk_write_gbps=4.0, disks=1,
+      device_adam_gparams=0.7 * hbm_gbps / ADAM_BYTES_PER_PARAM,
+      host_adam_gparams=100.0 / ADAM_BYTES_PER_PARAM,
+      dispatch_s=20e-6, overlap=True, unified_memory=False, disk_read_cached_gbps=0.0,
+      peak_tflops={'float32': fp32, 'tf32': tf32, 'bfloat16': bf16},
+      source='preset (datasheet figures; assumptions in megatrain_jax/hardware.py)')
+
+
+# Datasheet: dense (no sparsity) TFLOP/s for FP32, TF32 and BF16; HBM GB/s; PCIe GB/s per direction.
+PRESETS = {
+    'h100': _gpu('h100', 'NVIDIA H100 80GB HBM3', 80.0, 2048.0, 67.0, 494.7, 989.4, 3350.0, 64.0),
+    'h200': _gpu('h200', 'NVIDIA H200', 141.0, 2048.0, 67.0, 494.7, 989.4, 4800.0, 64.0),
+    'a100': _gpu('a100', 'NVIDIA A100-SXM4-80GB', 80.0, 1024.0, 19.5, 156.0, 312.0, 2039.0, 32.0),
+    'rtx4090': _gpu('rtx4090', 'NVIDIA GeForce RTX 4090', 24.0, 256.0, 82.6, 82.6, 165.2, 1008.0,
+                    32.0),
+    # The CPU backend: "device" and host are the same RAM. Rates are those measured on the 2-core
+    # CI VMs (BENCHMARKS.md); run --calibrate for a real machine. Sizes are read at plan time.
+    'cpu': HardwareProfile(
+        name='cpu', device_kind='cpu', device_memory_gb=0.0, host_memory_gb=0.0, disk_gb=0.0,
+        compute_tflops={'float32@256': 0.035, 'float32@1024': 0.07, 'bfloat16': 0.02},
+        h2d_gbps=8.0, d2h_gbps=8.0, disk_read_gbps=0.6, disk_write_gbps=0.6, disks=1,
+        device_adam_gparams=1.0, host_adam_gparams=1.0, dispatch_s=100e-6, overlap=False,
+        unified_memory=True, disk_read_cached_gbps=1.5,
+        source='preset (2-core CI VM figures; run --calibrate for this machine)'),
+}
+ALIASES = {'h100-80gb': 'h100', 'h200-141gb': 'h200', 'a100-80gb': 'a100', '4090': 'rtx4090',
+           'rtx-4090': 'rtx4090'}
+# device_kind substrings -> preset, for auto-detection.
+_DETECT = (('H200', 'h200'), ('H100', 'h100'), ('A100', 'a100'), ('4090', 'rtx4090'))
+
+
+def machine_memory_gb() -> float:
+  return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / _GB
+
+
+def _fill_sizes(profile: HardwareProfile) -> HardwareProfile:
+  """Zero sizes mean "this machine's": RAM from sysconf; CPU "device" memory = the same RAM."""
+  changes = {}
+  if not profile.host_memory_gb:
+    changes['host_memory_gb'] = machine_memory_gb()
+  if not profile.device_memory_gb:
+    changes['device_memory_gb'] = (machine_memory_gb() if profile.unified_memory
+                                   else _device_memory_gb())
+  return dataclasses.replace(profile, **changes) if changes else profile
+
+
+def _device_memory_gb() -> float:
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get('bytes_limit', 0) / _GB
+
+
+def _detect_preset() -> str:
+  import jax
+  kind = jax.devices()[0].device_kind
+  if jax.devices()[0].platform == 'cpu':
+    return 'cpu'
+  for needle, preset in _DETECT:
+    if needle in kind:
+      return preset
+  return 'cpu'
+
+
+def load_profile(spec: str) -> HardwareProfile:
+  """`spec`: a preset name (h100, h200, a100, rtx4090, cpu), a profile JSON path, or '' (auto)."""
+  if not spec:
+    cached = PROFILE_CACHE.expanduser()
+    if cached.is_file():
+      profile = _read_profile(cached)
+      import jax
+      if profile.device_kind == jax.devices()[0].device_kind:
+        return _fill_sizes(profile)
+    return _fill_sizes(PRESETS[_detect_preset()])
+  name = ALIASES.get(spec.lower(), spec.lower())
+  if name in PRESETS:
+    return _fill_sizes(PRESETS[name])
+  path = pathlib.Path(spec).expanduser()
+  if path.suffix == '.json' or path.exists():
+    if not path.is_file():
+      raise ConfigError(f'hardware={spec!r}: no such profile file. Write one with '
+                        '`python launch.py --calibrate`, or use a preset: '
+                        f'{", ".join(PRESETS)}.')
+    return _fill_sizes(_read_profile(path))
+  raise ConfigError(f'hardware={spec!r} is neither a preset ({", ".join(PRESETS)}) nor a profile '
+                    'file. Use a preset name, a path to a JSON profile written by '
+                    '`python launch.py --calibrate`, or leave it empty to auto-detect.')
+
+
+def _read_profile(path: pathlib.Path) -> HardwareProfile:
+  try:
+    fields = json.loads(path.read_text())
+    return HardwareProfile(**fields)
+  except (json.JSONDecodeError, TypeError) as e:
+    raise ConfigError(f'hardware profile {path} is not a valid profile ({e}). Re-create it with '
+                      '`python launch.py --calibrate`.') from e
+
+
+def save_profile(profile: HardwareProfile, path: pathlib.Path = PROFILE_CACHE) -> pathlib.Path:
+  path = pathlib.Path(path).expanduser()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix('.tmp')
+  tmp.write_text(profile.to_json())
+  os.replace(tmp, path)
+  return path
+
+
+def free_disk_gb(directory: str) -> float:
+  from megatrain_jax.config import nearest_existing
+  return shutil.disk_usage(nearest_existing(pathlib.Path(directory).expanduser().absolute())).free / _GB
+
+
+# -------------------------------------------------------------------------------------------------
+# Calibration: measure this machine in well under a minute.
+# -------------------------------------------------------------------------------------------------
+
+def _best_time(fn, repeats: int, budget_s: float) -> float:
+  """Fastest of `repeats` runs (after one warm-up), stopping early past `budget_s`."""
+  fn()
+  best, spent = float('inf'), 0.0
+  for _ in range(repeats):
+    started = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - started
+    best, spent = min(best, elapsed), spent + elapsed
+    if spent > budget_s:
+      break
+  return best
+
+
+def _layer_tflops(d_model: int, tokens: int) -> float:
+  """Achieved TFLOP/s of one decoder layer's forward + backward (float32, precision highest)."""
+  import jax
+  import jax.numpy as jnp
+  from megatrain_jax import model as model_lib
+  seq = 256
+  cfg = model_lib.ModelConfig(vocab_size=256, d_model=d_model, num_layers=1,
+                              num_heads=max(1, d_model // 64), num_kv_heads=max(1, d_model // 128),
+                              d_ff=int(8 * d_model / 3) // 64 * 64, max_seq_len=seq, remat='none')
+  params = model_lib.init_layers(cfg, jax.random.key(0), 0, 1)
+  x = jax.random.normal(jax.random.key(1), (tokens // seq, seq, d_model), jnp.float32)
+  positions = model_lib.default_positions(x[..., 0].astype(jnp.int32))
+
+  @jax.jit
+  def fwd_bwd(p, h):
+    return jax.grad(lambda p, h: jnp.sum(model_lib.apply_group(cfg, p, h, positions)),
+                    argnums=(0, 1))(p, h)
+
+  seconds = _best_time(lambda: jax.block_until_ready(fwd_bwd(params, x)), 5, 3.0)
+  flops = tokens * (cfg.flops_per_token(seq) - 6.0 * cfg.d_model * cfg.vocab_size)
+  return flops / seconds / 1e12
+
+
+def _adam_gparams(memory_kind: str, n: int) -> float:
+  """Jitted optax AdamW with donated state on `n` float32 params, in `memory_kind` memory."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from megatrain_jax.tiers.memory import memory_sharding
+  tx = optax.adamw(1e-3)
+  sharding = memory_sharding(memory_kind)
+  params = jax.device_put(jnp.ones((n,), jnp.float32), sharding)
+  grads = jax.device_put(jnp.full((n,), 1e-3, jnp.float32), sharding)
+  state = [params, tx.init(params)]
+
+  @jax.jit
+  def update(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  update = jax.jit(update, donate_argnums=(0, 1))
+
+  def run():
+    state[0], state[1] = update(state[0], state[1], grads)
+    jax.block_until_ready(state[0])
+  return n / _best_time(run, 5, 3.0) / 1e9
+
+
+def _copy_gbps(src_kind: str, dst_kind: str, nbytes: int) -> float:
+  import jax
+  import jax.numpy as jnp
+  from megatrain_jax.tiers.memory import memory_sharding
+  src = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), memory_sharding(src_kind))
+  dst = memory_sharding(dst_kind)
+  return nbytes / _best_time(lambda: jax.block_until_ready(jax.device_put(src, dst)), 5, 2.0) / _GB
+
+
+def _dispatch_s() -> float:
+  import jax
+  import jax.numpy as jnp
+  add = jax.jit(lambda a: a + 1)
+  x = jnp.ones((8,), jnp.float32)
+  jax.block_until_ready(add(x))
+  started = time.perf_counter()
+  for _ in range(200):
+    x = add(x)
+  jax.block_until_ready(x)
+  return (time.perf_counter() - started) / 200
+
+
+def _drop_cached_pages(directory: pathlib.Path) -> None:
+  """Evicts the files' clean pages (posix_fadvise DONTNEED; no root needed)."""
+  for path in directory.rglob('*'):
+    if path.is_file():
+      fd = os.open(path, os.O_RDONLY)
+      try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      finally:
+        os.close(fd)
+
+
+def _disk_gbps(directory: pathlib.Path, nbytes: int) -> tuple[float, float, float]:
+  """(write, cold read, cached read) GB/s of the NVMe tier's own layout (tiers/codecs.py)."""
+  import numpy as np
+  import tensorstore as ts
+  from megatrain_jax.tiers import codecs
+  layers = 8
+  layer = np.random.default_rng(0).standard_normal((nbytes // layers // 4 // 1024, 1024),
+                                                   dtype=np.float32)
+  path = directory / 'probe'
+  spec = codecs.array_spec(str(path), (layers, *layer.shape))
+  context = ts.Context({'cache_pool': {'total_bytes_limit': 0}})
+  array = ts.open(spec, create=True, delete_existing=True, context=context).result()
+  started = time.perf_counter()
+  writes = [array[i:i + 1].write(layer[None]) for i in range(layers)]
+  for w in writes:
+    w.result()
+  _drop_cached_pages(path)  # includes the fsync, which a write-back must pay too
+  write_s = time.perf_counter() - started
+
+  def read_all(in_flight=2):
+    for i in range(0, layers, in_flight):
+      for f in [array[j:j + 1].read() for j in range(i, min(i + in_flight, layers))]:
+        f.result()
+  started = time.perf_counter()
+  read_all()
+  cold_s = time.perf_counter() - started
+  cached_s = _best_time(read_all, 3, 2.0)
+  shutil.rmtree(path, ignore_errors=True)
+  actual = layers * layer.nbytes
+  return actual / write_s / _GB, actual / cold_s / _GB, actual / cached_s / _GB
+
+
+def calibrate(directory: str, log=print) -> HardwareProfile:
+  """Measures this machine (about 30-60 s) and returns its profile. `directory`: where the disk
+  probe writes (the NVMe tier's directory; ~256 MB, removed afterwards)."""
+  import jax
+  device = jax.devices()[0]
+  cpu = device.platform == 'cpu'
+  probe_dir = pathlib.Path(directory).expanduser() / '.calibrate'
+  probe_dir.mkdir(parents=True, exist_ok=True)
+  started = time.perf_counter()
+  try:
+    compute = {f'float32@{d}': _layer_tflops(d, tokens=2048) for d in (256, 1024)}
+    log(f'  decoder layer fwd+bwd (float32, highest): '
+        + ', '.join(f'd={k.split("@")[1]}: {v:.3f} TFLOP/s' for k, v in compute.items()))
+    h2d = _copy_gbps('pinned_host', 'device', 256 << 20)
+    d2h = _copy_gbps('device', 'pinned_host', 256 << 20)
+    log(f'  host->device {h2d:.1f} GB/s, device->host {d2h:.1f} GB/s')
+    device_adam = _adam_gparams('device', 32 << 20)
+    host_adam = device_adam if cpu else _adam_gparams('pinned_host', 32 << 20)
+    log(f'  AdamW: device {device_adam:.2f} Gparam/s, host {host_adam:.2f} Gparam/s')
+    write, cold, cached = _disk_gbps(probe_dir, 256 << 20)
+    log(f'  disk at {directory}: write {write:.2f} GB/s, read cold {cold:.2f} GB/s, '
+        f'cached {cached:.2f} GB/s')
+    dispatch = _dispatch_s()
+    log(f'  dispatch {dispatch * 1e6:.0f} us per jitted call')
+  finally:
+    shutil.rmtree(probe_dir, ignore_errors=True)
+  profile = HardwareProfile(
+      name=f'calibrated-{device.device_kind}', device_kind=device.device_kind,
+      device_memory_gb=machine_memory_gb() if cpu else _device_memory_gb(),
+      host_memory_gb=machine_memory_gb(), disk_gb=0.0, compute_tflops=compute,
+      h2d_gbps=h2d, d2h_gbps=d2h, disk_read_gbps=cold, disk_write_gbps=write, disks=1,
+      device_adam_gparams=device_adam, host_adam_gparams=host_adam, dispatch_s=dispatch,
+      overlap=not cpu, unified_memory=cpu, disk_read_cached_gbps=cached,
+      source=f'calibrated on {os.uname().nodename} at {time.strftime("%Y-%m-%d %H:%M:%S")} '
+             f'in {time.perf_counter() - started:.0f} s')
+  return profile

@@ -1,0 +1,569 @@
+"""The planner: where every byte lives, how long a step takes, and the placement that is fastest.
+
+Everything here is arithmetic on shapes and a hardware profile (hardware.py): nothing is allocated,
+so `--dry_run` of a 405B model runs in seconds. The same functions resolve `offload.* = 'auto'`
+before a run starts, and refuse a config that fits nowhere, with needed vs available per tier.
+
+Notation (all per optimizer step): L layers, P_l params per layer, K layers per group, G = ceil(L/K)
+groups, M microbatches of B sequences of S tokens, D = d_model, V = vocab, c = bytes of the compute
+dtype (4 float32, 2 bfloat16). W = 4·L·P_l bytes of layer weights; A = Adam m + v of the layers
+(8·L·P_l, plus a few step counters); E, E_opt = the same for embedding + final norm + head.
+
+MEMORY (bytes; `memory_plan` returns them as rows with these formulas):
+  resident, device:  params 4·P, Adam 8·P, gradients 4·P (+4·P accumulator when M > 1),
+                     activations of one microbatch:
+                       remat full/minimal/offload: L·B·S·D·c saved layer inputs + one layer's
+                       internals (recomputed in its backward) + logits 3·B·S·V·4
+                       remat none: L × one layer's internals + logits
+  streamed, device:  (prefetch_depth + 1) groups of weights in flight, K·P_l·4 each;
+                     the group's gradient accumulator (K·P_l·4); the update's inputs (device
+                     optimizer: weights + gradient + Adam of 2 groups, one updating and one
+                     arriving); hidden states and their gradients 2·M·B·S·D·c; the group
+                     backward's working set (K = 1: one layer's internals; K > 1: K saved
+                     layer inputs + one layer's internals); boundary activations
+                     G·M·B·S·D·c unless offload.activations = host; embedding/head
+                     params + grads + Adam (4 + 4 + 8)·E/4 and its logits, unless on host.
+  host (pinned):     params W, Adam A, parked gradients W (exact clipping, params on host),
+                     boundary activations, embedding/head, and for the NVMe tier its staging
+                     buffer offload.host_buffer_gb.
+  nvme:              params W, Adam A (layer leaves), parked gradients W (clipping, params on
+                     nvme); checkpoints are counted by the trainer's free-space check.
+  One layer's internals (what its backward needs when nothing is recomputed, per microbatch):
+    B·S·c·(6·D + 3·H·Dh + 3·Hkv·Dh + 4·F) + 2·B·H·S·S·c   (attention scores and probabilities)
+
+TRAFFIC (bytes moved per step; `traffic` mirrors engine/streamed.py, and tests check it against
+the engine's own counters exactly):
+  weights off-device are fetched twice (forward, backward), three times with exact clipping and
+  the device optimizer (once more for the update); the Adam state crosses to the device optimizer
+  and back; the host optimizer receives each gradient (d2h) and touches nothing on the device.
+
+TIME (seconds per step):
+  compute = FLOPs / achieved layer FLOP/s, with FLOPs = tokens × (layer forwards × 2·(P_l − 2D)
+            + attention 2·S·H·Dh per layer) + head 6·D·V per token. A layer's forward runs
+            3 (fwd + 2× in bwd) + recomputes: resident remat full +1; streamed K = 1 +1 (the group
+            backward recomputes the layer from its input); streamed K > 1 +1 (group) +1 (remat).
+  optimizer = params / AdamW rate (device or host);  copies = bytes / link rate;
+  disk = read / read rate + write / write rate (reads of a working set the page cache holds run
+  at the cached rate).
+  On an accelerator (profile.overlap) the pipeline overlaps them: a step takes
+    max over resources (compute + device optimizer, h2d, d2h, disk, host optimizer)
+    + the pipeline fill (the first group's fetch in the forward and in the backward)
+  and with exact clipping the updates form a phase of their own after the backward.
+  On the CPU backend the same cores do everything, so the terms add up.
+
+AUTO PLACEMENT: every `auto` field is searched (tiers, K, prefetch depth, M when
+train.microbatches = 0); a candidate must fit every tier's budget; the fastest tokens/s wins,
+and among candidates within 1% of it the one that keeps the most on the device, then the
+smallest M, group and depth (less memory for the same speed).
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import numpy as np
+
+from megatrain_jax import model as model_lib
+from megatrain_jax import optim
+from megatrain_jax.errors import ConfigError
+from megatrain_jax.hardware import HardwareProfile
+from megatrain_jax.model import ModelConfig
+from megatrain_jax.placement import MEMORY_TIERS, TIERS, Placement
+
+_GB = 1e9
+AUTO = 'auto'
+DEVICE_USABLE_FRACTION = 0.9  # XLA's workspace, fragmentation and the runtime's own buffers
+HOST_USABLE_FRACTION = 0.85  # the OS, Python, the data pipeline and the page cache
+
+
+# -------------------------------------------------------------------------------------------------
+# Exact sizes of the state pytrees (from shapes; nothing allocated).
+# -------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StateSizes:
+  """Bytes of one layer's params and Adam state, and of the outer (embed/norm/head) parts."""
+  layer_params: int  # 4·P_l
+  layer_opt: int  # Adam m + v of one layer: 8·P_l
+  group_opt_extra: int  # per-group optimizer scalars (step counters)
+  outer_params: int
+  outer_opt: int
+
+  def group_params(self, k: int) -> int:
+    return k * self.layer_params
+
+  def group_opt(self, k: int) -> int:
+    return k * self.layer_opt + self.group_opt_extra
+
+
+def _nbytes(tree) -> int:
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+@functools.lru_cache(maxsize=32)
+def state_sizes(cfg: ModelConfig, train_key: tuple) -> StateSizes:
+  """Exact sizes from jax.eval_shape of the real init functions and the real optimizer."""
+  train = dict(train_key)
+  tx = optim.make_optimizer(_Attrs(train))
+  key = jax.random.key(0)
+  one = jax.eval_shape(lambda: model_lib.init_layers(cfg, key, 0, 1))
+  two = jax.eval_shape(lambda: model_lib.init_layers(cfg, key, 0, 2))
+  opt_one = _nbytes(jax.eval_shape(tx.init, {'layers': one}))
+  opt_two = _nbytes(jax.eval_shape(tx.init, {'layers': two}))
+  outer = jax.eval_shape(lambda: model_lib.init_outer(cfg, key))
+  layer_opt = opt_two - opt_one
+  return StateSizes(layer_params=_nbytes(one), layer_opt=layer_opt,
+                    group_opt_extra=opt_one - layer_opt, outer_params=_nbytes(outer),
+                    outer_opt=_nbytes(jax.eval_shape(tx.init, outer)))
+
+
+class _Attrs(dict):
+  __getattr__ = dict.__getitem__
+
+
+def train_key(train) -> tuple:
+  """The optimizer-relevant train fields as a hashable key (for the state_sizes cache)."""
+  names = ('lr', 'warmup_steps', 'steps', 'min_lr_ratio', 'weight_decay', 'b1', 'b2', 'eps')
+  return tuple((n, train[n]) for n in names)
+
+
+# -------------------------------------------------------------------------------------------------
+# Activations.
+# -------------------------------------------------------------------------------------------------
+
+def compute_bytes(cfg: ModelConfig) -> int:
+  return 2 if cfg.dtype == 'bfloat16' else 4
+
+
+def layer_internal_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
+  """What one layer's backward keeps when nothing is recomputed, for one microbatch (see top)."""
+  c, tokens = compute_bytes(cfg), batch * seq
+  hd, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+  per_token = 6 * cfg.d_model + 3 * h * hd + 3 * kv * hd + 4 * cfg.d_ff
+  # The scores are [B, H, S, S] even with a sliding window (the window is a mask).
+  return c * tokens * per_token + 2 * c * batch * h * seq * seq
+
+
+def logits_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
+  """Logits, their log-softmax and their gradient: 3·B·S·V float32."""
+  return 3 * 4 * batch * seq * cfg.vocab_size
+
+
+def hidden_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
+  return compute_bytes(cfg) * batch * seq * cfg.d_model
+
+
+# -------------------------------------------------------------------------------------------------
+# The plan of one placement.
+# -------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Row:
+  tier: str
+  item: str
+  bytes: float
+  formula: str
+
+
+@dataclasses.dataclass
+class Plan:
+  placement: Placement
+  microbatches: int
+  batch_size: int
+  seq_len: int
+  rows: list  # [Row]
+  budgets: dict  # tier -> bytes available
+  traffic: dict  # h2d, d2h, read, write (bytes per step)
+  times: dict  # named seconds per step
+  step_time_s: float
+  bottleneck: str
+  flops_per_step: float
+  peak_tflops: float
+
+  @property
+  def tokens_per_step(self) -> int:
+    return self.microbatches * self.batch_size * self.seq_len
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.tokens_per_step / self.step_time_s
+
+  @property
+  def mfu(self) -> float:
+    """Model FLOPs (6·N·T + attention, no recompute) / step time / the profile's peak."""
+    return self.flops_per_step / self.step_time_s / (self.peak_tflops * 1e12)
+
+  def used(self, tier: str) -> float:
+    return sum(r.bytes for r in self.rows if r.tier == tier)
+
+  def over_budget(self) -> dict:
+    """{tier: (needed, available)} for every tier whose budget the plan exceeds."""
+    over = {}
+    device, host, nvme = self.used('device'), self.used('host'), self.used('nvme')
+    b = self.budgets
+    if device > b['device']:
+      over['device'] = (device, b['device'])
+    if b.get('_unified'):  # the CPU backend: device and host bytes share one RAM
+      if device + host > b['host']:
+        over['host (shared with device)'] = (device + host, b['host'])
+    elif host > b['host']:
+      over['host'] = (host, b['host'])
+    if nvme > b['nvme']:
+      over['nvme'] = (nvme, b['nvme'])
+    return over
+
+  @property
+  def fits(self) -> bool:
+    return not self.over_budget()
+
+
+def _memory_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int,
+                 seq: int, clipping: bool) -> list:
+  L, k = cfg.num_layers, p.layers_per_group
+  groups = math.ceil(L / k)
+  W, A = sizes.group_params(L), L * sizes.layer_opt + groups * sizes.group_opt_extra
+  E, E_opt = sizes.outer_params, sizes.outer_opt
+  hidden = hidden_bytes(cfg, batch, seq)
+  internals = layer_internal_bytes(cfg, batch, seq)
+  logits = logits_bytes(cfg, batch, seq)
+  rows = []
+  add = lambda tier, item, n, formula: rows.append(Row(tier, item, float(n), formula))
+
+  if not p.streamed:
+    add('device', 'params', W + E, '4·P')
+    add('device', 'Adam m, v', L * sizes.layer_opt + E_opt, '8·P')
+    add('device', 'gradients', (W + E) * (2 if micro > 1 else 1),
+        '4·P' + (' (+4·P accumulator, M > 1)' if micro > 1 else ''))
+    if cfg.remat == 'none':
+      add('device', 'activations (1 microbatch)', L * internals, 'L × layer internals')
+    else:
+      add('device', 'activations (1 microbatch)', L * hidden + internals,
+          'L·B·S·D·c saved inputs + one layer\'s internals')
+    add('device', 'logits (1 microbatch)', logits, '3·B·S·V·4')
+    return rows
+
+  gw, go = sizes.group_params(k), sizes.group_opt(k)
+  add('device', f'weights in flight ({p.prefetch_depth + 1} groups)',
+      (p.prefetch_depth + 1) * gw, '(prefetch_depth + 1)·K·P_l·4')
+  add('device', 'group gradient accumulator', gw, 'K·P_l·4')
+  if p.optimizer_on == 'device':
+    add('device', 'update inputs (2 groups)', 2 * (2 * gw + go), '2·(weights + grads + Adam)')
+  add('device', 'hidden states + their gradients', 2 * micro * hidden, '2·M·B·S·D·c')
+  working = internals if k == 1 else (k * hidden + internals)
+  add('device', 'group backward working set', working,
+      'one layer\'s internals' if k == 1 else 'K·B·S·D·c + one layer\'s internals')
+  boundary = groups * micro * hidden
+  add(p.activations, f'boundary activations ({groups} groups × {micro} mb)', boundary,
+      'G·M·B·S·D·c')
+  add(p.embed_head, 'embedding/head params + Adam', E + E_opt, '(4 + 8)·P_outer')
+  add('device', 'embedding/head grads + logits', E + logits, '4·P_outer + 3·B·S·V·4')
+  if p.params != 'nvme':
+    add(p.params, 'layer params', W, '4·L·P_l')
+  if p.opt_state != 'nvme':
+    add(p.opt_state, 'layer Adam m, v', A, '8·L·P_l')
+  if clipping:
+    add(p.params, 'parked gradients (exact clipping)', W, '4·L·P_l')
+  nvme_layers = L * sizes.layer_params
+  if p.params == 'nvme':
+    add('nvme', 'layer params', nvme_layers, '4·L·P_l')
+  if p.opt_state == 'nvme':
+    add('nvme', 'layer Adam m, v', L * sizes.layer_opt, '8·L·P_l')
+  if 'nvme' in (p.params, p.opt_state):
+    add('host', 'NVMe staging buffer', p.host_buffer_gb * _GB, 'offload.host_buffer_gb')
+  if p.optimizer_on == 'host':
+    add('host', 'host optimizer staging (2 groups)', 2 * gw, '2·K·P_l·4')
+  return rows
+
+
+def traffic(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int, seq: int,
+            clipping: bool) -> dict:
+  """Bytes per step: h2d, d2h (host<->device) and read, write (disk), as the engine moves them."""
+  t = dict(h2d=0.0, d2h=0.0, read=0.0, write=0.0)
+  if not p.streamed:
+    return t
+  L, k = cfg.num_layers, p.layers_per_group
+  groups = math.ceil(L / k)
+  W = sizes.group_params(L)
+  A = L * sizes.layer_opt + groups * sizes.group_opt_extra  # what crosses to the device
+  A_disk = L * sizes.layer_opt  # the step counters stay in memory
+  P, O = p.params, p.opt_state
+  off = lambda tier: tier != 'device'
+  disk = lambda tier: tier == 'nvme'
+  # Forward and backward: each group's weights fetched twice.
+  if off(P):
+    t['h2d'] += 2 * W
+  if disk(P):
+    t['read'] += 2 * W
+  if p.activations == 'host':
+    boundary = groups * micro * hidden_bytes(cfg, batch, seq)
+    t['d2h'] += boundary
+    t['h2d'] += boundary
+  if p.optimizer_on == 'device':
+    if off(O):
+      t['h2d'] += A
+      t['d2h'] += A
+    if disk(O):
+      t['read'] += A_disk
+      t['write'] += A_disk
+    if off(P):
+      t['d2h'] += W  # updated weights back to their tier
+    if disk(P):
+      t['write'] += W
+    if clipping and off(P):  # parked gradient out and back, weights fetched a third time
+      t['d2h'] += W
+      t['h2d'] += 2 * W
+      if disk(P):
+        t['write'] += W
+        t['read'] += 2 * W
+  else:  # host optimizer: params and Adam are already off the device
+    t['d2h'] += W  # each group's gradient (parked or handed straight to the host update)
+    if disk(O):
+      t['read'] += A_disk
+      t['write'] += A_disk
+    if disk(P):
+      t['read'] += W
+      t['write'] += W
+      if clipping:
+        t['write'] += W
+        t['read'] += W
+  if p.embed_head == 'host':
+    E, E_opt = sizes.outer_params, sizes.outer_opt
+    t['h2d'] += E + E_opt
+    t['d2h'] += E + E_opt
+  return t
+
+
+def step_flops(cfg: ModelConfig, p: Placement, micro: int, batch: int, seq: int) -> tuple:
+  """(FLOPs the step executes, model FLOPs without recompute) per step."""
+  tokens = micro * batch * seq
+  layer_fwd = 2.0 * (cfg.params_per_layer - 2 * cfg.d_model) + 2.0 * seq * cfg.num_heads * cfg.head_dim
+  head_fwd = 2.0 * cfg.d_model * cfg.vocab_size
+  if not p.streamed:
+    recompute = 1 if cfg.remat == 'full' else 0
+  elif p.layers_per_group == 1:
+    recompute = 1
+  else:
+    recompute = 1 + (1 if cfg.remat == 'full' else 0)
+  executed = tokens * (cfg.num_layers * layer_fwd * (3 + recompute) + 3 * head_fwd)
+  model = float(cfg.flops_per_token(seq)) * tokens
+  return executed, model
+
+
+def _read_rate(hw: HardwareProfile, cached: bool) -> float:
+  if cached and hw.disk_read_cached_gbps:
+    return hw.disk_read_cached_gbps * _GB
+  return hw.disk_read_gbps * hw.disks * _GB
+
+
+def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwareProfile, *,
+              micro: int, batch: int, seq: int, clipping: bool, budgets: dict) -> Plan:
+  rows = _memory_rows(cfg, sizes, p, micro, batch, seq, clipping)
+  moved = traffic(cfg, sizes, p, micro, batch, seq, clipping)
+  executed, model_flops = step_flops(cfg, p, micro, batch, seq)
+  rate = hw.tflops(cfg.dtype, cfg.matmul_precision, cfg.d_model) * 1e12
+  compute = executed / rate
+  params = cfg.num_params
+  host_opt = p.streamed and p.optimizer_on == 'host'
+  optimizer = (cfg.num_layers * cfg.params_per_layer / (hw.host_adam_gparams * _GB)
+               + (params - cfg.num_layers * cfg.params_per_layer) / (hw.device_adam_gparams * _GB)
+               if host_opt else params / (hw.device_adam_gparams * _GB))
+  h2d = moved['h2d'] / (hw.h2d_gbps * _GB)
+  d2h = moved['d2h'] / (hw.d2h_gbps * _GB)
+  # Reads hit the page cache when the disk-resident state fits in the RAM the plan leaves free.
+  nvme_bytes = sum(r.bytes for r in rows if r.tier == 'nvme')
+  host_free = budgets.get('host', 0) - sum(r.bytes for r in rows if r.tier == 'host')
+  if hw.unified_memory:
+    host_free -= sum(r.bytes for r in rows if r.tier == 'device')
+  cached = nvme_bytes > 0 and nvme_bytes < host_free
+  disk = moved['read'] / _read_rate(hw, cached) + moved['write'] / (hw.disk_write_gbps * hw.disks * _GB)
+  groups = math.ceil(cfg.num_layers / p.layers_per_group)
+  calls = 1 if not p.streamed else 2 * groups * micro + 4 * groups + 4 * micro + 4
+  dispatch = calls * hw.dispatch_s
+  times = {'compute': compute, 'optimizer': optimizer, 'h2d': h2d, 'd2h': d2h, 'disk': disk,
+           'dispatch': dispatch}
+  if not p.streamed:
+    step = compute + optimizer + dispatch
+    bottleneck = 'compute'
+  elif not hw.overlap:
+    step = compute + optimizer + h2d + d2h + disk + dispatch
+    bottleneck = max(('compute', compute), ('host optimizer' if host_opt else 'optimizer', optimizer),
+                     ('host<->device', h2d + d2h), ('disk', disk), key=lambda x: x[1])[0]
+  else:
+    gw = sizes.group_params(p.layers_per_group)
+    fill = 2 * (gw / (hw.h2d_gbps * _GB) + (gw / _read_rate(hw, cached) if p.params == 'nvme' else 0))
+    device_work = compute + (0 if host_opt else optimizer)
+    if clipping:
+      # Updates wait for the global norm: compute, then an update phase bounded by its transfers.
+      update_share = 0.5  # the update phase moves about half of a step's copies and disk I/O
+      overlapped = max(compute, (1 - update_share) * max(h2d, d2h, disk))
+      update = max(optimizer, update_share * max(h2d, d2h, disk))
+      step = overlapped + update + fill + dispatch
+    else:
+      step = max(device_work, h2d, d2h, disk, optimizer if host_opt else 0) + fill + dispatch
+    resources = {'compute': device_work, 'host<->device': max(h2d, d2h), 'disk': disk,
+                 'host optimizer': optimizer if host_opt else 0}
+    bottleneck = max(resources.items(), key=lambda x: x[1])[0]
+  peak = hw.peak(cfg.dtype, cfg.matmul_precision, cfg.d_model)
+  return Plan(placement=p, microbatches=micro, batch_size=batch, seq_len=seq, rows=rows,
+              budgets=budgets, traffic=moved, times=times, step_time_s=step,
+              bottleneck=bottleneck, flops_per_step=model_flops, peak_tflops=peak)
+
+
+# -------------------------------------------------------------------------------------------------
+# Budgets, auto search, refusal.
+# -------------------------------------------------------------------------------------------------
+
+def budgets_for(hw: HardwareProfile, offload, disk_free_gb: float | None) -> dict:
+  device = (offload.get('device_memory_gb') or hw.device_memory_gb * DEVICE_USABLE_FRACTION)
+  host = (offload.get('host_memory_gb') or hw.host_memory_gb * HOST_USABLE_FRACTION)
+  disk = disk_free_gb if disk_free_gb is not None else hw.disk_gb
+  budgets = {'device': device * _GB, 'host': host * _GB, 'nvme': disk * _GB}
+  if hw.unified_memory:
+    budgets['_unified'] = True
+  return budgets
+
+
+def _choices(value, options):
+  return list(options) if value == AUTO else [value]
+
+
+def _group_sizes(num_layers: int) -> list:
+  sizes = {1, num_layers}
+  k = 2
+  while k < num_layers:
+    sizes.add(k)
+    k *= 2
+  return sorted(sizes)
+
+
+def candidates(offload, num_layers: int, micro_options: list):
+  """Every placement the config's fixed fields allow (auto fields expanded)."""
+  base = {f.name: offload[f.name] for f in dataclasses.fields(Placement)}
+  for params in _choices(base['params'], TIERS):
+    for opt in _choices(base['opt_state'], TIERS):
+      for embed in _choices(base['embed_head'], MEMORY_TIERS):
+        resident = params == opt == embed == 'device'
+        for act in (['device'] if resident and base['activations'] == AUTO
+                    else _choices(base['activations'], MEMORY_TIERS)):
+          streamed = not (resident and act == 'device')
+          opt_places = _choices(base['optimizer_on'], ('device', 'host'))
+          if base['optimizer_on'] == AUTO and 'device' in (params, opt):
+            opt_places = ['device']
+          ks = ([1] if not streamed and base['layers_per_group'] == 0
+                else _group_sizes(num_layers) if base['layers_per_group'] == 0
+                else [base['layers_per_group']])
+          depths = ([1] if not streamed and base['prefetch_depth'] == 0
+                    else [1, 2, 3] if base['prefetch_depth'] == 0 else [base['prefetch_depth']])
+          for on in opt_places:
+            for k in ks:
+              for depth in depths:
+                for micro in micro_options:
+                  yield micro, dataclasses.replace(
+                      Placement(), **{**base, 'params': params, 'opt_state': opt,
+                                      'embed_head': embed, 'activations': act,
+                                      'optimizer_on': on, 'layers_per_group': k,
+                                      'prefetch_depth': depth})
+
+
+def is_auto(offload, train) -> bool:
+  return (any(offload[f] == AUTO for f in ('params', 'opt_state', 'activations', 'embed_head',
+                                          'optimizer_on'))
+          or offload.layers_per_group == 0 or offload.prefetch_depth == 0
+          or train.microbatches == 0)
+
+
+def _offloaded_bytes(plan: Plan) -> float:
+  return sum(r.bytes for r in plan.rows if r.tier in ('host', 'nvme'))
+
+
+def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None) -> Plan:
+  """The plan for `config`: its placement if fully specified, else the best `auto` choice.
+
+  Raises ConfigError when nothing fits, naming needed vs available per tier and what to change.
+  """
+  cfg = model_lib.ModelConfig.from_config_dict(config.model)
+  train, offload = config.train, config.offload
+  sizes = state_sizes(cfg, train_key(train))
+  budgets = budgets_for(hw, offload, disk_free_gb)
+  clipping = train.grad_clip > 0
+  micro_options = ([1, 2, 4, 8, 16, 32, 64] if train.microbatches == 0
+                   else [train.microbatches])
+  plans, rejected, invalid = [], [], []
+  for micro, placement in candidates(offload, cfg.num_layers, micro_options):
+    try:  # e.g. a group too large for the NVMe staging buffer, or no pinned_host memory
+      placement.check(cfg)
+    except ConfigError as e:
+      invalid.append(e)
+      continue
+    plan = make_plan(cfg, sizes, placement, hw, micro=micro, batch=train.batch_size,
+                     seq=train.seq_len, clipping=clipping, budgets=budgets)
+    (plans if plan.fits else rejected).append(plan)
+  if not plans:
+    if not rejected:
+      raise invalid[0]
+    raise ConfigError(refusal_message(cfg, rejected, budgets))
+  best = max(p.tokens_per_s for p in plans)
+  near = [p for p in plans if p.tokens_per_s >= 0.99 * best]
+  return min(near, key=lambda p: (_offloaded_bytes(p), p.microbatches,
+                                  p.placement.layers_per_group, p.placement.prefetch_depth))
+
+
+def refusal_message(cfg: ModelConfig, rejected: list, budgets: dict) -> str:
+  # The candidate that comes closest: the smallest total overshoot, relative to each budget.
+  def overshoot(plan):
+    return sum(max(0.0, n / max(a, 1.0) - 1) for n, a in plan.over_budget().values())
+  closest = min(rejected, key=overshoot)
+  lines = [f'this config fits no placement on this hardware: {cfg.num_params / 1e9:,.2f}B params '
+           f'need {16 * cfg.num_params / _GB:,.1f} GB of FP32 state (params, grads, Adam m, v). '
+           f'The closest placement ({describe(closest.placement)}, M={closest.microbatches}) '
+           'needs:']
+  for tier, (needed, available) in closest.over_budget().items():
+    lines.append(f'  {tier}: {needed / _GB:,.2f} GB needed, {available / _GB:,.2f} GB available')
+  tiers = closest.over_budget()
+  hints = []
+  if 'device' in tiers:
+    hints.append('lower train.batch_size or train.seq_len (activations), use model.remat=full, '
+                 'or set offload.layers_per_group=1 / offload.prefetch_depth=1')
+  if any(t.startswith('host') for t in tiers):
+    hints.append("move state to disk (offload.params='nvme', offload.opt_state='nvme') or lower "
+                 'offload.host_buffer_gb')
+  if 'nvme' in tiers:
+    hints.append('point offload.dir at a disk with more free space')
+  hints.append('or choose hardware with more memory (--config.hardware, '
+               '--config.offload.device_memory_gb / host_memory_gb)')
+  lines.append('Fix: ' + '; '.join(hints) + '.')
+  return '\n'.join(lines)
+
+
+def describe(p: Placement) -> str:
+  if not p.streamed:
+    return 'resident (all on device)'
+  return (f'params {p.params}, Adam {p.opt_state}, activations {p.activations}, embed/head '
+          f'{p.embed_head}, optimizer on {p.optimizer_on}, K={p.layers_per_group}, '
+          f'prefetch {p.prefetch_depth}')
+
+
+def format_plan(plan: Plan, hw: HardwareProfile) -> str:
+  """The memory table, then predicted time, throughput, MFU and bottleneck."""
+  out = [f'hardware: {hw.name} ({hw.source})',
+         f'placement: {describe(plan.placement)}, microbatches {plan.microbatches}',
+         '', f'{"tier":<8}{"item":<44}{"GB":>12}  formula']
+  for tier in ('device', 'host', 'nvme'):
+    rows = [r for r in plan.rows if r.tier == tier]
+    for r in rows:
+      out.append(f'{tier:<8}{r.item:<44}{r.bytes / _GB:>12,.3f}  {r.formula}')
+    budget = plan.budgets[tier]
+    used = plan.used(tier)
+    note = ' (shares RAM with device)' if tier == 'host' and plan.budgets.get('_unified') else ''
+    out.append(f'{tier:<8}{"total / available" + note:<44}{used / _GB:>12,.3f}  of '
+               f'{budget / _GB:,.1f} GB')
+  t = plan.times
+  out += ['', 'per step: ' + ', '.join(f'{k} {v:.4g} s' for k, v in t.items()),
+          f'traffic per step: h2d {plan.traffic["h2d"] / _GB:,.2f} GB, d2h '
+          f'{plan.traffic["d2h"] / _GB:,.2f} GB, disk read {plan.traffic["read"] / _GB:,.2f} GB, '
+          f'disk write {plan.traffic["write"] / _GB:,.2f} GB',
+          f'predicted: {plan.tokens_per_s:,.1f} tokens/s, MFU {100 * plan.mfu:.1f}% '
+          f'(of {plan.peak_tflops:,.4g} peak TFLOP/s), bottleneck: {plan.bottleneck}',
+          f'predicted_step_time_s: {plan.step_time_s:.6g}']
+  return '\n'.join(out)

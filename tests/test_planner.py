@@ -1,0 +1,287 @@
+"""The planner: exact state sizes and per-step traffic against the real pytrees and the engine's
+own counters, memory against XLA's memory_analysis, auto placement, refusals, the dry-run plan,
+and predicted vs measured step time (a loose bound that catches gross errors)."""
+
+import dataclasses
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from megatrain_jax import config as config_lib
+from megatrain_jax import hardware
+from megatrain_jax import optim
+from megatrain_jax import planner
+from megatrain_jax import train
+from megatrain_jax.engine import resident
+from megatrain_jax.engine.streamed import StreamedEngine
+from megatrain_jax.errors import ConfigError
+from megatrain_jax.placement import Placement
+
+from test_cli import config_with
+from test_streamed import CFG, TRAIN, _batches, _initial_state, _tx
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SIZES = planner.state_sizes(CFG, planner.train_key(TRAIN))
+_GB = 1e9
+
+
+def _nbytes(tree) -> int:
+  return sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(tree))
+
+
+def test_state_sizes_equal_real_pytrees():
+  tx = optim.make_optimizer(TRAIN)
+  state = jax.jit(resident.init_state, static_argnums=(0, 1))(CFG, tx, 0)
+  layers = state['params']['layers']
+  outer = {k: v for k, v in state['params'].items() if k != 'layers'}
+  assert SIZES.group_params(CFG.num_layers) == _nbytes(layers)
+  assert SIZES.outer_params == _nbytes(outer)
+  assert SIZES.layer_params == 4 * CFG.params_per_layer
+  # The whole Adam state = the layers' moments + the outer parts' (which carry the counters).
+  assert CFG.num_layers * SIZES.layer_opt + SIZES.outer_opt == _nbytes(state['opt_state'])
+  assert SIZES.layer_opt == 8 * CFG.params_per_layer
+
+
+def test_resident_plan_rows_are_the_state_bytes():
+  plan = planner.make_plan(CFG, SIZES, Placement(), hardware.PRESETS['h100'], micro=1, batch=2,
+                           seq=16, clipping=True, budgets={'device': 1e12, 'host': 1e12,
+                                                           'nvme': 1e12})
+  rows = {r.item: r.bytes for r in plan.rows}
+  total_params = SIZES.group_params(CFG.num_layers) + SIZES.outer_params
+  assert rows['params'] == total_params == 4 * CFG.num_params
+  assert rows['gradients'] == total_params
+  assert rows['Adam m, v'] == CFG.num_layers * SIZES.layer_opt + SIZES.outer_opt
+
+
+# Every path of the engine's transfer code: tiers, optimizer place, clipping, activations and
+# embedding/head on host, several groups and microbatches.
+TRAFFIC_CASES = [
+    dict(params='host', opt_state='host', layers_per_group=1),
+    dict(params='host', opt_state='device', layers_per_group=2),
+    dict(params='device', opt_state='host', layers_per_group=3),
+    dict(params='host', opt_state='host', optimizer_on='host', layers_per_group=2),
+    dict(params='host', opt_state='host', activations='host', embed_head='host'),
+    dict(params='nvme', opt_state='nvme', layers_per_group=2),
+    dict(params='nvme', opt_state='host', optimizer_on='host'),
+    dict(params='host', opt_state='nvme', layers_per_group=4),
+]
+
+
+def _run_engine(micro, clip, placement, steps=4):
+  """Per-step metrics of a streamed run, and its cumulative transfer counters after close()."""
+  tx, schedule, _ = _tx(clip)
+  placement.check(CFG)
+  engine = StreamedEngine(CFG, tx, schedule, clip, placement,
+                          jax.tree.map(np.copy, _initial_state()))
+  metrics = [engine.train_step(b) for b in _batches(micro)[:steps]]
+  engine.close()  # flushes the write-behind
+  return metrics, engine.stats
+
+
+@pytest.mark.parametrize('clip', [0.0, 1.0], ids=['noclip', 'clip'])
+@pytest.mark.parametrize('case', TRAFFIC_CASES, ids=lambda c: '-'.join(f'{v}' for v in c.values()))
+def test_traffic_equals_engine_counters(tmp_path, case, clip):
+  """The planner's bytes per step are exactly what the engine counts moving."""
+  micro, steps = 2, 4
+  placement = Placement(**{'dir': str(tmp_path), **case})
+  metrics, stats = _run_engine(micro, clip, placement, steps)
+  want = planner.traffic(CFG, SIZES, placement, micro, 2, 16, clipping=clip > 0)
+  for m in metrics:
+    assert m['io/h2d_gb'] * _GB == pytest.approx(want['h2d'], rel=1e-9, abs=1)
+    assert m['io/d2h_gb'] * _GB == pytest.approx(want['d2h'], rel=1e-9, abs=1)
+  if 'nvme' in (placement.params, placement.opt_state):
+    # Reads finish inside their step; writes land behind it, so count them over the whole run:
+    # the init writes the disk-resident leaves once, then every step writes want['write'].
+    for m in metrics[1:]:
+      assert m['io/read_gb'] * _GB == pytest.approx(want['read'], rel=1e-9)
+    init = (CFG.num_layers * SIZES.layer_params * (placement.params == 'nvme')
+            + CFG.num_layers * SIZES.layer_opt * (placement.opt_state == 'nvme'))
+    assert stats.write_bytes == init + steps * want['write']
+
+
+def test_resident_memory_against_memory_analysis():
+  """XLA's own accounting of the compiled resident step: its arguments are the train state and
+  the batch (exactly), and its temporaries are within 2x of the plan's gradients + activations."""
+  tx = optim.make_optimizer(TRAIN)
+  schedule = optim.lr_schedule(TRAIN)
+  cfg = CFG.replace(remat='full')
+  batch, seq = 4, 32
+  state = jax.eval_shape(lambda: resident.init_state(cfg, tx, 0))
+  step = resident.make_train_step(cfg, tx, 1.0, schedule)
+  tokens = jax.ShapeDtypeStruct((1, batch, seq + 1), np.int32)
+  analysis = step.lower(state, tokens).compile().memory_analysis()
+  if analysis is None:
+    pytest.skip('this backend reports no memory_analysis')
+  plan = planner.make_plan(cfg, SIZES, Placement(), hardware.PRESETS['h100'], micro=1,
+                           batch=batch, seq=seq, clipping=True,
+                           budgets={'device': 1e12, 'host': 1e12, 'nvme': 1e12})
+  rows = {r.item: r.bytes for r in plan.rows}
+  state_bytes = rows['params'] + rows['Adam m, v'] + 4 + 8  # + step counter + rng key data
+  assert analysis.argument_size_in_bytes == state_bytes + 4 * batch * (seq + 1)
+  temporaries = rows['gradients'] + rows['activations (1 microbatch)'] + rows['logits (1 microbatch)']
+  assert 0.5 * temporaries <= analysis.temp_size_in_bytes <= 2 * temporaries, (
+      analysis.temp_size_in_bytes, temporaries)
+
+
+def test_group_backward_memory_against_memory_analysis():
+  """The group backward of one layer (remat none) holds about one layer's internals."""
+  from megatrain_jax import model as model_lib
+  batch, seq = 4, 32
+  cfg = CFG.replace(remat='none')
+  params = jax.eval_shape(lambda: {'layers': model_lib.init_layers(cfg, jax.random.key(0), 0, 1)})
+  x = jax.ShapeDtypeStruct((batch, seq, cfg.d_model), np.float32)
+  positions = jax.ShapeDtypeStruct((batch, seq), np.int32)
+
+  def backward(p, h, pos, dy):
+    _, vjp = jax.vjp(lambda p, h: model_lib.apply_group(cfg, p['layers'], h, pos), p, h)
+    return vjp(dy)
+
+  analysis = jax.jit(backward).lower(params, x, positions, x).compile().memory_analysis()
+  if analysis is None:
+    pytest.skip('this backend reports no memory_analysis')
+  want = planner.layer_internal_bytes(cfg, batch, seq)
+  assert 0.5 * want <= analysis.temp_size_in_bytes + analysis.output_size_in_bytes <= 2 * want, (
+      analysis.temp_size_in_bytes, want)
+
+
+# --- auto placement and refusals ----------------------------------------------------------------
+
+def _plan(**overrides):
+  config = config_lib.load_config('tiny', **{'hardware': 'cpu', **overrides})
+  return planner.plan_run(config, hardware.load_profile('cpu'), disk_free_gb=100.0)
+
+
+def test_auto_picks_device_for_tiny():
+  plan = _plan()
+  assert not plan.placement.streamed
+  assert plan.fits
+
+
+def test_auto_streams_when_device_budget_is_below_the_model():
+  cfg = planner.model_lib.ModelConfig.from_config_dict(config_lib.load_config('tiny').model)
+  model_gb = 16 * cfg.num_params / _GB
+  plan = _plan(offload__device_memory_gb=model_gb / 4, train__microbatches=0)
+  p = plan.placement
+  assert p.streamed and p.params != 'device'
+  assert plan.used('device') <= model_gb / 4 * _GB
+  # What it chose is a valid placement the engine accepts.
+  p.check(cfg)
+
+
+def test_auto_moves_state_to_nvme_when_host_ram_is_too_small():
+  cfg = planner.model_lib.ModelConfig.from_config_dict(config_lib.load_config('tiny').model)
+  model_gb = 16 * cfg.num_params / _GB
+  plan = _plan(offload__device_memory_gb=model_gb / 4, offload__host_memory_gb=model_gb / 2,
+               offload__host_buffer_gb=0.01)
+  assert 'nvme' in (plan.placement.params, plan.placement.opt_state)
+
+
+def test_refusal_device_too_small_for_one_group():
+  with pytest.raises(ConfigError) as e:
+    _plan(offload__device_memory_gb=1e-4)
+  message = str(e.value)
+  assert 'fits no placement' in message
+  assert 'device:' in message and 'GB needed' in message and 'GB available' in message
+  assert 'batch_size' in message  # the concrete suggestion
+
+
+def test_refusal_disk_too_small():
+  config = config_lib.load_config('tiny', hardware='cpu', offload__params='nvme',
+                                  offload__opt_state='nvme')
+  with pytest.raises(ConfigError) as e:
+    planner.plan_run(config, hardware.load_profile('cpu'), disk_free_gb=1e-4)
+  assert 'nvme:' in str(e.value) and 'offload.dir' in str(e.value)
+
+
+def test_refusal_through_train_and_evaluate_writes_nothing(tmp_path):
+  workdir = tmp_path / 'run'
+  with pytest.raises(ConfigError, match='fits no placement'):
+    train.train_and_evaluate(config_with(hardware='cpu', offload__device_memory_gb=1e-4),
+                             str(workdir))
+  assert not workdir.exists()
+
+
+def test_explicit_placement_is_kept():
+  plan = _plan(offload__params='host', offload__opt_state='host', offload__activations='host',
+               offload__embed_head='device', offload__optimizer_on='host',
+               offload__layers_per_group=2, offload__prefetch_depth=2)
+  p = plan.placement
+  assert (p.params, p.opt_state, p.activations, p.optimizer_on, p.layers_per_group,
+          p.prefetch_depth) == ('host', 'host', 'host', 'host', 2, 2)
+
+
+def test_unknown_hardware_is_refused():
+  with pytest.raises(ConfigError, match='neither a preset'):
+    hardware.load_profile('tpu9000')
+  with pytest.raises(ConfigError, match='no such profile file'):
+    hardware.load_profile('/nonexistent/profile.json')
+
+
+def test_bad_profile_file_is_refused(tmp_path):
+  bad = tmp_path / 'p.json'
+  bad.write_text('{"name": 1')
+  with pytest.raises(ConfigError, match='not a valid profile'):
+    hardware.load_profile(str(bad))
+
+
+# --- the dry run ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('name', ['101b', '405b'])
+def test_dry_run_prints_plan_quickly(name):
+  started = time.perf_counter()
+  result = subprocess.run([sys.executable, 'launch.py', '--config', name, '--dry_run',
+                           '--config.hardware=h200'], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+  elapsed = time.perf_counter() - started
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.strip().splitlines()
+  assert lines[-1].startswith('predicted_step_time_s: ')
+  assert float(lines[-1].split(': ')[1]) > 0
+  for word in ('device', 'host', 'nvme', 'bottleneck', 'tokens/s', 'MFU'):
+    assert word in result.stdout
+  assert elapsed < 30, elapsed
+
+
+# --- predicted vs measured (loose: the ±25% figures are in BENCHMARKS.md) -------------------------
+
+@pytest.fixture(scope='module')
+def calibrated_profile(tmp_path_factory):
+  """`launch.py --calibrate` writes a loadable profile in under 60 s."""
+  out = tmp_path_factory.mktemp('profile') / 'hw.json'
+  started = time.perf_counter()
+  result = subprocess.run([sys.executable, 'launch.py', '--calibrate', f'--profile_out={out}',
+                           f'--workdir={out.parent}'], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=180)
+  elapsed = time.perf_counter() - started
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert elapsed < 60, elapsed
+  profile = hardware.load_profile(str(out))
+  assert profile.disk_read_gbps > 0 and profile.compute_tflops
+  return out
+
+
+@pytest.mark.parametrize('placement', [
+    {},
+    dict(offload__params='host', offload__opt_state='host', offload__layers_per_group=1),
+    dict(offload__params='nvme', offload__opt_state='nvme', offload__layers_per_group=2),
+], ids=['resident', 'host', 'nvme'])
+def test_predicted_step_time_within_factor_two(tmp_path, calibrated_profile, placement):
+  fixed = dict(offload__params='device', offload__opt_state='device',
+               offload__activations='device', offload__embed_head='device',
+               offload__optimizer_on='device', offload__layers_per_group=1,
+               offload__prefetch_depth=1)
+  config = config_with(hardware=str(calibrated_profile), train__steps=6, train__log_every=1,
+                       train__eval_every=0, checkpoint__every=-1, **{**fixed, **placement})
+  train.train_and_evaluate(config, str(tmp_path / 'run'))
+  rows = [json.loads(l) for l in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+  timed = [r for r in rows if 'perf/step_time_s' in r and r['step'] >= 3]
+  measured = float(np.median([r['perf/step_time_s'] for r in timed]))
+  predicted = timed[-1]['perf/predicted_step_time_s']
+  assert 0.5 <= predicted / measured <= 2.0, (predicted, measured)
