@@ -1,31 +1,251 @@
-"""Checkpoints: an orbax CheckpointManager over (train state, JSON metadata).
+"""Checkpoints in <workdir>/checkpoints/<step>/: one format for every placement, streamed for NVMe.
 
-Layout: <workdir>/checkpoints/<step>/{state, meta}. Orbax commits each step atomically (it writes
-to a temporary directory and renames it when complete), so a killed run leaves either a whole
-checkpoint or one orbax ignores. Saves are asynchronous: the state is copied to host memory before
-`save` returns, the files are written in the background while training continues.
+A checkpoint holds the full train state as the resident engine shapes it ({'step', 'params',
+'opt_state', 'rng'}, layer leaves stacked [L, ...]); every leaf is addressed by its tree path in
+that state, so a checkpoint written under any placement restores under any other. Layout:
 
-`meta` holds what resume needs besides the arrays: the data sampler position, and the model
-config, so that resuming with different shapes fails with a clear message instead of an orbax
-shape error.
+  meta.json      step, data_position, seed, model_config, placement, and for each leaf path where
+                 it is: `memory` (a name in state/) or `disk` (a directory in nvme/)
+  state/         orbax PyTree checkpoint of the leaves that were in memory, flat {name: array}: the
+                 whole state for resident and host runs; for NVMe runs the embedding/head and their
+                 Adam state, step counts, rng, and any layers kept on host or device
+  nvme/<leaf>/   NVMe runs: each disk-resident layer leaf as the live store's zarr3 array [L, ...]
+                 (one file per layer): hard links to the live files, or copies where links fail
+  manifest.json  the size of every file, and a crc32 of every file except the zarr chunk files
+                 (those carry a crc32c per inner chunk, verified on read). Orbax verifies nothing:
+                 a flipped byte in its array data restores silently as a wrong number (tested with
+                 orbax-checkpoint 0.12.8), hence the manifest.
+
+Why a hard-link snapshot of the live NVMe store is a consistent checkpoint: TensorStore's file
+kvstore never modifies a file in place; it writes `<file>.__lock` and renames it over `<file>`
+(seen with strace, tensorstore 0.1.86). Once the write-behind queue is flushed at a step boundary,
+linking the live files captures exactly that step, and later writes replace the live directory
+entries, never the linked inodes. A snapshot costs metadata operations only: no data is read or
+written and no RAM is needed, whatever the model size. Each kept checkpoint pins one full copy of
+the NVMe state once the live store has rewritten every layer (the trainer's up-front disk check
+counts it). When os.link fails (EXDEV: offload.dir on another filesystem than the workdir) the
+files are copied instead, streaming, before training continues. Restore is the mirror image: the
+snapshot's files are linked (or copied) into a fresh live store, which is safe for the same reason.
+
+Commit: a checkpoint is written into checkpoints/.tmp-<step>, its files fsynced, then renamed to
+<step> and the parent directory fsynced, so a checkpoint is complete or ignored (leftover .tmp
+directories are deleted). The in-memory leaves are copied to host numpy before `save` returns;
+writing them, the manifest and the commit run on a background thread while training continues
+(the next save, `wait` and `close` wait for it and raise its error). The oldest checkpoints beyond
+`keep` are deleted only after a new one is committed.
+
+Restore takes the newest checkpoint that verifies: manifest (every file present, sizes, crc32s),
+the orbax restore, and a read of every NVMe layer (its crc32c). A damaged one is reported with a
+warning naming its step and the bad file, and the next older one is tried; if none is intact the
+error names the directory and the fix.
 """
 
+import concurrent.futures
 import dataclasses
+import errno
+import json
+import os
 import pathlib
+import re
+import shutil
+import sys
+import zlib
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 
 from megatrain_jax import faults
-from megatrain_jax.errors import ConfigError
+from megatrain_jax.engine import partition
+from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.model import ModelConfig
+from megatrain_jax.tiers import codecs
+
+FORMAT = 2
+_TMP_PREFIX = '.tmp-'
+_SHAPE_FIELDS = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'd_ff',
+                 'head_dim', 'qkv_bias', 'tie_embeddings')
 
 
-def _with_sharding(abstract_tree, memory_kind: str):
-  """Restore targets need a sharding: the default device, in device or pinned host memory."""
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                      abstract_tree)
+def leaf_name(path: str) -> str:
+  """Tree path -> file-system name: "['opt_state'][0].mu['layers']['w']" -> "opt_state.0.mu.layers.w"."""
+  return re.sub(r'[^A-Za-z0-9_]+', '.', path).strip('.')
+
+
+def _host_copy(x) -> np.ndarray:
+  """An owned numpy copy: np.asarray of a CPU jax array can alias a buffer the next step donates."""
+  return np.array(x, copy=True)
+
+
+def human_bytes(n: float) -> str:
+  return f'{n / 1e9:,.2f} GB' if n >= 1e9 else f'{n / 1e6:,.2f} MB'
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """ENOSPC as raised by the OS, or as reported in TensorStore's / orbax's error text."""
+  while error is not None:
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    if 'No space left on device' in str(error) or 'Disk quota exceeded' in str(error):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def _fsync(path: pathlib.Path, directory: bool = False) -> None:
+  fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _crc32(path: pathlib.Path) -> int:
+  crc = 0
+  with open(path, 'rb') as f:
+    while block := f.read(1 << 22):
+      crc = zlib.crc32(block, crc)
+  return crc
+
+
+def _is_chunk_file(relative: str) -> bool:
+  """zarr3 chunk files (nvme/<leaf>/c/...): integrity comes from their own crc32c."""
+  parts = relative.split('/')
+  return len(parts) > 3 and parts[0] == 'nvme' and parts[2] == 'c'
+
+
+def link_tree(source: pathlib.Path, dest: pathlib.Path) -> int:
+  """Hard-links every file under `source` into `dest` (same relative paths), copying where a link
+  is impossible (EXDEV across filesystems, or a filesystem without links). TensorStore temp files
+  (*.__lock) are skipped. Returns the bytes copied (0 when everything was linked)."""
+  copied = 0
+  for root, _, files in os.walk(source):
+    target = dest / os.path.relpath(root, source)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in files:
+      if name.endswith('.__lock'):
+        continue
+      src, dst = os.path.join(root, name), target / name
+      try:
+        os.link(src, dst)
+      except OSError as error:
+        if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+          raise
+        shutil.copyfile(src, dst)  # streams in blocks: no whole-file buffer
+        copied += os.path.getsize(dst)
+  return copied
+
+
+class DamagedCheckpoint(Exception):
+  """A checkpoint that cannot be used: `file` is the first bad file found, `reason` why."""
+
+  def __init__(self, file, reason: str):
+    super().__init__(f'{file}: {reason}')
+    self.file, self.reason = file, reason
+
+
+class CheckpointReader:
+  """One committed checkpoint: its meta, its in-memory leaves, and layer-by-layer disk reads."""
+
+  def __init__(self, directory: pathlib.Path):
+    self.directory = directory
+    meta_file = directory / 'meta.json'
+    try:
+      self.meta = json.loads(meta_file.read_text())
+      self.step = int(self.meta['step'])
+      self._memory_names = dict(self.meta['memory'])
+      self._disk_names = dict(self.meta['disk'])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+      raise DamagedCheckpoint(meta_file, f'not a readable checkpoint meta.json ({error})') from error
+    self._memory = None
+    self._disk = {}
+    self._context = ts.Context({'cache_pool': {'total_bytes_limit': 0}})
+
+  def check_model(self, model_cfg: ModelConfig) -> None:
+    saved, current = self.meta['model_config'], dataclasses.asdict(model_cfg)
+    changed = [f'model.{k}: checkpoint {saved.get(k)!r}, config {current[k]!r}'
+               for k in _SHAPE_FIELDS if saved.get(k) != current[k]]
+    if changed:
+      raise ConfigError(f'the checkpoint at {self.directory} was written for other model shapes '
+                        f'({"; ".join(changed)}). Use the config it was trained with, or a new '
+                        '--workdir to start fresh.')
+
+  def verify(self) -> None:
+    """Raises DamagedCheckpoint naming the first bad file; loads the in-memory leaves."""
+    manifest_file = self.directory / 'manifest.json'
+    try:
+      manifest = json.loads(manifest_file.read_text())
+    except (OSError, ValueError) as error:
+      raise DamagedCheckpoint(manifest_file, f'unreadable ({error})') from error
+    for relative, entry in sorted(manifest.items()):
+      path = self.directory / relative
+      try:
+        size = path.stat().st_size
+      except OSError:
+        raise DamagedCheckpoint(path, 'missing') from None
+      if size != entry['size']:
+        raise DamagedCheckpoint(path, f'{size} bytes, {entry["size"]} when written (truncated?)')
+      if 'crc32' in entry and _crc32(path) != entry['crc32']:
+        raise DamagedCheckpoint(path, 'crc32 differs from when it was written (bit rot?)')
+    try:
+      restore_args = {name: ocp.RestoreArgs(restore_type=np.ndarray)
+                      for name in self._memory_names.values()}
+      self._memory = ocp.PyTreeCheckpointer().restore(
+          self.directory / 'state', args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    except Exception as error:  # pylint: disable=broad-except  orbax raises many types
+      raise DamagedCheckpoint(self.directory / 'state', f'orbax restore failed ({error})') from error
+    for path, name in self._disk_names.items():
+      array = self._open(path)
+      for layer in range(array.shape[0]):  # one layer at a time: bounded RAM
+        try:
+          array[layer:layer + 1].read().result()
+        except ValueError as error:
+          raise DamagedCheckpoint(codecs.chunk_file(str(self.directory / name), layer, array.ndim),
+                                  f'layer {layer} of {name} fails its checksum or is missing '
+                                  f'({error})') from error
+
+  def _open(self, path: str) -> ts.TensorStore:
+    if path not in self._disk:
+      spec = {'driver': 'zarr3', 'fill_missing_data_reads': False,
+              'kvstore': {'driver': 'file', 'path': str(self.directory / self._disk_names[path])}}
+      try:
+        self._disk[path] = ts.open(spec, open=True, read=True, context=self._context).result()
+      except ValueError as error:
+        raise DamagedCheckpoint(self.directory / self._disk_names[path] / 'zarr.json',
+                                f'cannot open the array ({error})') from error
+    return self._disk[path]
+
+  def snapshot_dir(self, path: str) -> pathlib.Path | None:
+    """The zarr3 array directory of a disk-resident leaf, or None if the leaf is in state/."""
+    name = self._disk_names.get(path)
+    return None if name is None else self.directory / name
+
+  def read(self, path: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+    """Leaf `path` of the full state (layers [start:stop] of a stacked leaf), as host numpy."""
+    if path in self._memory_names:
+      leaf = self._memory[self._memory_names[path]]
+      return leaf if start is None else leaf[start:stop]
+    array = self._open(path)
+    start, stop = (0, array.shape[0]) if start is None else (start, stop)
+    out = np.empty((stop - start, *array.shape[1:]), array.dtype.numpy_dtype)
+    for layer in range(start, stop):  # layer by layer: no second whole-array buffer
+      out[layer - start] = array[layer].read().result()
+    return out
+
+  def full_state(self, abstract_state):
+    """The whole state as host numpy arrays shaped like `abstract_state` (resident layout)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, _: self.read(jax.tree_util.keystr(p)), abstract_state)
+
+
+def _engine_parts(engine_or_state) -> tuple[dict, dict]:
+  """({path: host copy} of in-memory leaves, {path: live zarr array dir} of disk leaves)."""
+  if hasattr(engine_or_state, 'checkpoint_parts'):
+    return engine_or_state.checkpoint_parts()
+  if hasattr(engine_or_state, 'export_state'):
+    engine_or_state = engine_or_state.export_state()
+  return {p: _host_copy(x) for p, x in partition.by_path(engine_or_state).items()}, {}
 
 
 class Checkpointer:
@@ -33,42 +253,134 @@ class Checkpointer:
 
   def __init__(self, workdir: pathlib.Path, keep: int):
     self.directory = pathlib.Path(workdir).absolute() / 'checkpoints'
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_names=('state', 'meta'))
+    self.keep = keep
+    self._committer = concurrent.futures.ThreadPoolExecutor(1, 'checkpoint-commit')
+    self._pending = None
+    if self.directory.is_dir():  # a save interrupted before its commit: never a checkpoint
+      for leftover in self.directory.glob(_TMP_PREFIX + '*'):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+  def steps(self) -> list[int]:
+    """Committed checkpoints, oldest first."""
+    if not self.directory.is_dir():
+      return []
+    return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
 
   def latest_step(self) -> int | None:
-    return self._manager.latest_step()
+    self.wait()
+    steps = self.steps()
+    return steps[-1] if steps else None
 
-  def save(self, step: int, state, *, data_position: int, model_cfg: ModelConfig) -> None:
-    meta = {'step': step, 'data_position': int(data_position),
-            'model_config': dataclasses.asdict(model_cfg)}
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     meta=ocp.args.JsonSave(meta)), force=True)
-    faults.point('checkpoint')  # files being written in the background, nothing committed
+  # --- saving ----------------------------------------------------------------------------------
 
-  def restore(self, step: int, abstract_state, model_cfg: ModelConfig,
-              memory_kind: str = 'device'):
-    """Returns (state, meta) of checkpoint `step`; refuses one written for other model shapes."""
-    meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
-    saved = meta['model_config']
-    current = dataclasses.asdict(model_cfg)
-    shape_fields = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'd_ff',
-                    'head_dim', 'qkv_bias', 'tie_embeddings')
-    changed = [f'model.{k}: checkpoint {saved[k]!r}, config {current[k]!r}'
-               for k in shape_fields if saved.get(k) != current[k]]
-    if changed:
-      raise ConfigError(f'the checkpoint at {self.directory / str(step)} was written for other '
-                        f'model shapes ({"; ".join(changed)}). Use the config it was trained with, '
-                        'or a new --workdir to start fresh.')
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_with_sharding(abstract_state, memory_kind))))
-    return restored['state'], meta
+  def save(self, step: int, engine, *, data_position: int, model_cfg: ModelConfig, seed: int = 0,
+           placement=None) -> None:
+    """Checkpoints `engine` (or a full state dict) at `step`. Returns once the state may change:
+    in-memory leaves copied to host, NVMe files linked (or copied); the rest is written behind."""
+    self.wait()  # one checkpoint in flight; raises the previous one's error
+    memory, disk = _engine_parts(engine)
+    tmp = self.directory / f'{_TMP_PREFIX}{step}'
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    meta = {'format': FORMAT, 'step': step, 'data_position': int(data_position), 'seed': seed,
+            'model_config': dataclasses.asdict(model_cfg),
+            'placement': dataclasses.asdict(placement) if placement is not None else None,
+            'memory': {p: leaf_name(p) for p in memory},
+            'disk': {p: f'nvme/{leaf_name(p)}' for p in disk}}
+    needed = sum(x.nbytes for x in memory.values())
+    try:
+      for path, live in disk.items():
+        link_tree(pathlib.Path(live), tmp / meta['disk'][path])
+    except OSError as error:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise self._error(step, error, needed + sum(_tree_bytes(d) for d in disk.values())) from error
+    self._pending = self._committer.submit(self._write_and_commit, step, tmp, meta, memory, needed)
+
+  def _write_and_commit(self, step: int, tmp: pathlib.Path, meta: dict, memory: dict,
+                        needed: int) -> None:
+    try:
+      ocp.PyTreeCheckpointer().save(tmp / 'state', args=ocp.args.PyTreeSave(
+          {meta['memory'][p]: x for p, x in memory.items()}))
+      faults.point('checkpoint')  # kill -9 tests: state/ written, nothing committed
+      (tmp / 'meta.json').write_text(json.dumps(meta, indent=1, sort_keys=True))
+      manifest = {}
+      for root, _, files in os.walk(tmp):
+        for name in files:
+          path = pathlib.Path(root) / name
+          relative = str(path.relative_to(tmp))
+          entry = {'size': path.stat().st_size}
+          if not _is_chunk_file(relative):
+            entry['crc32'] = _crc32(path)
+          manifest[relative] = entry
+          _fsync(path)  # linked chunk files too: their data must be on disk before the commit
+      (tmp / 'manifest.json').write_text(json.dumps(manifest, indent=0, sort_keys=True))
+      _fsync(tmp / 'manifest.json')
+      for root, _, _ in os.walk(tmp):
+        _fsync(pathlib.Path(root), directory=True)
+    except BaseException as error:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise self._error(step, error, needed) from error
+    final = self.directory / str(step)
+    if final.exists():  # a damaged checkpoint of this step that the run fell back past
+      stale = self.directory / f'{_TMP_PREFIX}stale-{step}'
+      os.rename(final, stale)
+      shutil.rmtree(stale, ignore_errors=True)
+    os.rename(tmp, final)
+    _fsync(self.directory, directory=True)
+    for old in self.steps()[:-self.keep]:  # only now that the new one is complete
+      shutil.rmtree(self.directory / str(old), ignore_errors=True)
+
+  def _error(self, step: int, error: BaseException, needed: int) -> BaseException:
+    if not is_disk_full(error):
+      return error
+    steps = [s for s in self.steps() if s != step]
+    previous = (f'The previous checkpoint (step {steps[-1]}) is intact: a rerun with the same '
+                '--workdir resumes from it.' if steps else 'No earlier checkpoint exists.')
+    free = shutil.disk_usage(self.directory).free
+    return DiskFullError(
+        f'checkpoint step {step}: the disk holding {self.directory} is full (the checkpoint needs '
+        f'about {human_bytes(needed)}, {human_bytes(free)} are free). {previous} Free space '
+        'there, lower checkpoint.keep, or use a --workdir on a larger disk.')
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for the checkpoint being written; raises its error (DiskFullError when full)."""
+    pending, self._pending = self._pending, None
+    if pending is not None:
+      pending.result()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      self._committer.shutdown(wait=True)
+
+  # --- restoring -------------------------------------------------------------------------------
+
+  def restore(self, model_cfg: ModelConfig) -> CheckpointReader | None:
+    """The newest intact checkpoint (verified), or None if there is none. A damaged one is
+    reported on stderr and skipped; a checkpoint of other model shapes is a ConfigError."""
+    self.wait()
+    steps = self.steps()
+    damaged = []
+    for step in reversed(steps):
+      try:
+        reader = CheckpointReader(self.directory / str(step))
+        reader.check_model(model_cfg)
+        reader.verify()
+        return reader
+      except DamagedCheckpoint as error:
+        damaged.append(step)
+        older = [s for s in steps if s < step]
+        then = (f'trying the previous one (step {older[-1]})' if older else 'no older one is left')
+        print(f'warning: checkpoint step {step} in {self.directory} is damaged: {error.file}: '
+              f'{error.reason}; {then}.', file=sys.stderr, flush=True)
+    if damaged:
+      raise StoreCorruptionError(
+          f'every checkpoint in {self.directory} is damaged (steps '
+          f'{", ".join(map(str, sorted(damaged)))}; see the warnings above for the bad files). '
+          f'Delete {self.directory} to start training from scratch, or use a new --workdir.')
+    return None
+
+
+def _tree_bytes(directory) -> int:
+  return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(directory) for f in fs)

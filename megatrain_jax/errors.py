@@ -19,3 +19,7 @@ class TrainingDivergedError(RuntimeError):
 
 class StoreCorruptionError(RuntimeError):
   """Data read back from a store failed its checksum or is missing; names array, layer and file."""
+
+
+class DiskFullError(RuntimeError):
+  """A checkpoint or an NVMe store write ran out of disk; names the directory, bytes and fix."""

@@ -76,32 +76,22 @@ def describe(placement: Placement, model_cfg) -> str:
           f'{placement.prefetch_depth}, optimizer on {placement.optimizer_on}')
 
 
-def _check_checkpoint_fits_in_ram(every: int, model_cfg) -> None:
-  """A checkpoint gathers params + Adam m, v (12 B/param) in host RAM; refuse up front if that
-  cannot fit, rather than fail at the first checkpoint hours into the run."""
-  if every < 0:
-    return
-  ram = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
-  needed = 12 * model_cfg.num_params
-  if needed > 0.8 * ram:
-    raise ConfigError(
-        f'checkpoint.every={every}: a checkpoint gathers the FP32 params and Adam state '
-        f'({needed / 1e9:,.1f} GB) in host RAM, more than this machine has ({ram / 1e9:,.1f} GB); '
-        'streaming checkpoints for the NVMe tier are not implemented yet. Set '
-        'checkpoint.every=-1 to train without checkpoints, or use a machine with more RAM.')
-
-
 def _write_json_atomic(path: pathlib.Path, obj) -> None:
   tmp = path.with_suffix(path.suffix + '.tmp')
   tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
   os.replace(tmp, path)
 
 
-def make_engine(model_cfg, tx, schedule, train_cfg, placement: Placement, state=None):
-  """The resident engine when everything stays on the device, else the streamed engine."""
+def make_engine(model_cfg, tx, schedule, train_cfg, placement: Placement, state=None,
+                restore_from=None):
+  """The resident engine when everything stays on the device, else the streamed engine; filled
+  from `state`, a checkpoint (`restore_from`, a CheckpointReader) or a fresh init."""
   if placement.streamed:
     return StreamedEngine(model_cfg, tx, schedule, train_cfg.grad_clip, placement, state,
-                          seed=train_cfg.seed)
+                          seed=train_cfg.seed, restore_from=restore_from)
+  if restore_from is not None:
+    state = jax.device_put(restore_from.full_state(resident.abstract_state(model_cfg, tx)),
+                           jax.devices()[0])
   return resident.ResidentEngine(model_cfg, tx, schedule, train_cfg.grad_clip, state,
                                  seed=train_cfg.seed)
 
@@ -121,9 +111,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if 'nvme' in (placement.params, placement.opt_state):
     placement = dataclasses.replace(placement, dir=placement.dir or str(workdir / 'offload'))
     layer_bytes = 4 * model_cfg.num_layers * model_cfg.params_per_layer
+    # Each kept checkpoint pins one full copy of the NVMe state (checkpoint.py).
     nvme.check_offload_dir(placement.dir, nvme.nvme_bytes(layer_bytes, placement.params,
-                                                          placement.opt_state))
-    _check_checkpoint_fits_in_ram(config.checkpoint.every, model_cfg)
+                                                          placement.opt_state),
+                           checkpoint_dir=workdir / 'checkpoints',
+                           keep=config.checkpoint.keep if config.checkpoint.every >= 0 else 0)
   tokenizer = data_lib.load_tokenizer(config.data.tokenizer)  # reads tokenizer.json, writes nothing
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise ConfigError(f'model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer '
@@ -146,16 +138,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   tx = optim.make_optimizer(train_cfg)
   schedule = optim.lr_schedule(train_cfg)
   checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep)
-  start_step = checkpointer.latest_step()
-  state, position = None, 0
-  if start_step is not None:
-    # A streamed run restores into host memory: the device may not hold the whole state.
-    state, meta = checkpointer.restore(
-        start_step, resident.abstract_state(model_cfg, tx), model_cfg,
-        memory_kind='pinned_host' if placement.streamed else 'device')
-    position = meta['data_position']
-  engine = make_engine(model_cfg, tx, schedule, train_cfg, placement, state)
-  del state
+  # The newest intact checkpoint (damaged ones are skipped with a warning). The live NVMe stores
+  # are always rebuilt from it, never reused: a run killed mid-step may have written some layers
+  # of the next step, and resume must not see a mix of steps.
+  restored = checkpointer.restore(model_cfg)
+  position = restored.meta['data_position'] if restored is not None else 0
+  engine = make_engine(model_cfg, tx, schedule, train_cfg, placement, restore_from=restored)
+  del restored
   start_step = engine.step
   _write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
 
@@ -213,9 +202,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           last = {'step': done, **scalars}
         every = config.checkpoint.every
         if every >= 0 and ((every and done % every == 0) or done == train_cfg.steps):
-          checkpointer.save(done, engine.export_state(), data_position=position,
-                            model_cfg=model_cfg)
+          checkpointer.save(done, engine, data_position=position, model_cfg=model_cfg,
+                            seed=train_cfg.seed, placement=placement)
   finally:
-    engine.close()  # waits for write-behind, stops I/O threads
-  checkpointer.close()
+    try:
+      engine.close()  # waits for write-behind, stops I/O threads
+    finally:
+      checkpointer.close()  # commits the checkpoint in flight, even when the loop failed
   return last

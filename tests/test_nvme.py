@@ -255,14 +255,3 @@ def test_host_memory_does_not_grow_with_depth(tmp_path):
   group = results[6]['group_bytes']
   # 6 more layers held in RAM would add 6 groups; streaming from disk must add less than one.
   assert growth < group, (growth, group, results)
-
-
-def test_checkpoint_larger_than_ram_is_refused_up_front(tmp_path, monkeypatch):
-  """Checkpoints still gather the state in RAM: an NVMe run whose state cannot fit is refused
-  before anything is written, pointing at checkpoint.every=-1."""
-  real_sysconf = os.sysconf
-  monkeypatch.setattr(os, 'sysconf', lambda name: 4096 if name == 'SC_PHYS_PAGES'
-                      else real_sysconf(name))  # a machine with 16 MB of RAM
-  with pytest.raises(ConfigError, match=r'checkpoint.every=200: .*checkpoint.every=-1'):
-    train.train_and_evaluate(config_with(**NVME), str(tmp_path / 'run'))
-  assert not (tmp_path / 'run').exists()

@@ -20,8 +20,11 @@ OUTER_KEYS = ('embed', 'head')
 _LAYERS = "['layers']"
 
 
-def _by_path(tree) -> dict:
-  return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+def by_path(tree, prefix: str = '') -> dict:
+  """{prefix + tree path: leaf}; with prefix "['params']" a piece's paths become full-state paths."""
+  return {prefix + jax.tree_util.keystr(p): x
+          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
 
 
 def outer_of(params) -> dict:
@@ -43,7 +46,7 @@ def _fill(template, source: dict, layer_leaf):
 def split_state(state: dict, tx: optax.GradientTransformation, slices) -> tuple[dict, list[dict]]:
   """Full state -> (outer piece, [group pieces]) as host numpy arrays."""
   params = jax.tree.map(np.asarray, state['params'])
-  full_opt = _by_path(state['opt_state'])
+  full_opt = by_path(state['opt_state'])
   outer_params = outer_of(params)
   outer = {'params': outer_params,
            'opt_state': _fill(jax.eval_shape(tx.init, outer_params), full_opt, None)}
@@ -61,7 +64,36 @@ def merge_state(outer: dict, groups: list[dict], tx: optax.GradientTransformatio
   layers = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]),
                         *[g['params']['layers'] for g in groups])
   params = {**jax.tree.map(np.asarray, outer['params']), 'layers': layers}
-  group_opts = [_by_path(g['opt_state']) for g in groups]
-  opt = _fill(jax.eval_shape(tx.init, params), _by_path(outer['opt_state']),
+  group_opts = [by_path(g['opt_state']) for g in groups]
+  opt = _fill(jax.eval_shape(tx.init, params), by_path(outer['opt_state']),
               lambda key: np.concatenate([np.asarray(g[key]) for g in group_opts]))
   return {'step': np.asarray(step), 'params': params, 'opt_state': opt, 'rng': np.asarray(rng)}
+
+
+def _read_tree(template, prefix: str, read, start=None, stop=None):
+  """A tree shaped like `template` read leaf by leaf from `read(full-state path[, start, stop])`:
+  layers [start:stop] of stacked leaves, the whole leaf otherwise (step counts)."""
+  def leaf(path, _):
+    key = prefix + jax.tree_util.keystr(path)
+    return read(key, start, stop) if _LAYERS in key else read(key)
+  return jax.tree_util.tree_map_with_path(leaf, template)
+
+
+def group_template(tx: optax.GradientTransformation, abstract_params, start: int, stop: int):
+  """ShapeDtypeStructs of group [start, stop)'s piece: {'params', 'opt_state'}."""
+  params = jax.eval_shape(lambda p: group_of(p, start, stop), abstract_params)
+  return {'params': params, 'opt_state': jax.eval_shape(tx.init, params)}
+
+
+def read_outer(read, tx: optax.GradientTransformation, abstract_params) -> dict:
+  """The outer piece from a checkpoint's `read` (see checkpoint.CheckpointReader.read)."""
+  outer = outer_of(abstract_params)
+  return {'params': _read_tree(outer, "['params']", read),
+          'opt_state': _read_tree(jax.eval_shape(tx.init, outer), "['opt_state']", read)}
+
+
+def read_group(read, tx: optax.GradientTransformation, abstract_params, start: int, stop: int,
+               part: str) -> dict:
+  """`part` ('params' or 'opt_state') of group [start, stop)'s piece from a checkpoint's `read`."""
+  return _read_tree(group_template(tx, abstract_params, start, stop)[part], f"['{part}']", read,
+                    start, stop)

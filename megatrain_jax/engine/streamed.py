@@ -85,13 +85,21 @@ def _adamw_update(tx, grad_sum, opt_state, params, scale, num_micro: int):
   return optax.apply_updates(params, updates), opt_state
 
 
+def _small_leaves_of(reader):
+  """A checkpoint `read` for stores whose layers were linked: placeholders for layer leaves."""
+  def read(path, start=None, stop=None):
+    return np.zeros(0, np.float32) if start is not None else reader.read(path)
+  return read
+
+
 class StreamedEngine:
   """Trains from params and Adam state held in stores; see the module docstring for the schedule."""
 
   def __init__(self, model_cfg: ModelConfig, tx: optax.GradientTransformation,
                schedule: optax.Schedule, grad_clip: float, placement: Placement,
-               state: dict | None = None, seed: int = 0):
-    """Loads `state` (a full train state) into the stores, or initialises from `seed`."""
+               state: dict | None = None, seed: int = 0, restore_from=None):
+    """Loads `state` (a full train state) or `restore_from` (a checkpoint.CheckpointReader) into
+    the stores, or initialises from `seed`."""
     self.cfg = model_cfg
     self.tx = tx
     self.schedule = schedule
@@ -111,7 +119,9 @@ class StreamedEngine:
     self._host = memory_sharding('pinned_host')
     self._device = memory_sharding('device')
     self._build_functions()
-    if state is None:
+    if restore_from is not None:
+      self.load_checkpoint(restore_from)
+    elif state is None:
       self.init_state(seed)
     else:
       self.load_state(state)
@@ -167,13 +177,56 @@ class StreamedEngine:
   def export_state(self) -> dict:
     """The full train state as host numpy arrays (what the resident engine would hold).
 
-    Gathers every group in host RAM: fine for the host tier; for a state larger than RAM the NVMe
-    tier needs a streaming checkpoint instead (not implemented yet).
+    Gathers every group in host RAM (tests, export); checkpoints use `checkpoint_parts`, which
+    leaves the NVMe tier on disk.
     """
     outer = {'params': self.outer.get('params'), 'opt_state': self.outer.get('opt_state')}
     groups = [{'params': self.params.get(g), 'opt_state': self.opt_state.get(g)}
               for g in range(len(self.slices))]
     return partition.merge_state(outer, groups, self.tx, np.int32(self.step), self.rng)
+
+  def checkpoint_parts(self) -> tuple[dict, dict]:
+    """What a checkpoint needs, addressed by full-state tree path (checkpoint.py):
+    ({path: host numpy copy} of leaves in memory, {path: live zarr3 array dir} of leaves on NVMe).
+    NVMe leaves are not read: the checkpointer links their files once the writes have landed."""
+    copy = lambda tree, prefix: {p: np.array(x, copy=True)
+                                 for p, x in partition.by_path(tree, prefix).items()}
+    memory = {"['step']": np.asarray(self.step, np.int32), "['rng']": np.array(self.rng)}
+    for part in ('params', 'opt_state'):
+      memory.update(copy(self.outer.get(part), f"['{part}']"))
+    disk = {}
+    for part, store in (('params', self.params), ('opt_state', self.opt_state)):
+      if isinstance(store, NvmeStore):
+        disk.update({f"['{part}']" + p: d for p, d in store.array_dirs().items()})
+        continue
+      groups = [partition.by_path(store.get(g), f"['{part}']") for g in range(len(self.slices))]
+      memory.update({p: np.concatenate([np.asarray(g[p]) for g in groups])
+                     for p in groups[0] if "['layers']" in p})
+    return memory, disk
+
+  def load_checkpoint(self, reader) -> None:
+    """Fills the stores from a verified checkpoint, group by group (never the whole state in RAM).
+    An NVMe store whose snapshot has its on-disk layout links the snapshot's files instead."""
+    abstract = model_lib.abstract_params(self.cfg)
+    outer = partition.read_outer(reader.read, self.tx, abstract)
+    self.outer.put('params', outer['params'])
+    self.outer.put('opt_state', outer['opt_state'])
+    for part, store in (('params', self.params), ('opt_state', self.opt_state)):
+      linked = False
+      if isinstance(store, NvmeStore):
+        template = partition.group_template(self.tx, abstract, *self.slices[0])[part]
+        sources = {p: (x.shape[1:], reader.snapshot_dir(f"['{part}']" + p))
+                   for p, x in partition.by_path(template).items() if "['layers']" in p}
+        linked = (all(d is not None for _, d in sources.values())
+                  and store.link_arrays(sources))
+      for g, (start, stop) in enumerate(self.slices):
+        if linked:  # the layers are on disk already: read only the structure and step counts
+          store.adopt(g, partition.read_group(_small_leaves_of(reader), self.tx, abstract, start,
+                                              stop, part))
+        else:
+          store.put(g, partition.read_group(reader.read, self.tx, abstract, start, stop, part))
+    self.step = int(reader.read("['step']"))
+    self.rng = np.asarray(reader.read("['rng']"))
 
   # --------------------------------------------------------------------------------------------
   # The jitted pieces: pure functions of arrays, compiled once per shape.

@@ -13,6 +13,7 @@ memory.
 """
 
 import concurrent.futures
+import json
 import os
 import pathlib
 import re
@@ -23,8 +24,9 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from megatrain_jax.checkpoint import human_bytes, is_disk_full, link_tree
 from megatrain_jax.config import nearest_existing
-from megatrain_jax.errors import ConfigError, StoreCorruptionError
+from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.tiers import codecs
 from megatrain_jax.tiers.base import BusyTimer, Store, TransferStats
 
@@ -98,20 +100,31 @@ class NvmeStore(Store):
     start, stop = self.slices[key]
     small, writes, nbytes, files = {}, [], 0, []
     with self._write_timer:
-      for path, leaf in zip(paths, leaves):
-        if isinstance(leaf, jax.Array) and leaf.sharding.memory_kind == 'device':
-          self.stats.add(d2h_bytes=leaf.nbytes)
-        host = np.asarray(leaf)  # waits for the update that produced it
-        if _LAYERS not in path:
-          small[path] = host
-          continue
-        array = self._array(path, host.shape[1:])
-        writes.append(array[start:stop].write(host))
-        nbytes += host.nbytes
-        files += [codecs.chunk_file(str(self.directory / _array_name(path)), layer, host.ndim)
-                  for layer in range(start, stop)]
-      for write in writes:
-        write.result()
+      try:
+        for path, leaf in zip(paths, leaves):
+          if isinstance(leaf, jax.Array) and leaf.sharding.memory_kind == 'device':
+            self.stats.add(d2h_bytes=leaf.nbytes)
+          host = np.asarray(leaf)  # waits for the update that produced it
+          if _LAYERS not in path:
+            small[path] = host
+            continue
+          array = self._array(path, host.shape[1:])
+          writes.append(array[start:stop].write(host))
+          nbytes += host.nbytes
+          files += [codecs.chunk_file(str(self.directory / _array_name(path)), layer, host.ndim)
+                    for layer in range(start, stop)]
+        for write in writes:
+          write.result()
+      except Exception as error:  # pylint: disable=broad-except  TensorStore reports ENOSPC as ValueError
+        if not is_disk_full(error):
+          raise
+        needed = sum(int(np.prod(np.shape(x))) * 4 for p, x in zip(paths, leaves) if _LAYERS in p)
+        raise DiskFullError(
+            f'NVMe store {self.name!r}: the disk holding {self.directory} is full while writing '
+            f'back layers {start}..{stop - 1} ({human_bytes(needed)} for this group, '
+            f'{human_bytes(shutil.disk_usage(self.directory).free)} free). Training stops; the '
+            'last checkpoint is intact: free space there or point offload.dir at a larger disk, '
+            'then rerun with the same --workdir to resume from it.') from error
     self._small[key] = small
     self.stats.add(write_bytes=nbytes, stored_bytes=sum(os.path.getsize(f) for f in files))
 
@@ -178,9 +191,39 @@ class NvmeStore(Store):
     return self._readers.submit(read_to_device)
 
   def close(self) -> None:
+    try:
+      self.flush()
+    finally:
+      self._readers.shutdown(wait=True)
+      self._writers.shutdown(wait=True)
+
+  # --- checkpoints (checkpoint.py explains why linking the live files is safe) -----------------
+
+  def array_dirs(self) -> dict:
+    """{tree path: live zarr3 array directory [L, ...]}, once every queued write has landed."""
     self.flush()
-    self._readers.shutdown(wait=True)
-    self._writers.shutdown(wait=True)
+    return {path: self.directory / _array_name(path) for path in self._arrays}
+
+  def link_arrays(self, sources: dict) -> bool:
+    """Fills arrays from checkpoint snapshots {tree path: (layer shape, snapshot dir)} by linking
+    (or copying) their chunk files: no data passes through RAM. Only if every snapshot has this
+    store's on-disk layout (codec, chunking); otherwise returns False and the caller rewrites."""
+    for path, (layer_shape, source) in sources.items():
+      self._array(path, layer_shape)  # a fresh array: writes this store's zarr.json
+      live = json.loads((self.directory / _array_name(path) / 'zarr.json').read_text())
+      if live != json.loads((source / 'zarr.json').read_text()):
+        return False
+    for path, (_, source) in sources.items():
+      link_tree(source / 'c', self.directory / _array_name(path) / 'c')
+    return True
+
+  def adopt(self, key, tree) -> None:
+    """Registers group `key` whose disk leaves `link_arrays` filled; `tree` gives the structure
+    (disk leaves may be placeholders) and the small in-memory leaves."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    self._structure[key] = (treedef, paths)
+    self._small[key] = {p: np.asarray(x) for p, (_, x) in zip(paths, flat) if _LAYERS not in p}
 
 
 def nvme_bytes(layer_params_bytes: int, params_tier: str, opt_tier: str) -> int:
@@ -188,15 +231,38 @@ def nvme_bytes(layer_params_bytes: int, params_tier: str, opt_tier: str) -> int:
   return layer_params_bytes * ((params_tier == 'nvme') + 2 * (opt_tier == 'nvme'))
 
 
-def check_offload_dir(directory: str, needed_bytes: int) -> None:
-  """offload.dir must be writable and hold `needed_bytes`; checked before anything is written."""
+def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None, keep: int = 0) -> None:
+  """offload.dir must be writable and hold `needed_bytes` (the live stores) plus what `keep`
+  checkpoints in `checkpoint_dir` pin: one full copy of the stores each (hard links share the live
+  files only until the next write-back), plus the copy being written before the oldest is deleted
+  when they are copies on another filesystem. Checked before anything is written."""
   existing = nearest_existing(pathlib.Path(directory).expanduser().absolute())
   if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
     raise ConfigError(f'offload.dir={directory}: {existing} is not a writable directory. Point '
                       'offload.dir at a directory on a local disk you can write to.')
+  fix = 'Free space, point offload.dir at a larger disk, or keep offload.opt_state (2/3 of it) on host'
+  checkpoints = (nearest_existing(pathlib.Path(checkpoint_dir).absolute())
+                 if checkpoint_dir is not None and keep > 0 else None)
+  if checkpoints is not None and os.stat(checkpoints).st_dev == os.stat(existing).st_dev:
+    needed = needed_bytes * (1 + keep)
+    what = (f'the NVMe stores and their checkpoints need {needed / 1e9:,.2f} GB (uncompressed '
+            f'FP32: {needed_bytes / 1e9:,.2f} GB live, and each of checkpoint.keep={keep} pins one '
+            'more copy)')
+    fix += ', or lower checkpoint.keep'
+  else:
+    needed = needed_bytes
+    what = f'the NVMe stores need {needed / 1e9:,.2f} GB (uncompressed FP32)'
   free = shutil.disk_usage(existing).free
-  if free < needed_bytes:
-    raise ConfigError(
-        f'offload.dir={directory}: the NVMe stores need {needed_bytes / 1e9:,.2f} GB '
-        f'(uncompressed FP32) but only {free / 1e9:,.2f} GB are free there. Free space, point '
-        'offload.dir at a larger disk, or keep offload.opt_state (2/3 of it) on host.')
+  if free < needed:
+    raise ConfigError(f'offload.dir={directory}: {what} but only {free / 1e9:,.2f} GB are free '
+                      f'there. {fix}.')
+  if checkpoints is not None and os.stat(checkpoints).st_dev != os.stat(existing).st_dev:
+    needed = needed_bytes * (keep + 1)
+    free = shutil.disk_usage(checkpoints).free
+    if free < needed:
+      raise ConfigError(
+          f'checkpoint.keep={keep}: the checkpoints in {checkpoint_dir} hold copies of the NVMe '
+          f'state (offload.dir is on another filesystem, so they cannot be hard links): they need '
+          f'{needed / 1e9:,.2f} GB ({keep} kept + 1 being written) but only {free / 1e9:,.2f} GB '
+          'are free there. Put offload.dir on the workdir\'s filesystem, lower checkpoint.keep, '
+          'set checkpoint.every=-1 (no checkpoints), or free space.')
