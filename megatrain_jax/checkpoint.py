@@ -57,6 +57,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from megatrain_jax import faults
+from megatrain_jax import faults
 from megatrain_jax.engine import partition
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.model import ModelConfig
@@ -295,6 +296,7 @@ class Checkpointer:
       shutil.rmtree(tmp, ignore_errors=True)
       raise self._error(step, error, needed + sum(_tree_bytes(d) for d in disk.values())) from error
     self._pending = self._committer.submit(self._write_and_commit, step, tmp, meta, memory, needed)
+    faults.point('checkpoint')  # files being written in the background, nothing committed
 
   def _write_and_commit(self, step: int, tmp: pathlib.Path, meta: dict, memory: dict,
                         needed: int) -> None:
