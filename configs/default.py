@@ -75,13 +75,14 @@ def get_config() -> ml_collections.ConfigDict:
   data.cache_dir = ''  # Where prepared token files go; '' = <workdir>/data.
 
   # ---------------------------------------------------------------------------------------------
-  # Checkpoints (orbax), in <workdir>/checkpoints. A run resumes from the latest one.
+  # Checkpoints in <workdir>/checkpoints (megatrain_jax/checkpoint.py). A run resumes from the
+  # newest intact one; any placement resumes from any other's.
   # ---------------------------------------------------------------------------------------------
   config.checkpoint = checkpoint = ml_collections.ConfigDict()
   checkpoint.every = 200  # Steps between checkpoints (one is also written at the end); 0 = end
-  #                         only; -1 = never (NVMe runs larger than RAM: their checkpoints
-  #                         still gather the state in RAM).
-  checkpoint.keep = 3  # Newest checkpoints kept on disk.
+  #                         only; -1 = never.
+  checkpoint.keep = 3  # Newest checkpoints kept on disk. NVMe runs: each kept checkpoint pins one
+  #                      full copy of the NVMe state on disk (hard links to the stores' files).
 
   # ---------------------------------------------------------------------------------------------
   # Placement: where each part of the train state lives between uses. All 'device' = the resident

@@ -58,7 +58,9 @@ class MetricsWriter:
                progress_bar: bool = True):
     self.jsonl_path = pathlib.Path(workdir) / 'metrics.jsonl'
     self.total_steps = total_steps
-    self._drop_rows_after(start_step)
+    # Rows up to the resumed checkpoint's step were written before it was saved; any later ones
+    # (and, on a fresh start, all of them: a killed first attempt's step-0 eval) are redone.
+    self._drop_rows_after(start_step if start_step else -1)
     self._jsonl = open(self.jsonl_path, 'a', encoding='utf-8')
     self._tensorboard = tensorboardX.SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'))
     self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True,

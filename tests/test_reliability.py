@@ -1,0 +1,287 @@
+"""kill -9 at any point loses nothing: a chain of SIGKILLed runs in one workdir, then a run that
+completes, reproduces the uninterrupted run bitwise (metrics and final checkpoint), per placement.
+
+Each killed run is a real `python launch.py` process killed with SIGKILL, either from inside at a
+fault point chosen by a seeded RNG (megatrain_jax/faults.py: forward, backward, optimizer
+write-back, checkpoint save) or from outside after a random delay. Chaining the kills in one
+workdir (each run resumes from whatever the previous one left) gives several kill points per
+placement for the price of one extra process start each.
+
+The helpers here are also the engine of bench/reliability.py.
+"""
+
+import dataclasses
+import inspect
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from megatrain_jax import config as config_lib
+from megatrain_jax import faults
+from megatrain_jax import optim
+from megatrain_jax.checkpoint import Checkpointer
+from megatrain_jax.engine import resident
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / 'shared' / 'data'
+JAX_CACHE_DIR = os.environ.get('MEGATRAIN_TEST_JAX_CACHE',
+                               os.path.expanduser('~/.cache/megatrain_jax/jax-tests'))
+
+STEPS, EVERY, LAYERS = 12, 3, 2
+# The small model of test_train.py, with checkpoints every 3 of 12 steps (4 saves, so a kill can
+# land before the first, between any two, or during the last one).
+FIELDS = dict(model__d_model=64, model__num_layers=LAYERS, model__num_heads=4,
+              model__num_kv_heads=2, model__d_ff=172, model__max_seq_len=128,
+              data__path=str(SHARED_DATA / 'tinyshakespeare' / 'input.txt'), train__seq_len=64,
+              train__batch_size=8, train__steps=STEPS, train__warmup_steps=2, train__log_every=1,
+              train__eval_every=4, train__eval_batches=2, train__progress_bar=False,
+              checkpoint__every=EVERY, checkpoint__keep=2, jax_cache_dir=JAX_CACHE_DIR)
+STREAMED = dict(offload__layers_per_group=1)  # 2 groups: kills between groups, not only at ends
+PLACEMENTS = {
+    'resident': {},
+    'host': dict(STREAMED, offload__params='host', offload__opt_state='host'),
+    'nvme': dict(STREAMED, offload__params='nvme', offload__opt_state='nvme'),
+}
+
+
+def placement_fields(placement: str) -> dict:
+  return dict(FIELDS, **PLACEMENTS[placement])
+
+
+def phases_for(placement: str) -> list[str]:
+  """Fault points a run of this placement passes ('optimizer' is a streamed-engine point)."""
+  if placement == 'resident':
+    return ['forward', 'backward', 'checkpoint']
+  return list(faults.PHASES)
+
+
+# ------------------------------------------------------------------------------------------------
+# Running launch.py.
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Run:
+  returncode: int
+  output: str
+  seconds: float
+  loop_seconds: float | None  # from the 'model:' line (training loop starts) to exit
+
+
+def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: float | None = None,
+           timeout: float = 300) -> Run:
+  """Runs `python launch.py` on `fields`; SIGKILLed at fault point `fault` ('phase:n'), or from
+  outside `kill_after_s` seconds after the training loop starts."""
+  args = [f'--config.{k.replace("__", ".")}={v}' for k, v in fields.items()]
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
+  env.pop(faults.ENV, None)
+  if fault:
+    env[faults.ENV] = fault
+  started = time.monotonic()
+  process = subprocess.Popen([sys.executable, str(REPO_ROOT / 'launch.py'), '--config=tiny', *args,
+                              f'--workdir={workdir}'], cwd=REPO_ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  lines, loop_started = [], threading.Event()
+  loop_start = []
+
+  def read_output():
+    for line in process.stdout:
+      lines.append(line)
+      if line.startswith('model:') and not loop_started.is_set():
+        loop_start.append(time.monotonic())
+        loop_started.set()
+
+  reader = threading.Thread(target=read_output, daemon=True)
+  reader.start()
+  if kill_after_s is not None and loop_started.wait(timeout):
+    faults.kill_after(process, kill_after_s)
+  try:
+    process.wait(timeout)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    process.wait()
+  reader.join(10)
+  ended = time.monotonic()
+  return Run(process.returncode, ''.join(lines), ended - started,
+             ended - loop_start[0] if loop_start else None)
+
+
+def read_rows(workdir) -> list[dict]:
+  """metrics.jsonl rows; a torn last line (a kill mid-write) is skipped, as the trainer does."""
+  path = pathlib.Path(workdir) / 'metrics.jsonl'
+  rows = []
+  if path.exists():
+    for line in path.read_text().splitlines():
+      try:
+        rows.append(json.loads(line))
+      except ValueError:
+        pass
+  return rows
+
+
+def learning_rows(rows) -> list[dict]:
+  """What must be bitwise reproducible: learning/* and eval/* (perf/* and io/* are timings)."""
+  return [{k: v for k, v in r.items() if k == 'step' or k.startswith(('learning/', 'eval/'))}
+          for r in rows]
+
+
+def latest_checkpoint(workdir) -> int:
+  """The step a rerun resumes from (0 if none), by the trainer's own rule."""
+  checkpointer = Checkpointer(pathlib.Path(workdir), keep=FIELDS['checkpoint__keep'])
+  try:
+    step = checkpointer.latest_step()
+  finally:
+    checkpointer.close()
+  return step or 0
+
+
+def final_state(workdir, fields: dict) -> dict:
+  """The train state of the newest checkpoint, as numpy arrays (resident layout)."""
+  config = config_lib.load_config('tiny', **fields)
+  model_cfg = config_lib.validate(config)
+  abstract = resident.abstract_state(model_cfg, optim.make_optimizer(config.train))
+  checkpointer = Checkpointer(pathlib.Path(workdir), keep=fields['checkpoint__keep'])
+  try:
+    if 'abstract_state' in inspect.signature(checkpointer.restore).parameters:  # orbax manager
+      state, _ = checkpointer.restore(checkpointer.latest_step(), abstract, model_cfg)
+    else:  # restore(model_cfg) -> the newest intact checkpoint's reader
+      state = checkpointer.restore(model_cfg).full_state(abstract)
+  finally:
+    checkpointer.close()
+  return jax.tree.map(np.asarray, state)
+
+
+def states_equal(a, b) -> bool:
+  leaves_a, tree_a = jax.tree.flatten(a)
+  leaves_b, tree_b = jax.tree.flatten(b)
+  return tree_a == tree_b and all(x.dtype == y.dtype and np.array_equal(x, y)
+                                  for x, y in zip(leaves_a, leaves_b))
+
+
+# ------------------------------------------------------------------------------------------------
+# Kill plans.
+# ------------------------------------------------------------------------------------------------
+
+def save_steps(start: int) -> list[int]:
+  """Steps a run resumed at `start` checkpoints at."""
+  return [s for s in range(start + 1, STEPS + 1) if s % EVERY == 0 or s == STEPS]
+
+
+def plan_fault(rng: random.Random, phase: str, start: int, placement: str) -> str:
+  """'phase:n' for a run resuming at `start`: the n-th pass lands in a step drawn from the steps
+  this run will train (so the kill always happens, and anywhere from its first to last step)."""
+  if phase == 'checkpoint':
+    return f'checkpoint:{rng.randint(1, len(save_steps(start)))}'
+  per_step = faults.passes_per_step(phase, streamed=placement != 'resident', groups=LAYERS)
+  step = rng.randint(start + 1, STEPS)
+  return f'{phase}:{(step - start - 1) * per_step + rng.randint(1, per_step)}'
+
+
+def kill_plan(rng: random.Random, placement: str, kills: int) -> list[str]:
+  """`kills` fault kinds in a seeded random order: every fault point of the placement at least
+  once (when kills allow), the rest drawn at random; 'external' = SIGKILL from outside."""
+  kinds = phases_for(placement) + ['external']
+  plan = rng.sample(kinds, len(kinds))[:kills]
+  plan += [rng.choice(kinds) for _ in range(kills - len(plan))]
+  rng.shuffle(plan)
+  return plan
+
+
+def known_committed(last_logged: int, start: int) -> int:
+  """The newest checkpoint a run that logged up to `last_logged` must have committed: a save
+  waits for the previous one to commit before it starts, and a row after a save step means that
+  save was called. Anything older than this missing after a kill is lost work."""
+  saves = save_steps(start)
+  committed = start
+  for previous, following in zip(saves, saves[1:]):
+    if last_logged > following:
+      committed = previous
+  return committed
+
+
+@dataclasses.dataclass
+class Kill:
+  kind: str  # a fault phase, or 'external'
+  fault: str  # 'phase:n' or 'after 1.23 s'
+  returncode: int
+  start: int  # step the killed run resumed at
+  last_logged: int  # newest metrics row it wrote
+  resumed_at: int  # step the next run resumes at
+  lost: bool  # a committed checkpoint went missing
+  detail: str = ''
+
+
+def kill_chain(workdir, placement: str, plan: list[str], rng: random.Random,
+               loop_seconds: float) -> list[Kill]:
+  """Runs one killed process per entry of `plan` in `workdir`, each resuming the last."""
+  fields = placement_fields(placement)
+  kills = []
+  for kind in plan:
+    start = latest_checkpoint(workdir)
+    if kind == 'external':
+      # Anywhere in the training loop of a run as long as the uninterrupted one (the first step,
+      # an eval, an async save or the final wait for it); a resumed run trains fewer steps, so
+      # scale by its share of them.
+      delay = rng.uniform(0.0, 0.8 * loop_seconds * (STEPS - start) / STEPS)
+      fault, run = f'after {delay:.2f} s', launch(workdir, fields, kill_after_s=delay)
+    else:
+      fault = plan_fault(rng, kind, start, placement)
+      run = launch(workdir, fields, fault=fault)
+    logged = [r['step'] for r in read_rows(workdir)]
+    last_logged = max(logged, default=0)
+    resumed_at = latest_checkpoint(workdir)
+    kills.append(Kill(kind, fault, run.returncode, start, last_logged, resumed_at,
+                      lost=resumed_at < known_committed(last_logged, start),
+                      detail=run.output[-3000:]))
+  return kills
+
+
+# ------------------------------------------------------------------------------------------------
+# The test.
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('placement', list(PLACEMENTS))
+def test_kill_chain_resumes_bitwise(tmp_path, shared_data, placement):
+  fields = placement_fields(placement)
+  reference = launch(tmp_path / 'reference', fields)
+  assert reference.returncode == 0, reference.output[-3000:]
+  expected = learning_rows(read_rows(tmp_path / 'reference'))
+
+  rng = random.Random(f'reliability-{placement}')
+  plan = kill_plan(rng, placement, kills=5)
+  kills = kill_chain(tmp_path / 'chain', placement, plan, rng, reference.loop_seconds)
+  for kill in kills:
+    assert kill.returncode == -signal.SIGKILL, (kill.kind, kill.fault, kill.detail)
+    if kill.kind != 'external':  # died where it was told to, not somewhere else
+      assert f'faults: SIGKILL at {kill.fault.replace(":", " pass ")}' in kill.detail, kill.detail
+    assert not kill.lost, kill
+  assert set(phases_for(placement)) <= {k.kind for k in kills}
+
+  final = launch(tmp_path / 'chain', fields)
+  assert final.returncode == 0, final.output[-3000:]
+  got = learning_rows(read_rows(tmp_path / 'chain'))
+  # Bitwise: every float compared with ==, every step 1..12 once, evals at 0, 4, 8, 12 once.
+  assert got == expected, [k.fault for k in kills]
+  assert [r['step'] for r in got if 'learning/loss' in r] == list(range(1, STEPS + 1))
+  assert [r['step'] for r in got if 'eval/loss' in r] == [0, 4, 8, 12]
+  assert states_equal(final_state(tmp_path / 'chain', fields),
+                      final_state(tmp_path / 'reference', fields))
+
+
+def test_a_fresh_start_drops_the_rows_of_a_killed_first_attempt(tmp_path):
+  """A run killed before its first checkpoint leaves a step-0 eval row (and maybe more); the
+  rerun starts from scratch and must not log step 0 twice."""
+  from megatrain_jax import metrics  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'metrics.jsonl').write_text('{"step": 0, "eval/loss": 5.5}\n{"step": 1, "learn')
+  with metrics.MetricsWriter(tmp_path, total_steps=4, start_step=0, progress_bar=False) as writer:
+    writer.write(0, {'eval/loss': 5.5}, console=False)
+  assert read_rows(tmp_path) == [{'step': 0, 'eval/loss': 5.5}]
