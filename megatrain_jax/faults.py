@@ -19,8 +19,9 @@ The points (and how often each is passed per training step, with G layer groups)
               (the old state is donated, the new one not yet materialised) (1 per step).
   optimizer   streamed: between writing a group's new weights and its new Adam state to their
               stores (a torn group update; G per step), and after the embedding/head update (1).
-  checkpoint  once per save, after the save has started writing (files partly written, nothing
-              committed yet).
+  checkpoint  twice per save (checkpoint.py): in `save`, right after the background write is
+              submitted, and on the background writer once the in-memory leaves are written but
+              before meta.json, the manifest and the commit rename (files partly written).
 
 Tests pick the n-th pass from these counts (`passes_per_step`). A kill at a random wall-clock time
 from outside (the other fault kind) needs no hook: see `kill_after`.
@@ -32,6 +33,7 @@ import threading
 
 ENV = 'MEGATRAIN_FAULT'
 PHASES = ('forward', 'backward', 'optimizer', 'checkpoint')
+CHECKPOINT_PASSES_PER_SAVE = 2
 
 _counts: dict[str, int] = {}
 _lock = threading.Lock()  # the checkpoint point may be passed from a background thread
@@ -68,7 +70,7 @@ def point(phase: str) -> None:
 def passes_per_step(phase: str, *, streamed: bool, groups: int) -> int:
   """How many times a training step passes `phase` (see the module docstring); 0 if never."""
   if phase == 'checkpoint':
-    return 0  # once per save, not per step
+    return 0  # per save, not per step: see CHECKPOINT_PASSES_PER_SAVE
   if not streamed:
     return 1 if phase in ('forward', 'backward') else 0
   return groups + 1 if phase == 'optimizer' else groups

@@ -180,7 +180,8 @@ def plan_fault(rng: random.Random, phase: str, start: int, placement: str) -> st
   """'phase:n' for a run resuming at `start`: the n-th pass lands in a step drawn from the steps
   this run will train (so the kill always happens, and anywhere from its first to last step)."""
   if phase == 'checkpoint':
-    return f'checkpoint:{rng.randint(1, len(save_steps(start)))}'
+    passes = faults.CHECKPOINT_PASSES_PER_SAVE * len(save_steps(start))
+    return f'checkpoint:{rng.randint(1, passes)}'
   per_step = faults.passes_per_step(phase, streamed=placement != 'resident', groups=LAYERS)
   step = rng.randint(start + 1, STEPS)
   return f'{phase}:{(step - start - 1) * per_step + rng.randint(1, per_step)}'
