@@ -78,9 +78,10 @@ class Run:
 
 
 def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: float | None = None,
-           timeout: float = 300) -> Run:
+           at_loop_start=None, timeout: float = 300) -> Run:
   """Runs `python launch.py` on `fields`; SIGKILLed at fault point `fault` ('phase:n'), or from
-  outside `kill_after_s` seconds after the training loop starts."""
+  outside `kill_after_s` seconds after the training loop starts. `at_loop_start()` is called
+  once the training loop starts (bench/reliability.py fills the disk there)."""
   args = [f'--config.{k.replace("__", ".")}={v}' for k, v in fields.items()]
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
   env.pop(faults.ENV, None)
@@ -102,8 +103,11 @@ def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: flo
 
   reader = threading.Thread(target=read_output, daemon=True)
   reader.start()
-  if kill_after_s is not None and loop_started.wait(timeout):
-    faults.kill_after(process, kill_after_s)
+  if (kill_after_s is not None or at_loop_start) and loop_started.wait(timeout):
+    if at_loop_start:
+      at_loop_start()
+    if kill_after_s is not None:
+      faults.kill_after(process, kill_after_s)
   try:
     process.wait(timeout)
   except subprocess.TimeoutExpired:
@@ -134,14 +138,18 @@ def learning_rows(rows) -> list[dict]:
           for r in rows]
 
 
-def latest_checkpoint(workdir) -> int:
-  """The step a rerun resumes from (0 if none), by the trainer's own rule."""
-  checkpointer = Checkpointer(pathlib.Path(workdir), keep=FIELDS['checkpoint__keep'])
+def latest_checkpoint(workdir, fields: dict = FIELDS) -> int:
+  """The step a rerun resumes from (0 if none), by the trainer's own rule: the newest checkpoint
+  that verifies (a damaged one is skipped, with a warning on stderr)."""
+  checkpointer = Checkpointer(pathlib.Path(workdir), keep=fields['checkpoint__keep'])
   try:
-    step = checkpointer.latest_step()
+    if 'abstract_state' in inspect.signature(checkpointer.restore).parameters:  # orbax manager
+      return checkpointer.latest_step() or 0
+    config = config_lib.load_config('tiny', **fields)
+    reader = checkpointer.restore(config_lib.validate(config))
+    return reader.step if reader is not None else 0
   finally:
     checkpointer.close()
-  return step or 0
 
 
 def final_state(workdir, fields: dict) -> dict:
@@ -227,7 +235,7 @@ def kill_chain(workdir, placement: str, plan: list[str], rng: random.Random,
   fields = placement_fields(placement)
   kills = []
   for kind in plan:
-    start = latest_checkpoint(workdir)
+    start = latest_checkpoint(workdir, fields)
     if kind == 'external':
       # Anywhere in the training loop of a run as long as the uninterrupted one (the first step,
       # an eval, an async save or the final wait for it); a resumed run trains fewer steps, so
@@ -239,7 +247,7 @@ def kill_chain(workdir, placement: str, plan: list[str], rng: random.Random,
       run = launch(workdir, fields, fault=fault)
     logged = [r['step'] for r in read_rows(workdir)]
     last_logged = max(logged, default=0)
-    resumed_at = latest_checkpoint(workdir)
+    resumed_at = latest_checkpoint(workdir, fields)
     kills.append(Kill(kind, fault, run.returncode, start, last_logged, resumed_at,
                       lost=resumed_at < known_committed(last_logged, start),
                       detail=run.output[-3000:]))
