@@ -57,7 +57,6 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from megatrain_jax import faults
-from megatrain_jax import faults
 from megatrain_jax.engine import partition
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.model import ModelConfig
@@ -152,6 +151,10 @@ class CheckpointReader:
   def __init__(self, directory: pathlib.Path):
     self.directory = directory
     meta_file = directory / 'meta.json'
+    if not meta_file.exists() and (directory / 'meta').is_dir():
+      raise DamagedCheckpoint(directory, 'written in the layout of earlier versions (an orbax '
+                              'CheckpointManager step, no meta.json), which this version does not '
+                              'read')
     try:
       self.meta = json.loads(meta_file.read_text())
       self.step = int(self.meta['step'])
