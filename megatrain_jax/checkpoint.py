@@ -227,6 +227,10 @@ class CheckpointReader:
 
   def read(self, path: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
     """Leaf `path` of the full state (layers [start:stop] of a stacked leaf), as host numpy."""
+    if path not in self._memory_names and path not in self._disk_names:
+      raise ConfigError(f'the checkpoint at {self.directory} has no leaf {path}: it was written '
+                        'for another model or optimizer structure. Use the config it was trained '
+                        'with, or a new --workdir to start fresh.')
     if path in self._memory_names:
       leaf = self._memory[self._memory_names[path]]
       return leaf if start is None else leaf[start:stop]
@@ -283,6 +287,9 @@ class Checkpointer:
     in-memory leaves copied to host, NVMe files linked (or copied); the rest is written behind."""
     self.wait()  # one checkpoint in flight; raises the previous one's error
     memory, disk = _engine_parts(engine)
+    names = [leaf_name(p) for p in [*memory, *disk]]
+    if len(set(names)) != len(names):  # never expected: tree paths map to distinct names
+      raise ValueError(f'two state leaves share a checkpoint file name: {sorted(names)}')
     tmp = self.directory / f'{_TMP_PREFIX}{step}'
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -297,7 +304,8 @@ class Checkpointer:
         link_tree(pathlib.Path(live), tmp / meta['disk'][path])
     except OSError as error:
       shutil.rmtree(tmp, ignore_errors=True)
-      raise self._error(step, error, needed + sum(_tree_bytes(d) for d in disk.values())) from error
+      self._raise_disk_full(step, error, needed + sum(_tree_bytes(d) for d in disk.values()))
+      raise
     self._pending = self._committer.submit(self._write_and_commit, step, tmp, meta, memory, needed)
     faults.point('checkpoint')  # files being written in the background, nothing committed
 
@@ -324,7 +332,8 @@ class Checkpointer:
         _fsync(pathlib.Path(root), directory=True)
     except BaseException as error:
       shutil.rmtree(tmp, ignore_errors=True)
-      raise self._error(step, error, needed) from error
+      self._raise_disk_full(step, error, needed)
+      raise
     final = self.directory / str(step)
     if final.exists():  # a damaged checkpoint of this step that the run fell back past
       stale = self.directory / f'{_TMP_PREFIX}stale-{step}'
@@ -335,17 +344,18 @@ class Checkpointer:
     for old in self.steps()[:-self.keep]:  # only now that the new one is complete
       shutil.rmtree(self.directory / str(old), ignore_errors=True)
 
-  def _error(self, step: int, error: BaseException, needed: int) -> BaseException:
+  def _raise_disk_full(self, step: int, error: BaseException, needed: int) -> None:
+    """Raises DiskFullError (naming the directory, the bytes and the fix) if `error` is ENOSPC."""
     if not is_disk_full(error):
-      return error
+      return
     steps = [s for s in self.steps() if s != step]
     previous = (f'The previous checkpoint (step {steps[-1]}) is intact: a rerun with the same '
                 '--workdir resumes from it.' if steps else 'No earlier checkpoint exists.')
     free = shutil.disk_usage(self.directory).free
-    return DiskFullError(
+    raise DiskFullError(
         f'checkpoint step {step}: the disk holding {self.directory} is full (the checkpoint needs '
         f'about {human_bytes(needed)}, {human_bytes(free)} are free). {previous} Free space '
-        'there, lower checkpoint.keep, or use a --workdir on a larger disk.')
+        'there, lower checkpoint.keep, or use a --workdir on a larger disk.') from error
 
   def wait(self) -> None:
     """Waits for the checkpoint being written; raises its error (DiskFullError when full)."""
