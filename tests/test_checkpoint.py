@@ -153,18 +153,32 @@ def test_keep_deletes_the_oldest_only_after_a_new_commit(tmp_path):
 # Any placement's checkpoint restores into any other.
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('first, second', [
-    (NVME, RESIDENT), (RESIDENT, NVME), (NVME, HOST), (HOST, NVME),
-    (dict(NVME, offload__codec='zstd'), dict(NVME, offload__layers_per_group=2)),
+def spy_on_linking(monkeypatch) -> list[bool]:
+  """Records what each NvmeStore.link_arrays returned (True: snapshot files linked back)."""
+  linked = []
+  original = NvmeStore.link_arrays
+  monkeypatch.setattr(NvmeStore, 'link_arrays',
+                      lambda self, sources: linked.append(original(self, sources)) or linked[-1])
+  return linked
+
+
+@pytest.mark.parametrize('first, second, linked', [
+    (NVME, RESIDENT, []), (RESIDENT, NVME, []), (NVME, HOST, []), (HOST, NVME, []),
+    (NVME, dict(NVME, offload__layers_per_group=2), [True, True]),  # files are per layer
+    (dict(NVME, offload__codec='zstd'), NVME, [False, False]),  # another layout: rewritten
     (dict(offload__params='nvme', offload__opt_state='host'),
-     dict(offload__params='host', offload__opt_state='nvme')),
-], ids=['nvme-resident', 'resident-nvme', 'nvme-host', 'host-nvme', 'nvme-zstd-nvme-k2',
-        'params_nvme-opt_nvme'])
+     dict(offload__params='host', offload__opt_state='nvme'), []),
+], ids=['nvme-resident', 'resident-nvme', 'nvme-host', 'host-nvme', 'nvme-nvme_k2',
+        'nvme_zstd-nvme', 'params_nvme-opt_nvme'])
 def test_checkpoints_move_between_placements(tmp_path, tmp_path_factory, data, monkeypatch,
-                                             first, second):
+                                             first, second, linked):
+  """Losses within float32 rounding of an uninterrupted resident run (placements differ only in
+  the order of float32 operations), at every step before and after the move."""
   want = reference_rows(data, tmp_path_factory)
   run_until_crash(monkeypatch, config(data, **first), tmp_path, crash_after_checkpoint=4)
+  links = spy_on_linking(monkeypatch)
   train.train_and_evaluate(config(data, **second), str(tmp_path))
+  assert links == linked
   assert_rows_match(tmp_path, want, 8, exact=False)
 
 
@@ -200,10 +214,7 @@ def test_run_killed_mid_step_resumes_to_identical_results(tmp_path, tmp_path_fac
   monkeypatch.undo()
   assert writes['count'] > 2 and Checkpointer(tmp_path, keep=3).latest_step() == 4
 
-  linked = []
-  original_link = NvmeStore.link_arrays
-  monkeypatch.setattr(NvmeStore, 'link_arrays',
-                      lambda self, sources: linked.append(original_link(self, sources)) or linked[-1])
+  linked = spy_on_linking(monkeypatch)
   train.train_and_evaluate(config(data, **NVME), str(tmp_path))
   assert linked == [True, True]  # params and Adam state restored by linking, not rewriting
   assert_rows_match(tmp_path, want, 8, exact=True)
