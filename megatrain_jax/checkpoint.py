@@ -84,7 +84,9 @@ def human_bytes(n: float) -> str:
 
 def is_disk_full(error: BaseException) -> bool:
   """ENOSPC as raised by the OS, or as reported in TensorStore's / orbax's error text."""
-  while error is not None:
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
       return True
     if 'No space left on device' in str(error) or 'Disk quota exceeded' in str(error):
