@@ -16,7 +16,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from megatrain_jax import config as config_lib
-from megatrain_jax.errors import ConfigError, TrainingDivergedError
+from megatrain_jax.errors import (ConfigError, DiskFullError, StoreCorruptionError,
+                                  TrainingDivergedError)
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', str(config_lib.CONFIGS_DIR / 'default.py'),
@@ -50,7 +51,7 @@ def main(argv):
       train.dry_run(_CONFIG.value)
     else:
       train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (ConfigError, TrainingDivergedError) as e:
+  except (ConfigError, TrainingDivergedError, StoreCorruptionError, DiskFullError) as e:
     sys.exit(f'error: {e}')
 
 
