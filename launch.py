@@ -29,7 +29,8 @@ _DRY_RUN = flags.DEFINE_bool('dry_run', False,
 
 
 def _preprocess_argv(argv: list[str]) -> list[str]:
-  """Resolves `--config NAME` to a file and checks `--config.a.b=` keys, before absl parses."""
+  """Resolves `--config NAME` to a file and checks `--config.a.b=value` keys and value types,
+  before absl parses."""
   out = list(argv)
   for i, arg in enumerate(out):
     if arg == '--config' and i + 1 < len(out):
@@ -37,8 +38,17 @@ def _preprocess_argv(argv: list[str]) -> list[str]:
     elif arg.startswith('--config='):
       out[i] = '--config=' + str(config_lib.resolve_config_path(arg.split('=', 1)[1]))
     elif arg.startswith('--config.'):
-      config_lib.check_override_key(arg[len('--config.'):].split('=', 1)[0])
+      key, has_value, value = arg[len('--config.'):].partition('=')
+      config_lib.check_override(key, value if has_value else None)
   return out
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with its errors (unknown flag, missing value) printed as `error: ...`."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(f'error: {e}. Run with --helpshort to list the flags.')
 
 
 def main(argv):
@@ -60,4 +70,4 @@ if __name__ == '__main__':
     resolved = _preprocess_argv(sys.argv)
   except ConfigError as e:
     sys.exit(f'error: {e}')
-  app.run(main, argv=resolved)
+  app.run(main, argv=resolved, flags_parser=_parse_flags)

@@ -344,7 +344,9 @@ class Checkpointer:
     os.rename(tmp, final)
     _fsync(self.directory, directory=True)
     for old in self.steps()[:-self.keep]:  # only now that the new one is complete
-      shutil.rmtree(self.directory / str(old), ignore_errors=True)
+      doomed = self.directory / f'{_TMP_PREFIX}delete-{old}'  # a kill mid-delete leaves no
+      os.rename(self.directory / str(old), doomed)            # half checkpoint behind
+      shutil.rmtree(doomed, ignore_errors=True)
 
   def _raise_disk_full(self, step: int, error: BaseException, needed: int) -> None:
     """Raises DiskFullError (naming the directory, the bytes and the fix) if `error` is ENOSPC."""

@@ -9,6 +9,7 @@ closest known names.
 
 import difflib
 import importlib.util
+import math
 import os
 import pathlib
 import sys
@@ -20,6 +21,8 @@ from megatrain_jax.model.config import ModelConfig
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS_DIR = REPO_ROOT / 'configs'
+# train.seed becomes a 32-bit signed jit argument (jax.random.key) on the default (x32) JAX.
+MAX_SEED = 2**31 - 1
 
 
 def resolve_config_path(name: str) -> pathlib.Path:
@@ -61,7 +64,12 @@ def set_field(config: ml_collections.ConfigDict, dotted: str, value) -> None:
     node = node[part]
   if leaf not in node:
     raise ConfigError(_unknown_key_message(dotted, list(node.keys())))
-  node[leaf] = value
+  if isinstance(node[leaf], ml_collections.ConfigDict):
+    raise ConfigError(_section_message(dotted, list(node[leaf].keys())))
+  try:
+    node[leaf] = value
+  except TypeError as e:  # ml_collections refuses a value of another type than the default's
+    raise ConfigError(_type_message(dotted, value, node[leaf])) from e
 
 
 def _default_schema() -> ml_collections.ConfigDict:
@@ -87,8 +95,22 @@ def _unknown_key_message(name: str, known) -> str:
           '(which documents them all); fix the spelling or add the field there.')
 
 
+def _section_message(name: str, fields) -> str:
+  return (f'config key {name!r} is a section, not a field: override one of its fields, e.g. '
+          f'--config.{name}.{fields[0]}=... (fields: {", ".join(fields)}).')
+
+
+def _type_message(name: str, value, default) -> str:
+  kind = {bool: 'a bool (true or false)', int: 'an integer', float: 'a number',
+          str: 'a string'}.get(type(default), f'a {type(default).__name__}')
+  return f'{name}: got {value!r}; it must be {kind}, like its default {default!r}.'
+
+
 def _check_known(dotted: str, schema: dict) -> None:
   if dotted not in schema:
+    section = [k[len(dotted) + 1:] for k in schema if k.startswith(dotted + '.')]
+    if section:
+      raise ConfigError(_section_message(dotted, section))
     prefix = dotted.rsplit('.', 1)[0] + '.' if '.' in dotted else ''
     siblings = [k for k in schema if k.startswith(prefix)] or list(schema)
     raise ConfigError(_unknown_key_message(dotted, siblings))
@@ -97,6 +119,25 @@ def _check_known(dotted: str, schema: dict) -> None:
 def check_override_key(dotted: str) -> None:
   """Refuses a command-line override `--config.<dotted>=` that names no config field."""
   _check_known(dotted, _flatten(_default_schema()))
+
+
+def check_override(dotted: str, value: str | None) -> None:
+  """Refuses a command-line override `--config.<dotted>=<value>` whose key is unknown or whose
+  value does not parse as the type of the field's default (with absl's own parsers)."""
+  schema = _flatten(_default_schema())
+  _check_known(dotted, schema)
+  default = schema[dotted]
+  if value is None:
+    return
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  parser = {bool: flags.BooleanParser, int: flags.IntegerParser,
+            float: flags.FloatParser}.get(type(default))
+  if parser is None:
+    return
+  try:
+    parser().parse(value)
+  except ValueError as e:
+    raise ConfigError(f'--config.{dotted}={value}: ' + _type_message(dotted, value, default)) from e
 
 
 def check_keys(config: ml_collections.ConfigDict) -> None:
@@ -110,10 +151,12 @@ def check_keys(config: ml_collections.ConfigDict) -> None:
                         'configs/default.py (`config = default.get_config()`) and override fields.')
     value = given[name]
     if isinstance(default, bool) != isinstance(value, bool) or (
-        isinstance(default, (int, float)) and not isinstance(value, (int, float))) or (
-            isinstance(default, str) and not isinstance(value, str)):
-      raise ConfigError(f'config key {name!r} = {value!r} should be a {type(default).__name__} '
-                        f'(like its default {default!r}).')
+        isinstance(default, int) and not isinstance(value, int)) or (
+            isinstance(default, float) and not isinstance(value, (int, float))) or (
+                isinstance(default, str) and not isinstance(value, str)):
+      raise ConfigError(_type_message(name, value, default))
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError(f'{name}: must be a finite number, got {value}.')
 
 
 def _require(ok: bool, field: str, message: str) -> None:
@@ -141,12 +184,19 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   _require(t.eps > 0, 'train.eps', f'must be > 0, got {t.eps}.')
   _require(t.grad_clip >= 0, 'train.grad_clip', f'must be >= 0 (0 = off), got {t.grad_clip}.')
   _require(t.eval_every >= 0, 'train.eval_every', f'must be >= 0 (0 = at the end), got {t.eval_every}.')
+  _require(0 <= t.seed <= MAX_SEED, 'train.seed',
+           f'must be in [0, 2**31 - 1] (it seeds a 32-bit PRNG key), got {t.seed}.')
   _require(config.checkpoint.every >= -1, 'checkpoint.every',
            f'must be >= 0 (0 = at the end only) or -1 (never), got {config.checkpoint.every}.')
   _require(config.checkpoint.keep >= 1, 'checkpoint.keep',
            f'must be >= 1, got {config.checkpoint.keep}.')
   _require(0 < config.data.val_fraction <= 0.5, 'data.val_fraction',
            f'must be in (0, 0.5], got {config.data.val_fraction}.')
+  if config.jax_cache_dir:
+    existing = nearest_existing(pathlib.Path(config.jax_cache_dir).expanduser().absolute())
+    _require(existing.is_dir(), 'jax_cache_dir',
+             f'{existing} is a file, not a directory. Point jax_cache_dir at a directory '
+             "(created if missing), or set it to '' to turn the compile cache off.")
   return model_cfg
 
 

@@ -16,6 +16,7 @@ mismatched config.json fails fast with the offending tensor named.
 `save_hf` is the inverse, for exporting a trained model to transformers (>= 5 config layout).
 """
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -335,11 +336,28 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
 # Weights
 # ----------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _open_safetensors(file: Path):
+  """safetensors.safe_open, with a truncated or corrupt file reported as a ConfigError.
+
+  safe_open checks the header and that the data it describes covers the file exactly, so a file
+  cut short by an interrupted download or copy fails here, before any tensor is read.
+  """
+  try:
+    handle = safetensors.safe_open(file, framework='numpy')
+  except (safetensors.SafetensorError, OSError) as e:
+    raise ConfigError(f'{file} is not a complete safetensors file ({e}): it is truncated (an '
+                      'interrupted download or copy?) or not safetensors at all. Copy the '
+                      'checkpoint again.') from e
+  with handle as f:
+    yield f
+
+
 def _weight_files(directory: Path) -> dict[str, Path]:
   """Tensor name -> the safetensors file holding it (single file or sharded index)."""
   single, index = directory / _SINGLE_FILE, directory / _INDEX_FILE
   if single.is_file():
-    with safetensors.safe_open(single, framework='numpy') as f:
+    with _open_safetensors(single) as f:
       return {name: single for name in f.keys()}
   if index.is_file():
     try:
@@ -385,7 +403,7 @@ def _check_names(directory: Path, cfg: ModelConfig, tensors: list[_Tensor],
 def _check_headers(cfg: ModelConfig, tensors: list[_Tensor], files: dict[str, Path]) -> None:
   """Checks every shape and dtype from the safetensors headers, reading no tensor data."""
   for file, group in _by_file(tensors, files).items():
-    with safetensors.safe_open(file, framework='numpy') as f:
+    with _open_safetensors(file) as f:
       for t in group:
         info = f.get_slice(t.hf_name)
         shape, dtype = tuple(info.get_shape()), info.get_dtype()
@@ -462,7 +480,7 @@ def load_hf(path: str | Path) -> tuple[ModelConfig, dict]:
       shape = _our_shape(t) if t.layer is None else (cfg.num_layers,) + _our_shape(t)
       arrays[t.path] = np.empty(shape, np.float32)
   for file, group in _by_file(tensors, files).items():
-    with safetensors.safe_open(file, framework='numpy') as f:
+    with _open_safetensors(file) as f:
       for t in group:
         value = f.get_tensor(t.hf_name)
         target = arrays[t.path] if t.layer is None else arrays[t.path][t.layer]

@@ -75,8 +75,17 @@ class Placement:
                           f'{", ".join(allowed)}.')
     if self.codec not in codecs.CODECS:
       raise ConfigError(f'offload.codec={self.codec!r}: use one of {", ".join(codecs.CODECS)}.')
-    if self.shard_mb <= 0:
+    if self.codec in codecs.CODEC_LEVELS:
+      low, high = codecs.CODEC_LEVELS[self.codec]
+      if not low <= self.codec_level <= high:
+        raise ConfigError(f'offload.codec_level={self.codec_level} is out of range for '
+                          f'offload.codec={self.codec!r}: use a level in [{low}, {high}].')
+    # `not x > 0` rather than `x <= 0`: NaN must be refused too.
+    if not self.shard_mb > 0:
       raise ConfigError(f'offload.shard_mb={self.shard_mb} must be > 0 (MB per on-disk chunk).')
+    if not (self.host_buffer_gb > 0 or (allow_auto and self.host_buffer_gb == 0)):
+      raise ConfigError(f'offload.host_buffer_gb={self.host_buffer_gb} must be > 0 (GB of host '
+                        'RAM for the NVMe staging buffers).')
     if 'nvme' in (self.params, self.opt_state):
       needed = self.staging_bytes(model_cfg, groups_in_flight=self.prefetch_depth + 2)
       if self.host_buffer_gb * _GB < needed:

@@ -106,7 +106,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # 1. Validate everything before any allocation or write.
   model_cfg = config_lib.validate(config)
   placement = Placement.from_config(config.offload, model_cfg)
-  data_lib.check_data_config(config.data)
+  data_lib.check_data_config(config.data, config.train)
   workdir = config_lib.check_workdir(workdir)
   if 'nvme' in (placement.params, placement.opt_state):
     placement = dataclasses.replace(placement, dir=placement.dir or str(workdir / 'offload'))

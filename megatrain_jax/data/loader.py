@@ -52,6 +52,33 @@ def _check_int(field: str, value: Any, minimum: int) -> int:
   return int(value)
 
 
+def _train_too_short(tokens: int, seq_len: int) -> ConfigError:
+  return ConfigError(
+      f'train.seq_len: the training split has {tokens} tokens, but one sequence needs '
+      f'seq_len + 1 = {seq_len + 1}; lower train.seq_len or train on more text (data.path).')
+
+
+def _val_too_short(tokens: int, seq_len: int, batch_size: int) -> ConfigError:
+  batch_tokens = batch_size * (seq_len + 1)
+  return ConfigError(
+      f'data.val_path / data.val_fraction: the validation split has {tokens} tokens, but '
+      f'one eval batch needs train.batch_size * (train.seq_len + 1) = {batch_size} * '
+      f'{seq_len + 1} = {batch_tokens}; use a longer data.val_path, raise data.val_fraction, or '
+      'lower train.seq_len or train.batch_size.')
+
+
+def check_split_sizes(train_tokens: int, val_tokens: int, *, seq_len: int, batch_size: int) -> None:
+  """Raises the ConfigError BatchSampler / eval_batches would raise for splits of these sizes.
+
+  Lets the trainer refuse too little text before anything is written, when the token counts are
+  known up front (a prepared directory, or the byte tokenizer: one token per byte).
+  """
+  if train_tokens < seq_len + 1:
+    raise _train_too_short(train_tokens, seq_len)
+  if val_tokens < batch_size * (seq_len + 1):
+    raise _val_too_short(val_tokens, seq_len, batch_size)
+
+
 class BatchSampler:
   """Deterministic training batches from a token stream.
 
@@ -85,9 +112,7 @@ class BatchSampler:
     window = self._seq_len + 1
     self._n_windows = len(tokens) // window
     if self._n_windows < 1:
-      raise ConfigError(
-          f'train.seq_len: the training split has {len(tokens)} tokens, but one sequence needs '
-          f'seq_len + 1 = {window}; lower train.seq_len or train on more text (data.path).')
+      raise _train_too_short(len(tokens), self._seq_len)
     self._offsets = np.arange(window)
     # Permutations of the epochs the latest batch touched: consecutive steps hit the cache, and at
     # most one step's worth of epochs is ever held.
@@ -157,11 +182,7 @@ def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int,
   batch_tokens = batch_size * (seq_len + 1)
   available = len(tokens) // batch_tokens
   if available < 1:
-    raise ConfigError(
-        f'data.val_path / data.val_fraction: the validation split has {len(tokens)} tokens, but '
-        f'one eval batch needs train.batch_size * (train.seq_len + 1) = {batch_size} * '
-        f'{seq_len + 1} = {batch_tokens}; use a longer data.val_path, raise data.val_fraction, or '
-        'lower train.seq_len or train.batch_size.')
+    raise _val_too_short(len(tokens), seq_len, batch_size)
   return [
       np.array(tokens[i * batch_tokens:(i + 1) * batch_tokens], dtype=np.int32).reshape(
           batch_size, seq_len + 1) for i in range(min(num_batches, available))

@@ -12,7 +12,9 @@ Fields of the section:
 from pathlib import Path
 from typing import Any
 
-from megatrain_jax.data.prepare import (META_FILE, DatasetInfo, check_val_fraction,
+from megatrain_jax.data.corpus import default_corpus_text
+from megatrain_jax.data.loader import check_split_sizes
+from megatrain_jax.data.prepare import (META_FILE, DatasetInfo, check_text_head, check_val_fraction,
                                         expand_sources, prepare_dataset, read_dataset_info)
 from megatrain_jax.data.tokenizer import Tokenizer, check_tokenizer_spec, load_tokenizer
 from megatrain_jax.errors import ConfigError
@@ -43,7 +45,53 @@ def _check_cache_dir(cache_dir: Path, path: str) -> None:
                       "files); set data.cache_dir to another directory or to ''.")
 
 
-def _validate(data_config: Any) -> DatasetInfo | None:
+def _check_texts(source: str, field: str) -> list[Path]:
+  """Expands `source` (naming `field`) and sniffs every file; returns the files.
+
+  Raises:
+    ConfigError: for a missing source, a binary or non-UTF-8 file, or no text at all (0 bytes).
+  """
+  files = expand_sources([source], field)
+  for file in files:
+    check_text_head(file, field)
+  if not sum(file.stat().st_size for file in files):
+    raise ConfigError(f'{field}: {source} is empty (0 bytes of text); point {field} at a file or '
+                      'directory that holds text.')
+  return files
+
+
+def _check_prepared_tokenizer(prepared: DatasetInfo, tokenizer: Tokenizer) -> None:
+  if (prepared.tokenizer, prepared.vocab_size) != (tokenizer.name, tokenizer.vocab_size):
+    raise ConfigError(
+        f'data.tokenizer: {prepared.dir} was prepared with tokenizer {prepared.tokenizer!r} '
+        f'(vocab {prepared.vocab_size}), but data.tokenizer gives {tokenizer.name!r} '
+        f'(vocab {tokenizer.vocab_size}); set data.tokenizer to the tokenizer it was prepared '
+        'with, or point data.path at the raw text.')
+
+
+def _check_sizes(data_config: Any, train_config: Any, prepared: DatasetInfo | None,
+                 train_files: list[Path] | None, val_files: list[Path] | None) -> None:
+  """Refuses splits too short for one training sequence or one eval batch, when the token counts
+  are known without tokenizing: a prepared directory, or the byte tokenizer (a token per byte)."""
+  if prepared is not None:
+    train_tokens, val_tokens = prepared.train_tokens, prepared.val_tokens
+  elif _field(data_config, 'tokenizer') == 'byte':
+    if train_files is None:
+      total = len(default_corpus_text().encode('utf-8'))
+    else:
+      total = sum(file.stat().st_size for file in train_files)
+    if val_files is not None:
+      train_tokens, val_tokens = total, sum(file.stat().st_size for file in val_files)
+    else:  # as prepare_dataset splits the stream
+      val_tokens = int(total * _field(data_config, 'val_fraction'))
+      train_tokens = total - val_tokens
+  else:
+    return  # another tokenizer: the counts are known after the prepare step
+  check_split_sizes(train_tokens, val_tokens, seq_len=train_config.seq_len,
+                    batch_size=train_config.batch_size)
+
+
+def _validate(data_config: Any, train_config: Any = None) -> DatasetInfo | None:
   """Checks the data config without writing; returns the DatasetInfo if `path` is prepared."""
   for name in _STR_FIELDS:
     value = _field(data_config, name)
@@ -55,29 +103,36 @@ def _validate(data_config: Any) -> DatasetInfo | None:
   if _field(data_config, 'cache_dir'):
     _check_cache_dir(Path(_field(data_config, 'cache_dir')), path)
 
-  prepared = None
+  prepared = train_files = val_files = None
   if path and _is_prepared(Path(path).expanduser()):
     if val_path:
       raise ConfigError(f'data.val_path: data.path {path} is a prepared dataset, which already '
                         "holds its validation split; set data.val_path to ''.")
     prepared = read_dataset_info(path, 'data.path')
+    # Reads tokenizer.json (as the trainer does next anyway); writes nothing.
+    _check_prepared_tokenizer(prepared, load_tokenizer(_field(data_config, 'tokenizer')))
   elif path:
-    expand_sources([path], 'data.path')
+    train_files = _check_texts(path, 'data.path')
   if val_path:
-    expand_sources([val_path], 'data.val_path')
+    val_files = _check_texts(val_path, 'data.val_path')
+  if train_config is not None:
+    _check_sizes(data_config, train_config, prepared, train_files, val_files)
   return prepared
 
 
-def check_data_config(data_config: Any) -> None:
+def check_data_config(data_config: Any, train_config: Any = None) -> None:
   """Checks every path and value of the data config, writing nothing.
 
   Args:
     data_config: The `data` section (ml_collections.ConfigDict or mapping).
+    train_config: The `train` section, optional. With it, splits too short for one sequence of
+      `train.seq_len + 1` tokens or one eval batch are refused here too, where the token counts
+      are known without tokenizing (a prepared directory, or the byte tokenizer).
 
   Raises:
-    ConfigError: Naming the offending `data.*` field.
+    ConfigError: Naming the offending `data.*` (or `train.*`) field.
   """
-  _validate(data_config)
+  _validate(data_config, train_config)
 
 
 def load_data(data_config: Any, workdir: str | Path) -> tuple[DatasetInfo, Tokenizer]:
@@ -94,12 +149,7 @@ def load_data(data_config: Any, workdir: str | Path) -> tuple[DatasetInfo, Token
   prepared = _validate(data_config)
   tokenizer = load_tokenizer(_field(data_config, 'tokenizer'))
   if prepared is not None:
-    if (prepared.tokenizer, prepared.vocab_size) != (tokenizer.name, tokenizer.vocab_size):
-      raise ConfigError(
-          f'data.tokenizer: {prepared.dir} was prepared with tokenizer {prepared.tokenizer!r} '
-          f'(vocab {prepared.vocab_size}), but data.tokenizer gives {tokenizer.name!r} '
-          f'(vocab {tokenizer.vocab_size}); set data.tokenizer to the tokenizer it was prepared '
-          'with, or point data.path at the raw text.')
+    _check_prepared_tokenizer(prepared, tokenizer)
     return prepared, tokenizer
 
   path, val_path = _field(data_config, 'path'), _field(data_config, 'val_path')

@@ -11,6 +11,7 @@ last, so a directory whose `meta.json` matches the requested fingerprint is alwa
 file is written atomically (temp file in the same directory, fsync, `os.replace`).
 """
 
+import codecs
 import dataclasses
 import hashlib
 import json
@@ -35,6 +36,9 @@ _FORMAT_VERSION = 1
 # on multi-GB corpora; a chunk boundary always falls after a newline.
 _CHUNK_CHARS = 8 << 20
 _COPY_BUFFER_BYTES = 8 << 20
+# Bytes of each source file read during validation (before anything is written), so that a binary
+# file is refused up front; the prepare step still checks every byte.
+_SNIFF_BYTES = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,34 @@ def expand_sources(sources: Iterable[str | Path], field: str) -> list[Path]:
     else:
       files.append(path.resolve())
   return files
+
+
+def _binary_error(path: Path, field: str, offset: int) -> ConfigError:
+  return ConfigError(f'{field}: {path} looks like a binary file, not text (a NUL character at '
+                     f'offset {offset}); point {field} at UTF-8 text (convert UTF-16 text to '
+                     f'UTF-8), or remove the file from {field}.')
+
+
+def _not_utf8_error(path: Path, field: str, error: UnicodeDecodeError) -> ConfigError:
+  return ConfigError(f'{field}: {path} is not UTF-8 text ({error}); convert it to UTF-8 or '
+                     f'remove it from {field}.')
+
+
+def check_text_head(path: Path, field: str) -> None:
+  """Refuses `path` if its first `_SNIFF_BYTES` are not UTF-8 text or hold a NUL, writing nothing.
+
+  Raises:
+    ConfigError: (naming `field`) for a binary or non-UTF-8 file.
+  """
+  with open(path, 'rb') as f:
+    head = f.read(_SNIFF_BYTES)
+  if b'\0' in head:
+    raise _binary_error(path, field, head.index(b'\0'))
+  try:
+    # final=False: the sniffed prefix may end inside a multi-byte character.
+    codecs.getincrementaldecoder('utf-8')().decode(head, final=len(head) < _SNIFF_BYTES)
+  except UnicodeDecodeError as e:
+    raise _not_utf8_error(path, field, e) from e
 
 
 def read_dataset_info(directory: str | Path, field: str = 'data.path') -> DatasetInfo:
@@ -271,16 +303,20 @@ def _info_from_meta(directory: Path, meta: dict[str, Any]) -> DatasetInfo:
 def _text_chunks(path: Path, field: str) -> Iterator[str]:
   """Yields the text of `path` in chunks of whole lines of about `_CHUNK_CHARS` characters."""
   # newline='' keeps '\r\n' as is, so a byte tokenizer stores the file's exact bytes.
+  offset = 0
   with open(path, encoding='utf-8', newline='') as f:
     while True:
       try:
         lines = f.readlines(_CHUNK_CHARS)
       except UnicodeDecodeError as e:
-        raise ConfigError(f'{field}: {path} is not UTF-8 text ({e}); convert it to UTF-8 or '
-                          f'remove it from {field}.') from e
+        raise _not_utf8_error(path, field, e) from e
       if not lines:
         return
-      yield ''.join(lines)
+      text = ''.join(lines)
+      if '\0' in text:
+        raise _binary_error(path, field, offset + text.index('\0'))
+      offset += len(text)
+      yield text
 
 
 def _tokenize_to_file(texts: Iterable[str], tokenizer: Tokenizer, dtype: str, path: Path) -> int:

@@ -68,10 +68,28 @@ class ModelConfig:
     _check_choice('model.rope_scaling.type', self.rope_scaling_type, ROPE_SCALING_TYPES)
     _check_choice('model.dtype', self.dtype, COMPUTE_DTYPES)
     _check_choice('model.matmul_precision', self.matmul_precision, MATMUL_PRECISIONS)
-    if self.rope_theta <= 0:
+    # `not x > 0` rather than `x <= 0`: NaN fails every comparison and must be refused too.
+    if not self.rope_theta > 0:
       raise ConfigError(f'model.rope_theta={self.rope_theta} must be > 0 (Llama uses 10000 or 500000).')
-    if self.rope_scaling_type != 'none' and self.rope_scaling_factor <= 0:
+    if self.rope_scaling_type != 'none' and not self.rope_scaling_factor > 0:
       raise ConfigError(f'model.rope_scaling.factor={self.rope_scaling_factor} must be > 0.')
+    if self.rope_scaling_type == 'llama3':
+      low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+      if not 0 < low < high:
+        raise ConfigError(
+            f'model.rope_scaling.low_freq_factor={low} and high_freq_factor={high}: llama3 RoPE '
+            'needs 0 < low_freq_factor < high_freq_factor (it blends the band between them; '
+            'Llama 3.1 uses 1 and 4).')
+      if not isinstance(self.rope_original_max_len, int) or self.rope_original_max_len <= 0:
+        raise ConfigError(f'model.rope_scaling.original_max_len={self.rope_original_max_len!r} '
+                          'must be a positive integer (the pre-extension context length, e.g. '
+                          '8192).')
+    if not self.norm_eps > 0:
+      raise ConfigError(f'model.norm_eps={self.norm_eps} must be > 0 (RMSNorm divides by '
+                        'sqrt(mean(x^2) + norm_eps); Llama uses 1e-5 or 1e-6).')
+    if not self.init_std > 0:
+      raise ConfigError(f'model.init_std={self.init_std} must be > 0 (the std of the normal init; '
+                        'Llama uses 0.02).')
     if self.sliding_window < 0:
       raise ConfigError(f'model.sliding_window={self.sliding_window} must be >= 0 (0 = off).')
 

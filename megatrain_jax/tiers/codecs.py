@@ -17,6 +17,9 @@ Codecs (all lossless):
 import math
 
 CODECS = ('none', 'zstd', 'blosc')
+# Valid `level`s (inclusive), as TensorStore accepts them: zstd's negative "fast" levels to its
+# maximum 22; blosc's clevel 0 (no compression) to 9.
+CODEC_LEVELS = {'zstd': (-131072, 22), 'blosc': (0, 9)}
 
 
 def compression_codecs(codec: str, level: int) -> list[dict]:
