@@ -126,7 +126,8 @@ def scenario(placement: str, root: pathlib.Path, args) -> dict:
       kind = plan.pop(0)
       start = rel.latest_checkpoint(workdir, fields)
       if start >= rel.STEPS:
-        break  # an external kill came too late and the run finished: nothing left to fault
+        log.append('(the run had finished: nothing left to fault)')
+        break  # an external kill came too late
       if kind == 'corrupt' and (len(committed_steps(workdir)) < 2 or
                                 committed_steps(workdir)[-1] != start):
         # A fallback needs an older intact checkpoint: corrupt later, after more progress; if
@@ -165,7 +166,7 @@ def scenario(placement: str, root: pathlib.Path, args) -> dict:
                    f'{(full or ["no disk-full message"])[-1][:200]}')
       else:
         if kind == 'external':
-          delay = rng.uniform(0.0, 0.8 * reference.loop_seconds * (rel.STEPS - start) / rel.STEPS)
+          delay = rel.external_delay(rng, start, reference.train_seconds)
           fault, run = f'external after {delay:.2f} s', rel.launch(workdir, fields,
                                                                    kill_after_s=delay)
         else:

@@ -75,6 +75,7 @@ class Run:
   output: str
   seconds: float
   loop_seconds: float | None  # from the 'model:' line (training loop starts) to exit
+  train_seconds: float | None  # from the 'model:' line to the console line of the last step
 
 
 def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: float | None = None,
@@ -92,7 +93,7 @@ def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: flo
                               f'--workdir={workdir}'], cwd=REPO_ROOT, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   lines, loop_started = [], threading.Event()
-  loop_start = []
+  loop_start, last_step = [], []
 
   def read_output():
     for line in process.stdout:
@@ -100,6 +101,8 @@ def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: flo
       if line.startswith('model:') and not loop_started.is_set():
         loop_start.append(time.monotonic())
         loop_started.set()
+      if line.startswith(f'step {STEPS}/{STEPS} '):
+        last_step.append(time.monotonic())
 
   reader = threading.Thread(target=read_output, daemon=True)
   reader.start()
@@ -116,7 +119,8 @@ def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: flo
   reader.join(10)
   ended = time.monotonic()
   return Run(process.returncode, ''.join(lines), ended - started,
-             ended - loop_start[0] if loop_start else None)
+             ended - loop_start[0] if loop_start else None,
+             last_step[0] - loop_start[0] if loop_start and last_step else None)
 
 
 def read_rows(workdir) -> list[dict]:
@@ -229,18 +233,23 @@ class Kill:
   detail: str = ''
 
 
+def external_delay(rng: random.Random, start: int, train_seconds: float) -> float:
+  """A random time within the training of a run resumed at `start`: the uninterrupted run took
+  `train_seconds` from the loop's start to its last step; a resumed run trains fewer steps, so
+  scale by its share of them (an underestimate: the first step's compile is a fixed cost), and
+  stop short of the end, where a kill would find nothing left to train."""
+  return rng.uniform(0.0, 0.8 * train_seconds * (STEPS - start) / STEPS)
+
+
 def kill_chain(workdir, placement: str, plan: list[str], rng: random.Random,
-               loop_seconds: float) -> list[Kill]:
+               train_seconds: float) -> list[Kill]:
   """Runs one killed process per entry of `plan` in `workdir`, each resuming the last."""
   fields = placement_fields(placement)
   kills = []
   for kind in plan:
     start = latest_checkpoint(workdir, fields)
     if kind == 'external':
-      # Anywhere in the training loop of a run as long as the uninterrupted one (the first step,
-      # an eval, an async save or the final wait for it); a resumed run trains fewer steps, so
-      # scale by its share of them.
-      delay = rng.uniform(0.0, 0.8 * loop_seconds * (STEPS - start) / STEPS)
+      delay = external_delay(rng, start, train_seconds)
       fault, run = f'after {delay:.2f} s', launch(workdir, fields, kill_after_s=delay)
     else:
       fault = plan_fault(rng, kind, start, placement)
@@ -267,7 +276,7 @@ def test_kill_chain_resumes_bitwise(tmp_path, shared_data, placement):
 
   rng = random.Random(f'reliability-{placement}')
   plan = kill_plan(rng, placement, kills=5)
-  kills = kill_chain(tmp_path / 'chain', placement, plan, rng, reference.loop_seconds)
+  kills = kill_chain(tmp_path / 'chain', placement, plan, rng, reference.train_seconds)
   for kill in kills:
     assert kill.returncode == -signal.SIGKILL, (kill.kind, kill.fault, kill.detail)
     if kill.kind != 'external':  # died where it was told to, not somewhere else
