@@ -83,7 +83,7 @@ class Placement:
     # `not x > 0` rather than `x <= 0`: NaN must be refused too.
     if not self.shard_mb > 0:
       raise ConfigError(f'offload.shard_mb={self.shard_mb} must be > 0 (MB per on-disk chunk).')
-    if not (self.host_buffer_gb > 0 or (allow_auto and self.host_buffer_gb == 0)):
+    if not self.host_buffer_gb > 0:
       raise ConfigError(f'offload.host_buffer_gb={self.host_buffer_gb} must be > 0 (GB of host '
                         'RAM for the NVMe staging buffers).')
     if 'nvme' in (self.params, self.opt_state):
