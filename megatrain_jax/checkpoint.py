@@ -23,9 +23,12 @@ linking the live files captures exactly that step, and later writes replace the 
 entries, never the linked inodes. A snapshot costs metadata operations only: no data is read or
 written and no RAM is needed, whatever the model size. Each kept checkpoint pins one full copy of
 the NVMe state once the live store has rewritten every layer (the trainer's up-front disk check
-counts it). When os.link fails (EXDEV: offload.dir on another filesystem than the workdir) the
-files are copied instead, streaming, before training continues. Restore is the mirror image: the
-snapshot's files are linked (or copied) into a fresh live store, which is safe for the same reason.
+counts it). When offload.dir is on another filesystem than the workdir (os.link would fail with
+EXDEV), the snapshot is linked into offload.dir/.checkpoint-snapshot-<step> instead, and copied
+into the checkpoint on the background thread (training goes on; the staging links pin the old
+files until the copy is done, so offload.dir then needs room for a second copy). Restore is the
+mirror image: the snapshot's files are linked (or copied) into a fresh live store, which is safe
+for the same reason.
 
 Commit: a checkpoint is written into checkpoints/.tmp-<step>, its files fsynced, then renamed to
 <step> and the parent directory fsynced, so a checkpoint is complete or ignored (leftover .tmp
@@ -64,12 +67,14 @@ from megatrain_jax.tiers import codecs
 
 FORMAT = 2
 _TMP_PREFIX = '.tmp-'
+_SNAPSHOT_PREFIX = '.checkpoint-snapshot-'  # in offload.dir, when the workdir is elsewhere
 _SHAPE_FIELDS = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'd_ff',
                  'head_dim', 'qkv_bias', 'tie_embeddings')
 
 
 def leaf_name(path: str) -> str:
-  """Tree path -> file-system name: "['opt_state'][0].mu['layers']['w']" -> "opt_state.0.mu.layers.w"."""
+  """Tree path -> file-system name: "['opt_state'][0].mu['layers']['w']" ->
+  "opt_state.0.mu.layers.w"."""
   return re.sub(r'[^A-Za-z0-9_]+', '.', path).strip('.')
 
 
@@ -163,7 +168,8 @@ class CheckpointReader:
       self._memory_names = dict(self.meta['memory'])
       self._disk_names = dict(self.meta['disk'])
     except (OSError, ValueError, KeyError, TypeError) as error:
-      raise DamagedCheckpoint(meta_file, f'not a readable checkpoint meta.json ({error})') from error
+      raise DamagedCheckpoint(meta_file,
+                              f'not a readable checkpoint meta.json ({error})') from error
     self._memory = None
     self._disk = {}
     self._context = ts.Context({'cache_pool': {'total_bytes_limit': 0}})
@@ -200,7 +206,8 @@ class CheckpointReader:
       self._memory = ocp.PyTreeCheckpointer().restore(
           self.directory / 'state', args=ocp.args.PyTreeRestore(restore_args=restore_args))
     except Exception as error:  # pylint: disable=broad-except  orbax raises many types
-      raise DamagedCheckpoint(self.directory / 'state', f'orbax restore failed ({error})') from error
+      raise DamagedCheckpoint(self.directory / 'state',
+                              f'orbax restore failed ({error})') from error
     for path, name in self._disk_names.items():
       array = self._open(path)
       for layer in range(array.shape[0]):  # one layer at a time: bounded RAM
@@ -301,19 +308,37 @@ class Checkpointer:
             'memory': {p: leaf_name(p) for p in memory},
             'disk': {p: f'nvme/{leaf_name(p)}' for p in disk}}
     needed = sum(x.nbytes for x in memory.values())
+    copies = {}  # staging snapshot on offload.dir's filesystem -> its place in the checkpoint
     try:
       for path, live in disk.items():
-        link_tree(pathlib.Path(live), tmp / meta['disk'][path])
+        live = pathlib.Path(live)
+        if os.stat(live).st_dev == os.stat(tmp).st_dev:
+          link_tree(live, tmp / meta['disk'][path])
+          continue
+        # Another filesystem (EXDEV): snapshot by links beside the live store now, copy it into
+        # the checkpoint on the background thread while training goes on.
+        staging = live.parent.parent / f'{_SNAPSHOT_PREFIX}{step}'
+        if not copies:
+          for stale in live.parent.parent.glob(_SNAPSHOT_PREFIX + '*'):  # of a killed run
+            shutil.rmtree(stale, ignore_errors=True)
+        link_tree(live, staging / leaf_name(path))
+        copies[staging / leaf_name(path)] = tmp / meta['disk'][path]
     except OSError as error:
       shutil.rmtree(tmp, ignore_errors=True)
+      _remove_staging(copies)
       self._raise_disk_full(step, error, needed + sum(_tree_bytes(d) for d in disk.values()))
       raise
-    self._pending = self._committer.submit(self._write_and_commit, step, tmp, meta, memory, needed)
+    needed += sum(_tree_bytes(d) for d in copies)
+    self._pending = self._committer.submit(self._write_and_commit, step, tmp, meta, memory, needed,
+                                           copies)
     faults.point('checkpoint')  # files being written in the background, nothing committed
 
   def _write_and_commit(self, step: int, tmp: pathlib.Path, meta: dict, memory: dict,
-                        needed: int) -> None:
+                        needed: int, copies: dict) -> None:
     try:
+      for staging, dest in copies.items():
+        link_tree(staging, dest)  # copies: another filesystem
+      _remove_staging(copies)
       ocp.PyTreeCheckpointer().save(tmp / 'state', args=ocp.args.PyTreeSave(
           {meta['memory'][p]: x for p, x in memory.items()}))
       faults.point('checkpoint')  # kill -9 tests: state/ written, nothing committed
@@ -334,6 +359,7 @@ class Checkpointer:
         _fsync(pathlib.Path(root), directory=True)
     except BaseException as error:
       shutil.rmtree(tmp, ignore_errors=True)
+      _remove_staging(copies)
       self._raise_disk_full(step, error, needed)
       raise
     final = self.directory / str(step)
@@ -399,6 +425,11 @@ class Checkpointer:
           f'{", ".join(map(str, sorted(damaged)))}; see the warnings above for the bad files). '
           f'Delete {self.directory} to start training from scratch, or use a new --workdir.')
     return None
+
+
+def _remove_staging(copies: dict) -> None:
+  for staging_root in {p.parent for p in copies}:
+    shutil.rmtree(staging_root, ignore_errors=True)
 
 
 def _tree_bytes(directory) -> int:

@@ -320,8 +320,9 @@ def test_disk_full_during_a_checkpoint(tmp_path, tmp_path_factory, data, monkeyp
     assert f'checkpoint step 8: the disk holding {workdir / "checkpoints"} is full' in message
     assert 'The previous checkpoint (step 4) is intact' in message and 'Free space' in message
     assert sorted(os.listdir(workdir / 'checkpoints')) == ['4']  # no half-written step 8
-    if placement:
+    if placement:  # copies, made from a staging snapshot that is gone once copied
       assert all(p.stat().st_nlink == 1 for p in chunk_files(workdir / 'checkpoints' / '4'))
+      assert not list((tmp_path / 'offload').glob('.checkpoint-snapshot-*'))
     ballast[0].unlink()
     train.train_and_evaluate(config(data, **overrides), str(workdir))
     assert_rows_match(workdir, want, 8, exact=True)
@@ -362,7 +363,13 @@ def test_free_space_check_counts_kept_checkpoints(tmp_path):
                                           r'lower checkpoint.keep'):
       nvme.check_offload_dir(str(disk / 'offload'), 3_000_000, checkpoint_dir=disk / 'run', keep=3)
     nvme.check_offload_dir(str(disk / 'offload'), 3_000_000, checkpoint_dir=disk / 'run', keep=0)
-    # checkpoints on another filesystem are copies: kept + 1 being written must fit there
+    # checkpoints on another filesystem are copies of a staging snapshot in offload.dir
+    with pytest.raises(ConfigError, match=r'offload.dir=.*stores need 0\.01 GB .*5\.00 MB|'
+                                          r'offload.dir=.*stores need 0\.01 GB .*0\.01 GB live, '
+                                          r'and as much for the snapshot a checkpoint copies'):
+      nvme.check_offload_dir(str(disk / 'offload'), 5_000_000, checkpoint_dir=tmp_path, keep=1)
+    nvme.check_offload_dir(str(disk / 'offload'), 3_000_000, checkpoint_dir=tmp_path, keep=1)
+    # ... and kept + 1 being written must fit where the checkpoints are
     with pytest.raises(ConfigError, match=r'checkpoint.keep=3: .*cannot be hard links.*need '
                                           r'0\.01 GB \(3 kept \+ 1 being written\)'):
       nvme.check_offload_dir(str(tmp_path), 3_000_000, checkpoint_dir=disk / 'run', keep=3)

@@ -21,7 +21,7 @@ _LAYERS = "['layers']"
 
 
 def by_path(tree, prefix: str = '') -> dict:
-  """{prefix + tree path: leaf}; with prefix "['params']" a piece's paths become full-state paths."""
+  """{prefix + tree path: leaf}; prefix "['params']" turns a piece's paths into full-state paths."""
   return {prefix + jax.tree_util.keystr(p): x
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 

@@ -115,7 +115,7 @@ class NvmeStore(Store):
                     for layer in range(start, stop)]
         for write in writes:
           write.result()
-      except Exception as error:  # pylint: disable=broad-except  TensorStore reports ENOSPC as ValueError
+      except Exception as error:  # pylint: disable=broad-except  (ENOSPC arrives as ValueError)
         if not is_disk_full(error):
           raise
         needed = sum(int(np.prod(np.shape(x))) * 4 for p, x in zip(paths, leaves) if _LAYERS in p)
@@ -231,16 +231,20 @@ def nvme_bytes(layer_params_bytes: int, params_tier: str, opt_tier: str) -> int:
   return layer_params_bytes * ((params_tier == 'nvme') + 2 * (opt_tier == 'nvme'))
 
 
-def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None, keep: int = 0) -> None:
+def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
+                      keep: int = 0) -> None:
   """offload.dir must be writable and hold `needed_bytes` (the live stores) plus what `keep`
-  checkpoints in `checkpoint_dir` pin: one full copy of the stores each (hard links share the live
-  files only until the next write-back), plus the copy being written before the oldest is deleted
-  when they are copies on another filesystem. Checked before anything is written."""
+  checkpoints in `checkpoint_dir` pin (checkpoint.py). Same filesystem: one full copy of the
+  stores each (hard links share the live files only until the next write-back). Another
+  filesystem: the checkpoints are copies, so that one needs keep + 1 copies (the new one is written
+  before the oldest is deleted), and offload.dir one more copy for the staging snapshot being
+  copied. Checked before anything is written."""
   existing = nearest_existing(pathlib.Path(directory).expanduser().absolute())
   if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
     raise ConfigError(f'offload.dir={directory}: {existing} is not a writable directory. Point '
                       'offload.dir at a directory on a local disk you can write to.')
-  fix = 'Free space, point offload.dir at a larger disk, or keep offload.opt_state (2/3 of it) on host'
+  fix = ('Free space, point offload.dir at a larger disk, or keep offload.opt_state (2/3 of it) '
+         'on host')
   checkpoints = (nearest_existing(pathlib.Path(checkpoint_dir).absolute())
                  if checkpoint_dir is not None and keep > 0 else None)
   if checkpoints is not None and os.stat(checkpoints).st_dev == os.stat(existing).st_dev:
@@ -249,6 +253,12 @@ def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None, ke
             f'FP32: {needed_bytes / 1e9:,.2f} GB live, and each of checkpoint.keep={keep} pins one '
             'more copy)')
     fix += ', or lower checkpoint.keep'
+  elif checkpoints is not None:
+    needed = 2 * needed_bytes
+    what = (f'the NVMe stores need {needed / 1e9:,.2f} GB (uncompressed FP32: '
+            f'{needed_bytes / 1e9:,.2f} GB live, and as much for the snapshot a checkpoint copies '
+            'to the workdir on another filesystem)')
+    fix += ', or put offload.dir on the workdir\'s filesystem'
   else:
     needed = needed_bytes
     what = f'the NVMe stores need {needed / 1e9:,.2f} GB (uncompressed FP32)'
