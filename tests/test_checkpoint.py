@@ -387,3 +387,11 @@ def test_an_uncommitted_save_is_ignored_and_cleaned_up(tmp_path):
   assert checkpointer.latest_step() == 1 and not partial.exists()
   assert checkpointer.restore(CFG).step == 1
   checkpointer.close()
+
+
+def test_a_checkpoint_of_the_old_orbax_manager_layout_is_named_as_such(tmp_path, capfd):
+  (tmp_path / 'checkpoints' / '4' / 'meta').mkdir(parents=True)  # <step>/{state, meta}, no meta.json
+  (tmp_path / 'checkpoints' / '4' / 'state').mkdir()
+  with pytest.raises(StoreCorruptionError, match=r'every checkpoint in .* is damaged \(steps 4;'):
+    Checkpointer(tmp_path, keep=3).restore(CFG)
+  assert 'layout of earlier versions' in capfd.readouterr().err
