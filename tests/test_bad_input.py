@@ -105,7 +105,7 @@ def _prepared_other_tokenizer(d):
 
 CONFIG_CASES = [
     # model.*
-    ('model.sizes<=0', dict(model__vocab_size=0), ['model.vocab_size=0', 'positive integer']),
+    ('model.vocab_size=0', dict(model__vocab_size=0), ['model.vocab_size=0', 'positive integer']),
     ('model.d_model<0', dict(model__d_model=-8), ['model.d_model=-8', 'positive integer']),
     ('model.num_layers=0', dict(model__num_layers=0), ['model.num_layers=0', 'positive integer']),
     ('model.num_heads=0', dict(model__num_heads=0), ['model.num_heads=0', 'positive integer']),
