@@ -118,6 +118,7 @@ def scenario(placement: str, root: pathlib.Path, args) -> dict:
   for kind in extra:  # never first: a run must have prepared the data and saved a checkpoint
     plan.insert(rng.randint(1, len(plan)), kind)
   counts = dict(injected=0, detected=0, resumed=0, lost=0)
+  kinds = {}
   log = []
   with tmpfs(args.tmpfs_mb) if disk_full else contextlib.nullcontext() as disk:
     workdir = (disk or root) / 'chain'
@@ -160,8 +161,8 @@ def scenario(placement: str, root: pathlib.Path, args) -> dict:
             fill(disk, args.disk_full_leave_kb << 10)))
         for path in ballast:
           path.unlink()
-        detected = run.returncode not in (0, -signal.SIGKILL) and 'DiskFullError' in run.output
         full = [line for line in run.output.splitlines() if 'is full' in line]
+        detected = run.returncode not in (0, -signal.SIGKILL) and bool(full)
         log.append(f'disk-full ({args.disk_full_leave_kb} KB left free): rc {run.returncode}, '
                    f'{(full or ["no disk-full message"])[-1][:200]}')
       else:
@@ -180,6 +181,8 @@ def scenario(placement: str, root: pathlib.Path, args) -> dict:
         log.append(f'kill {fault}: rc {run.returncode}, trained {start}->{last_logged}, '
                    f'next run resumes at {resumed_at}')
       counts['injected'] += 1
+      label = kind if kind in ('corrupt', 'disk-full', 'external') else 'kill at a fault point'
+      kinds[label] = kinds.get(label, 0) + 1
       counts['detected'] += bool(detected)
       counts['resumed'] += resumed_from(run.output) is not None
     final = rel.launch(workdir, fields)
@@ -190,7 +193,8 @@ def scenario(placement: str, root: pathlib.Path, args) -> dict:
     counts['lost'] += sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
     counts['lost'] += not rel.states_equal(rel.final_state(workdir, fields),
                                            rel.final_state(root / 'reference', fields))
-  return dict(counts, placement=placement, log=log, seconds=time.monotonic() - started)
+  return dict(counts, placement=placement, log=log, kinds=kinds,
+              seconds=time.monotonic() - started)
 
 
 def main():
@@ -211,11 +215,12 @@ def main():
       rows.append(row)
       if args.verbose:
         print(f'{placement} ({row["seconds"]:.0f} s):', *row['log'], sep='\n  ', flush=True)
-  print('| placement | faults injected | detected | runs resumed | data lost |')
-  print('|---|---:|---:|---:|---:|')
+  print('| placement | faults injected | detected | runs resumed | data lost | faults |')
+  print('|---|---:|---:|---:|---:|---|')
   for row in rows:
+    kinds = ', '.join(f'{n} {kind}' for kind, n in sorted(row['kinds'].items()))
     print(f'| {row["placement"]} | {row["injected"]} | {row["detected"]} | {row["resumed"]} | '
-          f'{row["lost"]} |')
+          f'{row["lost"]} | {kinds} |')
   if any(row['lost'] for row in rows):
     sys.exit('data lost')
 
