@@ -6,7 +6,8 @@ runs in one workdir, each resuming whatever the previous one left:
 
   kill        SIGKILL at a fault point drawn by a seeded RNG (megatrain_jax/faults.py: forward,
               backward, optimizer write-back, checkpoint save), or from outside after a random
-              delay ('external');
+              delay: into the training ('external') or into the start-up ('startup': imports,
+              data, checkpoint restore and verification, NVMe live-store rebuild);
   corrupt     one byte flipped in a random file of the newest checkpoint, then a run that is
               itself killed at a random fault point (so the chain goes on);
   disk-full   the workdir's filesystem (a tmpfs; needs root, else skipped) filled to
@@ -166,13 +167,10 @@ def scenario(placement: str, root: pathlib.Path, args) -> dict:
         log.append(f'disk-full ({args.disk_full_leave_kb} KB left free): rc {run.returncode}, '
                    f'{(full or ["no disk-full message"])[-1][:200]}')
       else:
-        if kind == 'external':
-          delay = rel.external_delay(rng, start, reference.train_seconds)
-          fault, run = f'external after {delay:.2f} s', rel.launch(workdir, fields,
-                                                                   kill_after_s=delay)
+        if forced:
+          fault, run = forced, rel.launch(workdir, fields, fault=forced)
         else:
-          fault = forced or rel.plan_fault(rng, kind, start, placement)
-          run = rel.launch(workdir, fields, fault=fault)
+          fault, run = rel.run_killed(workdir, placement, kind, rng, start, reference)
         last_logged = max((r['step'] for r in rel.read_rows(workdir)), default=0)
         resumed_at = rel.latest_checkpoint(workdir, fields)
         lost = resumed_at < rel.known_committed(last_logged, start)
@@ -181,7 +179,7 @@ def scenario(placement: str, root: pathlib.Path, args) -> dict:
         log.append(f'kill {fault}: rc {run.returncode}, trained {start}->{last_logged}, '
                    f'next run resumes at {resumed_at}')
       counts['injected'] += 1
-      label = kind if kind in ('corrupt', 'disk-full', 'external') else 'kill at a fault point'
+      label = kind if kind in ('corrupt', 'disk-full', *rel.EXTERNAL) else 'fault point'
       kinds[label] = kinds.get(label, 0) + 1
       counts['detected'] += bool(detected)
       counts['resumed'] += resumed_from(run.output) is not None

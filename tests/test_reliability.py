@@ -76,13 +76,15 @@ class Run:
   seconds: float
   loop_seconds: float | None  # from the 'model:' line (training loop starts) to exit
   train_seconds: float | None  # from the 'model:' line to the console line of the last step
+  startup_seconds: float | None  # from the start of the process to the 'model:' line
 
 
 def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: float | None = None,
-           at_loop_start=None, timeout: float = 300) -> Run:
+           kill_from_start: bool = False, at_loop_start=None, timeout: float = 300) -> Run:
   """Runs `python launch.py` on `fields`; SIGKILLed at fault point `fault` ('phase:n'), or from
-  outside `kill_after_s` seconds after the training loop starts. `at_loop_start()` is called
-  once the training loop starts (bench/reliability.py fills the disk there)."""
+  outside `kill_after_s` seconds after the training loop starts (after the process starts with
+  `kill_from_start`). `at_loop_start()` is called once the training loop starts
+  (bench/reliability.py fills the disk there)."""
   args = [f'--config.{k.replace("__", ".")}={v}' for k, v in fields.items()]
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
   env.pop(faults.ENV, None)
@@ -92,6 +94,8 @@ def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: flo
   process = subprocess.Popen([sys.executable, str(REPO_ROOT / 'launch.py'), '--config=tiny', *args,
                               f'--workdir={workdir}'], cwd=REPO_ROOT, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  if kill_after_s is not None and kill_from_start:
+    faults.kill_after(process, kill_after_s)
   lines, loop_started = [], threading.Event()
   loop_start, last_step = [], []
 
@@ -106,10 +110,11 @@ def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: flo
 
   reader = threading.Thread(target=read_output, daemon=True)
   reader.start()
-  if (kill_after_s is not None or at_loop_start) and loop_started.wait(timeout):
+  from_loop = kill_after_s is not None and not kill_from_start
+  if (from_loop or at_loop_start) and loop_started.wait(timeout):
     if at_loop_start:
       at_loop_start()
-    if kill_after_s is not None:
+    if from_loop:
       faults.kill_after(process, kill_after_s)
   try:
     process.wait(timeout)
@@ -120,7 +125,8 @@ def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: flo
   ended = time.monotonic()
   return Run(process.returncode, ''.join(lines), ended - started,
              ended - loop_start[0] if loop_start else None,
-             last_step[0] - loop_start[0] if loop_start and last_step else None)
+             last_step[0] - loop_start[0] if loop_start and last_step else None,
+             loop_start[0] - started if loop_start else None)
 
 
 def read_rows(workdir) -> list[dict]:
@@ -199,12 +205,18 @@ def plan_fault(rng: random.Random, phase: str, start: int, placement: str) -> st
   return f'{phase}:{(step - start - 1) * per_step + rng.randint(1, per_step)}'
 
 
+# SIGKILL from outside at a random time: 'external' while the run trains, 'startup' from its
+# start to its training loop (imports, data, restore and verify of the checkpoint, the NVMe live
+# store rebuilt from it).
+EXTERNAL = ('external', 'startup')
+
+
 def kill_plan(rng: random.Random, placement: str, kills: int) -> list[str]:
-  """`kills` fault kinds in a seeded random order: every fault point of the placement at least
-  once (when kills allow), the rest drawn at random; 'external' = SIGKILL from outside."""
-  kinds = phases_for(placement) + ['external']
-  plan = rng.sample(kinds, len(kinds))[:kills]
-  plan += [rng.choice(kinds) for _ in range(kills - len(plan))]
+  """`kills` fault kinds in a seeded random order: every fault point of the placement once, then
+  the outside kills, then (as kills allow) the rest drawn at random."""
+  points = phases_for(placement)
+  plan = rng.sample(points, len(points)) + rng.sample(EXTERNAL, len(EXTERNAL))
+  plan = plan[:kills] + [rng.choice(points + list(EXTERNAL)) for _ in range(kills - len(plan))]
   rng.shuffle(plan)
   return plan
 
@@ -223,8 +235,8 @@ def known_committed(last_logged: int, start: int) -> int:
 
 @dataclasses.dataclass
 class Kill:
-  kind: str  # a fault phase, or 'external'
-  fault: str  # 'phase:n' or 'after 1.23 s'
+  kind: str  # a fault phase, or one of EXTERNAL
+  fault: str  # 'phase:n' or 'external after 1.23 s'
   returncode: int
   start: int  # step the killed run resumed at
   last_logged: int  # newest metrics row it wrote
@@ -241,19 +253,29 @@ def external_delay(rng: random.Random, start: int, train_seconds: float) -> floa
   return rng.uniform(0.0, 0.8 * train_seconds * (STEPS - start) / STEPS)
 
 
+def run_killed(workdir, placement: str, kind: str, rng: random.Random, start: int,
+               reference: Run) -> tuple[str, Run]:
+  """One run of the chain (resuming at `start`), killed by `kind`: a fault point or EXTERNAL."""
+  fields = placement_fields(placement)
+  if kind == 'external':
+    delay = external_delay(rng, start, reference.train_seconds)
+    return f'external after {delay:.2f} s', launch(workdir, fields, kill_after_s=delay)
+  if kind == 'startup':
+    delay = rng.uniform(0.0, reference.startup_seconds)
+    return f'startup after {delay:.2f} s', launch(workdir, fields, kill_after_s=delay,
+                                                   kill_from_start=True)
+  fault = plan_fault(rng, kind, start, placement)
+  return fault, launch(workdir, fields, fault=fault)
+
+
 def kill_chain(workdir, placement: str, plan: list[str], rng: random.Random,
-               train_seconds: float) -> list[Kill]:
+               reference: Run) -> list[Kill]:
   """Runs one killed process per entry of `plan` in `workdir`, each resuming the last."""
   fields = placement_fields(placement)
   kills = []
   for kind in plan:
     start = latest_checkpoint(workdir, fields)
-    if kind == 'external':
-      delay = external_delay(rng, start, train_seconds)
-      fault, run = f'after {delay:.2f} s', launch(workdir, fields, kill_after_s=delay)
-    else:
-      fault = plan_fault(rng, kind, start, placement)
-      run = launch(workdir, fields, fault=fault)
+    fault, run = run_killed(workdir, placement, kind, rng, start, reference)
     logged = [r['step'] for r in read_rows(workdir)]
     last_logged = max(logged, default=0)
     resumed_at = latest_checkpoint(workdir, fields)
@@ -274,12 +296,13 @@ def test_kill_chain_resumes_bitwise(tmp_path, shared_data, placement):
   assert reference.returncode == 0, reference.output[-3000:]
   expected = learning_rows(read_rows(tmp_path / 'reference'))
 
-  rng = random.Random(f'reliability-{placement}')
+  # This seed gives resident both EXTERNAL kills, host 'external', nvme 'startup'.
+  rng = random.Random(f'issue-6-{placement}')
   plan = kill_plan(rng, placement, kills=5)
-  kills = kill_chain(tmp_path / 'chain', placement, plan, rng, reference.train_seconds)
+  kills = kill_chain(tmp_path / 'chain', placement, plan, rng, reference)
   for kill in kills:
     assert kill.returncode == -signal.SIGKILL, (kill.kind, kill.fault, kill.detail)
-    if kill.kind != 'external':  # died where it was told to, not somewhere else
+    if kill.kind not in EXTERNAL:  # died where it was told to, not somewhere else
       assert f'faults: SIGKILL at {kill.fault.replace(":", " pass ")}' in kill.detail, kill.detail
     assert not kill.lost, kill
   assert set(phases_for(placement)) <= {k.kind for k in kills}
