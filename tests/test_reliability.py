@@ -249,8 +249,9 @@ def external_delay(rng: random.Random, start: int, train_seconds: float) -> floa
   """A random time within the training of a run resumed at `start`: the uninterrupted run took
   `train_seconds` from the loop's start to its last step; a resumed run trains fewer steps, so
   scale by its share of them (an underestimate: the first step's compile is a fixed cost), and
-  stop short of the end, where a kill would find nothing left to train."""
-  return rng.uniform(0.0, 0.8 * train_seconds * (STEPS - start) / STEPS)
+  stop well short of the end (a run may be faster than the reference was), where a kill would
+  find nothing left to train."""
+  return rng.uniform(0.0, 0.6 * train_seconds * (STEPS - start) / STEPS)
 
 
 def run_killed(workdir, placement: str, kind: str, rng: random.Random, start: int,
