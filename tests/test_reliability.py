@@ -3,7 +3,8 @@ completes, reproduces the uninterrupted run bitwise (metrics and final checkpoin
 
 Each killed run is a real `python launch.py` process killed with SIGKILL, either from inside at a
 fault point chosen by a seeded RNG (megatrain_jax/faults.py: forward, backward, optimizer
-write-back, checkpoint save) or from outside after a random delay. Chaining the kills in one
+write-back, checkpoint save) or from outside at a random time (in the start-up: imports, data,
+checkpoint restore, NVMe live-store rebuild; or in the training). Chaining the kills in one
 workdir (each run resumes from whatever the previous one left) gives several kill points per
 placement for the price of one extra process start each.
 
@@ -28,6 +29,7 @@ import pytest
 
 from megatrain_jax import config as config_lib
 from megatrain_jax import faults
+from megatrain_jax import metrics
 from megatrain_jax import optim
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
@@ -322,7 +324,6 @@ def test_kill_chain_resumes_bitwise(tmp_path, shared_data, placement):
 def test_a_fresh_start_drops_the_rows_of_a_killed_first_attempt(tmp_path):
   """A run killed before its first checkpoint leaves a step-0 eval row (and maybe more); the
   rerun starts from scratch and must not log step 0 twice."""
-  from megatrain_jax import metrics  # pylint: disable=g-import-not-at-top
   (tmp_path / 'metrics.jsonl').write_text('{"step": 0, "eval/loss": 5.5}\n{"step": 1, "learn')
   with metrics.MetricsWriter(tmp_path, total_steps=4, start_step=0, progress_bar=False) as writer:
     writer.write(0, {'eval/loss': 5.5}, console=False)
