@@ -2,7 +2,8 @@
 
   python launch.py                                  # configs/default.py (tiny model, CPU minutes)
   python launch.py --config tiny --config.train.steps=50 --workdir runs/x
-  python launch.py --config 101b --dry_run          # params and FP32 state bytes, no allocation
+  python launch.py --config 101b --dry_run          # memory plan and predicted step time, no allocation
+  python launch.py --calibrate                      # measure this machine for the planner (< 60 s)
 
 A bare config name resolves to configs/<name>.py. Every config field can be overridden with
 --config.<section>.<field>=value.
@@ -25,7 +26,15 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default',
                                'Directory for checkpoints, metrics and TensorBoard logs.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False,
-                             'Print the parameter count and train-state bytes, then exit.')
+                             'Print the parameter count, the memory plan and the predicted step '
+                             'time, then exit.')
+_CALIBRATE = flags.DEFINE_bool('calibrate', False,
+                               'Measure this machine (compute, copies, AdamW, disk at offload.dir) '
+                               'and save the hardware profile the planner uses, then exit.')
+_PROFILE_OUT = flags.DEFINE_string('profile_out', '',
+                                   'Where --calibrate writes the profile; default '
+                                   '~/.cache/megatrain_jax/hardware.json (used when '
+                                   'config.hardware is empty).')
 
 
 def _preprocess_argv(argv: list[str]) -> list[str]:
@@ -57,8 +66,10 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   from megatrain_jax import train  # imported after flag parsing: `--help` stays fast
   try:
-    if _DRY_RUN.value:
-      train.dry_run(_CONFIG.value)
+    if _CALIBRATE.value:
+      train.calibrate(_CONFIG.value, _WORKDIR.value, _PROFILE_OUT.value)
+    elif _DRY_RUN.value:
+      train.dry_run(_CONFIG.value, _WORKDIR.value)
     else:
       train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (ConfigError, TrainingDivergedError, StoreCorruptionError, DiskFullError) as e:

@@ -46,7 +46,8 @@ def get_config() -> ml_collections.ConfigDict:
   # ---------------------------------------------------------------------------------------------
   config.train = train = ml_collections.ConfigDict()
   train.steps = 300  # Optimizer steps in total (a resumed run continues to this count).
-  train.microbatches = 1  # Gradient accumulation: microbatches summed into each optimizer step.
+  train.microbatches = 1  # Gradient accumulation: microbatches summed into each optimizer step;
+  #                         0 = auto (the planner picks enough to hide the weight streaming).
   train.batch_size = 16  # Sequences per microbatch.
   train.seq_len = 128  # Tokens per sequence (each sample holds seq_len + 1 for the shifted target).
   train.lr = 3e-3  # Peak learning rate of AdamW.
@@ -90,25 +91,37 @@ def get_config() -> ml_collections.ConfigDict:
   # model one group of layers at a time and fetches each group's weights ahead of use.
   # ---------------------------------------------------------------------------------------------
   config.offload = offload = ml_collections.ConfigDict()
-  offload.params = 'device'  # Layer weights: 'device', 'host' (pinned host RAM) or 'nvme' (disk).
-  offload.opt_state = 'device'  # Adam m and v of the layers: 'device', 'host' or 'nvme'.
-  offload.activations = 'device'  # Group-boundary activations kept for backward: 'device'/'host'.
-  offload.embed_head = 'device'  # Embedding, final norm and LM head (params + Adam state).
-  offload.layers_per_group = 1  # K: layers per streamed group (the last group may be smaller).
-  offload.prefetch_depth = 1  # Groups whose weights are in flight ahead of the compute (>= 1).
-  offload.optimizer_on = 'device'  # Where a group's AdamW update runs: 'device' (its Adam state is
-  #                                  fetched in and written back) or 'host' (needs params and
-  #                                  opt_state off the device).
+  # 'auto' (and 0 for the two counts) lets the planner (megatrain_jax/planner.py) choose: the
+  # fastest placement whose memory fits the hardware profile; `--dry_run` shows its plan.
+  offload.params = 'auto'  # Layer weights: 'device', 'host' (pinned host RAM), 'nvme' (disk), 'auto'.
+  offload.opt_state = 'auto'  # Adam m and v of the layers: 'device', 'host', 'nvme' or 'auto'.
+  offload.activations = 'auto'  # Group-boundary activations kept for backward: 'device', 'host',
+  #                               'auto'.
+  offload.embed_head = 'auto'  # Embedding, final norm and LM head (params + Adam state):
+  #                              'device', 'host' or 'auto'.
+  offload.layers_per_group = 0  # K: layers per streamed group (the last may be smaller); 0 = auto.
+  offload.prefetch_depth = 0  # Groups whose weights are in flight ahead of the compute; 0 = auto.
+  offload.optimizer_on = 'auto'  # Where a group's AdamW update runs: 'device' (its Adam state is
+  #                                fetched in and written back), 'host' (needs params and
+  #                                opt_state off the device) or 'auto'.
+  offload.device_memory_gb = 0.0  # Device memory the planner may fill; 0 = the hardware profile's
+  #                                 (90% of it: XLA needs workspace).
+  offload.host_memory_gb = 0.0  # Host RAM the planner may fill; 0 = 85% of the profile's.
   # NVMe tier (offload.params / offload.opt_state = 'nvme'): TensorStore zarr3 arrays on disk.
   offload.dir = ''  # Directory of the NVMe stores (a local disk); '' = <workdir>/offload.
   offload.codec = 'none'  # Lossless on-disk codec: 'none', 'zstd' or 'blosc' (zstd + byte
   #                         shuffle). See BENCHMARKS.md for why 'none' is the default.
   offload.codec_level = 1  # Compression level of 'zstd' / 'blosc'.
   offload.shard_mb = 512.0  # Largest on-disk chunk (MB); a layer larger than this is split.
-  offload.host_buffer_gb = 8.0  # Host RAM for the NVMe pipeline's read and write staging.
+  offload.host_buffer_gb = 0.0  # Host RAM for the NVMe pipeline's read and write staging; 0 = auto
+  #                               ((prefetch_depth + 3) groups of the disk-resident state).
 
   # ---------------------------------------------------------------------------------------------
   # Runtime.
   # ---------------------------------------------------------------------------------------------
   config.jax_cache_dir = '~/.cache/megatrain_jax/jax'  # Persistent XLA compile cache; '' = off.
+  config.hardware = ''  # Hardware profile the planner predicts from: a preset (h100, h200, a100,
+  #                       rtx4090, cpu), a JSON file from `launch.py --calibrate`, or '' = auto
+  #                       (~/.cache/megatrain_jax/hardware.json if calibrated on this device kind,
+  #                       else the preset matching the device).
   return config

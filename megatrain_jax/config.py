@@ -169,8 +169,10 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   check_keys(config)
   model_cfg = ModelConfig.from_config_dict(config.model)
   t = config.train
-  for name in ('steps', 'microbatches', 'batch_size', 'seq_len', 'log_every', 'eval_batches'):
+  for name in ('steps', 'batch_size', 'seq_len', 'log_every', 'eval_batches'):
     _require(t[name] >= 1, f'train.{name}', f'must be >= 1, got {t[name]}.')
+  _require(t.microbatches >= 0, 'train.microbatches',
+           f'must be >= 1, or 0 for auto (the planner chooses), got {t.microbatches}.')
   _require(t.seq_len <= model_cfg.max_seq_len, 'train.seq_len',
            f'{t.seq_len} is longer than the model maximum model.max_seq_len='
            f'{model_cfg.max_seq_len}. Lower train.seq_len, or raise model.max_seq_len (RoPE models '

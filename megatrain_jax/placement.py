@@ -17,6 +17,7 @@ TIERS = ('device', 'host', 'nvme')
 MEMORY_TIERS = ('device', 'host')  # activations and embedding/head never go to disk
 OPTIMIZER_PLACES = ('device', 'host')
 HOST_MEMORY_KIND = 'pinned_host'
+AUTO = 'auto'  # a field the planner (planner.py) chooses
 _GB = 1e9
 
 
@@ -34,6 +35,8 @@ class Placement:
   codec_level: int = 1
   shard_mb: float = 512.0
   host_buffer_gb: float = 8.0
+  device_memory_gb: float = 0.0  # planner budgets; 0 = the hardware profile's
+  host_memory_gb: float = 0.0
 
   @property
   def streamed(self) -> bool:
@@ -55,6 +58,11 @@ class Placement:
     """Host staging of the NVMe pipeline: `groups_in_flight` groups of the disk-resident leaves."""
     return groups_in_flight * self.group_bytes(model_cfg, 'nvme')
 
+  def auto_host_buffer_gb(self, model_cfg: ModelConfig) -> float:
+    """The staging an NVMe pipeline needs: prefetch_depth + 1 groups being read, one being
+    written and one more queued behind it."""
+    return self.staging_bytes(model_cfg, groups_in_flight=self.prefetch_depth + 3) / _GB
+
   def max_pending_writes(self, model_cfg: ModelConfig) -> int:
     """Write-behind queue depth that keeps reads + writes within host_buffer_gb."""
     group = max(self.group_bytes(model_cfg, 'nvme'), 1)
@@ -62,17 +70,27 @@ class Placement:
 
   @classmethod
   def from_config(cls, offload, model_cfg: ModelConfig) -> 'Placement':
+    """The placement `offload` describes; every field must be concrete (no 'auto')."""
     placement = cls(**{f.name: offload[f.name] for f in dataclasses.fields(cls)})
     placement.check(model_cfg)
     return placement
 
-  def check(self, model_cfg: ModelConfig) -> None:
+  @property
+  def has_auto(self) -> bool:
+    return (AUTO in (self.params, self.opt_state, self.activations, self.embed_head,
+                     self.optimizer_on) or self.layers_per_group == 0 or self.prefetch_depth == 0
+            or self.host_buffer_gb == 0)
+
+  def check(self, model_cfg: ModelConfig, allow_auto: bool = False) -> None:
+    """Checks every field; with `allow_auto`, 'auto' (tiers) and 0 (K, depth) pass, for the
+    planner to resolve."""
+    auto = (AUTO,) if allow_auto else ()
     for name, allowed in (('params', TIERS), ('opt_state', TIERS),
                           ('activations', MEMORY_TIERS), ('embed_head', MEMORY_TIERS)):
       tier = getattr(self, name)
-      if tier not in allowed:
+      if tier not in allowed + auto:
         raise ConfigError(f'offload.{name}={tier!r} is not a tier for it: use one of '
-                          f'{", ".join(allowed)}.')
+                          f'{", ".join(allowed + (AUTO,))}.')
     if self.codec not in codecs.CODECS:
       raise ConfigError(f'offload.codec={self.codec!r}: use one of {", ".join(codecs.CODECS)}.')
     if self.codec in codecs.CODEC_LEVELS:
@@ -83,9 +101,20 @@ class Placement:
     # `not x > 0` rather than `x <= 0`: NaN must be refused too.
     if not self.shard_mb > 0:
       raise ConfigError(f'offload.shard_mb={self.shard_mb} must be > 0 (MB per on-disk chunk).')
-    if not self.host_buffer_gb > 0:
+    if not (self.host_buffer_gb > 0 or (allow_auto and self.host_buffer_gb == 0)):
       raise ConfigError(f'offload.host_buffer_gb={self.host_buffer_gb} must be > 0 (GB of host '
                         'RAM for the NVMe staging buffers).')
+    if self.optimizer_on not in OPTIMIZER_PLACES + auto:
+      raise ConfigError(f'offload.optimizer_on={self.optimizer_on!r}: use device, host or auto.')
+    if not (self.layers_per_group == 0 and allow_auto) and not (
+        1 <= self.layers_per_group <= model_cfg.num_layers):
+      raise ConfigError(f'offload.layers_per_group={self.layers_per_group} must be between 1 and '
+                        f'model.num_layers={model_cfg.num_layers}, or 0 for auto.')
+    if not (self.prefetch_depth == 0 and allow_auto) and self.prefetch_depth < 1:
+      raise ConfigError(f'offload.prefetch_depth={self.prefetch_depth} must be >= 1 (the number '
+                        'of groups whose weights are fetched ahead of the compute), or 0 for auto.')
+    if self.has_auto:
+      return  # the rest needs concrete values: checked again once the planner has chosen
     if 'nvme' in (self.params, self.opt_state):
       needed = self.staging_bytes(model_cfg, groups_in_flight=self.prefetch_depth + 2)
       if self.host_buffer_gb * _GB < needed:
@@ -94,20 +123,12 @@ class Placement:
             f'{needed / _GB:.2f} GB of host staging for prefetch_depth + 1 groups being read and '
             'one being written. Raise offload.host_buffer_gb, or lower offload.layers_per_group '
             'or offload.prefetch_depth.')
-    if self.optimizer_on not in OPTIMIZER_PLACES:
-      raise ConfigError(f'offload.optimizer_on={self.optimizer_on!r}: use device or host.')
     if self.optimizer_on == 'host' and 'device' in (self.opt_state, self.params):
       raise ConfigError(
           "offload.optimizer_on='host' runs AdamW in host memory, next to the weights and Adam "
           'state, so it needs offload.params and offload.opt_state off the device (host or nvme; '
           f"got params={self.params}, opt_state={self.opt_state}). Move them, or set "
           "offload.optimizer_on='device'.")
-    if not 1 <= self.layers_per_group <= model_cfg.num_layers:
-      raise ConfigError(f'offload.layers_per_group={self.layers_per_group} must be between 1 and '
-                        f'model.num_layers={model_cfg.num_layers}.')
-    if self.prefetch_depth < 1:
-      raise ConfigError(f'offload.prefetch_depth={self.prefetch_depth} must be >= 1: the number '
-                        'of groups whose weights are fetched ahead of the compute.')
     if 'host' in (self.params, self.opt_state, self.activations, self.embed_head):
       device = jax.devices()[0]
       kinds = [m.kind for m in device.addressable_memories()]

@@ -52,7 +52,7 @@ TIME (seconds per step):
   On the CPU backend the same cores do everything, so the terms add up.
 
 AUTO PLACEMENT: every `auto` field is searched (tiers, K, prefetch depth, M when
-train.microbatches = 0); a candidate must fit every tier's budget; the fastest tokens/s wins,
+train.microbatches = 0, the NVMe staging buffer when offload.host_buffer_gb = 0); a candidate must fit every tier's budget; the fastest tokens/s wins,
 and among candidates within 1% of it the one that keeps the most on the device, then the
 smallest M, group and depth (less memory for the same speed).
 """
@@ -219,7 +219,7 @@ class Plan:
 
 
 def _memory_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int,
-                 seq: int, clipping: bool) -> list:
+                 seq: int, clipping: bool, checkpoint_copies: int = 0) -> list:
   L, k = cfg.num_layers, p.layers_per_group
   groups = math.ceil(L / k)
   W, A = sizes.group_params(L), L * sizes.layer_opt + groups * sizes.group_opt_extra
@@ -269,6 +269,11 @@ def _memory_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, 
     add('nvme', 'layer params', nvme_layers, '4·L·P_l')
   if p.opt_state == 'nvme':
     add('nvme', 'layer Adam m, v', L * sizes.layer_opt, '8·L·P_l')
+  if checkpoint_copies and 'nvme' in (p.params, p.opt_state):
+    # Each kept checkpoint hard-links the stores; the next write-back unshares them (checkpoint.py).
+    live = sum(r.bytes for r in rows if r.tier == 'nvme')
+    add('nvme', f'checkpoint snapshots (keep={checkpoint_copies})', checkpoint_copies * live,
+        'checkpoint.keep × the stores above')
   if 'nvme' in (p.params, p.opt_state):
     add('host', 'NVMe staging buffer', p.host_buffer_gb * _GB, 'offload.host_buffer_gb')
   if p.optimizer_on == 'host':
@@ -357,8 +362,9 @@ def _read_rate(hw: HardwareProfile, cached: bool) -> float:
 
 
 def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwareProfile, *,
-              micro: int, batch: int, seq: int, clipping: bool, budgets: dict) -> Plan:
-  rows = _memory_rows(cfg, sizes, p, micro, batch, seq, clipping)
+              micro: int, batch: int, seq: int, clipping: bool, budgets: dict,
+              checkpoint_copies: int = 0) -> Plan:
+  rows = _memory_rows(cfg, sizes, p, micro, batch, seq, clipping, checkpoint_copies)
   moved = traffic(cfg, sizes, p, micro, batch, seq, clipping)
   executed, model_flops = step_flops(cfg, p, micro, batch, seq)
   rate = hw.tflops(cfg.dtype, cfg.matmul_precision, cfg.d_model) * 1e12
@@ -371,7 +377,7 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
   h2d = moved['h2d'] / (hw.h2d_gbps * _GB)
   d2h = moved['d2h'] / (hw.d2h_gbps * _GB)
   # Reads hit the page cache when the disk-resident state fits in the RAM the plan leaves free.
-  nvme_bytes = sum(r.bytes for r in rows if r.tier == 'nvme')
+  nvme_bytes = sum(r.bytes for r in rows if r.tier == 'nvme' and 'checkpoint' not in r.item)
   host_free = budgets.get('host', 0) - sum(r.bytes for r in rows if r.tier == 'host')
   if hw.unified_memory:
     host_free -= sum(r.bytes for r in rows if r.tier == 'device')
@@ -437,8 +443,9 @@ def _group_sizes(num_layers: int) -> list:
   return sorted(sizes)
 
 
-def candidates(offload, num_layers: int, micro_options: list):
+def candidates(offload, cfg: ModelConfig, micro_options: list):
   """Every placement the config's fixed fields allow (auto fields expanded)."""
+  num_layers = cfg.num_layers
   base = {f.name: offload[f.name] for f in dataclasses.fields(Placement)}
   for params in _choices(base['params'], TIERS):
     for opt in _choices(base['opt_state'], TIERS):
@@ -458,19 +465,23 @@ def candidates(offload, num_layers: int, micro_options: list):
           for on in opt_places:
             for k in ks:
               for depth in depths:
+                placement = dataclasses.replace(
+                    Placement(), **{**base, 'params': params, 'opt_state': opt,
+                                    'embed_head': embed, 'activations': act,
+                                    'optimizer_on': on, 'layers_per_group': k,
+                                    'prefetch_depth': depth})
+                if placement.host_buffer_gb == 0:  # auto: what the NVMe pipeline needs
+                  placement = dataclasses.replace(
+                      placement, host_buffer_gb=placement.auto_host_buffer_gb(cfg) or 1.0)
                 for micro in micro_options:
-                  yield micro, dataclasses.replace(
-                      Placement(), **{**base, 'params': params, 'opt_state': opt,
-                                      'embed_head': embed, 'activations': act,
-                                      'optimizer_on': on, 'layers_per_group': k,
-                                      'prefetch_depth': depth})
+                  yield micro, placement
 
 
 def is_auto(offload, train) -> bool:
   return (any(offload[f] == AUTO for f in ('params', 'opt_state', 'activations', 'embed_head',
                                           'optimizer_on'))
           or offload.layers_per_group == 0 or offload.prefetch_depth == 0
-          or train.microbatches == 0)
+          or offload.host_buffer_gb == 0 or train.microbatches == 0)
 
 
 def _offloaded_bytes(plan: Plan) -> float:
@@ -487,39 +498,52 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None) -> 
   sizes = state_sizes(cfg, train_key(train))
   budgets = budgets_for(hw, offload, disk_free_gb)
   clipping = train.grad_clip > 0
+  ckpt = config.get('checkpoint')
+  copies = ckpt.keep if ckpt is not None and ckpt.every >= 0 else 0
   micro_options = ([1, 2, 4, 8, 16, 32, 64] if train.microbatches == 0
                    else [train.microbatches])
   plans, rejected, invalid = [], [], []
-  for micro, placement in candidates(offload, cfg.num_layers, micro_options):
+  for micro, placement in candidates(offload, cfg, micro_options):
     try:  # e.g. a group too large for the NVMe staging buffer, or no pinned_host memory
       placement.check(cfg)
     except ConfigError as e:
       invalid.append(e)
       continue
     plan = make_plan(cfg, sizes, placement, hw, micro=micro, batch=train.batch_size,
-                     seq=train.seq_len, clipping=clipping, budgets=budgets)
+                     seq=train.seq_len, clipping=clipping, budgets=budgets,
+                     checkpoint_copies=copies)
     (plans if plan.fits else rejected).append(plan)
   if not plans:
     if not rejected:
       raise invalid[0]
-    raise ConfigError(refusal_message(cfg, rejected, budgets))
+    closest = min(rejected, key=_overshoot)
+    raise NoPlacementFits(refusal_message(cfg, closest), closest)
   best = max(p.tokens_per_s for p in plans)
   near = [p for p in plans if p.tokens_per_s >= 0.99 * best]
   return min(near, key=lambda p: (_offloaded_bytes(p), p.microbatches,
                                   p.placement.layers_per_group, p.placement.prefetch_depth))
 
 
-def refusal_message(cfg: ModelConfig, rejected: list, budgets: dict) -> str:
-  # The candidate that comes closest: the smallest total overshoot, relative to each budget.
-  def overshoot(plan):
-    return sum(max(0.0, n / max(a, 1.0) - 1) for n, a in plan.over_budget().values())
-  closest = min(rejected, key=overshoot)
-  lines = [f'this config fits no placement on this hardware: {cfg.num_params / 1e9:,.2f}B params '
-           f'need {16 * cfg.num_params / _GB:,.1f} GB of FP32 state (params, grads, Adam m, v). '
+class NoPlacementFits(ConfigError):
+  """No candidate fits the budgets; `closest` is the plan that misses by the least."""
+
+  def __init__(self, message: str, closest: Plan):
+    super().__init__(message)
+    self.closest = closest
+
+
+def _overshoot(plan: Plan) -> float:
+  """How far a plan is over its budgets, summed relative to each budget."""
+  return sum(max(0.0, n / max(a, 1.0) - 1) for n, a in plan.over_budget().values())
+
+
+def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
+  lines = [f'this config fits no placement on this hardware: {cfg.num_params:,} params '
+           f'need {_gb(16 * cfg.num_params)} of FP32 state (params, grads, Adam m, v). '
            f'The closest placement ({describe(closest.placement)}, M={closest.microbatches}) '
            'needs:']
   for tier, (needed, available) in closest.over_budget().items():
-    lines.append(f'  {tier}: {needed / _GB:,.2f} GB needed, {available / _GB:,.2f} GB available')
+    lines.append(f'  {tier}: {_gb(needed)} needed, {_gb(available)} available')
   tiers = closest.over_budget()
   hints = []
   if 'device' in tiers:
@@ -529,11 +553,18 @@ def refusal_message(cfg: ModelConfig, rejected: list, budgets: dict) -> str:
     hints.append("move state to disk (offload.params='nvme', offload.opt_state='nvme') or lower "
                  'offload.host_buffer_gb')
   if 'nvme' in tiers:
-    hints.append('point offload.dir at a disk with more free space')
+    hints.append('point offload.dir at a disk with more free space, lower checkpoint.keep (each '
+                 'kept checkpoint pins a copy of the NVMe stores), or keep offload.opt_state '
+                 '(2/3 of them) on host')
   hints.append('or choose hardware with more memory (--config.hardware, '
                '--config.offload.device_memory_gb / host_memory_gb)')
   lines.append('Fix: ' + '; '.join(hints) + '.')
   return '\n'.join(lines)
+
+
+def _gb(n: float) -> str:
+  """Bytes as GB with enough digits to tell small numbers apart."""
+  return f'{n / _GB:,.2f} GB' if n >= 10 * 1e6 else f'{n / _GB:.6f} GB'
 
 
 def describe(p: Placement) -> str:

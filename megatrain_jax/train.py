@@ -27,7 +27,9 @@ from megatrain_jax import config as config_lib
 from megatrain_jax import data as data_lib
 from megatrain_jax import metrics as metrics_lib
 from megatrain_jax import model as model_lib
+from megatrain_jax import hardware
 from megatrain_jax import optim
+from megatrain_jax import planner
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
@@ -53,9 +55,12 @@ def state_bytes(model_cfg: model_lib.ModelConfig) -> dict:
           'adam_m_bytes': per_part, 'adam_v_bytes': per_part, 'total_bytes': 4 * per_part}
 
 
-def dry_run(config: ml_collections.ConfigDict) -> dict:
-  """Validates `config` and prints the parameter count and train-state bytes; allocates nothing."""
+def dry_run(config: ml_collections.ConfigDict, workdir: str | None = None) -> dict:
+  """Validates `config`, prints its size, memory plan and predicted step time; allocates nothing.
+
+  The last line is `predicted_step_time_s: X` (for scripts)."""
   model_cfg = config_lib.validate(config)
+  check_offload(config.offload, model_cfg)
   sizes = state_bytes(model_cfg)
   gib = 1024 ** 3
   print(f'params: {sizes["params"]}')
@@ -63,7 +68,64 @@ def dry_run(config: ml_collections.ConfigDict) -> dict:
     print(f'{part + "_bytes:":<16}{sizes[part + "_bytes"]:>20,d}  ({sizes[part + "_bytes"] / gib:,.1f} GiB)')
   print(f'{"state_bytes:":<16}{sizes["total_bytes"]:>20,d}  ({sizes["total_bytes"] / gib:,.1f} GiB, '
         'FP32 params + grads + Adam m, v)')
-  return sizes
+  try:
+    hw, plan = make_plan(config, pathlib.Path(workdir) if workdir else None, dry_run=True)
+  except planner.NoPlacementFits as refused:  # show where the bytes would have to go, then refuse
+    print('\nno placement fits; the closest:')
+    print(planner.format_plan(refused.closest, hardware.load_profile(config.hardware)))
+    raise
+  print()
+  print(planner.format_plan(plan, hw))
+  return {**sizes, 'plan': plan}
+
+
+def calibrate(config: ml_collections.ConfigDict, workdir: str, out: str = '') -> pathlib.Path:
+  """Measures this machine, saves its hardware profile (default: hardware.PROFILE_CACHE)."""
+  enable_compilation_cache(config.jax_cache_dir)
+  probe_dir = config.offload.dir or str(pathlib.Path(workdir) / 'offload')
+  print(f'calibrating {jax.devices()[0].device_kind} (disk probe in {probe_dir}) ...')
+  profile = hardware.calibrate(probe_dir)
+  path = hardware.save_profile(profile, pathlib.Path(out) if out else hardware.PROFILE_CACHE)
+  print(f'{profile.source}; saved {path}')
+  return path
+
+
+def check_offload(offload, model_cfg) -> None:
+  """The offload fields as given ('auto' allowed), before the planner resolves them."""
+  fields = {f.name: offload[f.name] for f in dataclasses.fields(Placement)}
+  Placement(**fields).check(model_cfg, allow_auto=True)
+
+
+def _disk_free_gb(offload_dir: str, hw: hardware.HardwareProfile, dry_run: bool) -> float:
+  """Disk the NVMe tier may use: a profile that states it (a preset) is believed for a dry run;
+  a real run never plans for more than offload.dir's filesystem has free."""
+  existing = nvme.nearest_existing(pathlib.Path(offload_dir).expanduser().absolute())
+  if not dry_run and not os.access(existing, os.W_OK | os.X_OK):
+    return 0.0  # nothing can be stored there
+  free = hardware.free_disk_gb(offload_dir)
+  if hw.disk_gb and dry_run:
+    return hw.disk_gb
+  return min(free, hw.disk_gb) if hw.disk_gb else free
+
+
+def _check_offload_dir(config, model_cfg, workdir: pathlib.Path, placement) -> None:
+  """offload.dir is writable and holds the NVMe stores plus what kept checkpoints pin."""
+  layer_bytes = 4 * model_cfg.num_layers * model_cfg.params_per_layer
+  offload_dir = placement.dir or str(workdir / 'offload')
+  nvme.check_offload_dir(offload_dir, nvme.nvme_bytes(layer_bytes, placement.params,
+                                                      placement.opt_state),
+                         checkpoint_dir=workdir / 'checkpoints',
+                         keep=config.checkpoint.keep if config.checkpoint.every >= 0 else 0)
+
+
+def make_plan(config, workdir: pathlib.Path | None, dry_run: bool):
+  """(hardware profile, plan): `auto` fields resolved; refuses configs that fit nowhere."""
+  hw = hardware.load_profile(config.hardware)
+  offload_dir = config.offload.dir or str((workdir or pathlib.Path('runs/default')) / 'offload')
+  plan = planner.plan_run(config, hw, disk_free_gb=_disk_free_gb(offload_dir, hw, dry_run))
+  if 'nvme' in (plan.placement.params, plan.placement.opt_state):
+    plan.placement = dataclasses.replace(plan.placement, dir=offload_dir)
+  return hw, plan
 
 
 def describe(placement: Placement, model_cfg) -> str:
@@ -105,17 +167,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (or resumes) the run in `workdir` to `config.train.steps`; returns the last metrics."""
   # 1. Validate everything before any allocation or write.
   model_cfg = config_lib.validate(config)
-  placement = Placement.from_config(config.offload, model_cfg)
+  check_offload(config.offload, model_cfg)
   data_lib.check_data_config(config.data, config.train)
   workdir = config_lib.check_workdir(workdir)
+  if 'nvme' in (config.offload.params, config.offload.opt_state):
+    _check_offload_dir(config, model_cfg, workdir, config.offload)  # named tiers: say what's wrong
+  hw, plan = make_plan(config, workdir, dry_run=False)
+  placement, microbatches = plan.placement, plan.microbatches
   if 'nvme' in (placement.params, placement.opt_state):
-    placement = dataclasses.replace(placement, dir=placement.dir or str(workdir / 'offload'))
-    layer_bytes = 4 * model_cfg.num_layers * model_cfg.params_per_layer
-    # Each kept checkpoint pins one full copy of the NVMe state (checkpoint.py).
-    nvme.check_offload_dir(placement.dir, nvme.nvme_bytes(layer_bytes, placement.params,
-                                                          placement.opt_state),
-                           checkpoint_dir=workdir / 'checkpoints',
-                           keep=config.checkpoint.keep if config.checkpoint.every >= 0 else 0)
+    _check_offload_dir(config, model_cfg, workdir, placement)
   tokenizer = data_lib.load_tokenizer(config.data.tokenizer)  # reads tokenizer.json, writes nothing
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise ConfigError(f'model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer '
@@ -129,7 +189,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   info, _ = data_lib.load_data(config.data, workdir)
   sampler = data_lib.BatchSampler(
       data_lib.load_split(info, 'train'), seq_len=train_cfg.seq_len,
-      batch_size=train_cfg.batch_size, microbatches=train_cfg.microbatches, seed=train_cfg.seed)
+      batch_size=train_cfg.batch_size, microbatches=microbatches, seed=train_cfg.seed)
   eval_data = data_lib.eval_batches(
       data_lib.load_split(info, 'val'), seq_len=train_cfg.seq_len,
       batch_size=train_cfg.batch_size, num_batches=train_cfg.eval_batches)
@@ -150,8 +210,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   tokens_per_step = sampler.samples_per_step * train_cfg.seq_len
   flops_per_step = model_cfg.flops_per_token(train_cfg.seq_len) * tokens_per_step
-  peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind, model_cfg.dtype,
-                                 model_cfg.matmul_precision)
+  peak = hw.peak(model_cfg.dtype, model_cfg.matmul_precision, model_cfg.d_model)
 
   # 4. The loop.
   last = {}
@@ -163,6 +222,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                      f'(step {start_step}, data position {position})')
       writer.print(f'model: {model_cfg.num_params:,} params, {tokens_per_step:,} tokens/step, '
                    f'on {jax.devices()[0].device_kind}, {describe(placement, model_cfg)}')
+      writer.print(f'plan ({hw.name}): predicted {plan.step_time_s:.3g} s/step, '
+                   f'{plan.tokens_per_s:,.0f} tokens/s, bottleneck {plan.bottleneck}; '
+                   f'device {plan.used("device") / 1e9:,.2f} GB, host {plan.used("host") / 1e9:,.2f}'
+                   f' GB, nvme {plan.used("nvme") / 1e9:,.2f} GB (`--dry_run` prints the table)')
       if start_step == 0:  # the baseline every later eval is compared with
         writer.write(0, _evaluate(engine, eval_data))
       timed_steps, timed_seconds = 0, 0.0
@@ -192,8 +255,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           scalars.update({'perf/step_time_s': step_time,
                           'perf/tokens_per_sec': tokens_per_step / step_time,
                           'perf/tflops': flops_per_step / step_time / 1e12})
-          if peak:
-            scalars['perf/mfu'] = flops_per_step / step_time / 1e12 / peak
+          scalars['perf/mfu'] = flops_per_step / step_time / 1e12 / peak
+          scalars['perf/predicted_step_time_s'] = plan.step_time_s
           timed_steps, timed_seconds = 0, 0.0
         if (train_cfg.eval_every and done % train_cfg.eval_every == 0) or done == train_cfg.steps:
           scalars.update(_evaluate(engine, eval_data))

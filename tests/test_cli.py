@@ -28,7 +28,7 @@ def run_launch(*args, timeout=300):
 @pytest.mark.parametrize('name, target', [('101b', 101e9), ('405b.py', 405e9)])
 def test_dry_run_of_the_largest_presets_is_fast_and_exact(name, target):
   started = time.monotonic()
-  result = run_launch('--config', name, '--dry_run')
+  result = run_launch('--config', name, '--dry_run', '--config.hardware=h200')
   elapsed = time.monotonic() - started
   assert result.returncode == 0, result.stderr
   lines = dict(line.split(':', 1) for line in result.stdout.splitlines() if ':' in line)
@@ -36,7 +36,21 @@ def test_dry_run_of_the_largest_presets_is_fast_and_exact(name, target):
   assert abs(params - target) / target < 0.01
   state = int(lines['state_bytes'].split()[0].replace(',', ''))
   assert state == 16 * params  # FP32 params + grads + Adam m + Adam v
+  # The memory plan and the prediction (planner.format_plan), ending with the machine-readable line.
+  for word in ('device  total', 'host    total', 'nvme    total', 'bottleneck', 'tokens/s', 'MFU'):
+    assert word in result.stdout
+  last = result.stdout.strip().splitlines()[-1]
+  assert last.startswith('predicted_step_time_s: ') and float(last.split(': ')[1]) > 0
   assert elapsed < 30, elapsed
+
+
+def test_dry_run_that_fits_nowhere_shows_the_closest_plan_and_refuses():
+  result = run_launch('--config', '101b', '--dry_run', '--config.hardware=cpu',
+                      '--config.offload.host_memory_gb=16')
+  assert result.returncode == 1
+  assert 'no placement fits; the closest:' in result.stdout and 'nvme    total' in result.stdout
+  assert 'error: this config fits no placement' in result.stderr
+  assert 'GB needed' in result.stderr and 'Fix:' in result.stderr
 
 
 def test_launch_trains_with_overrides(tmp_path, shared_data):
@@ -102,13 +116,13 @@ def config_with(**overrides):
     (dict(train__seq_len=2048), 'train.seq_len', 'Lower train.seq_len'),
     (dict(data__path='/no/such/corpus.txt'), 'data.path', '/no/such/corpus.txt'),
     (dict(model__remat='sometimes'), 'model.remat', 'full'),
-    (dict(train__microbatches=0), 'train.microbatches', '>= 1'),
+    (dict(train__microbatches=-1), 'train.microbatches', '>= 1, or 0 for auto'),
     (dict(data__tokenizer='/no/tokenizer.json'), 'data.tokenizer', '/no/tokenizer.json'),
     (dict(model__vocab_size=100), 'model.vocab_size=100', 'Raise model.vocab_size'),
     (dict(offload__params='disk'), 'offload.params', 'use one of device, host, nvme'),
     (dict(offload__params='nvme', offload__host_buffer_gb=0.001), 'offload.host_buffer_gb',
      'Raise offload.host_buffer_gb'),
-    (dict(offload__prefetch_depth=0), 'offload.prefetch_depth', '>= 1'),
+    (dict(offload__prefetch_depth=-1), 'offload.prefetch_depth', '>= 1'),
 ])
 def test_bad_config_values(tmp_path, overrides, field, fix):
   workdir = tmp_path / 'run'

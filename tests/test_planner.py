@@ -167,7 +167,8 @@ def test_auto_picks_device_for_tiny():
 def test_auto_streams_when_device_budget_is_below_the_model():
   cfg = planner.model_lib.ModelConfig.from_config_dict(config_lib.load_config('tiny').model)
   model_gb = 16 * cfg.num_params / _GB
-  plan = _plan(offload__device_memory_gb=model_gb / 4, train__microbatches=0)
+  plan = _plan(offload__device_memory_gb=model_gb / 4, train__microbatches=0,
+               train__batch_size=2, train__seq_len=32)  # activations well below the state
   p = plan.placement
   assert p.streamed and p.params != 'device'
   assert plan.used('device') <= model_gb / 4 * _GB
@@ -175,12 +176,19 @@ def test_auto_streams_when_device_budget_is_below_the_model():
   p.check(cfg)
 
 
-def test_auto_moves_state_to_nvme_when_host_ram_is_too_small():
-  cfg = planner.model_lib.ModelConfig.from_config_dict(config_lib.load_config('tiny').model)
-  model_gb = 16 * cfg.num_params / _GB
-  plan = _plan(offload__device_memory_gb=model_gb / 4, offload__host_memory_gb=model_gb / 2,
-               offload__host_buffer_gb=0.01)
+def test_auto_on_h100_for_7b():
+  """7B: 112 GB of FP32 state > 80 GB of HBM, so auto streams; with 2 TB of host RAM the state
+  stays in RAM; with 40 GB the Adam state (56 GB) goes to disk."""
+  config = config_lib.load_config('7b', hardware='h100')
+  hw = hardware.load_profile('h100')
+  plan = planner.plan_run(config, hw, disk_free_gb=10_000.0)
+  p = plan.placement
+  assert p.streamed and 'host' in (p.params, p.opt_state)
+  assert plan.used('device') <= 0.9 * 80 * _GB and plan.used('nvme') == 0
+  small = config_lib.load_config('7b', hardware='h100', offload__host_memory_gb=40.0)
+  plan = planner.plan_run(small, hw, disk_free_gb=10_000.0)
   assert 'nvme' in (plan.placement.params, plan.placement.opt_state)
+  assert plan.used('host') <= 40 * _GB
 
 
 def test_refusal_device_too_small_for_one_group():
@@ -229,24 +237,6 @@ def test_bad_profile_file_is_refused(tmp_path):
   bad.write_text('{"name": 1')
   with pytest.raises(ConfigError, match='not a valid profile'):
     hardware.load_profile(str(bad))
-
-
-# --- the dry run ----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize('name', ['101b', '405b'])
-def test_dry_run_prints_plan_quickly(name):
-  started = time.perf_counter()
-  result = subprocess.run([sys.executable, 'launch.py', '--config', name, '--dry_run',
-                           '--config.hardware=h200'], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120)
-  elapsed = time.perf_counter() - started
-  assert result.returncode == 0, result.stderr[-3000:]
-  lines = result.stdout.strip().splitlines()
-  assert lines[-1].startswith('predicted_step_time_s: ')
-  assert float(lines[-1].split(': ')[1]) > 0
-  for word in ('device', 'host', 'nvme', 'bottleneck', 'tokens/s', 'MFU'):
-    assert word in result.stdout
-  assert elapsed < 30, elapsed
 
 
 # --- predicted vs measured (loose: the ±25% figures are in BENCHMARKS.md) -------------------------

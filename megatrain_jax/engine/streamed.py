@@ -301,8 +301,9 @@ class StreamedEngine:
     """Moves a tree of device arrays to `kind` ('device' or 'pinned_host'), counting bytes."""
     if memory_kind(tree) == kind:
       return tree
-    if kind == 'pinned_host':
-      self.stats.d2h_bytes += tree_nbytes(tree)
+    if kind == 'pinned_host':  # host numpy staging (from the NVMe tier) crosses no link
+      self.stats.d2h_bytes += sum(x.nbytes for x in jax.tree.leaves(tree)
+                                  if isinstance(x, jax.Array))
       return jax.device_put(tree, self._host)
     self.stats.h2d_bytes += tree_nbytes(tree)
     return jax.device_put(tree, self._device)

@@ -90,6 +90,9 @@ class NvmeStore(Store):
     self._raise_failed(previous)
     self._write_slots.acquire()
     self._structure[key] = (treedef, paths)
+    # Counted here, not when the writer thread copies: the copy belongs to this step's traffic.
+    self.stats.add(d2h_bytes=sum(x.nbytes for x in leaves if isinstance(x, jax.Array)
+                                 and x.sharding.memory_kind == 'device'))
     future = self._writers.submit(self._write, key, paths, leaves, previous)
     future.add_done_callback(lambda _: self._write_slots.release())
     self._pending[key] = future
@@ -102,8 +105,6 @@ class NvmeStore(Store):
     with self._write_timer:
       try:
         for path, leaf in zip(paths, leaves):
-          if isinstance(leaf, jax.Array) and leaf.sharding.memory_kind == 'device':
-            self.stats.add(d2h_bytes=leaf.nbytes)
           host = np.asarray(leaf)  # waits for the update that produced it
           if _LAYERS not in path:
             small[path] = host
