@@ -1,3 +1,16 @@
 """megatrain_jax: train language models larger than accelerator memory, in true FP32."""
 
+import os as _os
+
 __version__ = '0.1.0'
+
+# XLA:GPU caps its pinned host memory pool (where offload.params / opt_state = 'host' live) at
+# XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, 64 unless set. The pool grows on demand, so raising the cap
+# to this machine's RAM costs nothing until it is used. It must be set before JAX creates its GPU
+# client, hence here; a value the user set is kept (and the planner then budgets pinned memory
+# against it: planner.budgets_for).
+PINNED_LIMIT_ENV = 'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'
+PINNED_LIMIT_FROM_USER = PINNED_LIMIT_ENV in _os.environ
+if not PINNED_LIMIT_FROM_USER:
+  _os.environ[PINNED_LIMIT_ENV] = str(
+      _os.sysconf('SC_PHYS_PAGES') * _os.sysconf('SC_PAGE_SIZE') // 2 ** 30)

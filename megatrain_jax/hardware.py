@@ -44,7 +44,7 @@ class HardwareProfile:
   disk_gb: float  # free space for the NVMe tier; 0 = measure offload.dir when planning
   # Achieved TFLOP/s of decoder layers (forward + backward), by compute precision:
   # 'float32' (precision highest), 'tf32' (float32, precision default/high), 'bfloat16'.
-  # Calibrated profiles measure float32 at two widths: keys 'float32@256', 'float32@1024' (the
+  # Calibrated profiles measure float32 at three widths: keys 'float32@256', '@512', '@1024' (the
   # planner interpolates in log(d_model)).
   compute_tflops: dict
   h2d_gbps: float  # pinned host -> device copy rate
@@ -65,6 +65,10 @@ class HardwareProfile:
   unified_memory: bool = False
   # Disk reads of data the page cache still holds (just written, RAM to spare) run at this rate.
   disk_read_cached_gbps: float = 0.0
+  # Writes the page cache absorbs (no fsync: the NVMe tier's write-backs don't sync; the kernel
+  # flushes them at disk_write_gbps in the background) run at this rate while RAM holds them.
+  disk_write_cached_gbps: float = 0.0
+  host_cores: int = 0  # CPU cores (0 = this machine's, filled when loaded)
   source: str = ''  # 'preset' or 'calibrated on <host> at <time>'
   # Datasheet dense peak TFLOP/s (same keys as compute_tflops), the denominator of MFU. Empty for
   # calibrated profiles: their MFU is then relative to the measured layer rate.
@@ -146,11 +150,12 @@ PRESETS = {
     # CI VMs (BENCHMARKS.md); run --calibrate for a real machine. Sizes are read at plan time.
     'cpu': HardwareProfile(
         name='cpu', device_kind='cpu', device_memory_gb=0.0, host_memory_gb=0.0, disk_gb=0.0,
-        compute_tflops={'float32@256': 0.035, 'float32@1024': 0.07, 'bfloat16': 0.02},
-        h2d_gbps=8.0, d2h_gbps=8.0, disk_read_gbps=0.6, disk_write_gbps=0.6, disks=1,
-        device_adam_gparams=1.0, host_adam_gparams=1.0, dispatch_s=100e-6, overlap=False,
-        unified_memory=True, disk_read_cached_gbps=1.5,
-        source='preset (2-core CI VM figures; run --calibrate for this machine)'),
+        compute_tflops={'float32@256': 0.078, 'float32@512': 0.107, 'float32@1024': 0.129,
+                        'bfloat16': 0.02},
+        h2d_gbps=2.5, d2h_gbps=2.5, disk_read_gbps=1.0, disk_write_gbps=0.54, disks=1,
+        device_adam_gparams=1.47, host_adam_gparams=1.47, dispatch_s=8e-6, overlap=False,
+        unified_memory=True, disk_read_cached_gbps=1.24, disk_write_cached_gbps=0.59,
+        source='preset (`--calibrate` on a 2-core CI VM, 2026-12-03; run it on this machine)'),
 }
 ALIASES = {'h100-80gb': 'h100', 'h200-141gb': 'h200', 'a100-80gb': 'a100', '4090': 'rtx4090',
            'rtx-4090': 'rtx4090'}
@@ -165,6 +170,8 @@ def machine_memory_gb() -> float:
 def _fill_sizes(profile: HardwareProfile) -> HardwareProfile:
   """Zero sizes mean "this machine's": RAM from sysconf; CPU "device" memory = the same RAM."""
   changes = {}
+  if not profile.host_cores:
+    changes['host_cores'] = len(os.sched_getaffinity(0))
   if not profile.host_memory_gb:
     changes['host_memory_gb'] = machine_memory_gb()
   if not profile.device_memory_gb:
@@ -257,15 +264,18 @@ def _best_time(fn, repeats: int, budget_s: float) -> float:
 
 
 def _layer_tflops(d_model: int, tokens: int) -> float:
-  """Achieved TFLOP/s of one decoder layer's forward + backward (float32, precision highest)."""
+  """Achieved TFLOP/s of decoder layers as the engines run them: a scanned group of 2 layers,
+  full remat, forward + backward (float32, precision highest), counting the recomputed forward
+  (4 x the layer forward FLOPs, as planner.step_flops does). Timing remat'd, scanned layers rather
+  than one bare layer matters: on XLA:CPU the bare layer reads ~15% slower per FLOP."""
   import jax
   import jax.numpy as jnp
   from megatrain_jax import model as model_lib
-  seq = 256
-  cfg = model_lib.ModelConfig(vocab_size=256, d_model=d_model, num_layers=1,
+  seq, layers = 256, 2
+  cfg = model_lib.ModelConfig(vocab_size=256, d_model=d_model, num_layers=layers,
                               num_heads=max(1, d_model // 64), num_kv_heads=max(1, d_model // 128),
-                              d_ff=int(8 * d_model / 3) // 64 * 64, max_seq_len=seq, remat='none')
-  params = model_lib.init_layers(cfg, jax.random.key(0), 0, 1)
+                              d_ff=int(8 * d_model / 3) // 64 * 64, max_seq_len=seq, remat='full')
+  params = model_lib.init_layers(cfg, jax.random.key(0), 0, layers)
   x = jax.random.normal(jax.random.key(1), (tokens // seq, seq, d_model), jnp.float32)
   positions = model_lib.default_positions(x[..., 0].astype(jnp.int32))
 
@@ -275,7 +285,8 @@ def _layer_tflops(d_model: int, tokens: int) -> float:
                     argnums=(0, 1))(p, h)
 
   seconds = _best_time(lambda: jax.block_until_ready(fwd_bwd(params, x)), 5, 3.0)
-  flops = tokens * (cfg.flops_per_token(seq) - 6.0 * cfg.d_model * cfg.vocab_size)
+  # flops_per_token counts 3 x forward (fwd + bwd) for every layer plus the head; remat adds one.
+  flops = tokens * (cfg.flops_per_token(seq) - 6.0 * cfg.d_model * cfg.vocab_size) * 4 / 3
   return flops / seconds / 1e12
 
 
@@ -337,8 +348,9 @@ def _drop_cached_pages(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _disk_gbps(directory: pathlib.Path, nbytes: int) -> tuple[float, float, float]:
-  """(write, cold read, cached read) GB/s of the NVMe tier's own layout (tiers/codecs.py)."""
+def _disk_gbps(directory: pathlib.Path, nbytes: int) -> tuple[float, float, float, float]:
+  """(write + fsync, cold read, cached read, cached write) GB/s of the NVMe tier's own layout
+  (tiers/codecs.py)."""
   import numpy as np
   import tensorstore as ts
   from megatrain_jax.tiers import codecs
@@ -349,11 +361,12 @@ def _disk_gbps(directory: pathlib.Path, nbytes: int) -> tuple[float, float, floa
   spec = codecs.array_spec(str(path), (layers, *layer.shape))
   context = ts.Context({'cache_pool': {'total_bytes_limit': 0}})
   array = ts.open(spec, create=True, delete_existing=True, context=context).result()
+  def write_all():
+    for w in [array[i:i + 1].write(layer[None]) for i in range(layers)]:
+      w.result()
   started = time.perf_counter()
-  writes = [array[i:i + 1].write(layer[None]) for i in range(layers)]
-  for w in writes:
-    w.result()
-  _drop_cached_pages(path)  # includes the fsync, which a write-back must pay too
+  write_all()
+  _drop_cached_pages(path)  # fsync: what the disk sustains once the page cache must flush
   write_s = time.perf_counter() - started
 
   def read_all(in_flight=2):
@@ -364,9 +377,10 @@ def _disk_gbps(directory: pathlib.Path, nbytes: int) -> tuple[float, float, floa
   read_all()
   cold_s = time.perf_counter() - started
   cached_s = _best_time(read_all, 3, 2.0)
+  cached_write_s = _best_time(write_all, 3, 2.0)
   shutil.rmtree(path, ignore_errors=True)
   actual = layers * layer.nbytes
-  return actual / write_s / _GB, actual / cold_s / _GB, actual / cached_s / _GB
+  return tuple(actual / s / _GB for s in (write_s, cold_s, cached_s, cached_write_s))
 
 
 def calibrate(directory: str, log=print) -> HardwareProfile:
@@ -379,7 +393,7 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
   probe_dir.mkdir(parents=True, exist_ok=True)
   started = time.perf_counter()
   try:
-    compute = {f'float32@{d}': _layer_tflops(d, tokens=2048) for d in (256, 1024)}
+    compute = {f'float32@{d}': _layer_tflops(d, tokens=2048) for d in (256, 512, 1024)}
     log(f'  decoder layer fwd+bwd (float32, highest): '
         + ', '.join(f'd={k.split("@")[1]}: {v:.3f} TFLOP/s' for k, v in compute.items()))
     h2d = _copy_gbps('pinned_host', 'device', 256 << 20)
@@ -388,9 +402,9 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
     device_adam = _adam_gparams('device', 32 << 20)
     host_adam = device_adam if cpu else _adam_gparams('pinned_host', 32 << 20)
     log(f'  AdamW: device {device_adam:.2f} Gparam/s, host {host_adam:.2f} Gparam/s')
-    write, cold, cached = _disk_gbps(probe_dir, 256 << 20)
-    log(f'  disk at {directory}: write {write:.2f} GB/s, read cold {cold:.2f} GB/s, '
-        f'cached {cached:.2f} GB/s')
+    write, cold, cached, cached_write = _disk_gbps(probe_dir, 256 << 20)
+    log(f'  disk at {directory}: write + fsync {write:.2f} GB/s, read cold {cold:.2f} GB/s; '
+        f'through the page cache: read {cached:.2f} GB/s, write {cached_write:.2f} GB/s')
     dispatch = _dispatch_s()
     log(f'  dispatch {dispatch * 1e6:.0f} us per jitted call')
   finally:
@@ -402,6 +416,7 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
       h2d_gbps=h2d, d2h_gbps=d2h, disk_read_gbps=cold, disk_write_gbps=write, disks=1,
       device_adam_gparams=device_adam, host_adam_gparams=host_adam, dispatch_s=dispatch,
       overlap=not cpu, unified_memory=cpu, disk_read_cached_gbps=cached,
+      disk_write_cached_gbps=cached_write, host_cores=len(os.sched_getaffinity(0)),
       source=f'calibrated on {os.uname().nodename} at {time.strftime("%Y-%m-%d %H:%M:%S")} '
              f'in {time.perf_counter() - started:.0f} s')
   return profile

@@ -27,7 +27,13 @@ MEMORY (bytes; `memory_plan` returns them as rows with these formulas):
                      boundary activations, embedding/head, and for the NVMe tier its staging
                      buffer offload.host_buffer_gb.
   nvme:              params W, Adam A (layer leaves), parked gradients W (clipping, params on
-                     nvme); checkpoints are counted by the trainer's free-space check.
+                     nvme), and checkpoint.keep more copies of them: each kept checkpoint
+                     hard-links the stores, and the next write-back unshares every file.
+  Budgets: device 90% of its memory; host 85% of RAM; nvme the free space at offload.dir.
+  offload.device_memory_gb / host_memory_gb override the first two. On a GPU, pinned host
+  memory (host rows but the NVMe staging buffer, which is numpy) must also stay under
+  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB when the user set it (megatrain_jax/__init__.py otherwise
+  raises XLA's 64 GiB default to the machine's RAM).
   One layer's internals (what its backward needs when nothing is recomputed, per microbatch):
     B·S·c·(6·D + 3·H·Dh + 3·Hkv·Dh + 4·F) + 2·B·H·S·S·c   (attention scores and probabilities)
 
@@ -43,13 +49,15 @@ TIME (seconds per step):
             3 (fwd + 2× in bwd) + recomputes: resident remat full +1; streamed K = 1 +1 (the group
             backward recomputes the layer from its input); streamed K > 1 +1 (group) +1 (remat).
   optimizer = params / AdamW rate (device or host);  copies = bytes / link rate;
-  disk = read / read rate + write / write rate (reads of a working set the page cache holds run
-  at the cached rate).
+  disk = read / read rate + write / write rate. When the NVMe stores fit in the RAM the plan leaves
+  free, the page cache holds them: reads and writes run at the cached rates (the write-backs are
+  not fsynced; the kernel flushes them behind the step).
   On an accelerator (profile.overlap) the pipeline overlaps them: a step takes
     max over resources (compute + device optimizer, h2d, d2h, disk, host optimizer)
     + the pipeline fill (the first group's fetch in the forward and in the backward)
   and with exact clipping the updates form a phase of their own after the backward.
-  On the CPU backend the same cores do everything, so the terms add up.
+  On the CPU backend the same cores do everything, so the terms add up, except disk I/O, whose
+  background threads share the cores with compute: it adds disk / cores.
 
 AUTO PLACEMENT: every `auto` field is searched (tiers, K, prefetch depth, M when
 train.microbatches = 0, the NVMe staging buffer when offload.host_buffer_gb = 0); a candidate must fit every tier's budget; the fastest tokens/s wins,
@@ -60,10 +68,13 @@ smallest M, group and depth (less memory for the same speed).
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import numpy as np
 
+import megatrain_jax
+from megatrain_jax import PINNED_LIMIT_ENV
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax.errors import ConfigError
@@ -75,6 +86,8 @@ _GB = 1e9
 AUTO = 'auto'
 DEVICE_USABLE_FRACTION = 0.9  # XLA's workspace, fragmentation and the runtime's own buffers
 HOST_USABLE_FRACTION = 0.85  # the OS, Python, the data pipeline and the page cache
+STAGING_ROW = 'NVMe staging buffer'
+PINNED_ROW = 'host (pinned, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)'
 
 
 # -------------------------------------------------------------------------------------------------
@@ -209,6 +222,9 @@ class Plan:
         over['host (shared with device)'] = (device + host, b['host'])
     elif host > b['host']:
       over['host'] = (host, b['host'])
+    pinned = host - sum(r.bytes for r in self.rows if r.item == STAGING_ROW)
+    if '_pinned' in b and pinned > b['_pinned']:
+      over[PINNED_ROW] = (pinned, b['_pinned'])
     if nvme > b['nvme']:
       over['nvme'] = (nvme, b['nvme'])
     return over
@@ -275,7 +291,7 @@ def _memory_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, 
     add('nvme', f'checkpoint snapshots (keep={checkpoint_copies})', checkpoint_copies * live,
         'checkpoint.keep × the stores above')
   if 'nvme' in (p.params, p.opt_state):
-    add('host', 'NVMe staging buffer', p.host_buffer_gb * _GB, 'offload.host_buffer_gb')
+    add('host', STAGING_ROW, p.host_buffer_gb * _GB, 'offload.host_buffer_gb (numpy, unpinned)')
   if p.optimizer_on == 'host':
     add('host', 'host optimizer staging (2 groups)', 2 * gw, '2·K·P_l·4')
   return rows
@@ -361,6 +377,12 @@ def _read_rate(hw: HardwareProfile, cached: bool) -> float:
   return hw.disk_read_gbps * hw.disks * _GB
 
 
+def _write_rate(hw: HardwareProfile, cached: bool) -> float:
+  if cached and hw.disk_write_cached_gbps:  # the kernel flushes in the background (no fsync)
+    return hw.disk_write_cached_gbps * _GB
+  return hw.disk_write_gbps * hw.disks * _GB
+
+
 def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwareProfile, *,
               micro: int, batch: int, seq: int, clipping: bool, budgets: dict,
               checkpoint_copies: int = 0) -> Plan:
@@ -382,7 +404,7 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
   if hw.unified_memory:
     host_free -= sum(r.bytes for r in rows if r.tier == 'device')
   cached = nvme_bytes > 0 and nvme_bytes < host_free
-  disk = moved['read'] / _read_rate(hw, cached) + moved['write'] / (hw.disk_write_gbps * hw.disks * _GB)
+  disk = moved['read'] / _read_rate(hw, cached) + moved['write'] / _write_rate(hw, cached)
   groups = math.ceil(cfg.num_layers / p.layers_per_group)
   calls = 1 if not p.streamed else 2 * groups * micro + 4 * groups + 4 * micro + 4
   dispatch = calls * hw.dispatch_s
@@ -392,7 +414,11 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
     step = compute + optimizer + dispatch
     bottleneck = 'compute'
   elif not hw.overlap:
-    step = compute + optimizer + h2d + d2h + disk + dispatch
+    # The CPU backend: compute (on all cores), copies and the optimizer run one after another.
+    # The NVMe tier's reader/writer threads run beside the compute, but their work (TensorStore
+    # chunk I/O and page-cache copies, CPU-bound on these machines) takes its share of the cores:
+    # it costs disk / cores of step time.
+    step = compute + optimizer + h2d + d2h + disk / hw.host_cores + dispatch
     bottleneck = max(('compute', compute), ('host optimizer' if host_opt else 'optimizer', optimizer),
                      ('host<->device', h2d + d2h), ('disk', disk), key=lambda x: x[1])[0]
   else:
@@ -420,6 +446,20 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
 # Budgets, auto search, refusal.
 # -------------------------------------------------------------------------------------------------
 
+def pinned_limit_bytes() -> float | None:
+  """XLA:GPU's cap on pinned host memory when the user set it (GiB); None when megatrain_jax
+  raised it to the machine's RAM (megatrain_jax/__init__.py), which the host budget covers."""
+  if not megatrain_jax.PINNED_LIMIT_FROM_USER:
+    return None
+  value = os.environ.get(PINNED_LIMIT_ENV, '')
+  try:
+    return float(value) * 2 ** 30
+  except ValueError:
+    raise ConfigError(f'{PINNED_LIMIT_ENV}={value!r} is not a whole number of GiB. Set it to the '
+                      'pinned host memory XLA may use (e.g. 512), or unset it: megatrain_jax then '
+                      'raises it to this machine\'s RAM.') from None
+
+
 def budgets_for(hw: HardwareProfile, offload, disk_free_gb: float | None) -> dict:
   device = (offload.get('device_memory_gb') or hw.device_memory_gb * DEVICE_USABLE_FRACTION)
   host = (offload.get('host_memory_gb') or hw.host_memory_gb * HOST_USABLE_FRACTION)
@@ -427,6 +467,8 @@ def budgets_for(hw: HardwareProfile, offload, disk_free_gb: float | None) -> dic
   budgets = {'device': device * _GB, 'host': host * _GB, 'nvme': disk * _GB}
   if hw.unified_memory:
     budgets['_unified'] = True
+  elif pinned_limit_bytes() is not None:
+    budgets['_pinned'] = pinned_limit_bytes()
   return budgets
 
 
@@ -517,7 +559,14 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None) -> 
     if not rejected:
       raise invalid[0]
     closest = min(rejected, key=_overshoot)
-    raise NoPlacementFits(refusal_message(cfg, closest), closest)
+    message = refusal_message(cfg, closest)
+    pinned_only = [p for p in rejected if list(p.over_budget()) == [PINNED_ROW]]
+    if pinned_only:  # the cap the user set is all that stands in the way
+      best = max(pinned_only, key=lambda p: p.tokens_per_s)
+      message += (f'\nRaising {PINNED_LIMIT_ENV} to {math.ceil(best.over_budget()[PINNED_ROW][0] / 2 ** 30)}'
+                  f' (GiB) would fit: {describe(best.placement)}, M={best.microbatches}, '
+                  f'{best.step_time_s:,.4g} s/step.')
+    raise NoPlacementFits(message, closest)
   best = max(p.tokens_per_s for p in plans)
   near = [p for p in plans if p.tokens_per_s >= 0.99 * best]
   return min(near, key=lambda p: (_offloaded_bytes(p), p.microbatches,
@@ -549,6 +598,9 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
   if 'device' in tiers:
     hints.append('lower train.batch_size or train.seq_len (activations), use model.remat=full, '
                  'or set offload.layers_per_group=1 / offload.prefetch_depth=1')
+  if any('XLA_PJRT' in t for t in tiers):
+    hints.append(f'raise {PINNED_LIMIT_ENV} (XLA\'s cap on pinned host memory) toward the RAM '
+                 'you have')
   if any(t.startswith('host') for t in tiers):
     hints.append("move state to disk (offload.params='nvme', offload.opt_state='nvme') or lower "
                  'offload.host_buffer_gb')
@@ -589,6 +641,10 @@ def format_plan(plan: Plan, hw: HardwareProfile) -> str:
     note = ' (shares RAM with device)' if tier == 'host' and plan.budgets.get('_unified') else ''
     out.append(f'{tier:<8}{"total / available" + note:<44}{used / _GB:>12,.3f}  of '
                f'{budget / _GB:,.1f} GB')
+    if tier == 'host' and '_pinned' in plan.budgets:
+      pinned = used - sum(r.bytes for r in rows if r.item == STAGING_ROW)
+      out.append(f'{tier:<8}{"pinned / " + PINNED_LIMIT_ENV:<44}{pinned / _GB:>12,.3f}  of '
+                 f'{plan.budgets["_pinned"] / _GB:,.1f} GB')
   t = plan.times
   out += ['', 'per step: ' + ', '.join(f'{k} {v:.4g} s' for k, v in t.items()),
           f'traffic per step: h2d {plan.traffic["h2d"] / _GB:,.2f} GB, d2h '

@@ -5,7 +5,9 @@ and predicted vs measured step time (a loose bound that catches gross errors).""
 import dataclasses
 import json
 import math
+import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+import megatrain_jax
 from megatrain_jax import config as config_lib
 from megatrain_jax import hardware
 from megatrain_jax import optim
@@ -223,6 +226,42 @@ def test_explicit_placement_is_kept():
   p = plan.placement
   assert (p.params, p.opt_state, p.activations, p.optimizer_on, p.layers_per_group,
           p.prefetch_depth) == ('host', 'host', 'host', 'host', 2, 2)
+
+
+def test_pinned_host_limit_the_user_set_is_budgeted_and_named(monkeypatch):
+  """On a GPU, pinned host memory must fit XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB when the user set
+  it: XLA's default 64 GiB cannot hold 101B's host-resident state, and the refusal says which
+  limit would fit."""
+  config = config_lib.load_config('101b', hardware='h200')
+  hw = hardware.load_profile('h200')
+  unlimited = planner.plan_run(config, hw)  # the cap raised to RAM: RAM is the budget
+  assert unlimited.fits
+  monkeypatch.setattr(megatrain_jax, 'PINNED_LIMIT_FROM_USER', True)
+  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '64')
+  with pytest.raises(ConfigError) as e:
+    planner.plan_run(config, hw)
+  message = str(e.value)
+  assert 'fits no placement' in message
+  limit = int(re.search(r'Raising XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB to (\d+) \(GiB\)', message)[1])
+  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', str(limit))
+  plan = planner.plan_run(config, hw)  # the suggested limit does fit
+  assert plan.fits and 'host' in (plan.placement.params, plan.placement.opt_state,
+                                   plan.placement.activations)
+  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '6x4')
+  with pytest.raises(ConfigError, match=r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='6x4' is not a whole"):
+    planner.plan_run(config, hw)
+
+
+@pytest.mark.parametrize('preset', [None, '96'])
+def test_importing_megatrain_jax_raises_the_pinned_limit_unless_set(preset):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'}
+  if preset:
+    env['XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'] = preset
+  out = subprocess.run([sys.executable, '-c', 'import os, megatrain_jax; print(os.environ['
+                        '"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"], megatrain_jax.PINNED_LIMIT_FROM_USER)'],
+                       env=env, capture_output=True, text=True, check=True, cwd=REPO_ROOT).stdout
+  ram_gib = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') // 2 ** 30
+  assert out.split() == ([preset, 'True'] if preset else [str(ram_gib), 'False'])
 
 
 def test_unknown_hardware_is_refused():
