@@ -10,7 +10,9 @@ __version__ = '0.1.0'
 # client, hence here; a value the user set is kept (and the planner then budgets pinned memory
 # against it: planner.budgets_for).
 PINNED_LIMIT_ENV = 'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'
-PINNED_LIMIT_FROM_USER = PINNED_LIMIT_ENV in _os.environ
+_PINNED_LIMIT_OURS = 'MEGATRAIN_JAX_PINNED_LIMIT_AUTO'  # marks our value, which child processes inherit
+PINNED_LIMIT_FROM_USER = (PINNED_LIMIT_ENV in _os.environ
+                          and _os.environ[PINNED_LIMIT_ENV] != _os.environ.get(_PINNED_LIMIT_OURS))
 if not PINNED_LIMIT_FROM_USER:
-  _os.environ[PINNED_LIMIT_ENV] = str(
+  _os.environ[PINNED_LIMIT_ENV] = _os.environ[_PINNED_LIMIT_OURS] = str(
       _os.sysconf('SC_PHYS_PAGES') * _os.sysconf('SC_PAGE_SIZE') // 2 ** 30)

@@ -595,9 +595,17 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
     lines.append(f'  {tier}: {_gb(needed)} needed, {_gb(available)} available')
   tiers = closest.over_budget()
   hints = []
-  if 'device' in tiers:
-    hints.append('lower train.batch_size or train.seq_len (activations), use model.remat=full, '
-                 'or set offload.layers_per_group=1 / offload.prefetch_depth=1')
+  if 'device' in tiers:  # only what would shrink this plan's device rows
+    p = closest.placement
+    device = [f'lower train.batch_size (now {closest.batch_size})' if closest.batch_size > 1
+              else f'lower train.seq_len (now {closest.seq_len})']
+    if cfg.remat != 'full':
+      device.append('use model.remat=full')
+    if p.streamed and (p.layers_per_group > 1 or p.prefetch_depth > 1):
+      device.append('set offload.layers_per_group=1 / offload.prefetch_depth=1')
+    if p.streamed and 'device' in (p.embed_head, p.activations):
+      device.append("set offload.embed_head='host' / offload.activations='host'")
+    hints.append(' or '.join(device) + ' (device memory)')
   if any('XLA_PJRT' in t for t in tiers):
     hints.append(f'raise {PINNED_LIMIT_ENV} (XLA\'s cap on pinned host memory) toward the RAM '
                  'you have')

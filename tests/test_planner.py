@@ -255,6 +255,11 @@ def test_pinned_host_limit_the_user_set_is_budgeted_and_named(monkeypatch):
 @pytest.mark.parametrize('preset', [None, '96'])
 def test_importing_megatrain_jax_raises_the_pinned_limit_unless_set(preset):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'}
+  # This process imported megatrain_jax, which set the limit: its children see that as ours.
+  inherited = subprocess.run([sys.executable, '-c', 'import megatrain_jax; print('
+                              'megatrain_jax.PINNED_LIMIT_FROM_USER)'], capture_output=True,
+                             text=True, check=True, cwd=REPO_ROOT).stdout
+  assert inherited.split() == ['False']
   if preset:
     env['XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'] = preset
   out = subprocess.run([sys.executable, '-c', 'import os, megatrain_jax; print(os.environ['
