@@ -52,7 +52,7 @@ def main():
 
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from megatrain_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from megatrain_jax import hardware  # pylint: disable=g-import-not-at-top
   from megatrain_jax import optim  # pylint: disable=g-import-not-at-top
   from megatrain_jax.engine import resident  # pylint: disable=g-import-not-at-top
   from megatrain_jax.engine.streamed import StreamedEngine  # pylint: disable=g-import-not-at-top
@@ -93,7 +93,7 @@ def main():
         step = statistics.median(times)
         tokens = MICRO * BATCH * SEQ
         tflops = cfg.flops_per_token(SEQ) * tokens / step / 1e12
-        peak = metrics_lib.peak_tflops(device.device_kind, cfg.dtype, precision)
+        peak = hardware.datasheet_peak_tflops(device.device_kind, cfg.dtype, precision)
         row = {'model': name, 'params': cfg.num_params, 'precision': precision,
                'engine': engine_name, 'step_s': step, 'steps_s': times, 'warmup_s': warmup,
                'tokens_per_s': tokens / step, 'tflops': tflops,

@@ -163,6 +163,14 @@ ALIASES = {'h100-80gb': 'h100', 'h200-141gb': 'h200', 'a100-80gb': 'a100', '4090
 _DETECT = (('H200', 'h200'), ('H100', 'h100'), ('A100', 'a100'), ('4090', 'rtx4090'))
 
 
+def datasheet_peak_tflops(device_kind: str, dtype: str, precision: str) -> float | None:
+  """Dense datasheet peak of a known accelerator (presets), for MFU; None when not known."""
+  for needle, preset in _DETECT:
+    if needle in device_kind:
+      return PRESETS[preset].peak(dtype, precision, 0)
+  return None
+
+
 def machine_memory_gb() -> float:
   return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / _GB
 

@@ -13,24 +13,6 @@ import pathlib
 import tensorboardX
 import tqdm
 
-# Dense peak TFLOP/s per device kind for MFU: (float32 'highest', float32 'default' = TF32, bf16).
-# Datasheet figures (SXM parts); a device not listed gets no perf/mfu rather than a guessed one.
-_PEAK_TFLOPS = {
-    'H100': (67.0, 494.7, 989.4),
-    'H200': (67.0, 494.7, 989.4),
-    'A100': (19.5, 156.0, 312.0),
-}
-
-
-def peak_tflops(device_kind: str, dtype: str, precision: str) -> float | None:
-  for name, (fp32, tf32, bf16) in _PEAK_TFLOPS.items():
-    if name in device_kind:
-      if dtype == 'bfloat16':
-        return bf16
-      return fp32 if precision == 'highest' else tf32
-  return None
-
-
 def format_console_line(step: int, total: int, scalars: dict) -> str:
   """e.g. 'step 120/600 | loss 2.3456 | grad_norm 0.812 | lr 2.99e-03 | 12,345 tok/s | 0.166 s/step'."""
   parts = [f'step {step}/{total}']

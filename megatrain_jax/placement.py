@@ -6,6 +6,7 @@ engine (engine/streamed.py) runs the model group by group.
 """
 
 import dataclasses
+import math
 
 import jax
 
@@ -101,6 +102,11 @@ class Placement:
     # `not x > 0` rather than `x <= 0`: NaN must be refused too.
     if not self.shard_mb > 0:
       raise ConfigError(f'offload.shard_mb={self.shard_mb} must be > 0 (MB per on-disk chunk).')
+    for name in ('device_memory_gb', 'host_memory_gb'):
+      value = getattr(self, name)
+      if not 0 <= value < math.inf:  # NaN fails too
+        raise ConfigError(f'offload.{name}={value} must be a number of GB >= 0 (the memory the '
+                          "planner may fill; 0 = the hardware profile's).")
     if not (self.host_buffer_gb > 0 or (allow_auto and self.host_buffer_gb == 0)):
       raise ConfigError(f'offload.host_buffer_gb={self.host_buffer_gb} must be > 0 (GB of host '
                         'RAM for the NVMe staging buffers).')

@@ -84,7 +84,9 @@ from megatrain_jax.placement import MEMORY_TIERS, TIERS, Placement
 
 _GB = 1e9
 AUTO = 'auto'
-DEVICE_USABLE_FRACTION = 0.9  # XLA's workspace, fragmentation and the runtime's own buffers
+# Of the device's memory: what JAX's allocator gets (XLA_PYTHON_CLIENT_MEM_FRACTION; 0.9 unless set,
+# megatrain_jax/__init__.py), less nothing more: XLA's workspace comes out of the same pool.
+DEVICE_USABLE_FRACTION = 0.9
 HOST_USABLE_FRACTION = 0.85  # the OS, Python, the data pipeline and the page cache
 STAGING_ROW = 'NVMe staging buffer'
 PINNED_ROW = 'host (pinned, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)'
@@ -460,8 +462,23 @@ def pinned_limit_bytes() -> float | None:
                       'raises it to this machine\'s RAM.') from None
 
 
+def device_fraction(hw: HardwareProfile) -> float:
+  """Share of device memory JAX may use: XLA_PYTHON_CLIENT_MEM_FRACTION on accelerators."""
+  if hw.unified_memory:
+    return DEVICE_USABLE_FRACTION
+  value = os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', str(DEVICE_USABLE_FRACTION))
+  try:
+    fraction = float(value)
+  except ValueError:
+    fraction = -1.0
+  if not 0 < fraction <= 1:
+    raise ConfigError(f'XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} is not a fraction in (0, 1]. '
+                      'Set it to the share of GPU memory JAX may take, e.g. .9, or unset it.')
+  return fraction
+
+
 def budgets_for(hw: HardwareProfile, offload, disk_free_gb: float | None) -> dict:
-  device = (offload.get('device_memory_gb') or hw.device_memory_gb * DEVICE_USABLE_FRACTION)
+  device = (offload.get('device_memory_gb') or hw.device_memory_gb * device_fraction(hw))
   host = (offload.get('host_memory_gb') or hw.host_memory_gb * HOST_USABLE_FRACTION)
   disk = disk_free_gb if disk_free_gb is not None else hw.disk_gb
   budgets = {'device': device * _GB, 'host': host * _GB, 'nvme': disk * _GB}

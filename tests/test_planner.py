@@ -252,6 +252,16 @@ def test_pinned_host_limit_the_user_set_is_budgeted_and_named(monkeypatch):
     planner.plan_run(config, hw)
 
 
+def test_device_budget_follows_the_jax_memory_fraction(monkeypatch):
+  hw = hardware.load_profile('h100')
+  offload = config_lib.load_config('tiny').offload
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.5')
+  assert planner.budgets_for(hw, offload, 100.0)['device'] == pytest.approx(40 * _GB)
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '1.5')
+  with pytest.raises(ConfigError, match=r"XLA_PYTHON_CLIENT_MEM_FRACTION='1.5' is not a fraction"):
+    planner.budgets_for(hw, offload, 100.0)
+
+
 @pytest.mark.parametrize('preset', [None, '96'])
 def test_importing_megatrain_jax_raises_the_pinned_limit_unless_set(preset):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'}
@@ -267,6 +277,23 @@ def test_importing_megatrain_jax_raises_the_pinned_limit_unless_set(preset):
                        env=env, capture_output=True, text=True, check=True, cwd=REPO_ROOT).stdout
   ram_gib = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') // 2 ** 30
   assert out.split() == ([preset, 'True'] if preset else [str(ram_gib), 'False'])
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (dict(hardware='tpu9000'), "hardware='tpu9000' is neither a preset"),
+    (dict(hardware='/no/such/profile.json'), 'no such profile file'),
+    (dict(offload__device_memory_gb=-1.0), 'offload.device_memory_gb=-1.0 must be a number of GB >= 0'),
+    (dict(offload__host_memory_gb=float('nan')), 'offload.host_memory_gb: must be a finite number'),
+    (dict(offload__host_memory_gb=-3.0), 'offload.host_memory_gb=-3.0 must be a number of GB >= 0'),
+    (dict(offload__params='nvme', offload__layers_per_group=-2), 'offload.layers_per_group=-2'),
+    (dict(offload__device_memory_gb=1e-4), 'fits no placement'),
+], ids=['unknown-preset', 'missing-profile', 'device-budget', 'host-nan', 'host-budget', 'group', 'too-small'])
+def test_planner_inputs_are_refused_before_anything_is_written(tmp_path, overrides, message):
+  workdir = tmp_path / 'run'
+  with pytest.raises(ConfigError) as e:
+    train.train_and_evaluate(config_with(**overrides), str(workdir))
+  assert message in str(e.value), str(e.value)
+  assert not workdir.exists()
 
 
 def test_unknown_hardware_is_refused():
