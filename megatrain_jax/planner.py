@@ -59,10 +59,11 @@ TIME (seconds per step):
   On the CPU backend the same cores do everything, so the terms add up, except disk I/O, whose
   background threads share the cores with compute: it adds disk / cores.
 
-AUTO PLACEMENT: every `auto` field is searched (tiers, K, prefetch depth, M when
-train.microbatches = 0, the NVMe staging buffer when offload.host_buffer_gb = 0); a candidate must fit every tier's budget; the fastest tokens/s wins,
-and among candidates within 1% of it the one that keeps the most on the device, then the
-smallest M, group and depth (less memory for the same speed).
+AUTO PLACEMENT: every `auto` field is searched (tiers, optimizer location, K, prefetch depth; M
+when train.microbatches = 0; the NVMe staging buffer when offload.host_buffer_gb = 0). A candidate
+must fit every tier's budget; the fastest tokens/s wins, and among candidates within 1% of it the
+one that offloads the fewest bytes, then the smallest M, group and depth (less memory for the
+same speed).
 """
 
 import dataclasses
