@@ -71,7 +71,8 @@ class HardwareProfile:
   host_cores: int = 0  # CPU cores (0 = this machine's, filled when loaded)
   source: str = ''  # 'preset' or 'calibrated on <host> at <time>'
   # Datasheet dense peak TFLOP/s (same keys as compute_tflops), the denominator of MFU. Empty for
-  # calibrated profiles: their MFU is then relative to the measured layer rate.
+  # the CPU and for calibrated profiles of unknown devices: MFU is then relative to the measured
+  # layer rate.
   peak_tflops: dict = dataclasses.field(default_factory=dict)
 
   # --- derived ---
@@ -163,12 +164,15 @@ ALIASES = {'h100-80gb': 'h100', 'h200-141gb': 'h200', 'a100-80gb': 'a100', '4090
 _DETECT = (('H200', 'h200'), ('H100', 'h100'), ('A100', 'a100'), ('4090', 'rtx4090'))
 
 
+def preset_for(device_kind: str) -> str | None:
+  """The GPU preset describing this jax device_kind, if any."""
+  return next((preset for needle, preset in _DETECT if needle in device_kind), None)
+
+
 def datasheet_peak_tflops(device_kind: str, dtype: str, precision: str) -> float | None:
   """Dense datasheet peak of a known accelerator (presets), for MFU; None when not known."""
-  for needle, preset in _DETECT:
-    if needle in device_kind:
-      return PRESETS[preset].peak(dtype, precision, 0)
-  return None
+  preset = preset_for(device_kind)
+  return PRESETS[preset].peak(dtype, precision, 0) if preset else None
 
 
 def machine_memory_gb() -> float:
@@ -196,13 +200,9 @@ def _device_memory_gb() -> float:
 
 def _detect_preset() -> str:
   import jax
-  kind = jax.devices()[0].device_kind
   if jax.devices()[0].platform == 'cpu':
     return 'cpu'
-  for needle, preset in _DETECT:
-    if needle in kind:
-      return preset
-  return 'cpu'
+  return preset_for(jax.devices()[0].device_kind) or 'cpu'
 
 
 def load_profile(spec: str) -> HardwareProfile:
@@ -425,6 +425,9 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
       device_adam_gparams=device_adam, host_adam_gparams=host_adam, dispatch_s=dispatch,
       overlap=not cpu, unified_memory=cpu, disk_read_cached_gbps=cached,
       disk_write_cached_gbps=cached_write, host_cores=len(os.sched_getaffinity(0)),
+      # MFU stays relative to the datasheet peak on known accelerators, not to the measured rate.
+      peak_tflops=(dict(PRESETS[preset_for(device.device_kind)].peak_tflops)
+                   if preset_for(device.device_kind) else {}),
       source=f'calibrated on {os.uname().nodename} at {time.strftime("%Y-%m-%d %H:%M:%S")} '
              f'in {time.perf_counter() - started:.0f} s')
   return profile
