@@ -291,7 +291,7 @@ class Checkpointer:
   # --- saving ----------------------------------------------------------------------------------
 
   def save(self, step: int, engine, *, data_position: int, model_cfg: ModelConfig, seed: int = 0,
-           placement=None) -> None:
+           placement=None, microbatches: int | None = None) -> None:
     """Checkpoints `engine` (or a full state dict) at `step`. Returns once the state may change:
     in-memory leaves copied to host, NVMe files linked (or copied); the rest is written behind."""
     self.wait()  # one checkpoint in flight; raises the previous one's error
@@ -305,6 +305,7 @@ class Checkpointer:
     meta = {'format': FORMAT, 'step': step, 'data_position': int(data_position), 'seed': seed,
             'model_config': dataclasses.asdict(model_cfg),
             'placement': dataclasses.asdict(placement) if placement is not None else None,
+            'microbatches': microbatches,
             'memory': {p: leaf_name(p) for p in memory},
             'disk': {p: f'nvme/{leaf_name(p)}' for p in disk}}
     needed = sum(x.nbytes for x in memory.values())

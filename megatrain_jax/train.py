@@ -182,10 +182,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                       f'({tokenizer.name}: {tokenizer.vocab_size} ids). Raise model.vocab_size or '
                       'change data.tokenizer.')
   enable_compilation_cache(config.jax_cache_dir)
+
+  # 2. The newest intact checkpoint (damaged ones are skipped with a warning). The live NVMe
+  # stores are always rebuilt from it, never reused: a run killed mid-step may have written some
+  # layers of the next step, and resume must not see a mix of steps.
+  workdir.mkdir(parents=True, exist_ok=True)
+  checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep)
+  restored = checkpointer.restore(model_cfg)
+  recorded = restored.meta.get('microbatches') if restored is not None else None
+  if config.train.microbatches == 0 and recorded and recorded != microbatches:
+    # `auto` chooses M once, when the run starts: a resumed run keeps its tokens per step even if
+    # the machine's free memory or disk has changed since.
+    config = ml_collections.ConfigDict(config.to_dict())  # a copy: the caller's config is theirs
+    config_lib.set_field(config, 'train.microbatches', int(recorded))
+    hw, plan = make_plan(config, workdir, dry_run=False)
+    placement, microbatches = plan.placement, plan.microbatches
+    if 'nvme' in (placement.params, placement.opt_state):
+      _check_offload_dir(config, model_cfg, workdir, placement)
   train_cfg = config.train
 
-  # 2. Data.
-  workdir.mkdir(parents=True, exist_ok=True)
+  # 3. Data.
   info, _ = data_lib.load_data(config.data, workdir)
   sampler = data_lib.BatchSampler(
       data_lib.load_split(info, 'train'), seq_len=train_cfg.seq_len,
@@ -194,14 +210,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       data_lib.load_split(info, 'val'), seq_len=train_cfg.seq_len,
       batch_size=train_cfg.batch_size, num_batches=train_cfg.eval_batches)
 
-  # 3. State: resume from the newest checkpoint, or start fresh, in the engine the placement picks.
+  # 4. State: from the checkpoint, or fresh, in the engine the placement picks.
   tx = optim.make_optimizer(train_cfg)
   schedule = optim.lr_schedule(train_cfg)
-  checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep)
-  # The newest intact checkpoint (damaged ones are skipped with a warning). The live NVMe stores
-  # are always rebuilt from it, never reused: a run killed mid-step may have written some layers
-  # of the next step, and resume must not see a mix of steps.
-  restored = checkpointer.restore(model_cfg)
   position = restored.meta['data_position'] if restored is not None else 0
   engine = make_engine(model_cfg, tx, schedule, train_cfg, placement, restore_from=restored)
   del restored
@@ -212,7 +223,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   flops_per_step = model_cfg.flops_per_token(train_cfg.seq_len) * tokens_per_step
   peak = hw.peak(model_cfg.dtype, model_cfg.matmul_precision, model_cfg.d_model)
 
-  # 4. The loop.
+  # 5. The loop.
   last = {}
   try:
     with metrics_lib.MetricsWriter(workdir, total_steps=train_cfg.steps, start_step=start_step,
@@ -266,7 +277,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         every = config.checkpoint.every
         if every >= 0 and ((every and done % every == 0) or done == train_cfg.steps):
           checkpointer.save(done, engine, data_position=position, model_cfg=model_cfg,
-                            seed=train_cfg.seed, placement=placement)
+                            seed=train_cfg.seed, placement=placement, microbatches=microbatches)
   finally:
     try:
       engine.close()  # waits for write-behind, stops I/O threads

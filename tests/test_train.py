@@ -98,6 +98,22 @@ def test_resume_refuses_other_model_shapes(tmp_path, shared_data):
     train.train_and_evaluate(wider, str(tmp_path))
 
 
+def test_resume_keeps_the_microbatches_the_run_started_with(tmp_path, shared_data):
+  """`train.microbatches=0` (auto) is resolved once: a resumed run keeps the recorded M, even
+  where a fresh plan would choose another."""
+  data = shared_data / 'tinyshakespeare' / 'input.txt'
+  auto = small_config(data, train__steps=4, checkpoint__every=2, train__microbatches=0)
+  _, fresh = train.make_plan(auto, tmp_path / 'elsewhere', dry_run=False)
+  started_with = 1 if fresh.microbatches != 1 else 2
+  train.train_and_evaluate(small_config(data, train__steps=2, checkpoint__every=2,
+                                        train__microbatches=started_with), str(tmp_path))
+  train.train_and_evaluate(auto, str(tmp_path))
+  meta = json.loads((tmp_path / 'checkpoints' / '4' / 'meta.json').read_text())
+  assert meta['step'] == 4 and meta['microbatches'] == started_with != fresh.microbatches
+  assert auto.train.microbatches == 0  # the caller's config is left as it was
+  assert json.loads((tmp_path / 'config.json').read_text())['train']['microbatches'] == started_with
+
+
 def test_diverging_loss_stops_with_the_step(tmp_path, shared_data):
   config = small_config(shared_data / 'tinyshakespeare' / 'input.txt', train__lr=1e9,
                         train__warmup_steps=0, train__grad_clip=0.0, train__steps=20,
