@@ -34,6 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
   model.tie_embeddings = True  # LM head = embedding transposed (no separate head matrix).
   model.norm_eps = 1e-5  # RMSNorm epsilon.
   model.sliding_window = 0  # Attend only to the last N positions (Mistral); 0 = full causal.
+  model.attention_chunk = 512  # Queries per attention block. Longer sequences run attention block by
+  #                             block, each recomputed in the backward, so a layer holds B·H·512·S
+  #                             scores instead of B·H·S·S (17 GB for 405B at 4096 tokens). Same
+  #                             math; 0 = all queries at once.
   model.init_std = 0.02  # Std of the normal init of every matrix (HF initializer_range).
   model.dtype = 'float32'  # Compute dtype: 'float32' or 'bfloat16'. Params are always float32.
   model.matmul_precision = 'highest'  # 'highest' = true FP32 matmuls on GPU (no TF32); 'default'.

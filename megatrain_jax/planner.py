@@ -35,7 +35,8 @@ MEMORY (bytes; `memory_plan` returns them as rows with these formulas):
   XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB when the user set it (megatrain_jax/__init__.py otherwise
   raises XLA's 64 GiB default to the machine's RAM).
   One layer's internals (what its backward needs when nothing is recomputed, per microbatch):
-    B·S·c·(6·D + 3·H·Dh + 3·Hkv·Dh + 4·F) + 2·B·H·S·S·c   (attention scores and probabilities)
+    B·S·c·(6·D + 3·H·Dh + 3·Hkv·Dh + 4·F) + 2·B·H·Q·S·c   (attention scores and probabilities
+    of one block of Q = min(S, model.attention_chunk) queries; Q = S when unchunked)
 
 TRAFFIC (bytes moved per step; `traffic` mirrors engine/streamed.py, and tests check it against
 the engine's own counters exactly):
@@ -47,7 +48,9 @@ TIME (seconds per step):
   compute = FLOPs / achieved layer FLOP/s, with FLOPs = tokens × (layer forwards × 2·(P_l − 2D)
             + attention 2·S·H·Dh per layer) + head 6·D·V per token. A layer's forward runs
             3 (fwd + 2× in bwd) + recomputes: resident remat full +1; streamed K = 1 +1 (the group
-            backward recomputes the layer from its input); streamed K > 1 +1 (group) +1 (remat).
+            backward recomputes the layer from its input); streamed K > 1 +1 (group) +1 (remat);
+            when S > model.attention_chunk, the attention part once more (query blocks are
+            recomputed in their backward).
   optimizer = params / AdamW rate (device or host);  copies = bytes / link rate;
   disk = read / read rate + write / write rate. When the NVMe stores fit in the RAM the plan leaves
   free, the page cache holds them: reads and writes run at the cached rates (the write-backs are
@@ -157,8 +160,11 @@ def layer_internal_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
   c, tokens = compute_bytes(cfg), batch * seq
   hd, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
   per_token = 6 * cfg.d_model + 3 * h * hd + 3 * kv * hd + 4 * cfg.d_ff
-  # The scores are [B, H, S, S] even with a sliding window (the window is a mask).
-  return c * tokens * per_token + 2 * c * batch * h * seq * seq
+  # Scores and probabilities of one block of queries against all keys: [B, H, Q, S] with
+  # Q = model.attention_chunk (blocks are recomputed in the backward), or S when unchunked; a
+  # sliding window is a mask, so it doesn't shrink them.
+  block = min(seq, cfg.attention_chunk) if cfg.attention_chunk else seq
+  return c * tokens * per_token + 2 * c * batch * h * block * seq
 
 
 def logits_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
@@ -370,6 +376,8 @@ def step_flops(cfg: ModelConfig, p: Placement, micro: int, batch: int, seq: int)
   else:
     recompute = 1 + (1 if cfg.remat == 'full' else 0)
   executed = tokens * (cfg.num_layers * layer_fwd * (3 + recompute) + 3 * head_fwd)
+  if cfg.attention_chunk and seq > cfg.attention_chunk:  # each query block re-runs in its backward
+    executed += tokens * cfg.num_layers * 2.0 * seq * cfg.num_heads * cfg.head_dim
   model = float(cfg.flops_per_token(seq)) * tokens
   return executed, model
 
@@ -617,6 +625,8 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
     p = closest.placement
     device = [f'lower train.batch_size (now {closest.batch_size})' if closest.batch_size > 1
               else f'lower train.seq_len (now {closest.seq_len})']
+    if p.streamed and closest.microbatches > 1:  # each microbatch's hidden state stays on device
+      device.append(f'lower train.microbatches (now {closest.microbatches})')
     if cfg.remat != 'full':
       device.append('use model.remat=full')
     if p.streamed and (p.layers_per_group > 1 or p.prefetch_depth > 1):

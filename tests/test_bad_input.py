@@ -135,6 +135,8 @@ CONFIG_CASES = [
     ('model.init_std<=0', dict(model__init_std=-0.02), ['model.init_std=-0.02', 'must be > 0']),
     ('model.sliding_window<0', dict(model__sliding_window=-1),
      ['model.sliding_window=-1', 'must be >= 0']),
+    ('model.attention_chunk<0', dict(model__attention_chunk=-1),
+     ['model.attention_chunk=-1', 'must be >= 0']),
     # train.*
     ('train.steps<1', dict(train__steps=-1), ['train.steps', 'must be >= 1, got -1']),
     ('train.batch_size=0', dict(train__batch_size=0), ['train.batch_size', 'must be >= 1']),

@@ -50,6 +50,22 @@ def test_remat_and_unrolled_match_plain_scan(params, variant):
                ref_grads)
 
 
+@pytest.mark.parametrize('seq, chunk, extra', [
+    (32, 8, {}), (33, 8, {}), (33, 8, dict(sliding_window=5)), (33, 8, dict(remat='minimal')),
+    (33, 8, dict(scan_layers=False, remat='none')),
+], ids=['divisible', 'ragged', 'window', 'minimal-remat', 'unrolled'])
+def test_chunked_attention_equals_whole_attention(params, seq, chunk, extra):
+  """Query blocks (model.attention_chunk) compute the same loss and gradients as all queries at
+  once, to float32 rounding, including a last block padded past the sequence."""
+  batch = _batch(7, (2, seq + 1))
+  whole = CFG.replace(attention_chunk=0, **extra)
+  ref_loss, ref_grads = _loss_and_grads(whole, params, batch)
+  loss, grads = _loss_and_grads(whole.replace(attention_chunk=chunk), params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads,
+               ref_grads)
+
+
 def test_groups_compose_to_the_whole_stack(params):
   """embed -> apply_group over K-slices (with a remainder group) -> head equals forward."""
   tokens = _batch(2, (2, 16))

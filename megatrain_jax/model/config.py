@@ -37,6 +37,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   norm_eps: float = 1e-5
   sliding_window: int = 0  # 0 = full causal attention (Mistral uses a window)
+  attention_chunk: int = 512  # queries per attention block; 0 = all at once
   init_std: float = 0.02
   dtype: str = 'float32'  # compute dtype; params are always float32
   matmul_precision: str = 'highest'
@@ -92,6 +93,9 @@ class ModelConfig:
                         'Llama uses 0.02).')
     if self.sliding_window < 0:
       raise ConfigError(f'model.sliding_window={self.sliding_window} must be >= 0 (0 = off).')
+    if self.attention_chunk < 0:
+      raise ConfigError(f'model.attention_chunk={self.attention_chunk} must be >= 0 (queries per '
+                        'attention block; 0 = all queries at once).')
 
   @classmethod
   def from_config_dict(cls, model) -> 'ModelConfig':
@@ -106,7 +110,8 @@ class ModelConfig:
         rope_high_freq_factor=scaling.high_freq_factor,
         rope_original_max_len=scaling.original_max_len, qkv_bias=model.qkv_bias,
         tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps,
-        sliding_window=model.sliding_window, init_std=model.init_std, dtype=model.dtype,
+        sliding_window=model.sliding_window, attention_chunk=model.attention_chunk,
+        init_std=model.init_std, dtype=model.dtype,
         matmul_precision=model.matmul_precision, remat=model.remat,
         scan_layers=model.scan_layers)
 

@@ -89,18 +89,39 @@ class Attention(nnx.Module):
     cos, sin = rope_cos_sin(cfg, positions)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = q.reshape(b, s, kv, g, hd)
-    # scores [B, KV, G, S_q, S_k], in float32 for a stable softmax.
-    scores = jnp.einsum('bskgd,btkd->bkgst', q, k, precision=cfg.matmul_precision,
-                        preferred_element_type=jnp.float32) * (hd ** -0.5)
-    q_pos, k_pos = positions[:, :, None], positions[:, None, :]  # [B, S, 1], [B, 1, S]
-    allowed = k_pos <= q_pos
-    if cfg.sliding_window:
-      allowed &= (q_pos - k_pos) < cfg.sliding_window
-    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum('bkgst,btkd->bskgd', probs, v, precision=cfg.matmul_precision)
+    chunk = cfg.attention_chunk
+    if not chunk or s <= chunk:
+      out = _attend(cfg, q, k, v, positions, positions)
+    else:
+      # Query blocks of `chunk` rows, each against all keys: the same softmax per row. Each block
+      # is recomputed in the backward (jax.checkpoint), so only one block's scores
+      # [B, KV, G, chunk, S] exist at a time instead of [B, KV, G, S, S].
+      blocks = -(-s // chunk)
+      pad = blocks * chunk - s  # padded query rows repeat the last position; dropped below
+      q_blocks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+      q_pos = jnp.pad(positions, ((0, 0), (0, pad)), mode='edge')
+      q_blocks = q_blocks.reshape(b, blocks, chunk, kv, g, hd).swapaxes(0, 1)
+      q_pos = q_pos.reshape(b, blocks, chunk).swapaxes(0, 1)
+      attend = jax.checkpoint(lambda qc, pc: _attend(cfg, qc, k, v, pc, positions))
+      out = jax.lax.map(lambda xs: attend(*xs), (q_blocks, q_pos))  # [blocks, B, chunk, KV, G, hd]
+      out = out.swapaxes(0, 1).reshape(b, blocks * chunk, kv, g, hd)[:, :s]
     out = checkpoint_name(out.reshape(b, s, cfg.num_heads * hd), 'attn_out')
     return checkpoint_name(self.o_proj(out), 'o_proj')
+
+
+def _attend(cfg: ModelConfig, q, k, v, q_positions, k_positions):
+  """Causal (optionally windowed) softmax attention of queries q [B, Q, KV, G, hd] at
+  q_positions [B, Q] over keys/values k, v [B, S, KV, hd] at k_positions [B, S] -> [B, Q, KV, G, hd]."""
+  # scores [B, KV, G, Q, S], in float32 for a stable softmax.
+  scores = jnp.einsum('bskgd,btkd->bkgst', q, k, precision=cfg.matmul_precision,
+                      preferred_element_type=jnp.float32) * (cfg.head_dim ** -0.5)
+  q_pos, k_pos = q_positions[:, :, None], k_positions[:, None, :]  # [B, Q, 1], [B, 1, S]
+  allowed = k_pos <= q_pos
+  if cfg.sliding_window:
+    allowed &= (q_pos - k_pos) < cfg.sliding_window
+  scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum('bkgst,btkd->bskgd', probs, v, precision=cfg.matmul_precision)
 
 
 class MLP(nnx.Module):
