@@ -4,15 +4,16 @@ import os as _os
 
 __version__ = '0.1.0'
 
-# XLA:GPU caps its pinned host memory pool (where offload.params / opt_state = 'host' live) at
-# XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, 64 unless set. The pool grows on demand, so raising the cap
-# to this machine's RAM costs nothing until it is used. It must be set before JAX creates its GPU
-# client, hence here; a value the user set is kept (and the planner then budgets pinned memory
-# against it: planner.budgets_for).
+# Both settings below must be made before JAX creates its GPU client, hence here.
+
 # JAX preallocates 75% of GPU memory unless told otherwise; the planner budgets 90% of it
 # (planner.device_fraction), so give XLA that much unless the user chose a fraction.
 _os.environ.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.9')
 
+# XLA:GPU caps its pinned host memory pool (where offload.params / opt_state = 'host' live) at
+# XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, 64 unless set. The pool grows on demand, so raising the cap
+# to this machine's RAM costs nothing until it is used. A value the user set is kept, and the
+# planner then budgets pinned memory against it (planner.budgets_for).
 PINNED_LIMIT_ENV = 'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'
 _PINNED_LIMIT_OURS = 'MEGATRAIN_JAX_PINNED_LIMIT_AUTO'  # marks our value, which child processes inherit
 PINNED_LIMIT_FROM_USER = (PINNED_LIMIT_ENV in _os.environ

@@ -402,7 +402,7 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
   started = time.perf_counter()
   try:
     compute = {f'float32@{d}': _layer_tflops(d, tokens=2048) for d in (256, 512, 1024)}
-    log(f'  decoder layer fwd+bwd (float32, highest): '
+    log('  decoder layer fwd+bwd (float32, highest): '
         + ', '.join(f'd={k.split("@")[1]}: {v:.3f} TFLOP/s' for k, v in compute.items()))
     h2d = _copy_gbps('pinned_host', 'device', 256 << 20)
     d2h = _copy_gbps('device', 'pinned_host', 256 << 20)

@@ -70,10 +70,11 @@ class Placement:
     return max(1, int(self.host_buffer_gb * _GB // group) - (self.prefetch_depth + 1))
 
   @classmethod
-  def from_config(cls, offload, model_cfg: ModelConfig) -> 'Placement':
-    """The placement `offload` describes; every field must be concrete (no 'auto')."""
+  def from_config(cls, offload, model_cfg: ModelConfig, allow_auto: bool = False) -> 'Placement':
+    """The placement `offload` (config.offload) describes, checked; with `allow_auto` it may
+    still hold 'auto' fields for the planner to resolve."""
     placement = cls(**{f.name: offload[f.name] for f in dataclasses.fields(cls)})
-    placement.check(model_cfg)
+    placement.check(model_cfg, allow_auto)
     return placement
 
   @property
@@ -91,7 +92,7 @@ class Placement:
       tier = getattr(self, name)
       if tier not in allowed + auto:
         raise ConfigError(f'offload.{name}={tier!r} is not a tier for it: use one of '
-                          f'{", ".join(allowed + (AUTO,))}.')
+                          f'{", ".join(allowed + auto)}.')
     if self.codec not in codecs.CODECS:
       raise ConfigError(f'offload.codec={self.codec!r}: use one of {", ".join(codecs.CODECS)}.')
     if self.codec in codecs.CODEC_LEVELS:

@@ -84,10 +84,9 @@ from megatrain_jax import optim
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.hardware import HardwareProfile
 from megatrain_jax.model import ModelConfig
-from megatrain_jax.placement import MEMORY_TIERS, TIERS, Placement
+from megatrain_jax.placement import AUTO, MEMORY_TIERS, TIERS, Placement
 
 _GB = 1e9
-AUTO = 'auto'
 # Of the device's memory: what JAX's allocator gets (XLA_PYTHON_CLIENT_MEM_FRACTION; 0.9 unless set,
 # megatrain_jax/__init__.py), less nothing more: XLA's workspace comes out of the same pool.
 DEVICE_USABLE_FRACTION = 0.9
@@ -491,10 +490,11 @@ def budgets_for(hw: HardwareProfile, offload, disk_free_gb: float | None) -> dic
   host = (offload.get('host_memory_gb') or hw.host_memory_gb * HOST_USABLE_FRACTION)
   disk = disk_free_gb if disk_free_gb is not None else hw.disk_gb
   budgets = {'device': device * _GB, 'host': host * _GB, 'nvme': disk * _GB}
+  pinned = None if hw.unified_memory else pinned_limit_bytes()
   if hw.unified_memory:
     budgets['_unified'] = True
-  elif pinned_limit_bytes() is not None:
-    budgets['_pinned'] = pinned_limit_bytes()
+  elif pinned is not None:
+    budgets['_pinned'] = pinned
   return budgets
 
 
@@ -514,7 +514,7 @@ def _group_sizes(num_layers: int) -> list:
 def candidates(offload, cfg: ModelConfig, micro_options: list):
   """Every placement the config's fixed fields allow (auto fields expanded)."""
   num_layers = cfg.num_layers
-  base = {f.name: offload[f.name] for f in dataclasses.fields(Placement)}
+  base = dataclasses.asdict(Placement.from_config(offload, cfg, allow_auto=True))
   for params in _choices(base['params'], TIERS):
     for opt in _choices(base['opt_state'], TIERS):
       for embed in _choices(base['embed_head'], MEMORY_TIERS):
@@ -543,13 +543,6 @@ def candidates(offload, cfg: ModelConfig, micro_options: list):
                       placement, host_buffer_gb=placement.auto_host_buffer_gb(cfg) or 1.0)
                 for micro in micro_options:
                   yield micro, placement
-
-
-def is_auto(offload, train) -> bool:
-  return (any(offload[f] == AUTO for f in ('params', 'opt_state', 'activations', 'embed_head',
-                                          'optimizer_on'))
-          or offload.layers_per_group == 0 or offload.prefetch_depth == 0
-          or offload.host_buffer_gb == 0 or train.microbatches == 0)
 
 
 def _offloaded_bytes(plan: Plan) -> float:

@@ -19,7 +19,6 @@ import pathlib
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -60,7 +59,7 @@ def dry_run(config: ml_collections.ConfigDict, workdir: str | None = None) -> di
 
   The last line is `predicted_step_time_s: X` (for scripts)."""
   model_cfg = config_lib.validate(config)
-  check_offload(config.offload, model_cfg)
+  Placement.from_config(config.offload, model_cfg, allow_auto=True)
   sizes = state_bytes(model_cfg)
   gib = 1024 ** 3
   print(f'params: {sizes["params"]}')
@@ -88,12 +87,6 @@ def calibrate(config: ml_collections.ConfigDict, workdir: str, out: str = '') ->
   path = hardware.save_profile(profile, pathlib.Path(out) if out else hardware.PROFILE_CACHE)
   print(f'{profile.source}; saved {path}')
   return path
-
-
-def check_offload(offload, model_cfg) -> None:
-  """The offload fields as given ('auto' allowed), before the planner resolves them."""
-  fields = {f.name: offload[f.name] for f in dataclasses.fields(Placement)}
-  Placement(**fields).check(model_cfg, allow_auto=True)
 
 
 def _disk_free_gb(offload_dir: str, hw: hardware.HardwareProfile, dry_run: bool) -> float:
@@ -167,11 +160,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (or resumes) the run in `workdir` to `config.train.steps`; returns the last metrics."""
   # 1. Validate everything before any allocation or write.
   model_cfg = config_lib.validate(config)
-  check_offload(config.offload, model_cfg)
+  requested = Placement.from_config(config.offload, model_cfg, allow_auto=True)
   data_lib.check_data_config(config.data, config.train)
   workdir = config_lib.check_workdir(workdir)
-  if 'nvme' in (config.offload.params, config.offload.opt_state):
-    _check_offload_dir(config, model_cfg, workdir, config.offload)  # named tiers: say what's wrong
+  if 'nvme' in (requested.params, requested.opt_state):
+    _check_offload_dir(config, model_cfg, workdir, requested)  # named tiers: say what's wrong
   hw, plan = make_plan(config, workdir, dry_run=False)
   placement, microbatches = plan.placement, plan.microbatches
   if 'nvme' in (placement.params, placement.opt_state):

@@ -2,9 +2,7 @@
 own counters, memory against XLA's memory_analysis, auto placement, refusals, the dry-run plan,
 and predicted vs measured step time (a loose bound that catches gross errors)."""
 
-import dataclasses
 import json
-import math
 import os
 import pathlib
 import re
