@@ -45,14 +45,11 @@ error names the directory and the fix.
 
 import concurrent.futures
 import dataclasses
-import errno
 import json
 import os
 import pathlib
-import re
 import shutil
 import sys
-import zlib
 
 import jax
 import numpy as np
@@ -60,7 +57,8 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from megatrain_jax import faults
-from megatrain_jax.engine import partition
+from megatrain_jax import fs
+from megatrain_jax import partition
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.tiers import codecs
@@ -72,76 +70,15 @@ _SHAPE_FIELDS = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_hea
                  'head_dim', 'qkv_bias', 'tie_embeddings')
 
 
-def leaf_name(path: str) -> str:
-  """Tree path -> file-system name: "['opt_state'][0].mu['layers']['w']" ->
-  "opt_state.0.mu.layers.w"."""
-  return re.sub(r'[^A-Za-z0-9_]+', '.', path).strip('.')
-
-
 def _host_copy(x) -> np.ndarray:
   """An owned numpy copy: np.asarray of a CPU jax array can alias a buffer the next step donates."""
   return np.array(x, copy=True)
-
-
-def human_bytes(n: float) -> str:
-  return f'{n / 1e9:,.2f} GB' if n >= 1e9 else f'{n / 1e6:,.2f} MB'
-
-
-def is_disk_full(error: BaseException) -> bool:
-  """ENOSPC as raised by the OS, or as reported in TensorStore's / orbax's error text."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-      return True
-    if 'No space left on device' in str(error) or 'Disk quota exceeded' in str(error):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
-
-
-def _fsync(path: pathlib.Path, directory: bool = False) -> None:
-  fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def _crc32(path: pathlib.Path) -> int:
-  crc = 0
-  with open(path, 'rb') as f:
-    while block := f.read(1 << 22):
-      crc = zlib.crc32(block, crc)
-  return crc
 
 
 def _is_chunk_file(relative: str) -> bool:
   """zarr3 chunk files (nvme/<leaf>/c/...): integrity comes from their own crc32c."""
   parts = relative.split('/')
   return len(parts) > 3 and parts[0] == 'nvme' and parts[2] == 'c'
-
-
-def link_tree(source: pathlib.Path, dest: pathlib.Path) -> int:
-  """Hard-links every file under `source` into `dest` (same relative paths), copying where a link
-  is impossible (EXDEV across filesystems, or a filesystem without links). TensorStore temp files
-  (*.__lock) are skipped. Returns the bytes copied (0 when everything was linked)."""
-  copied = 0
-  for root, _, files in os.walk(source):
-    target = dest / os.path.relpath(root, source)
-    target.mkdir(parents=True, exist_ok=True)
-    for name in files:
-      if name.endswith('.__lock'):
-        continue
-      src, dst = os.path.join(root, name), target / name
-      try:
-        os.link(src, dst)
-      except OSError as error:
-        if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-          raise
-        shutil.copyfile(src, dst)  # streams in blocks: no whole-file buffer
-        copied += os.path.getsize(dst)
-  return copied
 
 
 class DamagedCheckpoint(Exception):
@@ -198,7 +135,7 @@ class CheckpointReader:
         raise DamagedCheckpoint(path, 'missing') from None
       if size != entry['size']:
         raise DamagedCheckpoint(path, f'{size} bytes, {entry["size"]} when written (truncated?)')
-      if 'crc32' in entry and _crc32(path) != entry['crc32']:
+      if 'crc32' in entry and fs.crc32(path) != entry['crc32']:
         raise DamagedCheckpoint(path, 'crc32 differs from when it was written (bit rot?)')
     try:
       restore_args = {name: ocp.RestoreArgs(restore_type=np.ndarray)
@@ -296,7 +233,7 @@ class Checkpointer:
     in-memory leaves copied to host, NVMe files linked (or copied); the rest is written behind."""
     self.wait()  # one checkpoint in flight; raises the previous one's error
     memory, disk = _engine_parts(engine)
-    names = [leaf_name(p) for p in [*memory, *disk]]
+    names = [fs.leaf_name(p) for p in [*memory, *disk]]
     if len(set(names)) != len(names):  # never expected: tree paths map to distinct names
       raise ValueError(f'two state leaves share a checkpoint file name: {sorted(names)}')
     tmp = self.directory / f'{_TMP_PREFIX}{step}'
@@ -306,15 +243,15 @@ class Checkpointer:
             'model_config': dataclasses.asdict(model_cfg),
             'placement': dataclasses.asdict(placement) if placement is not None else None,
             'microbatches': microbatches,
-            'memory': {p: leaf_name(p) for p in memory},
-            'disk': {p: f'nvme/{leaf_name(p)}' for p in disk}}
+            'memory': {p: fs.leaf_name(p) for p in memory},
+            'disk': {p: f'nvme/{fs.leaf_name(p)}' for p in disk}}
     needed = sum(x.nbytes for x in memory.values())
     copies = {}  # staging snapshot on offload.dir's filesystem -> its place in the checkpoint
     try:
       for path, live in disk.items():
         live = pathlib.Path(live)
         if os.stat(live).st_dev == os.stat(tmp).st_dev:
-          link_tree(live, tmp / meta['disk'][path])
+          fs.link_tree(live, tmp / meta['disk'][path])
           continue
         # Another filesystem (EXDEV): snapshot by links beside the live store now, copy it into
         # the checkpoint on the background thread while training goes on.
@@ -322,8 +259,8 @@ class Checkpointer:
         if not copies:
           for stale in live.parent.parent.glob(_SNAPSHOT_PREFIX + '*'):  # of a killed run
             shutil.rmtree(stale, ignore_errors=True)
-        link_tree(live, staging / leaf_name(path))
-        copies[staging / leaf_name(path)] = tmp / meta['disk'][path]
+        fs.link_tree(live, staging / fs.leaf_name(path))
+        copies[staging / fs.leaf_name(path)] = tmp / meta['disk'][path]
     except OSError as error:
       shutil.rmtree(tmp, ignore_errors=True)
       _remove_staging(copies)
@@ -338,7 +275,7 @@ class Checkpointer:
                         needed: int, copies: dict) -> None:
     try:
       for staging, dest in copies.items():
-        link_tree(staging, dest)  # copies: another filesystem
+        fs.link_tree(staging, dest)  # copies: another filesystem
       _remove_staging(copies)
       ocp.PyTreeCheckpointer().save(tmp / 'state', args=ocp.args.PyTreeSave(
           {meta['memory'][p]: x for p, x in memory.items()}))
@@ -351,13 +288,13 @@ class Checkpointer:
           relative = str(path.relative_to(tmp))
           entry = {'size': path.stat().st_size}
           if not _is_chunk_file(relative):
-            entry['crc32'] = _crc32(path)
+            entry['crc32'] = fs.crc32(path)
           manifest[relative] = entry
-          _fsync(path)  # linked chunk files too: their data must be on disk before the commit
+          fs.fsync(path)  # linked chunk files too: their data must be on disk before the commit
       (tmp / 'manifest.json').write_text(json.dumps(manifest, indent=0, sort_keys=True))
-      _fsync(tmp / 'manifest.json')
+      fs.fsync(tmp / 'manifest.json')
       for root, _, _ in os.walk(tmp):
-        _fsync(pathlib.Path(root), directory=True)
+        fs.fsync(pathlib.Path(root), directory=True)
     except BaseException as error:
       shutil.rmtree(tmp, ignore_errors=True)
       _remove_staging(copies)
@@ -369,7 +306,7 @@ class Checkpointer:
       os.rename(final, stale)
       shutil.rmtree(stale, ignore_errors=True)
     os.rename(tmp, final)
-    _fsync(self.directory, directory=True)
+    fs.fsync(self.directory, directory=True)
     for old in self.steps()[:-self.keep]:  # only now that the new one is complete
       doomed = self.directory / f'{_TMP_PREFIX}delete-{old}'  # a kill mid-delete leaves no
       os.rename(self.directory / str(old), doomed)            # half checkpoint behind
@@ -377,7 +314,7 @@ class Checkpointer:
 
   def _raise_disk_full(self, step: int, error: BaseException, needed: int) -> None:
     """Raises DiskFullError (naming the directory, the bytes and the fix) if `error` is ENOSPC."""
-    if not is_disk_full(error):
+    if not fs.is_disk_full(error):
       return
     steps = [s for s in self.steps() if s != step]
     previous = (f'The previous checkpoint (step {steps[-1]}) is intact: a rerun with the same '
@@ -385,7 +322,7 @@ class Checkpointer:
     free = shutil.disk_usage(self.directory).free
     raise DiskFullError(
         f'checkpoint step {step}: the disk holding {self.directory} is full (the checkpoint needs '
-        f'about {human_bytes(needed)}, {human_bytes(free)} are free). {previous} Free space '
+        f'about {fs.human_bytes(needed)}, {fs.human_bytes(free)} are free). {previous} Free space '
         'there, lower checkpoint.keep, or use a --workdir on a larger disk.') from error
 
   def wait(self) -> None:

@@ -35,9 +35,15 @@ def make_optimizer(train) -> optax.GradientTransformation:
                      weight_decay=train.weight_decay, mask=weight_decay_mask)
 
 
+def sum_of_squares(tree) -> jax.Array:
+  """Sum of squares of every leaf, accumulated in float32 (engines that hold the gradient in
+  pieces add these up, then take the root)."""
+  return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+
+
 def global_norm(tree) -> jax.Array:
   """sqrt(sum of squares of every leaf), accumulated in float32."""
-  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+  return jnp.sqrt(sum_of_squares(tree))
 
 
 def clip_scale(norm, max_norm: float):

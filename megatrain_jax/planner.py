@@ -9,7 +9,8 @@ groups, M microbatches of B sequences of S tokens, D = d_model, V = vocab, c = b
 dtype (4 float32, 2 bfloat16). W = 4·L·P_l bytes of layer weights; A = Adam m + v of the layers
 (8·L·P_l, plus a few step counters); E, E_opt = the same for embedding + final norm + head.
 
-MEMORY (bytes; `memory_plan` returns them as rows with these formulas):
+MEMORY (bytes; `make_plan` returns them as rows with these formulas; a streamed plan's rows are
+what the stages of schedule.py declare they hold, each row naming its stage):
   resident, device:  params 4·P, Adam 8·P, gradients 4·P (+4·P accumulator when M > 1),
                      activations of one microbatch:
                        remat full/minimal/offload: L·B·S·D·c saved layer inputs + one layer's
@@ -38,8 +39,9 @@ MEMORY (bytes; `memory_plan` returns them as rows with these formulas):
     B·S·c·(6·D + 3·H·Dh + 3·Hkv·Dh + 4·F) + 2·B·H·Q·S·c   (attention scores and probabilities
     of one block of Q = min(S, model.attention_chunk) queries; Q = S when unchunked)
 
-TRAFFIC (bytes moved per step; `traffic` mirrors engine/streamed.py, and tests check it against
-the engine's own counters exactly):
+TRAFFIC (bytes moved per step; `traffic` sums what each stage of schedule.py declares, the same
+StepSchedule the engine takes its decisions from, and tests check it against the engine's own
+counters exactly):
   weights off-device are fetched twice (forward, backward), three times with exact clipping and
   the device optimizer (once more for the update); the Adam state crosses to the device optimizer
   and back; the host optimizer receives each gradient (d2h) and touches nothing on the device.
@@ -85,35 +87,20 @@ from megatrain_jax.errors import ConfigError
 from megatrain_jax.hardware import HardwareProfile
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.placement import AUTO, MEMORY_TIERS, TIERS, Placement
+from megatrain_jax.schedule import (STAGING_ROW, Row, StateSizes, StepSchedule, Traffic,
+                                    hidden_bytes, layer_internal_bytes, logits_bytes)
 
 _GB = 1e9
 # Of the device's memory: what JAX's allocator gets (XLA_PYTHON_CLIENT_MEM_FRACTION; 0.9 unless set,
 # megatrain_jax/__init__.py), less nothing more: XLA's workspace comes out of the same pool.
 DEVICE_USABLE_FRACTION = 0.9
 HOST_USABLE_FRACTION = 0.85  # the OS, Python, the data pipeline and the page cache
-STAGING_ROW = 'NVMe staging buffer'
 PINNED_ROW = 'host (pinned, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)'
 
 
 # -------------------------------------------------------------------------------------------------
 # Exact sizes of the state pytrees (from shapes; nothing allocated).
 # -------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class StateSizes:
-  """Bytes of one layer's params and Adam state, and of the outer (embed/norm/head) parts."""
-  layer_params: int  # 4·P_l
-  layer_opt: int  # Adam m + v of one layer: 8·P_l
-  group_opt_extra: int  # per-group optimizer scalars (step counters)
-  outer_params: int
-  outer_opt: int
-
-  def group_params(self, k: int) -> int:
-    return k * self.layer_params
-
-  def group_opt(self, k: int) -> int:
-    return k * self.layer_opt + self.group_opt_extra
-
 
 def _nbytes(tree) -> int:
   return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
@@ -150,42 +137,9 @@ def train_key(train) -> tuple:
 # Activations.
 # -------------------------------------------------------------------------------------------------
 
-def compute_bytes(cfg: ModelConfig) -> int:
-  return 2 if cfg.dtype == 'bfloat16' else 4
-
-
-def layer_internal_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
-  """What one layer's backward keeps when nothing is recomputed, for one microbatch (see top)."""
-  c, tokens = compute_bytes(cfg), batch * seq
-  hd, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-  per_token = 6 * cfg.d_model + 3 * h * hd + 3 * kv * hd + 4 * cfg.d_ff
-  # Scores and probabilities of one block of queries against all keys: [B, H, Q, S] with
-  # Q = model.attention_chunk (blocks are recomputed in the backward), or S when unchunked; a
-  # sliding window is a mask, so it doesn't shrink them.
-  block = min(seq, cfg.attention_chunk) if cfg.attention_chunk else seq
-  return c * tokens * per_token + 2 * c * batch * h * block * seq
-
-
-def logits_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
-  """Logits, their log-softmax and their gradient: 3·B·S·V float32."""
-  return 3 * 4 * batch * seq * cfg.vocab_size
-
-
-def hidden_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
-  return compute_bytes(cfg) * batch * seq * cfg.d_model
-
-
 # -------------------------------------------------------------------------------------------------
 # The plan of one placement.
 # -------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Row:
-  tier: str
-  item: str
-  bytes: float
-  formula: str
-
 
 @dataclasses.dataclass
 class Plan:
@@ -244,123 +198,36 @@ class Plan:
 
 def _memory_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int,
                  seq: int, clipping: bool, checkpoint_copies: int = 0) -> list:
-  L, k = cfg.num_layers, p.layers_per_group
-  groups = math.ceil(L / k)
-  W, A = sizes.group_params(L), L * sizes.layer_opt + groups * sizes.group_opt_extra
-  E, E_opt = sizes.outer_params, sizes.outer_opt
-  hidden = hidden_bytes(cfg, batch, seq)
-  internals = layer_internal_bytes(cfg, batch, seq)
-  logits = logits_bytes(cfg, batch, seq)
+  """[Row]: the resident step's state and activations, or what each streamed stage holds."""
+  if p.streamed:
+    schedule = StepSchedule(p, cfg.num_layers, micro, clipping)
+    return schedule.held(cfg, sizes, batch, seq, checkpoint_copies)
+  L, E = cfg.num_layers, sizes.outer_params
+  W = sizes.group_params(L)
   rows = []
-  add = lambda tier, item, n, formula: rows.append(Row(tier, item, float(n), formula))
-
-  if not p.streamed:
-    add('device', 'params', W + E, '4·P')
-    add('device', 'Adam m, v', L * sizes.layer_opt + E_opt, '8·P')
-    add('device', 'gradients', (W + E) * (2 if micro > 1 else 1),
-        '4·P' + (' (+4·P accumulator, M > 1)' if micro > 1 else ''))
-    if cfg.remat == 'none':
-      add('device', 'activations (1 microbatch)', L * internals, 'L × layer internals')
-    else:
-      add('device', 'activations (1 microbatch)', L * hidden + internals,
-          'L·B·S·D·c saved inputs + one layer\'s internals')
-    add('device', 'logits (1 microbatch)', logits, '3·B·S·V·4')
-    return rows
-
-  gw, go = sizes.group_params(k), sizes.group_opt(k)
-  add('device', f'weights in flight ({p.prefetch_depth + 1} groups)',
-      (p.prefetch_depth + 1) * gw, '(prefetch_depth + 1)·K·P_l·4')
-  add('device', 'group gradient accumulator', gw, 'K·P_l·4')
-  if p.optimizer_on == 'device':
-    add('device', 'update inputs (2 groups)', 2 * (2 * gw + go), '2·(weights + grads + Adam)')
-  add('device', 'hidden states + their gradients', 2 * micro * hidden, '2·M·B·S·D·c')
-  working = internals if k == 1 else (k * hidden + internals)
-  add('device', 'group backward working set', working,
-      'one layer\'s internals' if k == 1 else 'K·B·S·D·c + one layer\'s internals')
-  boundary = groups * micro * hidden
-  add(p.activations, f'boundary activations ({groups} groups × {micro} mb)', boundary,
-      'G·M·B·S·D·c')
-  add(p.embed_head, 'embedding/head params + Adam', E + E_opt, '(4 + 8)·P_outer')
-  add('device', 'embedding/head grads + logits', E + logits, '4·P_outer + 3·B·S·V·4')
-  if p.params != 'nvme':
-    add(p.params, 'layer params', W, '4·L·P_l')
-  if p.opt_state != 'nvme':
-    add(p.opt_state, 'layer Adam m, v', A, '8·L·P_l')
-  if clipping:
-    add(p.params, 'parked gradients (exact clipping)', W, '4·L·P_l')
-  nvme_layers = L * sizes.layer_params
-  if p.params == 'nvme':
-    add('nvme', 'layer params', nvme_layers, '4·L·P_l')
-  if p.opt_state == 'nvme':
-    add('nvme', 'layer Adam m, v', L * sizes.layer_opt, '8·L·P_l')
-  if checkpoint_copies and 'nvme' in (p.params, p.opt_state):
-    # Each kept checkpoint hard-links the stores; the next write-back unshares them (checkpoint.py).
-    live = sum(r.bytes for r in rows if r.tier == 'nvme')
-    add('nvme', f'checkpoint snapshots (keep={checkpoint_copies})', checkpoint_copies * live,
-        'checkpoint.keep × the stores above')
-  if 'nvme' in (p.params, p.opt_state):
-    add('host', STAGING_ROW, p.host_buffer_gb * _GB, 'offload.host_buffer_gb (numpy, unpinned)')
-  if p.optimizer_on == 'host':
-    add('host', 'host optimizer staging (2 groups)', 2 * gw, '2·K·P_l·4')
+  add = lambda item, n, formula: rows.append(Row('device', item, float(n), formula))
+  add('params', W + E, '4·P')
+  add('Adam m, v', L * sizes.layer_opt + sizes.outer_opt, '8·P')
+  add('gradients', (W + E) * (2 if micro > 1 else 1),
+      '4·P' + (' (+4·P accumulator, M > 1)' if micro > 1 else ''))
+  internals = layer_internal_bytes(cfg, batch, seq)
+  if cfg.remat == 'none':
+    add('activations (1 microbatch)', L * internals, 'L × layer internals')
+  else:
+    add('activations (1 microbatch)', L * hidden_bytes(cfg, batch, seq) + internals,
+        "L·B·S·D·c saved inputs + one layer's internals")
+  add('logits (1 microbatch)', logits_bytes(cfg, batch, seq), '3·B·S·V·4')
   return rows
 
 
 def traffic(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int, seq: int,
             clipping: bool) -> dict:
-  """Bytes per step: h2d, d2h (host<->device) and read, write (disk), as the engine moves them."""
-  t = dict(h2d=0.0, d2h=0.0, read=0.0, write=0.0)
+  """Bytes per step: h2d, d2h (host<->device) and read, write (disk): the sum of what every stage
+  of the streamed step declares (schedule.py)."""
   if not p.streamed:
-    return t
-  L, k = cfg.num_layers, p.layers_per_group
-  groups = math.ceil(L / k)
-  W = sizes.group_params(L)
-  A = L * sizes.layer_opt + groups * sizes.group_opt_extra  # what crosses to the device
-  A_disk = L * sizes.layer_opt  # the step counters stay in memory
-  P, O = p.params, p.opt_state
-  off = lambda tier: tier != 'device'
-  disk = lambda tier: tier == 'nvme'
-  # Forward and backward: each group's weights fetched twice.
-  if off(P):
-    t['h2d'] += 2 * W
-  if disk(P):
-    t['read'] += 2 * W
-  if p.activations == 'host':
-    boundary = groups * micro * hidden_bytes(cfg, batch, seq)
-    t['d2h'] += boundary
-    t['h2d'] += boundary
-  if p.optimizer_on == 'device':
-    if off(O):
-      t['h2d'] += A
-      t['d2h'] += A
-    if disk(O):
-      t['read'] += A_disk
-      t['write'] += A_disk
-    if off(P):
-      t['d2h'] += W  # updated weights back to their tier
-    if disk(P):
-      t['write'] += W
-    if clipping and off(P):  # parked gradient out and back, weights fetched a third time
-      t['d2h'] += W
-      t['h2d'] += 2 * W
-      if disk(P):
-        t['write'] += W
-        t['read'] += 2 * W
-  else:  # host optimizer: params and Adam are already off the device
-    t['d2h'] += W  # each group's gradient (parked or handed straight to the host update)
-    if disk(O):
-      t['read'] += A_disk
-      t['write'] += A_disk
-    if disk(P):
-      t['read'] += W
-      t['write'] += W
-      if clipping:
-        t['write'] += W
-        t['read'] += W
-  if p.embed_head == 'host':
-    E, E_opt = sizes.outer_params, sizes.outer_opt
-    t['h2d'] += E + E_opt
-    t['d2h'] += E + E_opt
-  return t
+    return dict(h2d=0.0, d2h=0.0, read=0.0, write=0.0)
+  stages = StepSchedule(p, cfg.num_layers, micro, clipping).traffic(sizes, hidden_bytes(cfg, batch, seq))
+  return dataclasses.asdict(sum(stages.values(), Traffic()))
 
 
 def step_flops(cfg: ModelConfig, p: Placement, micro: int, batch: int, seq: int) -> tuple:
@@ -415,8 +282,8 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
     host_free -= sum(r.bytes for r in rows if r.tier == 'device')
   cached = nvme_bytes > 0 and nvme_bytes < host_free
   disk = moved['read'] / _read_rate(hw, cached) + moved['write'] / _write_rate(hw, cached)
-  groups = math.ceil(cfg.num_layers / p.layers_per_group)
-  calls = 1 if not p.streamed else 2 * groups * micro + 4 * groups + 4 * micro + 4
+  calls = (1 if not p.streamed
+           else sum(StepSchedule(p, cfg.num_layers, micro, clipping).jitted_calls().values()))
   dispatch = calls * hw.dispatch_s
   times = {'compute': compute, 'optimizer': optimizer, 'h2d': h2d, 'd2h': d2h, 'disk': disk,
            'dispatch': dispatch}

@@ -4,8 +4,11 @@
       compute(tree)   # while group key+1's weights are already on their way
 
 Before yielding group g, the transfer of the group `depth` places later is issued, so with
-depth d the device holds at most d + 1 groups' weights. `wait_s` accumulates the time spent
-waiting for a transfer that had not finished when its group was needed (a pipeline stall).
+depth d the device holds at most d + 1 groups' weights. `fetch(key)` returns a pytree whose leaves
+are arrays (transfers JAX runs asynchronously), Futures (reads on a disk tier's threads) or None;
+the engine routes every read it issues ahead of use through here, the weights for the forward and
+backward and an update's inputs alike. `wait_s` accumulates the time spent waiting for a transfer
+that had not finished when its group was needed (a pipeline stall).
 """
 
 import collections
@@ -39,7 +42,7 @@ class Prefetcher:
       key, tree = self._in_flight.popleft()
       self._issue_next()  # the next transfer starts before this group computes
       started = time.perf_counter()
-      tree = resolve(tree)  # a disk tier hands out Futures from its reader threads
+      tree = jax.tree.map(resolve, tree)  # a disk tier hands out Futures from its reader threads
       jax.block_until_ready(tree)
       self.wait_s += time.perf_counter() - started
       yield key, tree

@@ -2,10 +2,12 @@
 
 from megatrain_jax.model.config import ModelConfig
 from megatrain_jax.model.decoder import (abstract_params, apply_group, apply_layer, count_params,
-                                         cross_entropy, default_positions, embed, forward, head,
-                                         head_loss, init_layer, init_layers, init_outer, init_params,
-                                         loss_fn, param_keys)
+                                         cross_entropy, default_positions, embed, final_norm,
+                                         forward, head, head_loss, init_layer, init_layers,
+                                         init_outer, init_params, logits, logits_loss, loss_fn,
+                                         param_keys)
 
 __all__ = ['ModelConfig', 'abstract_params', 'apply_group', 'apply_layer', 'count_params',
-           'cross_entropy', 'default_positions', 'embed', 'forward', 'head', 'head_loss',
-           'init_layer', 'init_layers', 'init_outer', 'init_params', 'loss_fn', 'param_keys']
+           'cross_entropy', 'default_positions', 'embed', 'final_norm', 'forward', 'head',
+           'head_loss', 'init_layer', 'init_layers', 'init_outer', 'init_params', 'logits',
+           'logits_loss', 'loss_fn', 'param_keys']

@@ -13,9 +13,9 @@ Params (all float32; L = num_layers; every leaf under 'layers' has a leading lay
                         'down_proj': {'kernel': [L, F, D]}}},
      'head':   {'final_norm': {'scale': [D]}, 'lm_head': {'kernel': [D, V]}}}  # no lm_head if tied
 
-The model is cut into three stages so that a streaming engine can run it from weights that arrive
-one layer group at a time: `embed` -> `apply_group` over consecutive K-slices of 'layers' ->
-`head_loss`/`head`. `forward` and `loss_fn` chain them over the whole stack (the resident path).
+The model is cut into stages so that a streaming engine can run it from weights that arrive one
+piece at a time: `embed` -> `apply_group` over consecutive K-slices of 'layers' -> `final_norm` ->
+`logits`/`logits_loss` (`head` and `head_loss` chain the last two). `forward` and `loss_fn` chain them over the whole stack (the resident path).
 
 The NNX modules in layers.py define the parameters and the math; here each stage rebuilds its
 module from a cached graph definition and the plain params (`nnx.merge`), so every function is
@@ -156,6 +156,25 @@ def head(cfg: ModelConfig, params, x):
   """hidden [B, S, D] -> logits [B, S, V] float32. Needs params['head'] (and 'embed' if tied)."""
   embedding = params['embed']['embedding'] if cfg.tie_embeddings else None
   return _merge(cfg, 'head', params['head'])(x, embedding)
+
+
+def final_norm(cfg: ModelConfig, params, x):
+  """The final RMSNorm alone: hidden [B, S, D] -> normed [B, S, D]. Needs params['head']['final_norm']."""
+  scale = params['head']['final_norm']['scale']
+  return layers_lib.rms_norm(x, scale, cfg.norm_eps, layers_lib.compute_dtype(cfg))
+
+
+def logits(cfg: ModelConfig, params, normed):
+  """The LM head alone: normed [B, S, D] -> logits [B, S, V] float32. Needs params['head']['lm_head']
+  or, with tied embeddings, params['embed']. `head` = logits(final_norm(x)), the same ops."""
+  if cfg.tie_embeddings:
+    return layers_lib.tied_logits(cfg, normed, params['embed']['embedding'])
+  return layers_lib.untied_logits(cfg, normed, params['head']['lm_head']['kernel'])
+
+
+def logits_loss(cfg: ModelConfig, params, normed, targets):
+  """Mean cross-entropy of the LM head applied to the final norm's output."""
+  return cross_entropy(logits(cfg, params, normed), targets)
 
 
 def cross_entropy(logits, targets):

@@ -45,10 +45,15 @@ class RMSNorm(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, x):  # [..., D] -> [..., D]
-    x32 = x.astype(jnp.float32)
-    variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)
-    return normed * self.scale[...].astype(self.dtype)
+    return rms_norm(x, self.scale[...], self.eps, self.dtype)
+
+
+def rms_norm(x, scale, eps: float, dtype):
+  """RMSNorm as a pure function: x [..., D], scale [D] -> [..., D] in `dtype`."""
+  x32 = x.astype(jnp.float32)
+  variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+  normed = (x32 * jax.lax.rsqrt(variance + eps)).astype(dtype)
+  return normed * scale.astype(dtype)
 
 
 def rope_cos_sin(cfg: ModelConfig, positions):
@@ -177,8 +182,18 @@ class Head(nnx.Module):
   def __call__(self, x, embedding=None):  # x [B, S, D] -> logits [B, S, V] float32
     x = self.final_norm(x)
     if self.lm_head is None:
-      logits = jnp.einsum('bsd,vd->bsv', x, embedding.astype(x.dtype),
-                          precision=self.cfg.matmul_precision)
-    else:
-      logits = self.lm_head(x)
-    return logits.astype(jnp.float32)
+      return tied_logits(self.cfg, x, embedding)
+    return self.lm_head(x).astype(jnp.float32)
+
+
+def tied_logits(cfg: ModelConfig, x, embedding):
+  """Logits of a tied head: normed x [B, S, D] against the embedding [V, D] -> [B, S, V] float32."""
+  logits = jnp.einsum('bsd,vd->bsv', x, embedding.astype(x.dtype), precision=cfg.matmul_precision)
+  return logits.astype(jnp.float32)
+
+
+def untied_logits(cfg: ModelConfig, x, kernel):
+  """Logits of an untied head, the same matmul nnx.Linear runs: x [B, S, D] @ kernel [D, V]."""
+  logits = jax.lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())),
+                               precision=cfg.matmul_precision)
+  return logits.astype(jnp.float32)

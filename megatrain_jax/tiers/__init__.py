@@ -1,6 +1,7 @@
 """Stores: where a layer group's params or optimizer state live between uses, behind one interface.
 
-A store holds named pytrees (key = group index, or 'outer' for embedding + head). `fetch(key)`
+A store holds named pytrees (key = layer group index, or the name of an outer piece: 'embed',
+'final_norm', 'head'). `fetch(key)`
 hands out a device-resident copy (a transfer for offloaded tiers, issued asynchronously);
 `put(key, tree)` takes updated leaves back into the tier; `get(key)` returns them where they live
 (for host-side compute and checkpoint export). Every transfer is counted in `TransferStats`.

@@ -10,6 +10,8 @@ from typing import Any, Hashable
 
 import jax
 
+from megatrain_jax.layout import Layout
+
 PyTree = Any
 
 
@@ -24,7 +26,8 @@ class TransferStats:
   Disk figures (NVMe tier): logical bytes read and written, bytes the written files take on disk
   (for the compression ratio), and the wall time during which at least one read (or write) was
   in flight, so read_bytes / read_busy_s is the throughput the disk delivered while busy.
-  Updated from I/O threads: go through `add`.
+  Updated from the engine and from I/O threads: every update goes through `add` or
+  `count_fetch`, under the lock.
   """
   h2d_bytes: int = 0
   d2h_bytes: int = 0
@@ -40,6 +43,10 @@ class TransferStats:
     with self.lock:
       for name, amount in amounts.items():
         setattr(self, name, getattr(self, name) + amount)
+
+  def count_fetch(self, store: str, key: Hashable) -> None:
+    with self.lock:
+      self.fetches[(store, key)] += 1
 
   def reset(self) -> None:
     """Starts a new step's transfer and fetch counts. Disk counters are cumulative (write-behind
@@ -81,13 +88,11 @@ class Store(abc.ABC):
 
   tier: str = ''
 
-  def __init__(self, name: str, stats: TransferStats):
+  def __init__(self, name: str, stats: TransferStats, layout: Layout):
     self.name = name
     self.stats = stats
+    self.layout = layout  # shardings of what this store holds and hands out
     self._trees: dict[Hashable, PyTree] = {}
-
-  def keys(self):
-    return self._trees.keys()
 
   def get(self, key: Hashable) -> PyTree:
     """The tree as stored, without a transfer."""

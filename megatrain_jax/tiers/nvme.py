@@ -16,7 +16,6 @@ import concurrent.futures
 import json
 import os
 import pathlib
-import re
 import shutil
 import threading
 
@@ -24,30 +23,22 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from megatrain_jax.checkpoint import human_bytes, is_disk_full, link_tree
-from megatrain_jax.config import nearest_existing
+from megatrain_jax.fs import human_bytes, is_disk_full, leaf_name, link_tree, nearest_existing
+from megatrain_jax.layout import Layout
+from megatrain_jax.partition import LAYERS
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.tiers import codecs
 from megatrain_jax.tiers.base import BusyTimer, Store, TransferStats
-
-_LAYERS = "['layers']"
-
-
-def _array_name(path: str) -> str:
-  """Tree path -> directory name: "[0].mu['layers']['attn']['q_proj']['kernel']" ->
-  "0.mu.layers.attn.q_proj.kernel"."""
-  return re.sub(r'[^A-Za-z0-9_]+', '.', path).strip('.')
-
 
 class NvmeStore(Store):
   """Named trees of layer-group leaves on disk; `key` g covers layers slices[g]."""
 
   tier = 'nvme'
 
-  def __init__(self, name: str, stats: TransferStats, *, directory: str,
+  def __init__(self, name: str, stats: TransferStats, layout: Layout, *, directory: str,
                slices: list[tuple[int, int]], codec: str = 'none', level: int = 1,
                shard_mb: float = 512, max_pending_writes: int = 2, read_threads: int = 2):
-    super().__init__(name, stats)
+    super().__init__(name, stats, layout)
     self.directory = pathlib.Path(directory) / name
     if self.directory.exists():  # the live store is never trusted across runs: resume = reload
       shutil.rmtree(self.directory)
@@ -66,16 +57,12 @@ class NvmeStore(Store):
     self._writers = concurrent.futures.ThreadPoolExecutor(1, f'{name}-write')
     self._read_timer = BusyTimer(stats, 'read_busy_s')
     self._write_timer = BusyTimer(stats, 'write_busy_s')
-    self._device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind='device')
-
-  def keys(self):
-    return self._structure.keys()
 
   # --- writing ---------------------------------------------------------------------------------
 
   def _array(self, path: str, layer_shape) -> ts.TensorStore:
     if path not in self._arrays:
-      spec = codecs.array_spec(str(self.directory / _array_name(path)),
+      spec = codecs.array_spec(str(self.directory / leaf_name(path)),
                                (self.num_layers, *layer_shape), **self._codec)
       self._arrays[path] = ts.open(spec, create=True, delete_existing=True,
                                    context=self._context).result()
@@ -106,20 +93,20 @@ class NvmeStore(Store):
       try:
         for path, leaf in zip(paths, leaves):
           host = np.asarray(leaf)  # waits for the update that produced it
-          if _LAYERS not in path:
+          if LAYERS not in path:
             small[path] = host
             continue
           array = self._array(path, host.shape[1:])
           writes.append(array[start:stop].write(host))
           nbytes += host.nbytes
-          files += [codecs.chunk_file(str(self.directory / _array_name(path)), layer, host.ndim)
+          files += [codecs.chunk_file(str(self.directory / leaf_name(path)), layer, host.ndim)
                     for layer in range(start, stop)]
         for write in writes:
           write.result()
       except Exception as error:  # pylint: disable=broad-except  (ENOSPC arrives as ValueError)
         if not is_disk_full(error):
           raise
-        needed = sum(int(np.prod(np.shape(x))) * 4 for p, x in zip(paths, leaves) if _LAYERS in p)
+        needed = sum(int(np.prod(np.shape(x))) * 4 for p, x in zip(paths, leaves) if LAYERS in p)
         raise DiskFullError(
             f'NVMe store {self.name!r}: the disk holding {self.directory} is full while writing '
             f'back layers {start}..{stop - 1} ({human_bytes(needed)} for this group, '
@@ -147,7 +134,7 @@ class NvmeStore(Store):
     start, stop = self.slices[key]
     small = self._small[key]
     with self._read_timer:
-      reads = {p: self._arrays[p][start:stop].read() for p in paths if _LAYERS in p}
+      reads = {p: self._arrays[p][start:stop].read() for p in paths if LAYERS in p}
       leaves = []
       for path in paths:
         if path in reads:
@@ -166,9 +153,9 @@ class NvmeStore(Store):
         try:
           array[layer:layer + 1].read().result()
         except ValueError as layer_error:
-          file = codecs.chunk_file(str(self.directory / _array_name(path)), layer, array.ndim)
+          file = codecs.chunk_file(str(self.directory / leaf_name(path)), layer, array.ndim)
           raise StoreCorruptionError(
-              f'NVMe store {self.name!r}: array {_array_name(path)} layer {layer} in file {file} '
+              f'NVMe store {self.name!r}: array {leaf_name(path)} layer {layer} in file {file} '
               f'cannot be read back intact ({layer_error}). Training stops rather than use '
               'damaged data: check the disk, then resume from the last checkpoint.') from error
       raise
@@ -182,12 +169,12 @@ class NvmeStore(Store):
 
   def fetch(self, key) -> concurrent.futures.Future:
     """Disk -> host -> device on a reader thread; returns a Future of the device tree."""
-    self.stats.fetches[(self.name, key)] += 1
+    self.stats.count_fetch(self.name, key)
 
     def read_to_device():
       tree = self._read(key)
       self.stats.add(h2d_bytes=sum(x.nbytes for x in jax.tree.leaves(tree)))
-      return jax.device_put(tree, self._device)
+      return self.layout.put(tree, 'device')
 
     return self._readers.submit(read_to_device)
 
@@ -203,7 +190,7 @@ class NvmeStore(Store):
   def array_dirs(self) -> dict:
     """{tree path: live zarr3 array directory [L, ...]}, once every queued write has landed."""
     self.flush()
-    return {path: self.directory / _array_name(path) for path in self._arrays}
+    return {path: self.directory / leaf_name(path) for path in self._arrays}
 
   def link_arrays(self, sources: dict) -> bool:
     """Fills arrays from checkpoint snapshots {tree path: (layer shape, snapshot dir)} by linking
@@ -211,11 +198,11 @@ class NvmeStore(Store):
     store's on-disk layout (codec, chunking); otherwise returns False and the caller rewrites."""
     for path, (layer_shape, source) in sources.items():
       self._array(path, layer_shape)  # a fresh array: writes this store's zarr.json
-      live = json.loads((self.directory / _array_name(path) / 'zarr.json').read_text())
+      live = json.loads((self.directory / leaf_name(path) / 'zarr.json').read_text())
       if live != json.loads((source / 'zarr.json').read_text()):
         return False
     for path, (_, source) in sources.items():
-      link_tree(source / 'c', self.directory / _array_name(path) / 'c')
+      link_tree(source / 'c', self.directory / leaf_name(path) / 'c')
     return True
 
   def adopt(self, key, tree) -> None:
@@ -224,7 +211,7 @@ class NvmeStore(Store):
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
     self._structure[key] = (treedef, paths)
-    self._small[key] = {p: np.asarray(x) for p, (_, x) in zip(paths, flat) if _LAYERS not in p}
+    self._small[key] = {p: np.asarray(x) for p, (_, x) in zip(paths, flat) if LAYERS not in p}
 
 
 def nvme_bytes(layer_params_bytes: int, params_tier: str, opt_tier: str) -> int:

@@ -1,9 +1,12 @@
 """Cutting the full train state into the pieces a streamed engine stores, and joining them back.
 
 The full state (what the resident engine trains and every checkpoint holds) has layer leaves
-stacked over all L layers. The streamed engine keeps:
-  outer:    {'params': {'embed', 'head'}, 'opt_state': tx.init(those params)}
-  group g:  {'params': {'layers': leaves[start:stop]}, 'opt_state': tx.init(that slice)}
+stacked over all L layers. The streamed engine keeps one piece per stage (schedule.py), each
+{'params': <subtree at its full-state paths>, 'opt_state': tx.init(those params)}:
+  'embed':       params {'embed': ...}
+  'final_norm':  params {'head': {'final_norm': ...}}
+  'head':        params {'head': {'lm_head': ...}}          (absent when tied to the embedding)
+  group g:       params {'layers': leaves[start:stop]}
 
 Optax states mirror the params tree inside their own structure (e.g. AdamW's mu and nu), so a
 leaf of a piece's optimizer state sits at the *same tree path* as the matching leaf of the full
@@ -16,8 +19,7 @@ import jax
 import numpy as np
 import optax
 
-OUTER_KEYS = ('embed', 'head')
-_LAYERS = "['layers']"
+LAYERS = "['layers']"  # full-state paths through the layer stack contain this
 
 
 def by_path(tree, prefix: str = '') -> dict:
@@ -26,9 +28,23 @@ def by_path(tree, prefix: str = '') -> dict:
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def outer_pieces(params) -> dict:
+  """{piece name: its params subtree}, paths as in the full params tree (see module docstring)."""
+  pieces = {'embed': {'embed': params['embed']},
+            'final_norm': {'head': {'final_norm': params['head']['final_norm']}}}
+  if 'lm_head' in params['head']:
+    pieces['head'] = {'head': {'lm_head': params['head']['lm_head']}}
+  return pieces
 
-def outer_of(params) -> dict:
-  return {k: params[k] for k in OUTER_KEYS}
+
+def join_pieces(pieces) -> dict:
+  """The union of piece trees (each a nested dict at full-state paths): the inverse of
+  `outer_pieces`."""
+  joined = {}
+  for tree in pieces:
+    for key, value in tree.items():
+      joined[key] = join_pieces([joined[key], value]) if key in joined else value
+  return joined
 
 
 def group_of(params, start: int, stop: int) -> dict:
@@ -39,17 +55,16 @@ def _fill(template, source: dict, layer_leaf):
   """A tree shaped like `template` whose leaves come from `source` (by path)."""
   def leaf(path, _):
     key = jax.tree_util.keystr(path)
-    return layer_leaf(key) if _LAYERS in key else np.asarray(source[key])
+    return layer_leaf(key) if LAYERS in key else np.asarray(source[key])
   return jax.tree_util.tree_map_with_path(leaf, template)
 
 
 def split_state(state: dict, tx: optax.GradientTransformation, slices) -> tuple[dict, list[dict]]:
-  """Full state -> (outer piece, [group pieces]) as host numpy arrays."""
+  """Full state -> ({piece: outer piece}, [group pieces]) as host numpy arrays."""
   params = jax.tree.map(np.asarray, state['params'])
   full_opt = by_path(state['opt_state'])
-  outer_params = outer_of(params)
-  outer = {'params': outer_params,
-           'opt_state': _fill(jax.eval_shape(tx.init, outer_params), full_opt, None)}
+  outer = {name: {'params': piece, 'opt_state': _fill(jax.eval_shape(tx.init, piece), full_opt, None)}
+           for name, piece in outer_pieces(params).items()}
   groups = []
   for start, stop in slices:
     group_params = group_of(params, start, stop)
@@ -60,12 +75,16 @@ def split_state(state: dict, tx: optax.GradientTransformation, slices) -> tuple[
 
 
 def merge_state(outer: dict, groups: list[dict], tx: optax.GradientTransformation, step, rng) -> dict:
-  """(outer piece, [group pieces]) -> full state, as host numpy arrays (for checkpoints)."""
+  """({piece: outer piece}, [group pieces]) -> full state, as host numpy arrays."""
   layers = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]),
                         *[g['params']['layers'] for g in groups])
-  params = {**jax.tree.map(np.asarray, outer['params']), 'layers': layers}
+  params = {**jax.tree.map(np.asarray, join_pieces(p['params'] for p in outer.values())),
+            'layers': layers}
+  outer_opt = {}  # the pieces' moments at their own paths; step counts, equal in every piece
+  for piece in outer.values():
+    outer_opt.update(by_path(piece['opt_state']))
   group_opts = [by_path(g['opt_state']) for g in groups]
-  opt = _fill(jax.eval_shape(tx.init, params), by_path(outer['opt_state']),
+  opt = _fill(jax.eval_shape(tx.init, params), outer_opt,
               lambda key: np.concatenate([np.asarray(g[key]) for g in group_opts]))
   return {'step': np.asarray(step), 'params': params, 'opt_state': opt, 'rng': np.asarray(rng)}
 
@@ -75,7 +94,7 @@ def _read_tree(template, prefix: str, read, start=None, stop=None):
   layers [start:stop] of stacked leaves, the whole leaf otherwise (step counts)."""
   def leaf(path, _):
     key = prefix + jax.tree_util.keystr(path)
-    return read(key, start, stop) if _LAYERS in key else read(key)
+    return read(key, start, stop) if LAYERS in key else read(key)
   return jax.tree_util.tree_map_with_path(leaf, template)
 
 
@@ -86,10 +105,10 @@ def group_template(tx: optax.GradientTransformation, abstract_params, start: int
 
 
 def read_outer(read, tx: optax.GradientTransformation, abstract_params) -> dict:
-  """The outer piece from a checkpoint's `read` (see checkpoint.CheckpointReader.read)."""
-  outer = outer_of(abstract_params)
-  return {'params': _read_tree(outer, "['params']", read),
-          'opt_state': _read_tree(jax.eval_shape(tx.init, outer), "['opt_state']", read)}
+  """{piece: outer piece} from a checkpoint's `read` (see checkpoint.CheckpointReader.read)."""
+  return {name: {'params': _read_tree(piece, "['params']", read),
+                 'opt_state': _read_tree(jax.eval_shape(tx.init, piece), "['opt_state']", read)}
+          for name, piece in outer_pieces(abstract_params).items()}
 
 
 def read_group(read, tx: optax.GradientTransformation, abstract_params, start: int, stop: int,

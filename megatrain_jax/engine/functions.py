@@ -1,0 +1,111 @@
+"""The streamed engine's jitted pieces: pure functions of arrays, compiled once per shape.
+
+Shapes: B batch, S sequence, D d_model, V vocab. `outer` arguments are piece params at their
+full-state paths (partition.py): embed {'embed': ...}, norm {'head': {'final_norm': ...}}, head
+weights {'head': {'lm_head': ...}} or, tied, the embed piece.
+
+Arithmetic mirrors engine/resident.py (sum of microbatch gradients, / M, then * clip scale, then
+the same optax update), so both engines train to the same numbers within float32 rounding.
+"""
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental import compute_on as compute_on_lib
+
+from megatrain_jax import model as model_lib
+from megatrain_jax import optim
+from megatrain_jax.layout import Layout
+from megatrain_jax.model import ModelConfig
+
+
+def _on_host():
+  """Context that places the enclosed computation on the host CPU (jax.experimental.compute_on).
+
+  jax 0.10 / 0.11.0 take the compute type positionally; later releases as `compute_type=`.
+  """
+  if 'compute_type' in inspect.signature(compute_on_lib.compute_on).parameters:
+    return compute_on_lib.compute_on(compute_type='device_host')
+  return compute_on_lib.compute_on('device_host')
+
+
+def tree_add(a, b):
+  return jax.tree.map(jnp.add, a, b)
+
+
+def mean_sum_of_squares(grad_sum, num_micro: int):
+  """Sum of squares of the mean gradient (grad_sum / M), as the resident engine's norm sees it."""
+  return optim.sum_of_squares(jax.tree.map(lambda g: g / num_micro, grad_sum)
+                              if num_micro > 1 else grad_sum)
+
+
+def adamw_update(tx, grad_sum, opt_state, params, scale, num_micro: int):
+  """(sum of M microbatch grads) -> mean -> clip scale -> optax update. Same order as resident."""
+  grads = jax.tree.map(lambda g: g / num_micro, grad_sum) if num_micro > 1 else grad_sum
+  grads = jax.tree.map(lambda g: g * scale, grads)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+class StageFunctions:
+  """One jitted function per stage step; see schedule.py for the order they run in."""
+
+  def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, layout: Layout):
+    self.embed = jax.jit(functools.partial(model_lib.embed, cfg))  # (embed, tokens [B, S]) -> [B, S, D]
+    self.group_forward = jax.jit(
+        lambda group, x, positions: model_lib.apply_group(cfg, group['layers'], x, positions))
+    self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg))
+    self.head_forward_backward = jax.jit(functools.partial(_head_forward_backward, cfg))
+    self.final_norm_backward = jax.jit(functools.partial(_final_norm_backward, cfg))
+    self.head_loss = jax.jit(functools.partial(model_lib.logits_loss, cfg))
+    self.group_backward = jax.jit(functools.partial(_group_backward, cfg), donate_argnums=(2, 4))
+    self.embed_backward = jax.jit(functools.partial(_embed_backward, cfg), donate_argnums=(3,))
+    self.zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+    self.add = jax.jit(tree_add, donate_argnums=(0,))
+    self.sum_of_squares = jax.jit(mean_sum_of_squares, static_argnums=1)
+    # Donates the Adam state and the weights (the new ones reuse their buffers); the gradient has
+    # no output of its shape left to alias, so it is freed rather than donated.
+    self.device_update = jax.jit(functools.partial(adamw_update, tx), static_argnums=4,
+                                 donate_argnums=(1, 2))
+    self.host_update = jax.jit(functools.partial(_host_update, tx), static_argnums=4,
+                               out_shardings=layout.sharding('pinned_host'))
+
+
+def _head_forward_backward(cfg, head_weights, normed, targets):
+  """Loss of one microbatch and its gradients: (loss, d head_weights, d normed [B, S, D])."""
+  loss, vjp = jax.vjp(lambda w, n: model_lib.logits_loss(cfg, w, n, targets), head_weights, normed)
+  d_weights, d_normed = vjp(jnp.ones_like(loss))
+  return loss, d_weights, d_normed
+
+
+def _final_norm_backward(cfg, norm, x, d_normed):
+  """(d norm, dx [B, S, D]) of the final norm, recomputed from its input x."""
+  _, vjp = jax.vjp(lambda p, h: model_lib.final_norm(cfg, p, h), norm, x)
+  return vjp(d_normed)
+
+
+def _group_backward(cfg, group_params, x, dy, positions, grad_sum):
+  """Adds the group's weight gradient to grad_sum; returns (grad_sum, dx)."""
+  # The vjp recomputes the group's forward from its saved input x. For a one-layer group that
+  # recompute *is* the layer checkpoint, so per-layer remat would run the layer's forward a
+  # third time for nothing: keep its residuals instead (forward runs 2x per step, as in the
+  # resident engine). Larger groups apply model.remat per layer to bound their memory.
+  layers = jax.tree.leaves(group_params)[0].shape[0]
+  layer_cfg = cfg.replace(remat='none') if layers == 1 else cfg
+  _, vjp = jax.vjp(
+      lambda p, h: model_lib.apply_group(layer_cfg, p['layers'], h, positions), group_params, x)
+  d_params, dx = vjp(dy)
+  return tree_add(grad_sum, d_params), dx
+
+
+def _embed_backward(cfg, embed, tokens, dx, grad_sum):
+  _, vjp = jax.vjp(lambda e: model_lib.embed(cfg, e, tokens), embed)
+  return tree_add(grad_sum, vjp(dx)[0])
+
+
+def _host_update(tx, grad_sum, opt_state, params, scale, num_micro):
+  with _on_host():
+    return adamw_update(tx, grad_sum, opt_state, params, scale, num_micro)

@@ -1,0 +1,107 @@
+"""File-system helpers shared by the checkpointer, the NVMe tier, the data prepare step and config
+checks: names for tree paths on disk, atomic writes, fsync, crc32, hard-link trees, free space."""
+
+import errno
+import json
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+import zlib
+
+
+def leaf_name(path: str) -> str:
+  """Tree path -> file-system name: "['opt_state'][0].mu['layers']['w']" ->
+  "opt_state.0.mu.layers.w"."""
+  return re.sub(r'[^A-Za-z0-9_]+', '.', path).strip('.')
+
+
+def human_bytes(n: float) -> str:
+  return f'{n / 1e9:,.2f} GB' if n >= 1e9 else f'{n / 1e6:,.2f} MB'
+
+
+def nearest_existing(path: pathlib.Path) -> pathlib.Path:
+  """`path` or its closest existing ancestor: what a later mkdir would create inside."""
+  while not path.exists():
+    path = path.parent
+  return path
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """ENOSPC as raised by the OS, or as reported in TensorStore's / orbax's error text."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    if 'No space left on device' in str(error) or 'Disk quota exceeded' in str(error):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def fsync(path: pathlib.Path, directory: bool = False) -> None:
+  """Makes a file's data (or, for a directory, its renames and unlinks) durable."""
+  fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def crc32(path: pathlib.Path) -> int:
+  crc = 0
+  with open(path, 'rb') as f:
+    while block := f.read(1 << 22):
+      crc = zlib.crc32(block, crc)
+  return crc
+
+
+def new_temp(directory: pathlib.Path, name: str) -> pathlib.Path:
+  """Creates an empty hidden temp file beside `directory / name` (same filesystem for replace)."""
+  fd, path = tempfile.mkstemp(dir=directory, prefix=f'.{name}.', suffix='.tmp')
+  os.close(fd)
+  return pathlib.Path(path)
+
+
+def write_text_atomic(path: pathlib.Path, text: str) -> None:
+  """Writes `text` to a temp file beside `path`, fsyncs it and renames it over `path`: a reader
+  sees the old file or the new one, never a torn one, even across a crash."""
+  path = pathlib.Path(path)
+  tmp = new_temp(path.parent, path.name)
+  try:
+    with open(tmp, 'w', encoding='utf-8') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync(path.parent, directory=True)
+  finally:
+    tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: pathlib.Path, obj) -> None:
+  write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + '\n')
+
+
+def link_tree(source: pathlib.Path, dest: pathlib.Path) -> int:
+  """Hard-links every file under `source` into `dest` (same relative paths), copying where a link
+  is impossible (EXDEV across filesystems, or a filesystem without links). TensorStore temp files
+  (*.__lock) are skipped. Returns the bytes copied (0 when everything was linked)."""
+  copied = 0
+  for root, _, files in os.walk(source):
+    target = dest / os.path.relpath(root, source)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in files:
+      if name.endswith('.__lock'):
+        continue
+      src, dst = os.path.join(root, name), target / name
+      try:
+        os.link(src, dst)
+      except OSError as error:
+        if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+          raise
+        shutil.copyfile(src, dst)  # streams in blocks: no whole-file buffer
+        copied += os.path.getsize(dst)
+  return copied

@@ -1,0 +1,246 @@
+"""The streamed step as named stages, and what each stage moves and holds.
+
+engine/streamed.py runs these stages; planner.py prices them. Both read this module: the engine
+takes its decisions from a `StepSchedule` (are updates deferred until the global norm is known? does
+an update fetch the weights again? are boundary activations stashed on the host?), and the planner
+sums the bytes every stage declares here (`traffic`, `held`), so the plan and the engine cannot
+drift apart. tests/test_planner.py checks the declared traffic against the stores' own counters,
+byte for byte, for every placement path.
+
+One optimizer step over M microbatches, G groups of K layers (B batch, S seq, D d_model):
+
+  stage           what runs                                          weights moved
+  embed           x[m] = embed(tokens[m])                            outer pieces fetched once
+  forward         for g in 0..G-1: saved[g][m] = x[m]; x[m] = group_g(x[m])      each group once
+  head            n[m] = final_norm(x[m]); loss[m], dn = vjp(logits_loss)(n[m]);
+                  dy[m] = vjp(final_norm)(dn)                        (norm, head pieces)
+  backward        for g in G-1..0: grad_g, dy[m] = vjp(group_g)(saved[g][m], dy[m])
+                                                                     each group again
+  update          AdamW of group g: right after its backward (overlapped), or after the
+                  global norm (deferred, exact clipping: gradients parked in the weights' tier)
+  embed_backward  d_embed += vjp(embed)(dy[m])
+  outer_update    AdamW of the embed, final_norm and head pieces
+
+Pieces of the state: layer groups (keys 0..G-1) in the params / opt_state tiers; the outer pieces
+'embed' ({'embed': ...}), 'final_norm' ({'head': {'final_norm': ...}}) and, unless the head is
+tied to the embedding, 'head' ({'head': {'lm_head': ...}}) in the embed_head tier. Each piece keeps
+the tree paths it has in the full state, so checkpoints address it by the same paths.
+"""
+
+import dataclasses
+import math
+
+STAGES = ('embed', 'forward', 'head', 'backward', 'update', 'embed_backward', 'outer_update')
+STATE = 'state'  # what stays in its tiers between steps (not a stage)
+OUTER_PIECES = ('embed', 'final_norm', 'head')
+
+
+STAGING_ROW = 'NVMe staging buffer'
+
+
+# -------------------------------------------------------------------------------------------------
+# Activation sizes (c = bytes of the compute dtype: 4 float32, 2 bfloat16).
+# -------------------------------------------------------------------------------------------------
+
+def compute_bytes(cfg) -> int:
+  return 2 if cfg.dtype == 'bfloat16' else 4
+
+
+def hidden_bytes(cfg, batch: int, seq: int) -> int:
+  """One microbatch's hidden state [B, S, D]."""
+  return compute_bytes(cfg) * batch * seq * cfg.d_model
+
+
+def layer_internal_bytes(cfg, batch: int, seq: int) -> int:
+  """What one layer's backward keeps when nothing is recomputed, for one microbatch:
+  B·S·c·(6·D + 3·H·Dh + 3·Hkv·Dh + 4·F) + 2·B·H·Q·S·c (attention scores and probabilities of one
+  block of Q = min(S, model.attention_chunk) queries; Q = S when unchunked)."""
+  c, tokens = compute_bytes(cfg), batch * seq
+  hd, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+  per_token = 6 * cfg.d_model + 3 * h * hd + 3 * kv * hd + 4 * cfg.d_ff
+  # Blocks are recomputed in the backward; a sliding window is a mask, so it doesn't shrink them.
+  block = min(seq, cfg.attention_chunk) if cfg.attention_chunk else seq
+  return c * tokens * per_token + 2 * c * batch * h * block * seq
+
+
+def logits_bytes(cfg, batch: int, seq: int) -> int:
+  """Logits, their log-softmax and their gradient: 3·B·S·V float32."""
+  return 3 * 4 * batch * seq * cfg.vocab_size
+
+
+def outer_pieces(tied: bool) -> tuple[str, ...]:
+  """The outer pieces a model has: no separate 'head' when it is tied to the embedding."""
+  return OUTER_PIECES[:2] if tied else OUTER_PIECES
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSizes:
+  """Bytes of one layer's params and Adam state, and of the outer (embed/norm/head) parts."""
+  layer_params: int  # 4·P_l
+  layer_opt: int  # Adam m + v of one layer: 8·P_l
+  group_opt_extra: int  # per-group optimizer scalars (step counters)
+  outer_params: int
+  outer_opt: int
+
+  def group_params(self, k: int) -> int:
+    return k * self.layer_params
+
+  def group_opt(self, k: int) -> int:
+    return k * self.layer_opt + self.group_opt_extra
+
+
+@dataclasses.dataclass
+class Row:
+  """Bytes held in a tier by one item of the plan, with the formula that gives them."""
+  tier: str
+  item: str
+  bytes: float
+  formula: str
+  stage: str = STATE
+
+
+@dataclasses.dataclass
+class Traffic:
+  """Bytes one stage moves per step: host<->device (h2d, d2h) and disk (read, write)."""
+  h2d: float = 0.0
+  d2h: float = 0.0
+  read: float = 0.0
+  write: float = 0.0
+
+  def __add__(self, other: 'Traffic') -> 'Traffic':
+    return Traffic(*(getattr(self, f) + getattr(other, f) for f in ('h2d', 'd2h', 'read', 'write')))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSchedule:
+  """The decisions of one streamed step, from the placement (a placement.Placement) and the run."""
+  placement: object
+  num_layers: int
+  microbatches: int
+  clipping: bool  # exact global-norm clipping (train.grad_clip > 0)
+
+  # --- decisions the engine takes -------------------------------------------------------------
+
+  @property
+  def num_groups(self) -> int:
+    return math.ceil(self.num_layers / self.placement.layers_per_group)
+
+  @property
+  def deferred_updates(self) -> bool:
+    """Exact clipping needs the whole gradient's norm before any update: each group's gradient is
+    parked in its weights' tier until the backward is done. Otherwise a group's update runs right
+    after its backward, overlapping the next group's."""
+    return self.clipping
+
+  @property
+  def host_optimizer(self) -> bool:
+    return self.placement.optimizer_on == 'host'
+
+  @property
+  def update_fetches_weights(self) -> bool:
+    """A deferred update on the device needs the group's weights again (the backward's copy is
+    gone by then); an overlapped one reuses the backward's copy; the host optimizer reads them
+    where they live."""
+    return self.deferred_updates and not self.host_optimizer
+
+  @property
+  def stash_activations(self) -> bool:
+    """Group-boundary activations wait in pinned host memory between forward and backward."""
+    return self.placement.activations == 'host'
+
+  # --- what each stage moves (the planner's traffic) --------------------------------------------
+
+  def traffic(self, sizes: StateSizes, hidden_bytes: int) -> dict[str, Traffic]:
+    """{stage: bytes it moves per step}; `hidden_bytes` = one microbatch's [B, S, D] activation."""
+    p, L, G = self.placement, self.num_layers, self.num_groups
+    W = sizes.group_params(L)
+    off = {tier: tier != 'device' for tier in ('device', 'host', 'nvme')}
+    disk = {tier: tier == 'nvme' for tier in ('device', 'host', 'nvme')}
+    fetch_weights = Traffic(h2d=W * off[p.params], read=W * disk[p.params])
+    boundary = G * self.microbatches * hidden_bytes * self.stash_activations
+    stages = {stage: Traffic() for stage in STAGES}
+    stages['forward'] = fetch_weights + Traffic(d2h=boundary)
+    stages['backward'] = fetch_weights + Traffic(h2d=boundary)
+    stages['update'] = self._update_traffic(sizes)
+    if p.embed_head == 'host':  # params in for the step; Adam in for the update; both back out
+      stages['embed'] = Traffic(h2d=sizes.outer_params)
+      stages['outer_update'] = Traffic(h2d=sizes.outer_opt, d2h=sizes.outer_params + sizes.outer_opt)
+    return stages
+
+  def _update_traffic(self, sizes: StateSizes) -> Traffic:
+    p, L, G = self.placement, self.num_layers, self.num_groups
+    W = sizes.group_params(L)
+    A = L * sizes.layer_opt + G * sizes.group_opt_extra  # what crosses to a device optimizer
+    A_disk = L * sizes.layer_opt  # the step counters stay in memory
+    P_off, P_disk = p.params != 'device', p.params == 'nvme'
+    O_off, O_disk = p.opt_state != 'device', p.opt_state == 'nvme'
+    adam = Traffic(read=A_disk * O_disk, write=A_disk * O_disk)
+    parked = self.deferred_updates
+    if self.host_optimizer:  # params and Adam are off the device; each gradient crosses once
+      return adam + Traffic(d2h=W, read=W * P_disk * (1 + parked), write=W * P_disk * (1 + parked))
+    moved = adam + Traffic(h2d=A * O_off, d2h=A * O_off + W * P_off, write=W * P_disk)
+    if parked and P_off:  # the gradient out to its tier and back, the weights fetched a third time
+      moved += Traffic(d2h=W, h2d=2 * W, write=W * P_disk, read=2 * W * P_disk)
+    return moved
+
+  # --- what each stage holds (the planner's memory rows) -----------------------------------------
+
+  def held(self, cfg, sizes: StateSizes, batch: int, seq: int, checkpoint_copies: int = 0) -> list:
+    """[Row] of every byte the streamed step keeps, per tier, each attributed to the stage that
+    holds it (STATE: held between steps). `cfg` is the model.ModelConfig."""
+    p, k, M, G = self.placement, self.placement.layers_per_group, self.microbatches, self.num_groups
+    gw, go = sizes.group_params(k), sizes.group_opt(k)
+    hidden, internals = hidden_bytes(cfg, batch, seq), layer_internal_bytes(cfg, batch, seq)
+    rows = []
+    add = lambda stage, tier, item, n, formula: rows.append(Row(tier, item, float(n), formula, stage))
+    add('forward', 'device', f'weights in flight ({p.prefetch_depth + 1} groups)',
+        (p.prefetch_depth + 1) * gw, '(prefetch_depth + 1)·K·P_l·4')
+    add('backward', 'device', 'group gradient accumulator', gw, 'K·P_l·4')
+    if not self.host_optimizer:
+      add('update', 'device', 'update inputs (2 groups)', 2 * (2 * gw + go), '2·(weights + grads + Adam)')
+    add('backward', 'device', 'hidden states + their gradients', 2 * M * hidden, '2·M·B·S·D·c')
+    add('backward', 'device', 'group backward working set',
+        internals if k == 1 else k * hidden + internals,
+        "one layer's internals" if k == 1 else "K·B·S·D·c + one layer's internals")
+    add('forward', p.activations, f'boundary activations ({G} groups × {M} mb)', G * M * hidden,
+        'G·M·B·S·D·c')
+    add(STATE, p.embed_head, 'embedding/head params + Adam', sizes.outer_params + sizes.outer_opt,
+        '(4 + 8)·P_outer')
+    add('head', 'device', 'embedding/head grads + logits',
+        sizes.outer_params + logits_bytes(cfg, batch, seq), '4·P_outer + 3·B·S·V·4')
+    rows += self._state_rows(sizes, checkpoint_copies)
+    if self.host_optimizer:
+      add('update', 'host', 'host optimizer staging (2 groups)', 2 * gw, '2·K·P_l·4')
+    return rows
+
+  def _state_rows(self, sizes: StateSizes, checkpoint_copies: int) -> list:
+    """Layer params and Adam state in their tiers, parked gradients, the NVMe stores with the
+    checkpoints that hard-link them, and the NVMe staging buffer."""
+    p, L = self.placement, self.num_layers
+    W, A = sizes.group_params(L), L * sizes.layer_opt + self.num_groups * sizes.group_opt_extra
+    rows = []
+    add = lambda stage, tier, item, n, formula: rows.append(Row(tier, item, float(n), formula, stage))
+    if p.params != 'nvme':
+      add(STATE, p.params, 'layer params', W, '4·L·P_l')
+    if p.opt_state != 'nvme':
+      add(STATE, p.opt_state, 'layer Adam m, v', A, '8·L·P_l')
+    if self.deferred_updates:
+      add('update', p.params, 'parked gradients (exact clipping)', W, '4·L·P_l')
+    if p.params == 'nvme':
+      add(STATE, 'nvme', 'layer params', L * sizes.layer_params, '4·L·P_l')
+    if p.opt_state == 'nvme':
+      add(STATE, 'nvme', 'layer Adam m, v', L * sizes.layer_opt, '8·L·P_l')
+    if 'nvme' in (p.params, p.opt_state):
+      if checkpoint_copies:
+        # Each kept checkpoint hard-links the stores; the next write-back unshares them.
+        live = sum(r.bytes for r in rows if r.tier == 'nvme')
+        add(STATE, 'nvme', f'checkpoint snapshots (keep={checkpoint_copies})',
+            checkpoint_copies * live, 'checkpoint.keep × the stores above')
+      add(STATE, 'host', STAGING_ROW, p.host_buffer_gb * 1e9, 'offload.host_buffer_gb (numpy, unpinned)')
+    return rows
+
+  def jitted_calls(self) -> dict[str, int]:
+    """{stage: jitted functions dispatched per step} (the planner's dispatch overhead)."""
+    G, M = self.num_groups, self.microbatches
+    return {'embed': M, 'forward': G * M, 'head': 3 * M, 'backward': G * M + 2 * G,
+            'update': 2 * G, 'embed_backward': M, 'outer_update': 4}
