@@ -14,8 +14,6 @@ import shutil
 import time
 import types
 
-import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from megatrain_jax import optim

@@ -41,8 +41,10 @@ import collections
 import functools
 import json
 import os
+import pathlib
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,9 +60,6 @@ from megatrain_jax.engine import resident
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.tiers import codecs as tier_codecs
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import disk_read  # noqa: E402  (sibling script in bench/)
-
 MODEL = ModelConfig(vocab_size=256, d_model=512, num_layers=4, num_heads=8, num_kv_heads=4,
                     d_ff=1376, max_seq_len=256)
 TRAIN = types.SimpleNamespace(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
@@ -69,6 +68,41 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                     '../../shared/data/tinyshakespeare/input.txt')
 CODECS = (('none', 0), ('zstd', 1), ('zstd', 3), ('blosc', 1))  # (codec, level)
 ROW = 1024  # floats per row of the benchmark arrays: 4 KiB, the unit inner chunks are cut in
+DISK_READ = pathlib.Path(__file__).resolve().parent / 'disk_read.py'
+
+
+def drop_page_cache() -> bool:
+  """sync + drop the page cache, dentries and inodes. False where not permitted (not root)."""
+  os.sync()  # dirty pages cannot be dropped: write them back first
+  try:
+    with open('/proc/sys/vm/drop_caches', 'w') as f:
+      f.write('3\n')
+    return True
+  except OSError:
+    return False
+
+
+def cached_bytes(paths) -> int | None:
+  """Bytes of `paths` resident in the page cache (util-linux `fincore`); None if unavailable."""
+  paths = [str(p) for p in paths]
+  if not paths or shutil.which('fincore') is None:
+    return None
+  out = subprocess.run(['fincore', '--bytes', '--noheadings', '--raw', '--output', 'RES', *paths],
+                       capture_output=True, text=True)
+  if out.returncode != 0:
+    return None
+  return sum(int(line) for line in out.stdout.split())
+
+
+def raw_read_gbps(directory, size_gb: float = 2, repeats: int = 2) -> dict:
+  """dd read bandwidth of `directory`'s filesystem: the --json result of bench/disk_read.py, run
+  as a program (bench scripts import only the package, not each other)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / 'disk_read.json'
+    subprocess.run([sys.executable, str(DISK_READ), '--dir', str(directory), '--size-gb',
+                    str(size_gb), '--repeats', str(repeats), '--json', str(out)],
+                   stdout=subprocess.DEVNULL, check=True)
+    return json.loads(out.read_text())
 
 
 def _layers_flat(tree) -> np.ndarray:
@@ -166,8 +200,8 @@ def read_passes(spec, data, files, inflights, repeats, cold_mode, read_mode) -> 
     samples = []
     for _ in range(repeats):
       if cold_mode == 'drop_caches':
-        disk_read.drop_page_cache()
-      cached = disk_read.cached_bytes(files) or 0  # fincore: 0 after a successful drop
+        drop_page_cache()
+      cached = cached_bytes(files) or 0  # fincore: 0 after a successful drop
       row['cached_before_read'][n] = max(cached, row['cached_before_read'].get(n, 0))
       seconds, out = read_pass(spec, num_layers, n, _context(read_mode))
       samples.append(logical / seconds / 1e6)
@@ -256,14 +290,14 @@ def main():
       f.write(np.random.default_rng(0).bytes(8 << 20))
     with open(probe, 'rb') as f:
       f.read()
-    cached_probe = disk_read.cached_bytes([probe])
-    drop_ok = disk_read.drop_page_cache()
-    after_drop = disk_read.cached_bytes([probe])
+    cached_probe = cached_bytes([probe])
+    drop_ok = drop_page_cache()
+    after_drop = cached_bytes([probe])
     os.remove(probe)
     drop_ok = drop_ok and after_drop in (0, None)
     cold_mode = 'drop_caches' if drop_ok else 'NOT COLD (cannot drop the page cache)'
 
-    raw = disk_read.raw_read_gbps(directory, args.raw_gb, repeats=1) if args.raw_gb else None
+    raw = raw_read_gbps(directory, args.raw_gb, repeats=1) if args.raw_gb else None
 
     results = []
     for kind in kinds_wanted:

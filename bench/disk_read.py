@@ -9,9 +9,10 @@ filesystems, thin-provisioned and compressing block devices), fsyncs it, then re
   O_DIRECT        `iflag=direct`: bypasses the page cache, so it is cold without dropping anything
   cached          buffered read of the file right after a buffered read loaded it (RAM speed)
 
-GB/s = 1e9 bytes / s. Other benchmarks import `raw_read_gbps(directory, size_gb)` to compare what
-they achieve against this disk in the same run; `drop_page_cache()` and `cached_bytes(paths)` are
-shared helpers for cold-read measurements.
+GB/s = 1e9 bytes / s. Other benchmarks (codecs.py, nvme_read.py, nvme_big_run.py) run this script
+with --json to compare what they achieve against this disk in the same run (bench scripts import
+only the package, not each other; the small `drop_page_cache()` and `cached_bytes(paths)` are
+copied where needed).
 
 "Cold" means the *guest* page cache is empty (checked with `fincore`). On a virtual machine the
 host may still cache the disk image, which no guest can control or see.

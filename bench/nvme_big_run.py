@@ -18,18 +18,18 @@ import json
 import os
 import pathlib
 import resource
+import subprocess
 import sys
+import tempfile
 import time
 import types
 
-import jax
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from megatrain_jax import optim  # pylint: disable=g-import-not-at-top
-from megatrain_jax.engine.streamed import StreamedEngine  # pylint: disable=g-import-not-at-top
-from megatrain_jax.model import ModelConfig  # pylint: disable=g-import-not-at-top
-from megatrain_jax.placement import Placement  # pylint: disable=g-import-not-at-top
+from megatrain_jax import optim
+from megatrain_jax.engine.streamed import StreamedEngine
+from megatrain_jax.model import ModelConfig
+from megatrain_jax.placement import Placement
 
 MODELS = {  # both ~3.0B params, 36.3-36.4 GB of FP32 params + Adam m, v
     'wide': ModelConfig(vocab_size=256, d_model=2560, num_layers=44, num_heads=20, num_kv_heads=4,
@@ -38,6 +38,18 @@ MODELS = {  # both ~3.0B params, 36.3-36.4 GB of FP32 params + Adam m, v
                         d_ff=5632, max_seq_len=256, remat='full'),  # 35% smaller groups: less RSS
 }
 SHARED = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'data'
+DISK_READ = pathlib.Path(__file__).resolve().parent / 'disk_read.py'
+
+
+def raw_read_gbps(directory, size_gb: float = 2, repeats: int = 2) -> dict:
+  """dd read bandwidth of `directory`'s filesystem: the --json result of bench/disk_read.py, run
+  as a program (bench scripts import only the package, not each other)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / 'disk_read.json'
+    subprocess.run([sys.executable, str(DISK_READ), '--dir', str(directory), '--size-gb',
+                    str(size_gb), '--repeats', str(repeats), '--json', str(out)],
+                   stdout=subprocess.DEVNULL, check=True)
+    return json.loads(out.read_text())
 
 
 def main():
@@ -53,8 +65,7 @@ def main():
   model = MODELS[args.model]
   directory.mkdir(parents=True, exist_ok=True)
 
-  import disk_read  # pylint: disable=g-import-not-at-top
-  raw = disk_read.raw_read_gbps(str(directory))
+  raw = raw_read_gbps(directory)
   print('raw disk read (dd):', json.dumps(raw), flush=True)
 
   n = model.num_params

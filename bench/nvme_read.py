@@ -12,24 +12,47 @@ and the dd figures of bench/disk_read.py measured in the same run. Needs root (d
 
 import argparse
 import json
+import os
 import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 import types
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import disk_read  # pylint: disable=g-import-not-at-top
-from megatrain_jax import optim  # pylint: disable=g-import-not-at-top
-from megatrain_jax.engine.streamed import StreamedEngine  # pylint: disable=g-import-not-at-top
-from megatrain_jax.model import ModelConfig  # pylint: disable=g-import-not-at-top
-from megatrain_jax.placement import Placement  # pylint: disable=g-import-not-at-top
-
+from megatrain_jax import optim
+from megatrain_jax.engine.streamed import StreamedEngine
+from megatrain_jax.model import ModelConfig
+from megatrain_jax.placement import Placement
 
 # 3.03B params; 12.1 GB of FP32 weights (275 MB per layer).
 MODEL = ModelConfig(vocab_size=256, d_model=2560, num_layers=44, num_heads=20, num_kv_heads=4,
                     d_ff=6912, max_seq_len=256, remat='full')
+DISK_READ = pathlib.Path(__file__).resolve().parent / 'disk_read.py'
+
+
+def drop_page_cache() -> bool:
+  """sync + drop the page cache, dentries and inodes. False where not permitted (not root)."""
+  os.sync()  # dirty pages cannot be dropped: write them back first
+  try:
+    with open('/proc/sys/vm/drop_caches', 'w') as f:
+      f.write('3\n')
+    return True
+  except OSError:
+    return False
+
+
+def raw_read_gbps(directory, size_gb: float = 2, repeats: int = 2) -> dict:
+  """dd read bandwidth of `directory`'s filesystem: the --json result of bench/disk_read.py, run
+  as a program (bench scripts import only the package, not each other)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / 'disk_read.json'
+    subprocess.run([sys.executable, str(DISK_READ), '--dir', str(directory), '--size-gb',
+                    str(size_gb), '--repeats', str(repeats), '--json', str(out)],
+                   stdout=subprocess.DEVNULL, check=True)
+    return json.loads(out.read_text())
 
 
 def main():
@@ -40,7 +63,7 @@ def main():
   parser.add_argument('--json', default='')
   args = parser.parse_args()
   directory = pathlib.Path(args.dir)
-  raw = disk_read.raw_read_gbps(str(directory))
+  raw = raw_read_gbps(str(directory))
   train = types.SimpleNamespace(lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
                                 warmup_steps=0, steps=100, min_lr_ratio=0.1)
   placement = Placement(params='nvme', opt_state='nvme', layers_per_group=1,
@@ -53,7 +76,7 @@ def main():
   batch = np.arange(65, dtype=np.int32).reshape(1, 65) % 256
   passes = []
   for _ in range(args.passes):
-    assert disk_read.drop_page_cache(), 'needs root: cannot drop the page cache'
+    assert drop_page_cache(), 'needs root: cannot drop the page cache'
     before = engine.stats.disk_snapshot()['read_bytes']
     started = time.perf_counter()
     engine.eval_losses([batch])

@@ -79,7 +79,7 @@ def main():
   print(f'model: {MODEL.num_params:,} params, {MODEL.num_layers} layers, d_model {MODEL.d_model}; '
         f'{MICROBATCHES} x {BATCH} x {SEQ} tokens/step; remat {MODEL.remat}; '
         f'{args.rounds} rounds x {args.steps} steps each')
-  print(f'| engine | median step (s) | ratio to resident | TFLOP/s |')
+  print('| engine | median step (s) | ratio to resident | TFLOP/s |')
   print('|---|---|---|---|')
   rows = {}
   for name, samples in times.items():

@@ -17,6 +17,7 @@ import sys
 import ml_collections
 
 from megatrain_jax.errors import ConfigError
+from megatrain_jax.fs import nearest_existing
 from megatrain_jax.model.config import ModelConfig
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -116,11 +117,6 @@ def _check_known(dotted: str, schema: dict) -> None:
     raise ConfigError(_unknown_key_message(dotted, siblings))
 
 
-def check_override_key(dotted: str) -> None:
-  """Refuses a command-line override `--config.<dotted>=` that names no config field."""
-  _check_known(dotted, _flatten(_default_schema()))
-
-
 def check_override(dotted: str, value: str | None) -> None:
   """Refuses a command-line override `--config.<dotted>=<value>` whose key is unknown or whose
   value does not parse as the type of the field's default (with absl's own parsers)."""
@@ -200,13 +196,6 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
              f'{existing} is a file, not a directory. Point jax_cache_dir at a directory '
              "(created if missing), or set it to '' to turn the compile cache off.")
   return model_cfg
-
-
-def nearest_existing(path: pathlib.Path) -> pathlib.Path:
-  """`path` or its closest existing ancestor: what a later mkdir would create inside."""
-  while not path.exists():
-    path = path.parent
-  return path
 
 
 def check_workdir(workdir: str) -> pathlib.Path:

@@ -25,8 +25,9 @@ import json
 import os
 import pathlib
 import shutil
-import time
 
+from megatrain_jax import fs
+from megatrain_jax import layout
 from megatrain_jax.errors import ConfigError
 
 PROFILE_CACHE = pathlib.Path('~/.cache/megatrain_jax/hardware.json')
@@ -76,14 +77,6 @@ class HardwareProfile:
   peak_tflops: dict = dataclasses.field(default_factory=dict)
 
   # --- derived ---
-
-  @property
-  def device_bytes(self) -> float:
-    return self.device_memory_gb * _GB
-
-  @property
-  def host_bytes(self) -> float:
-    return self.host_memory_gb * _GB
 
   def tflops(self, dtype: str, precision: str, d_model: int) -> float:
     """Achieved layer TFLOP/s for this compute dtype and matmul precision at width d_model."""
@@ -188,21 +181,19 @@ def _fill_sizes(profile: HardwareProfile) -> HardwareProfile:
     changes['host_memory_gb'] = machine_memory_gb()
   if not profile.device_memory_gb:
     changes['device_memory_gb'] = (machine_memory_gb() if profile.unified_memory
-                                   else _device_memory_gb())
+                                   else device_memory_gb())
   return dataclasses.replace(profile, **changes) if changes else profile
 
 
-def _device_memory_gb() -> float:
-  import jax
-  stats = jax.devices()[0].memory_stats() or {}
+def device_memory_gb() -> float:
+  stats = layout.device_memory_stats()
   return stats.get('bytes_limit', 0) / _GB
 
 
 def _detect_preset() -> str:
-  import jax
-  if jax.devices()[0].platform == 'cpu':
+  if layout.platform() == 'cpu':
     return 'cpu'
-  return preset_for(jax.devices()[0].device_kind) or 'cpu'
+  return preset_for(layout.device_kind()) or 'cpu'
 
 
 def load_profile(spec: str) -> HardwareProfile:
@@ -211,8 +202,7 @@ def load_profile(spec: str) -> HardwareProfile:
     cached = PROFILE_CACHE.expanduser()
     if cached.is_file():
       profile = _read_profile(cached)
-      import jax
-      if profile.device_kind == jax.devices()[0].device_kind:
+      if profile.device_kind == layout.device_kind():
         return _fill_sizes(profile)
     return _fill_sizes(PRESETS[_detect_preset()])
   name = ALIASES.get(spec.lower(), spec.lower())
@@ -242,192 +232,10 @@ def _read_profile(path: pathlib.Path) -> HardwareProfile:
 def save_profile(profile: HardwareProfile, path: pathlib.Path = PROFILE_CACHE) -> pathlib.Path:
   path = pathlib.Path(path).expanduser()
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix('.tmp')
-  tmp.write_text(profile.to_json())
-  os.replace(tmp, path)
+  fs.write_text_atomic(path, profile.to_json())
   return path
 
 
 def free_disk_gb(directory: str) -> float:
-  from megatrain_jax.config import nearest_existing
-  return shutil.disk_usage(nearest_existing(pathlib.Path(directory).expanduser().absolute())).free / _GB
-
-
-# -------------------------------------------------------------------------------------------------
-# Calibration: measure this machine in well under a minute.
-# -------------------------------------------------------------------------------------------------
-
-def _best_time(fn, repeats: int, budget_s: float) -> float:
-  """Fastest of `repeats` runs (after one warm-up), stopping early past `budget_s`."""
-  fn()
-  best, spent = float('inf'), 0.0
-  for _ in range(repeats):
-    started = time.perf_counter()
-    fn()
-    elapsed = time.perf_counter() - started
-    best, spent = min(best, elapsed), spent + elapsed
-    if spent > budget_s:
-      break
-  return best
-
-
-def _layer_tflops(d_model: int, tokens: int) -> float:
-  """Achieved TFLOP/s of decoder layers as the engines run them: a scanned group of 2 layers,
-  full remat, forward + backward (float32, precision highest), counting the recomputed forward
-  (4 x the layer forward FLOPs, as planner.step_flops does). Timing remat'd, scanned layers rather
-  than one bare layer matters: on XLA:CPU the bare layer reads ~15% slower per FLOP."""
-  import jax
-  import jax.numpy as jnp
-  from megatrain_jax import model as model_lib
-  seq, layers = 256, 2
-  cfg = model_lib.ModelConfig(vocab_size=256, d_model=d_model, num_layers=layers,
-                              num_heads=max(1, d_model // 64), num_kv_heads=max(1, d_model // 128),
-                              d_ff=int(8 * d_model / 3) // 64 * 64, max_seq_len=seq, remat='full')
-  params = model_lib.init_layers(cfg, jax.random.key(0), 0, layers)
-  x = jax.random.normal(jax.random.key(1), (tokens // seq, seq, d_model), jnp.float32)
-  positions = model_lib.default_positions(x[..., 0].astype(jnp.int32))
-
-  @jax.jit
-  def fwd_bwd(p, h):
-    return jax.grad(lambda p, h: jnp.sum(model_lib.apply_group(cfg, p, h, positions)),
-                    argnums=(0, 1))(p, h)
-
-  seconds = _best_time(lambda: jax.block_until_ready(fwd_bwd(params, x)), 5, 3.0)
-  # flops_per_token counts 3 x forward (fwd + bwd) for every layer plus the head; remat adds one.
-  flops = tokens * (cfg.flops_per_token(seq) - 6.0 * cfg.d_model * cfg.vocab_size) * 4 / 3
-  return flops / seconds / 1e12
-
-
-def _adam_gparams(memory_kind: str, n: int) -> float:
-  """Jitted optax AdamW with donated state on `n` float32 params, in `memory_kind` memory."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from megatrain_jax.tiers.memory import memory_sharding
-  tx = optax.adamw(1e-3)
-  sharding = memory_sharding(memory_kind)
-  params = jax.device_put(jnp.ones((n,), jnp.float32), sharding)
-  grads = jax.device_put(jnp.full((n,), 1e-3, jnp.float32), sharding)
-  state = [params, tx.init(params)]
-
-  @jax.jit
-  def update(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-  update = jax.jit(update, donate_argnums=(0, 1))
-
-  def run():
-    state[0], state[1] = update(state[0], state[1], grads)
-    jax.block_until_ready(state[0])
-  return n / _best_time(run, 5, 3.0) / 1e9
-
-
-def _copy_gbps(src_kind: str, dst_kind: str, nbytes: int) -> float:
-  import jax
-  import jax.numpy as jnp
-  from megatrain_jax.tiers.memory import memory_sharding
-  src = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), memory_sharding(src_kind))
-  dst = memory_sharding(dst_kind)
-  return nbytes / _best_time(lambda: jax.block_until_ready(jax.device_put(src, dst)), 5, 2.0) / _GB
-
-
-def _dispatch_s() -> float:
-  import jax
-  import jax.numpy as jnp
-  add = jax.jit(lambda a: a + 1)
-  x = jnp.ones((8,), jnp.float32)
-  jax.block_until_ready(add(x))
-  started = time.perf_counter()
-  for _ in range(200):
-    x = add(x)
-  jax.block_until_ready(x)
-  return (time.perf_counter() - started) / 200
-
-
-def _drop_cached_pages(directory: pathlib.Path) -> None:
-  """Evicts the files' clean pages (posix_fadvise DONTNEED; no root needed)."""
-  for path in directory.rglob('*'):
-    if path.is_file():
-      fd = os.open(path, os.O_RDONLY)
-      try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-      finally:
-        os.close(fd)
-
-
-def _disk_gbps(directory: pathlib.Path, nbytes: int) -> tuple[float, float, float, float]:
-  """(write + fsync, cold read, cached read, cached write) GB/s of the NVMe tier's own layout
-  (tiers/codecs.py)."""
-  import numpy as np
-  import tensorstore as ts
-  from megatrain_jax.tiers import codecs
-  layers = 8
-  layer = np.random.default_rng(0).standard_normal((nbytes // layers // 4 // 1024, 1024),
-                                                   dtype=np.float32)
-  path = directory / 'probe'
-  spec = codecs.array_spec(str(path), (layers, *layer.shape))
-  context = ts.Context({'cache_pool': {'total_bytes_limit': 0}})
-  array = ts.open(spec, create=True, delete_existing=True, context=context).result()
-  def write_all():
-    for w in [array[i:i + 1].write(layer[None]) for i in range(layers)]:
-      w.result()
-  started = time.perf_counter()
-  write_all()
-  _drop_cached_pages(path)  # fsync: what the disk sustains once the page cache must flush
-  write_s = time.perf_counter() - started
-
-  def read_all(in_flight=2):
-    for i in range(0, layers, in_flight):
-      for f in [array[j:j + 1].read() for j in range(i, min(i + in_flight, layers))]:
-        f.result()
-  started = time.perf_counter()
-  read_all()
-  cold_s = time.perf_counter() - started
-  cached_s = _best_time(read_all, 3, 2.0)
-  cached_write_s = _best_time(write_all, 3, 2.0)
-  shutil.rmtree(path, ignore_errors=True)
-  actual = layers * layer.nbytes
-  return tuple(actual / s / _GB for s in (write_s, cold_s, cached_s, cached_write_s))
-
-
-def calibrate(directory: str, log=print) -> HardwareProfile:
-  """Measures this machine (about 30-60 s) and returns its profile. `directory`: where the disk
-  probe writes (the NVMe tier's directory; ~256 MB, removed afterwards)."""
-  import jax
-  device = jax.devices()[0]
-  cpu = device.platform == 'cpu'
-  probe_dir = pathlib.Path(directory).expanduser() / '.calibrate'
-  probe_dir.mkdir(parents=True, exist_ok=True)
-  started = time.perf_counter()
-  try:
-    compute = {f'float32@{d}': _layer_tflops(d, tokens=2048) for d in (256, 512, 1024)}
-    log('  decoder layer fwd+bwd (float32, highest): '
-        + ', '.join(f'd={k.split("@")[1]}: {v:.3f} TFLOP/s' for k, v in compute.items()))
-    h2d = _copy_gbps('pinned_host', 'device', 256 << 20)
-    d2h = _copy_gbps('device', 'pinned_host', 256 << 20)
-    log(f'  host->device {h2d:.1f} GB/s, device->host {d2h:.1f} GB/s')
-    device_adam = _adam_gparams('device', 32 << 20)
-    host_adam = device_adam if cpu else _adam_gparams('pinned_host', 32 << 20)
-    log(f'  AdamW: device {device_adam:.2f} Gparam/s, host {host_adam:.2f} Gparam/s')
-    write, cold, cached, cached_write = _disk_gbps(probe_dir, 256 << 20)
-    log(f'  disk at {directory}: write + fsync {write:.2f} GB/s, read cold {cold:.2f} GB/s; '
-        f'through the page cache: read {cached:.2f} GB/s, write {cached_write:.2f} GB/s')
-    dispatch = _dispatch_s()
-    log(f'  dispatch {dispatch * 1e6:.0f} us per jitted call')
-  finally:
-    shutil.rmtree(probe_dir, ignore_errors=True)
-  profile = HardwareProfile(
-      name=f'calibrated-{device.device_kind}', device_kind=device.device_kind,
-      device_memory_gb=machine_memory_gb() if cpu else _device_memory_gb(),
-      host_memory_gb=machine_memory_gb(), disk_gb=0.0, compute_tflops=compute,
-      h2d_gbps=h2d, d2h_gbps=d2h, disk_read_gbps=cold, disk_write_gbps=write, disks=1,
-      device_adam_gparams=device_adam, host_adam_gparams=host_adam, dispatch_s=dispatch,
-      overlap=not cpu, unified_memory=cpu, disk_read_cached_gbps=cached,
-      disk_write_cached_gbps=cached_write, host_cores=len(os.sched_getaffinity(0)),
-      # MFU stays relative to the datasheet peak on known accelerators, not to the measured rate.
-      peak_tflops=(dict(PRESETS[preset_for(device.device_kind)].peak_tflops)
-                   if preset_for(device.device_kind) else {}),
-      source=f'calibrated on {os.uname().nodename} at {time.strftime("%Y-%m-%d %H:%M:%S")} '
-             f'in {time.perf_counter() - started:.0f} s')
-  return profile
+  existing = fs.nearest_existing(pathlib.Path(directory).expanduser().absolute())
+  return shutil.disk_usage(existing).free / _GB

@@ -9,9 +9,21 @@ import json
 import math
 import os
 import pathlib
+import resource
+import time
 
 import tensorboardX
 import tqdm
+
+from megatrain_jax import fs
+from megatrain_jax.errors import TrainingDivergedError
+
+
+def due(step: int, every: int, last: int) -> bool:
+  """Whether something done every `every` steps (never when 0) is done at `step`: it always is at
+  the `last` step."""
+  return bool(every and step % every == 0) or step == last
+
 
 def format_console_line(step: int, total: int, scalars: dict) -> str:
   """e.g. 'step 120/600 | loss 2.3456 | grad_norm 0.812 | lr 2.99e-03 | 12,345 tok/s | 0.166 s/step'."""
@@ -55,12 +67,7 @@ class MetricsWriter:
     with open(self.jsonl_path, encoding='utf-8') as f:
       rows = [line for line in f if line.strip() and _row_step(line) is not None]
     kept = [line for line in rows if _row_step(line) <= step]
-    tmp = self.jsonl_path.with_suffix('.jsonl.tmp')
-    with open(tmp, 'w', encoding='utf-8') as f:
-      f.writelines(kept)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, self.jsonl_path)
+    fs.write_text_atomic(self.jsonl_path, ''.join(kept))
 
   def write(self, step: int, scalars: dict, console: bool = True) -> None:
     row = {'step': step, **{k: float(v) for k, v in scalars.items()}}
@@ -91,6 +98,76 @@ class MetricsWriter:
 
   def __exit__(self, *exc):
     self.close()
+
+
+def host_memory_gb() -> dict:
+  """This process's resident memory now and at its peak so far, in GB (1e9 bytes): what the
+  planner's `predicted_host_peak_gb` predicts (Linux: /proc/self/statm and ru_maxrss, in KiB)."""
+  with open('/proc/self/statm') as f:
+    rss_pages = int(f.read().split()[1])
+  peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return {'perf/host_rss_gb': rss_pages * os.sysconf('SC_PAGE_SIZE') / 1e9,
+          'perf/host_peak_gb': peak_kib * 1024 / 1e9}
+
+
+class RunLog(MetricsWriter):
+  """The log of one training run: a MetricsWriter that also times the steps, derives throughput
+  and MFU, and stops a run whose loss is no longer finite.
+
+  Step times leave out the first step a process runs (it includes compilation), unless no other
+  step has been timed since the last logged row."""
+
+  def __init__(self, workdir: pathlib.Path, *, total_steps: int, start_step: int, log_every: int,
+               tokens_per_step: int, flops_per_step: float, peak_tflops: float,
+               predicted_step_time_s: float, checkpointer, progress_bar: bool = True):
+    """`checkpointer` (a checkpoint.Checkpointer) tells a diverged run where to resume from."""
+    super().__init__(workdir, total_steps=total_steps, start_step=start_step,
+                     progress_bar=progress_bar)
+    self.start_step, self.log_every = start_step, log_every
+    self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
+    self.peak_tflops, self.predicted_step_time_s = peak_tflops, predicted_step_time_s
+    self.checkpointer = checkpointer
+    self.last = {}  # the newest row `record` wrote, with its step
+    self._timed_steps, self._timed_seconds = 0, 0.0
+
+  def timed_step(self, step: int, train_step, batch) -> dict:
+    """Runs `train_step(batch)`, the step that makes `step` steps done, and waits for its loss.
+    Returns its scalars with the perf/* ones at a logging step, else {}."""
+    started = time.perf_counter()
+    step_metrics = train_step(batch)
+    loss = float(step_metrics['learning/loss'])  # waits for the step
+    elapsed = time.perf_counter() - started
+    if not math.isfinite(loss):
+      raise self._diverged(loss, step)
+    if step > self.start_step + 1:  # the first step of a process includes compilation
+      self._timed_steps, self._timed_seconds = self._timed_steps + 1, self._timed_seconds + elapsed
+    self.advance(1, loss)
+    if not due(step, self.log_every, self.total_steps):
+      return {}
+    step_time = self._timed_seconds / self._timed_steps if self._timed_steps else elapsed
+    self._timed_steps, self._timed_seconds = 0, 0.0
+    tflops = self.flops_per_step / step_time / 1e12
+    return {**{k: float(v) for k, v in step_metrics.items()},
+            'perf/step_time_s': step_time,
+            'perf/tokens_per_sec': self.tokens_per_step / step_time,
+            'perf/tflops': tflops,
+            'perf/mfu': tflops / self.peak_tflops,
+            'perf/predicted_step_time_s': self.predicted_step_time_s,
+            **host_memory_gb()}
+
+  def record(self, step: int, scalars: dict) -> None:
+    """Writes the row of `step` unless `scalars` is empty; it becomes `last`."""
+    if scalars:
+      self.write(step, scalars)
+      self.last = {'step': step, **scalars}
+
+  def _diverged(self, loss: float, step: int) -> TrainingDivergedError:
+    newest = self.checkpointer.latest_step()
+    where = (f'The newest checkpoint is step {newest} in {self.checkpointer.directory}; a rerun '
+             'resumes from it.' if newest is not None else 'No checkpoint was written yet.')
+    return TrainingDivergedError(
+        f'loss is {loss} at step {step}: training diverged. {where} Lower train.lr, lengthen '
+        'train.warmup_steps or set train.grad_clip (e.g. 1.0).')
 
 
 def _row_step(line: str):

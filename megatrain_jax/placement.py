@@ -8,8 +8,7 @@ engine (engine/streamed.py) runs the model group by group.
 import dataclasses
 import math
 
-import jax
-
+from megatrain_jax import layout
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.tiers import codecs
@@ -83,9 +82,36 @@ class Placement:
                      self.optimizer_on) or self.layers_per_group == 0 or self.prefetch_depth == 0
             or self.host_buffer_gb == 0)
 
+  def describe(self, num_layers: int) -> str:
+    """One line for the console: the engine and, when streamed, where each part lives."""
+    if not self.streamed:
+      return 'resident engine (all state in device memory)'
+    groups = len(self.group_slices(num_layers))
+    return (f'streamed engine: params on {self.params}, Adam state on {self.opt_state}, '
+            f'activations on {self.activations}, embedding/head on {self.embed_head}, '
+            f'{groups} groups of {self.layers_per_group} layers, prefetch depth '
+            f'{self.prefetch_depth}, optimizer on {self.optimizer_on}')
+
+  def summary(self) -> str:
+    """The same, compact, for the planner's tables and refusals."""
+    if not self.streamed:
+      return 'resident (all on device)'
+    return (f'params {self.params}, Adam {self.opt_state}, activations {self.activations}, '
+            f'embed/head {self.embed_head}, optimizer on {self.optimizer_on}, '
+            f'K={self.layers_per_group}, prefetch {self.prefetch_depth}')
+
   def check(self, model_cfg: ModelConfig, allow_auto: bool = False) -> None:
     """Checks every field; with `allow_auto`, 'auto' (tiers) and 0 (K, depth) pass, for the
     planner to resolve."""
+    self._check_tiers(allow_auto)
+    self._check_storage()
+    self._check_pipeline(model_cfg, allow_auto)
+    if self.has_auto:
+      return  # the rest needs concrete values: checked again once the planner has chosen
+    self._check_resolved(model_cfg)
+
+  def _check_tiers(self, allow_auto: bool) -> None:
+    """Each part of the state names a tier it may live in (or 'auto', when allowed)."""
     auto = (AUTO,) if allow_auto else ()
     for name, allowed in (('params', TIERS), ('opt_state', TIERS),
                           ('activations', MEMORY_TIERS), ('embed_head', MEMORY_TIERS)):
@@ -93,6 +119,9 @@ class Placement:
       if tier not in allowed + auto:
         raise ConfigError(f'offload.{name}={tier!r} is not a tier for it: use one of '
                           f'{", ".join(allowed + auto)}.')
+
+  def _check_storage(self) -> None:
+    """The on-disk codec, its level and chunk size, and the planner's memory budgets."""
     if self.codec not in codecs.CODECS:
       raise ConfigError(f'offload.codec={self.codec!r}: use one of {", ".join(codecs.CODECS)}.')
     if self.codec in codecs.CODEC_LEVELS:
@@ -108,6 +137,10 @@ class Placement:
       if not 0 <= value < math.inf:  # NaN fails too
         raise ConfigError(f'offload.{name}={value} must be a number of GB >= 0 (the memory the '
                           "planner may fill; 0 = the hardware profile's).")
+
+  def _check_pipeline(self, model_cfg: ModelConfig, allow_auto: bool) -> None:
+    """The staging buffer, where AdamW runs, the group size K and the prefetch depth."""
+    auto = (AUTO,) if allow_auto else ()
     if not (self.host_buffer_gb > 0 or (allow_auto and self.host_buffer_gb == 0)):
       raise ConfigError(f'offload.host_buffer_gb={self.host_buffer_gb} must be > 0 (GB of host '
                         'RAM for the NVMe staging buffers).')
@@ -120,8 +153,10 @@ class Placement:
     if not (self.prefetch_depth == 0 and allow_auto) and self.prefetch_depth < 1:
       raise ConfigError(f'offload.prefetch_depth={self.prefetch_depth} must be >= 1 (the number '
                         'of groups whose weights are fetched ahead of the compute), or 0 for auto.')
-    if self.has_auto:
-      return  # the rest needs concrete values: checked again once the planner has chosen
+
+  def _check_resolved(self, model_cfg: ModelConfig) -> None:
+    """Checks that need every field concrete: the NVMe staging fits host_buffer_gb, AdamW on the
+    host has its state off the device, and the backend offers pinned host memory."""
     if 'nvme' in (self.params, self.opt_state):
       needed = self.staging_bytes(model_cfg, groups_in_flight=self.prefetch_depth + 2)
       if self.host_buffer_gb * _GB < needed:
@@ -137,8 +172,8 @@ class Placement:
           f"got params={self.params}, opt_state={self.opt_state}). Move them, or set "
           "offload.optimizer_on='device'.")
     if 'host' in (self.params, self.opt_state, self.activations, self.embed_head):
-      device = jax.devices()[0]
-      kinds = [m.kind for m in device.addressable_memories()]
+      device = layout.default_devices()[0]
+      kinds = layout.available_memory_kinds()
       if HOST_MEMORY_KIND not in kinds:
         field = next(n for n in ('params', 'opt_state', 'activations', 'embed_head')
                      if getattr(self, n) == 'host')

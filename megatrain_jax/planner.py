@@ -83,6 +83,7 @@ import megatrain_jax
 from megatrain_jax import PINNED_LIMIT_ENV
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
+from megatrain_jax import partition
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.hardware import HardwareProfile
 from megatrain_jax.model import ModelConfig
@@ -120,7 +121,9 @@ def state_sizes(cfg: ModelConfig, train_key: tuple) -> StateSizes:
   layer_opt = opt_two - opt_one
   return StateSizes(layer_params=_nbytes(one), layer_opt=layer_opt,
                     group_opt_extra=opt_one - layer_opt, outer_params=_nbytes(outer),
-                    outer_opt=_nbytes(jax.eval_shape(tx.init, outer)))
+                    outer_opt=_nbytes(jax.eval_shape(tx.init, outer)),
+                    outer_pieces_opt=sum(_nbytes(jax.eval_shape(tx.init, piece))
+                                         for piece in partition.outer_pieces(outer).values()))
 
 
 class _Attrs(dict):
@@ -450,7 +453,7 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None) -> 
     if pinned_only:  # the cap the user set is all that stands in the way
       best = max(pinned_only, key=lambda p: p.tokens_per_s)
       message += (f'\nRaising {PINNED_LIMIT_ENV} to {math.ceil(best.over_budget()[PINNED_ROW][0] / 2 ** 30)}'
-                  f' (GiB) would fit: {describe(best.placement)}, M={best.microbatches}, '
+                  f' (GiB) would fit: {best.placement.summary()}, M={best.microbatches}, '
                   f'{best.step_time_s:,.4g} s/step.')
     raise NoPlacementFits(message, closest)
   best = max(p.tokens_per_s for p in plans)
@@ -475,7 +478,7 @@ def _overshoot(plan: Plan) -> float:
 def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
   lines = [f'this config fits no placement on this hardware: {cfg.num_params:,} params '
            f'need {_gb(16 * cfg.num_params)} of FP32 state (params, grads, Adam m, v). '
-           f'The closest placement ({describe(closest.placement)}, M={closest.microbatches}) '
+           f'The closest placement ({closest.placement.summary()}, M={closest.microbatches}) '
            'needs:']
   for tier, (needed, available) in closest.over_budget().items():
     lines.append(f'  {tier}: {_gb(needed)} needed, {_gb(available)} available')
@@ -515,18 +518,10 @@ def _gb(n: float) -> str:
   return f'{n / _GB:,.2f} GB' if n >= 10 * 1e6 else f'{n / _GB:.6f} GB'
 
 
-def describe(p: Placement) -> str:
-  if not p.streamed:
-    return 'resident (all on device)'
-  return (f'params {p.params}, Adam {p.opt_state}, activations {p.activations}, embed/head '
-          f'{p.embed_head}, optimizer on {p.optimizer_on}, K={p.layers_per_group}, '
-          f'prefetch {p.prefetch_depth}')
-
-
 def format_plan(plan: Plan, hw: HardwareProfile) -> str:
   """The memory table, then predicted time, throughput, MFU and bottleneck."""
   out = [f'hardware: {hw.name} ({hw.source})',
-         f'placement: {describe(plan.placement)}, microbatches {plan.microbatches}',
+         f'placement: {plan.placement.summary()}, microbatches {plan.microbatches}',
          '', f'{"tier":<8}{"item":<44}{"GB":>12}  formula']
   for tier in ('device', 'host', 'nvme'):
     rows = [r for r in plan.rows if r.tier == tier]

@@ -80,7 +80,12 @@ class StateSizes:
   layer_opt: int  # Adam m + v of one layer: 8·P_l
   group_opt_extra: int  # per-group optimizer scalars (step counters)
   outer_params: int
-  outer_opt: int
+  outer_opt: int  # Adam state of the outer parts as the full state holds it (one set of counters)
+  outer_pieces_opt: int = 0  # the same kept per piece (schedule.outer_pieces): counters per piece
+
+  @property
+  def streamed_outer_opt(self) -> int:
+    return self.outer_pieces_opt or self.outer_opt
 
   def group_params(self, k: int) -> int:
     return k * self.layer_params
@@ -164,7 +169,8 @@ class StepSchedule:
     stages['update'] = self._update_traffic(sizes)
     if p.embed_head == 'host':  # params in for the step; Adam in for the update; both back out
       stages['embed'] = Traffic(h2d=sizes.outer_params)
-      stages['outer_update'] = Traffic(h2d=sizes.outer_opt, d2h=sizes.outer_params + sizes.outer_opt)
+      opt = sizes.streamed_outer_opt
+      stages['outer_update'] = Traffic(h2d=opt, d2h=sizes.outer_params + opt)
     return stages
 
   def _update_traffic(self, sizes: StateSizes) -> Traffic:
@@ -204,7 +210,7 @@ class StepSchedule:
         "one layer's internals" if k == 1 else "K·B·S·D·c + one layer's internals")
     add('forward', p.activations, f'boundary activations ({G} groups × {M} mb)', G * M * hidden,
         'G·M·B·S·D·c')
-    add(STATE, p.embed_head, 'embedding/head params + Adam', sizes.outer_params + sizes.outer_opt,
+    add(STATE, p.embed_head, 'embedding/head params + Adam', sizes.outer_params + sizes.streamed_outer_opt,
         '(4 + 8)·P_outer')
     add('head', 'device', 'embedding/head grads + logits',
         sizes.outer_params + logits_bytes(cfg, batch, seq), '4·P_outer + 3·B·S·V·4')

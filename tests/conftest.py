@@ -1,19 +1,16 @@
-"""Shared test set-up: JAX's persistent compilation cache, and paths to the real text in ../shared.
+"""Shared test set-up: JAX's persistent compilation cache, and the `shared_data` fixture (the real
+text in ../shared/data). Shared helpers live in helpers.py; the paths come from there too.
 
 The cache lives outside the checkout (~/.cache, or $MEGATRAIN_TEST_JAX_CACHE) so that CI runs on a
 fresh clone still reuse compiled executables from earlier runs on the same machine.
 """
 
-import os
 import pathlib
 
 import jax
 import pytest
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / 'shared' / 'data'
-JAX_CACHE_DIR = os.environ.get('MEGATRAIN_TEST_JAX_CACHE',
-                               os.path.expanduser('~/.cache/megatrain_jax/jax-tests'))
+from helpers import JAX_CACHE_DIR, SHARED_DATA
 
 jax.config.update('jax_compilation_cache_dir', JAX_CACHE_DIR)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)

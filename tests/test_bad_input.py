@@ -30,7 +30,8 @@ from megatrain_jax import train
 from megatrain_jax.data import ByteTokenizer, prepare_dataset
 from megatrain_jax.errors import ConfigError
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import REPO_ROOT
+
 TEXT = ('First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n'
         * 60)  # ~4.6 KB of text: enough for the small shapes below
 

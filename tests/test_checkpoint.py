@@ -1,14 +1,10 @@
 """Checkpoints: NVMe snapshots without the state in RAM, portability between placements, crash
 consistency of the live NVMe state, damaged checkpoints, and full disks."""
 
-import contextlib
-import json
 import os
 import pathlib
 import re
 import shutil
-import subprocess
-import tempfile
 
 import jax
 import numpy as np
@@ -21,27 +17,12 @@ from megatrain_jax.tiers import codecs
 from megatrain_jax.tiers import nvme
 from megatrain_jax.tiers.nvme import NvmeStore
 
-from test_streamed import CFG, _batches, _initial_state, _tx, streamed_run
-from test_train import read_rows, run_until_crash, small_config
-
-AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason='mounting a small tmpfs needs root')
+from helpers import (AS_ROOT, CFG, batches, make_tx, read_rows, run_until_crash, small_config,
+                     streamed_run, tmpfs)
 
 RESIDENT = {}
 HOST = dict(offload__params='host', offload__opt_state='host', offload__layers_per_group=1)
 NVME = dict(offload__params='nvme', offload__opt_state='nvme', offload__layers_per_group=1)
-
-
-@contextlib.contextmanager
-def tmpfs(megabytes: float):
-  """A fresh tmpfs of the given size: another filesystem than tmp_path, and one that fills up."""
-  path = pathlib.Path(tempfile.mkdtemp(prefix='megatrain_ckpt_fs_'))
-  subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={int(megabytes * 1024)}k', 'tmpfs',
-                  str(path)], check=True)
-  try:
-    yield path
-  finally:
-    subprocess.run(['umount', str(path)], check=True)
-    path.rmdir()
 
 
 def fill(directory: pathlib.Path, leave_bytes: int = 0) -> pathlib.Path:
@@ -125,13 +106,13 @@ def test_nvme_snapshot_is_hard_links_that_later_writes_leave_intact(tmp_path, mo
   assert [p.stat().st_ino for p in saved_files] == [p.stat().st_ino for p in live_files]
   monkeypatch.undo()
 
-  for batch in _batches(1)[:2]:  # rewrites every layer of the live store
+  for batch in batches(1)[:2]:  # rewrites every layer of the live store
     engine.train_step(batch)
   engine.close()
   assert all(a.stat().st_ino != b.stat().st_ino for a, b in zip(chunk_files(live), saved_files))
   reader = checkpointer.restore(CFG)
   assert reader.step == 5 and reader.meta['data_position'] == 10
-  tx, _, _ = _tx(1.0)
+  tx, _, _ = make_tx(1.0)
   from megatrain_jax.engine import resident  # pylint: disable=g-import-not-at-top
   got = reader.full_state(resident.abstract_state(CFG, tx))
   jax.tree.map(np.testing.assert_array_equal, got, jax.tree.map(np.asarray, want))

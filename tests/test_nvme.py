@@ -1,7 +1,6 @@
 """The NVMe tier: same numbers as the resident engine, corruption detected and named, read-after-
 write ordering, bounded write-behind, offload.dir checks, bounded host memory."""
 
-import contextlib
 import json
 import os
 import pathlib
@@ -20,10 +19,8 @@ from megatrain_jax.tiers import TransferStats
 from megatrain_jax.tiers import codecs
 from megatrain_jax.tiers.nvme import NvmeStore
 
-from test_cli import config_with, read_only_directory
-from test_streamed import CFG, assert_states_match, resident_run, streamed_run
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import (AS_ROOT, assert_states_match, config_with, read_only_directory, read_rows,
+                     resident_run, small_config, streamed_run, tmpfs)
 
 
 @pytest.mark.parametrize('codec', ['none', 'zstd'])
@@ -169,24 +166,10 @@ def test_offload_dir_not_writable(tmp_path):
   assert not (tmp_path / 'run').exists()
 
 
-@contextlib.contextmanager
-def small_filesystem(megabytes: int):
-  """A tmpfs of the given size (as root), else a directory whose free space is faked."""
-  path = pathlib.Path(os.path.join('/tmp', f'megatrain_small_fs_{os.getpid()}'))
-  path.mkdir(exist_ok=True)
-  subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={megabytes}m', 'tmpfs', str(path)],
-                 check=True)
-  try:
-    yield path
-  finally:
-    subprocess.run(['umount', str(path)], check=True)
-    path.rmdir()
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason='mounting a small tmpfs needs root')
+@AS_ROOT
 def test_too_little_free_space_is_refused_with_needed_and_available(tmp_path):
   # tiny config: 4 layers x 0.73M params x 12 bytes = 35 MB of NVMe state; the disk has 8 MB.
-  with small_filesystem(8) as disk:
+  with tmpfs(8) as disk:
     config = config_with(offload__dir=str(disk / 'stores'), **NVME)
     with pytest.raises(ConfigError, match=r'need 35\.\d+ GB|need 0\.0\d+ GB') as error:
       train.train_and_evaluate(config, str(tmp_path / 'run'))
@@ -200,7 +183,6 @@ def test_too_little_free_space_is_refused_with_needed_and_available(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 def test_trainer_runs_the_nvme_tier_and_reports_io(tmp_path, shared_data):
-  from test_train import read_rows, small_config  # pylint: disable=g-import-not-at-top
   config = small_config(shared_data / 'tinyshakespeare' / 'input.txt', train__steps=4,
                         checkpoint__every=0, offload__codec='zstd', **NVME)
   train.train_and_evaluate(config, str(tmp_path))
@@ -209,7 +191,7 @@ def test_trainer_runs_the_nvme_tier_and_reports_io(tmp_path, shared_data):
   for row in rows[1:]:
     assert row['io/read_gb'] > 0 and row['io/read_gbps'] > 0 and row['io/write_gbps'] > 0
     assert 1.0 < row['io/compression_ratio'] < 2.0  # zstd on FP32: a little, never a lot
-    assert row['perf/prefetch_stall_s'] >= 0
+    assert row['perf/fetch_wait_s'] >= 0
   assert (tmp_path / 'offload' / 'params').is_dir()
 
 

@@ -4,7 +4,6 @@ and predicted vs measured step time (a loose bound that catches gross errors).""
 
 import json
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -25,10 +24,9 @@ from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.placement import Placement
 
-from test_cli import config_with
-from test_streamed import CFG, TRAIN, _batches, _initial_state, _tx
+from helpers import CFG, REPO_ROOT, TRAIN, config_with
+from helpers import batches as _batches, initial_state as _initial_state, make_tx as _tx
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIZES = planner.state_sizes(CFG, planner.train_key(TRAIN))
 _GB = 1e9
 

@@ -8,7 +8,8 @@ checkpoint restore, NVMe live-store rebuild; or in the training). Chaining the k
 workdir (each run resumes from whatever the previous one left) gives several kill points per
 placement for the price of one extra process start each.
 
-The helpers here are also the engine of bench/reliability.py.
+bench/reliability.py runs the same harness (its own copy: bench/ imports only the package) with
+more kills, flipped checkpoint bytes and full disks.
 """
 
 import dataclasses
@@ -34,16 +35,12 @@ from megatrain_jax import optim
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / 'shared' / 'data'
-JAX_CACHE_DIR = os.environ.get('MEGATRAIN_TEST_JAX_CACHE',
-                               os.path.expanduser('~/.cache/megatrain_jax/jax-tests'))
+from helpers import JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, SMALL_MODEL
 
 STEPS, EVERY, LAYERS = 12, 3, 2
-# The small model of test_train.py, with checkpoints every 3 of 12 steps (4 saves, so a kill can
-# land before the first, between any two, or during the last one).
-FIELDS = dict(model__d_model=64, model__num_layers=LAYERS, model__num_heads=4,
-              model__num_kv_heads=2, model__d_ff=172, model__max_seq_len=128,
+# The small model of helpers.small_config, with checkpoints every 3 of 12 steps (4 saves, so a
+# kill can land before the first, between any two, or during the last one).
+FIELDS = dict(SMALL_MODEL, model__num_layers=LAYERS,
               data__path=str(SHARED_DATA / 'tinyshakespeare' / 'input.txt'), train__seq_len=64,
               train__batch_size=8, train__steps=STEPS, train__warmup_steps=2, train__log_every=1,
               train__eval_every=4, train__eval_batches=2, train__progress_bar=False,
@@ -324,7 +321,7 @@ def test_kill_chain_resumes_bitwise(tmp_path, shared_data, placement):
 def test_a_fresh_start_drops_the_rows_of_a_killed_first_attempt(tmp_path):
   """A run killed before its first checkpoint leaves a step-0 eval row (and maybe more); the
   rerun starts from scratch and must not log step 0 twice."""
-  (tmp_path / 'metrics.jsonl').write_text('{"step": 0, "eval/loss": 5.5}\n{"step": 1, "learn')
+  (tmp_path / 'metrics.jsonl').write_text('{"step": 0, "eval/loss": 5.5}\n{"step": 1, "learning/loss": 5.4}\n')
   with metrics.MetricsWriter(tmp_path, total_steps=4, start_step=0, progress_bar=False) as writer:
     writer.write(0, {'eval/loss': 5.5}, console=False)
   assert read_rows(tmp_path) == [{'step': 0, 'eval/loss': 5.5}]

@@ -3,77 +3,21 @@ float32 rounding after 5 steps, for every group size, microbatch count, clipping
 activation placement; each group's weights cross to the device exactly twice per step; leaves keep
 their memory kinds; checkpoints move between engines."""
 
-import functools
 import itertools
 
 import jax
 import numpy as np
 import pytest
 
-from megatrain_jax import config as config_lib
-from megatrain_jax import optim
 from megatrain_jax import train
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError
-from megatrain_jax.model import ModelConfig
 from megatrain_jax.placement import Placement
 
-CFG = ModelConfig(vocab_size=97, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=48,
-                  max_seq_len=64, init_std=0.2, remat='full')
-STEPS = 5
-TRAIN = config_lib.load_config('tiny', train__steps=10, train__warmup_steps=2, train__lr=1e-2).train
-
-
-def _batches(num_micro):
-  rng = np.random.default_rng(num_micro)
-  return [rng.integers(0, CFG.vocab_size, (num_micro, 2, 17)).astype(np.int32)
-          for _ in range(STEPS)]
-
-
-def _tx(grad_clip):
-  return optim.make_optimizer(TRAIN), optim.lr_schedule(TRAIN), grad_clip
-
-
-@functools.lru_cache(maxsize=None)
-def _initial_state():
-  tx, _, _ = _tx(0.0)
-  return jax.tree.map(np.asarray, jax.jit(resident.init_state, static_argnums=(0, 1))(CFG, tx, 0))
-
-
-@functools.lru_cache(maxsize=None)
-def resident_run(num_micro, grad_clip):
-  tx, schedule, clip = _tx(grad_clip)
-  engine = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, _initial_state()))
-  losses = [float(engine.train_step(b)['learning/loss']) for b in _batches(num_micro)]
-  return losses, jax.tree.map(np.asarray, engine.export_state())
-
-
-def streamed_run(num_micro, grad_clip, **placement):
-  tx, schedule, clip = _tx(grad_clip)
-  placement = Placement(**{'params': 'host', 'opt_state': 'host', **placement})
-  placement.check(CFG)
-  engine = StreamedEngine(CFG, tx, schedule, clip, placement, jax.tree.map(np.copy, _initial_state()))
-  metrics = [engine.train_step(b) for b in _batches(num_micro)]
-  return engine, [float(m['learning/loss']) for m in metrics], engine.export_state()
-
-
-def assert_states_match(got, want):
-  """Within float32 rounding, leaf by leaf: ||a - b|| <= 1e-6 ||b|| for params (the acceptance
-  bound), 1e-5 for the Adam moments (squared gradients, one rounding step further from the loss).
-
-  A norm rather than every element: Adam divides each gradient by its own running magnitude, so an
-  element whose gradient is pure rounding noise (a near-total cancellation) moves by a noisy
-  fraction of the learning rate in *any* two correct implementations.
-  """
-  def check(bound, path, a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-    assert error <= bound, (jax.tree_util.keystr(path), error)
-  jax.tree_util.tree_map_with_path(functools.partial(check, 1e-6), got['params'], want['params'])
-  jax.tree_util.tree_map_with_path(functools.partial(check, 1e-5), got['opt_state'],
-                                   want['opt_state'])
-  assert int(got['step']) == int(want['step']) == STEPS
+from helpers import (CFG, assert_states_match, read_rows, resident_run, run_until_crash,
+                     small_config, streamed_run)
+from helpers import batches as _batches, initial_state as _initial_state, make_tx as _tx
 
 
 # K = 1, 2 (even split), 3 (a remainder group of 1), 4 (all layers) over 4 layers.
@@ -134,7 +78,8 @@ def test_leaves_keep_their_memory_kinds(placement, kinds):
   for g in range(2):
     assert {x.sharding.memory_kind for x in jax.tree.leaves(engine.params.get(g))} == {params_kind}
     assert {x.sharding.memory_kind for x in jax.tree.leaves(engine.opt_state.get(g))} == {opt_kind}
-  outer = [engine.outer.get('params'), engine.outer.get('opt_state')]
+  outer = [store.get(piece) for store in (engine.outer_params, engine.outer_opt)
+           for piece in engine.pieces]
   assert {x.sharding.memory_kind for x in jax.tree.leaves(outer)} == {outer_kind}
 
 
@@ -197,7 +142,6 @@ HOST_TIER = dict(offload__params='host', offload__opt_state='host', offload__act
 @pytest.mark.parametrize('first, second', [(HOST_TIER, {}), ({}, HOST_TIER)],
                          ids=['host-then-resident', 'resident-then-host'])
 def test_checkpoints_move_between_engines(tmp_path, shared_data, monkeypatch, first, second):
-  from test_train import read_rows, run_until_crash, small_config  # pylint: disable=g-import-not-at-top
   data = shared_data / 'wikitext-2' / 'valid.txt'
   train.train_and_evaluate(small_config(data, train__steps=8), str(tmp_path / 'reference'))
   run_until_crash(monkeypatch, small_config(data, train__steps=8, **first), tmp_path / 'moved',

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from megatrain_jax import config as config_lib
+from megatrain_jax import metrics
 from megatrain_jax import train
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.errors import ConfigError, TrainingDivergedError
@@ -52,6 +53,11 @@ def test_training_on_shakespeare_lowers_validation_loss(tmp_path, shared_data):
     assert all(math.isfinite(r[key]) and r[key] > 0 for r in train_rows), key
   assert list((tmp_path / 'tensorboard').glob('events.out.tfevents.*'))
   assert Checkpointer(tmp_path, keep=1).latest_step() == 150
+  # The process's memory as /proc and getrusage see it: JAX alone holds over 100 MB; the peak so
+  # far never falls and is at least what is resident now (same units, 1e9 bytes).
+  peaks = [r['perf/host_peak_gb'] for r in train_rows]
+  assert all(0.1 < r['perf/host_rss_gb'] <= r['perf/host_peak_gb'] * 1.001 for r in train_rows)
+  assert peaks == sorted(peaks)
 
 
 def run_until_crash(monkeypatch, config, workdir, crash_after_checkpoint: int):
@@ -90,6 +96,22 @@ def test_resume_reproduces_uninterrupted_run_bitwise(tmp_path, shared_data, monk
   assert [r['step'] for r in got if 'learning/loss' in r] == list(range(1, 13))
 
 
+@pytest.mark.parametrize('start_step, kept', [(0, []), (4, [0, 2, 4])])
+def test_metrics_rows_past_the_restart_step_are_dropped(tmp_path, start_step, kept):
+  """Rows a killed run logged after its last checkpoint (all of them, on a fresh start) are
+  redone by the rerun, so they must go: each step is logged once, in order."""
+  earlier = [{'step': s, 'learning/loss': 5.0 - s / 10} for s in (0, 2, 4, 6, 8)]
+  (tmp_path / 'metrics.jsonl').write_text(
+      ''.join(json.dumps(row) + '\n' for row in earlier) + '{"step": 9, "learn')  # torn by a kill
+  with metrics.MetricsWriter(tmp_path, total_steps=10, start_step=start_step,
+                             progress_bar=False) as writer:
+    writer.write(start_step + 1, {'learning/loss': 1.5}, console=False)
+    writer.write(start_step + 2, {'learning/loss': 1.25}, console=False)
+  assert read_rows(tmp_path) == [r for r in earlier if r['step'] in kept] + [
+      {'step': start_step + 1, 'learning/loss': 1.5},
+      {'step': start_step + 2, 'learning/loss': 1.25}]
+
+
 def test_resume_refuses_other_model_shapes(tmp_path, shared_data):
   data = shared_data / 'tinyshakespeare' / 'input.txt'
   train.train_and_evaluate(small_config(data, train__steps=2, checkpoint__every=2), str(tmp_path))
@@ -103,7 +125,7 @@ def test_resume_keeps_the_microbatches_the_run_started_with(tmp_path, shared_dat
   where a fresh plan would choose another."""
   data = shared_data / 'tinyshakespeare' / 'input.txt'
   auto = small_config(data, train__steps=4, checkpoint__every=2, train__microbatches=0)
-  _, fresh = train.make_plan(auto, tmp_path / 'elsewhere', dry_run=False)
+  _, fresh = train.plan_for(auto, tmp_path / 'elsewhere', dry_run=False)
   started_with = 1 if fresh.microbatches != 1 else 2
   train.train_and_evaluate(small_config(data, train__steps=2, checkpoint__every=2,
                                         train__microbatches=started_with), str(tmp_path))

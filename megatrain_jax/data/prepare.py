@@ -18,12 +18,12 @@ import json
 import numbers
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from megatrain_jax import fs
 from megatrain_jax.data.corpus import DEFAULT_CORPUS_NAME, default_corpus_text
 from megatrain_jax.data.tokenizer import Tokenizer
 from megatrain_jax.errors import ConfigError
@@ -192,24 +192,9 @@ def prepare_dataset(out_dir: str | Path,
                       '(it is created if missing).')
 
   default_text = None if train_files else default_corpus_text()
-  if default_text is None:
-    train_desc = _describe_files(train_files)
-  else:
-    encoded = default_text.encode('utf-8')
-    # Content-addressed: the embedded corpus changes with the Python version.
-    train_desc = [{'path': DEFAULT_CORPUS_NAME, 'size': len(encoded),
-                   'sha256': hashlib.sha256(encoded).hexdigest()}]
-  val_desc = _describe_files(val_files)
+  identity = _source_identity(train_files, val_files, default_text, tokenizer, val_fraction)
   dtype = token_dtype(tokenizer.vocab_size)
-  fingerprint = _fingerprint({
-      'format': _FORMAT_VERSION,
-      'train_sources': train_desc,
-      'val_sources': val_desc,
-      'tokenizer': tokenizer.name,
-      'vocab_size': tokenizer.vocab_size,
-      # Only meaningful when the split is carved from the training stream.
-      'val_fraction': None if val_files else float(val_fraction),
-  })
+  fingerprint = _fingerprint(identity)
 
   meta = _read_meta(out_dir)
   if (meta is not None and meta.get('fingerprint') == fingerprint and
@@ -219,42 +204,71 @@ def prepare_dataset(out_dir: str | Path,
   out_dir.mkdir(parents=True, exist_ok=True)
   train_texts = ([default_text] if default_text is not None else
                  (chunk for path in train_files for chunk in _text_chunks(path, 'data.path')))
-  train_tmp = _new_temp(out_dir, 'train.bin')
-  val_tmp = _new_temp(out_dir, 'val.bin')
+  val_texts = ((chunk for path in val_files for chunk in _text_chunks(path, 'data.val_path'))
+               if val_files else None)
+  meta = _write_dataset(out_dir, train_texts, val_texts, tokenizer, dtype, val_fraction,
+                        {**identity, 'fingerprint': fingerprint})
+  return _info_from_meta(out_dir, meta)
+
+
+def _source_identity(train_files: Sequence[Path], val_files: Sequence[Path],
+                     default_text: str | None, tokenizer: Tokenizer,
+                     val_fraction: float) -> dict[str, Any]:
+  """What decides the prepared files' contents (its hash is the fingerprint): the format, each
+  source's version, the tokenizer and, when the split is carved from the training stream, the
+  share held out."""
+  if default_text is None:
+    train_desc = _describe_files(train_files)
+  else:
+    encoded = default_text.encode('utf-8')
+    # Content-addressed: the embedded corpus changes with the Python version.
+    train_desc = [{'path': DEFAULT_CORPUS_NAME, 'size': len(encoded),
+                   'sha256': hashlib.sha256(encoded).hexdigest()}]
+  return {
+      'format': _FORMAT_VERSION,
+      'train_sources': train_desc,
+      'val_sources': _describe_files(val_files),
+      'tokenizer': tokenizer.name,
+      'vocab_size': tokenizer.vocab_size,
+      # Only meaningful when the split is carved from the training stream.
+      'val_fraction': None if val_files else float(val_fraction),
+  }
+
+
+def _write_dataset(out_dir: Path, train_texts: Iterable[str], val_texts: Iterable[str] | None,
+                   tokenizer: Tokenizer, dtype: str, val_fraction: float,
+                   identity: dict[str, Any]) -> dict[str, Any]:
+  """Tokenizes into temp files beside the final ones, then commits them; returns the meta.json
+  written. `val_texts` None: the validation split is the last `val_fraction` of the training
+  stream. Partial output is removed after an error."""
+  train_tmp = fs.new_temp(out_dir, 'train.bin')
+  val_tmp = fs.new_temp(out_dir, 'val.bin')
   try:
     train_tokens = _tokenize_to_file(train_texts, tokenizer, dtype, train_tmp)
-    if val_files:
-      val_texts = (chunk for path in val_files for chunk in _text_chunks(path, 'data.val_path'))
+    if val_texts is not None:
       val_tokens = _tokenize_to_file(val_texts, tokenizer, dtype, val_tmp)
     else:
       val_tokens = int(train_tokens * val_fraction)
       train_tokens -= val_tokens
       _move_tail(train_tmp, val_tmp, train_tokens * np.dtype(dtype).itemsize)
-
-    meta = {
-        'format': _FORMAT_VERSION,
-        'dtype': dtype,
-        'vocab_size': tokenizer.vocab_size,
-        'tokenizer': tokenizer.name,
-        'train_tokens': train_tokens,
-        'val_tokens': val_tokens,
-        'val_fraction': None if val_files else float(val_fraction),
-        'train_sources': train_desc,
-        'val_sources': val_desc,
-        'fingerprint': fingerprint,
-    }
-    # Drop the commit marker first: a crash between the two replaces below must not leave an old
-    # meta.json vouching for a mix of old and new token files.
-    (out_dir / META_FILE).unlink(missing_ok=True)
-    _fsync_dir(out_dir)
-    os.replace(train_tmp, out_dir / 'train.bin')
-    os.replace(val_tmp, out_dir / 'val.bin')
-    _atomic_write_text(out_dir / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + '\n')
+    meta = {**identity, 'dtype': dtype, 'train_tokens': train_tokens, 'val_tokens': val_tokens}
+    _commit(out_dir, train_tmp, val_tmp, meta)
   finally:
     # No-ops after a successful replace; removes partial output after an error.
     train_tmp.unlink(missing_ok=True)
     val_tmp.unlink(missing_ok=True)
-  return _info_from_meta(out_dir, meta)
+  return meta
+
+
+def _commit(out_dir: Path, train_tmp: Path, val_tmp: Path, meta: dict[str, Any]) -> None:
+  """Moves the token files into place and writes meta.json, the commit marker, last."""
+  # Drop the commit marker first: a crash between the two replaces below must not leave an old
+  # meta.json vouching for a mix of old and new token files.
+  (out_dir / META_FILE).unlink(missing_ok=True)
+  fs.fsync(out_dir, directory=True)
+  os.replace(train_tmp, out_dir / 'train.bin')
+  os.replace(val_tmp, out_dir / 'val.bin')
+  fs.write_json_atomic(out_dir / META_FILE, meta)
 
 
 def _describe_files(files: Sequence[Path]) -> list[dict[str, Any]]:
@@ -347,32 +361,3 @@ def _move_tail(src: Path, dst: Path, offset: int) -> None:
     fsrc.truncate(offset)
     fsrc.flush()
     os.fsync(fsrc.fileno())
-
-
-def _new_temp(directory: Path, name: str) -> Path:
-  """Creates an empty hidden temp file beside `directory / name` (same filesystem for replace)."""
-  fd, path = tempfile.mkstemp(dir=directory, prefix=f'.{name}.', suffix='.tmp')
-  os.close(fd)
-  return Path(path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-  tmp = _new_temp(path.parent, path.name)
-  try:
-    with open(tmp, 'w', encoding='utf-8') as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-  finally:
-    tmp.unlink(missing_ok=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-  """Makes renames and unlinks in `directory` durable."""
-  fd = os.open(directory, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)

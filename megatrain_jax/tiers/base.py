@@ -88,10 +88,11 @@ class Store(abc.ABC):
 
   tier: str = ''
 
-  def __init__(self, name: str, stats: TransferStats, layout: Layout):
+  def __init__(self, name: str, stats: TransferStats, layout: Layout | None = None):
     self.name = name
     self.stats = stats
-    self.layout = layout  # shardings of what this store holds and hands out
+    # Shardings of what this store holds and hands out (default: the first device, whole).
+    self.layout = layout or Layout.single_device()
     self._trees: dict[Hashable, PyTree] = {}
 
   def get(self, key: Hashable) -> PyTree:

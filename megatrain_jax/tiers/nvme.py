@@ -35,8 +35,8 @@ class NvmeStore(Store):
 
   tier = 'nvme'
 
-  def __init__(self, name: str, stats: TransferStats, layout: Layout, *, directory: str,
-               slices: list[tuple[int, int]], codec: str = 'none', level: int = 1,
+  def __init__(self, name: str, stats: TransferStats, layout: Layout | None = None, *,
+               directory: str, slices: list[tuple[int, int]], codec: str = 'none', level: int = 1,
                shard_mb: float = 512, max_pending_writes: int = 2, read_threads: int = 2):
     super().__init__(name, stats, layout)
     self.directory = pathlib.Path(directory) / name

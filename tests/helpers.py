@@ -1,0 +1,205 @@
+"""Helpers shared by the test modules (each test module imports from here, never from another).
+
+- Paths: the checkout, the real text in ../shared/data, JAX's persistent compilation cache.
+- The parity harness: a small model (`CFG`) trained for `STEPS` steps on fixed random batches by
+  the resident engine (`resident_run`, cached) and by the streamed engine under any placement
+  (`streamed_run`), and `assert_states_match`, the float32-rounding bound between two states.
+- End-to-end runs of the trainer: `small_config` (a model that trains in seconds on 2 cores),
+  `read_rows` (metrics.jsonl), `run_until_crash` (a run that dies right after a checkpoint).
+- Bad-input set-ups: `config_with` (the tiny preset with overrides), `read_only_directory`,
+  `tmpfs` (a small filesystem of its own) and `AS_ROOT` (skip unless root, which mounting needs).
+
+pytest puts this directory on sys.path (rootdir-relative 'prepend' import mode, no __init__.py),
+so `from helpers import ...` works from every test module and from conftest.py.
+"""
+
+import contextlib
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+
+from megatrain_jax import config as config_lib
+from megatrain_jax import optim
+from megatrain_jax import train
+from megatrain_jax.checkpoint import Checkpointer
+from megatrain_jax.engine import resident
+from megatrain_jax.engine.streamed import StreamedEngine
+from megatrain_jax.model import ModelConfig
+from megatrain_jax.placement import Placement
+
+# ------------------------------------------------------------------------------------------------
+# Paths.
+# ------------------------------------------------------------------------------------------------
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / 'shared' / 'data'
+# Outside the checkout, so that CI runs on a fresh clone reuse executables compiled earlier.
+JAX_CACHE_DIR = os.environ.get('MEGATRAIN_TEST_JAX_CACHE',
+                               os.path.expanduser('~/.cache/megatrain_jax/jax-tests'))
+
+# ------------------------------------------------------------------------------------------------
+# The parity harness: streamed engine vs resident engine on one small model.
+# ------------------------------------------------------------------------------------------------
+
+CFG = ModelConfig(vocab_size=97, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=48,
+                  max_seq_len=64, init_std=0.2, remat='full')
+STEPS = 5
+TRAIN = config_lib.load_config('tiny', train__steps=10, train__warmup_steps=2, train__lr=1e-2).train
+
+
+def batches(num_micro: int) -> list[np.ndarray]:
+  """`STEPS` batches of token ids, each [num_micro, 2, 17] (micro, batch, seq + 1), seeded by
+  `num_micro` so every run with the same microbatch count sees the same data."""
+  rng = np.random.default_rng(num_micro)
+  return [rng.integers(0, CFG.vocab_size, (num_micro, 2, 17)).astype(np.int32)
+          for _ in range(STEPS)]
+
+
+def make_tx(grad_clip: float):
+  """(optimizer, learning-rate schedule, grad_clip) of `TRAIN`: the engines' first arguments."""
+  return optim.make_optimizer(TRAIN), optim.lr_schedule(TRAIN), grad_clip
+
+
+@functools.lru_cache(maxsize=None)
+def initial_state() -> dict:
+  """The resident engine's initial train state of `CFG` (seed 0), as numpy arrays. Cached: copy
+  it (`jax.tree.map(np.copy, ...)`) before handing it to an engine that may donate it."""
+  tx, _, _ = make_tx(0.0)
+  return jax.tree.map(np.asarray, jax.jit(resident.init_state, static_argnums=(0, 1))(CFG, tx, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def resident_run(num_micro: int, grad_clip: float):
+  """(losses, final state) of the resident engine over `batches(num_micro)`. Cached: the
+  reference every streamed placement is compared with."""
+  tx, schedule, clip = make_tx(grad_clip)
+  engine = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, initial_state()))
+  losses = [float(engine.train_step(b)['learning/loss']) for b in batches(num_micro)]
+  return losses, jax.tree.map(np.asarray, engine.export_state())
+
+
+def streamed_run(num_micro: int, grad_clip: float, **placement):
+  """(engine, losses, final state) of the streamed engine over `batches(num_micro)`, from the same
+  initial state as `resident_run`; `placement` overrides Placement(params='host',
+  opt_state='host')."""
+  tx, schedule, clip = make_tx(grad_clip)
+  placement = Placement(**{'params': 'host', 'opt_state': 'host', **placement})
+  placement.check(CFG)
+  engine = StreamedEngine(CFG, tx, schedule, clip, placement, jax.tree.map(np.copy, initial_state()))
+  metrics = [engine.train_step(b) for b in batches(num_micro)]
+  return engine, [float(m['learning/loss']) for m in metrics], engine.export_state()
+
+
+def assert_states_match(got, want):
+  """Within float32 rounding, leaf by leaf: ||a - b|| <= 1e-6 ||b|| for params (the acceptance
+  bound), 1e-5 for the Adam moments (squared gradients, one rounding step further from the loss).
+
+  A norm rather than every element: Adam divides each gradient by its own running magnitude, so an
+  element whose gradient is pure rounding noise (a near-total cancellation) moves by a noisy
+  fraction of the learning rate in *any* two correct implementations.
+  """
+  def check(bound, path, a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    assert error <= bound, (jax.tree_util.keystr(path), error)
+  jax.tree_util.tree_map_with_path(functools.partial(check, 1e-6), got['params'], want['params'])
+  jax.tree_util.tree_map_with_path(functools.partial(check, 1e-5), got['opt_state'],
+                                   want['opt_state'])
+  assert int(got['step']) == int(want['step']) == STEPS
+
+
+# ------------------------------------------------------------------------------------------------
+# End-to-end runs of the trainer.
+# ------------------------------------------------------------------------------------------------
+
+# A small model so each run compiles and trains in seconds on 2 cores.
+SMALL_MODEL = dict(model__d_model=64, model__num_layers=2, model__num_heads=4, model__num_kv_heads=2,
+                   model__d_ff=172, model__max_seq_len=128)
+
+
+def small_config(data_path, **overrides):
+  """The tiny preset with `SMALL_MODEL` on the text at `data_path`: 12 steps of 8 x 64 tokens,
+  a metrics row every step, an evaluation every 4 and a checkpoint every 4; `overrides` as
+  config_lib.load_config takes them (`train__steps=8`)."""
+  fields = dict(SMALL_MODEL, data__path=str(data_path), train__seq_len=64, train__batch_size=8,
+                train__steps=12, train__warmup_steps=2, train__log_every=1, train__eval_every=4,
+                train__eval_batches=2, train__progress_bar=False, checkpoint__every=4,
+                jax_cache_dir='')
+  fields.update(overrides)
+  return config_lib.load_config('tiny', **fields)
+
+
+def read_rows(workdir) -> list[dict]:
+  """The rows of `workdir`/metrics.jsonl (every line must parse)."""
+  with open(workdir / 'metrics.jsonl') as f:
+    return [json.loads(line) for line in f]
+
+
+def run_until_crash(monkeypatch, config, workdir, crash_after_checkpoint: int):
+  """Trains until the checkpoint of step `crash_after_checkpoint` is written, then 'crashes'."""
+  original_save = Checkpointer.save
+
+  def save_then_crash(self, step, *args, **kwargs):
+    original_save(self, step, *args, **kwargs)
+    if step == crash_after_checkpoint:
+      self.wait()
+      raise KeyboardInterrupt('simulated crash')
+
+  monkeypatch.setattr(Checkpointer, 'save', save_then_crash)
+  with pytest.raises(KeyboardInterrupt):
+    train.train_and_evaluate(config, str(workdir))
+  monkeypatch.undo()
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad-input set-ups.
+# ------------------------------------------------------------------------------------------------
+
+def config_with(**overrides):
+  """The tiny preset, without a compilation cache or progress bar, with `overrides`."""
+  return config_lib.load_config('tiny', jax_cache_dir='', train__progress_bar=False, **overrides)
+
+
+@contextlib.contextmanager
+def read_only_directory():
+  """A directory no one can write to: a read-only tmpfs as root (root ignores mode bits), else a
+  mode-0555 directory."""
+  path = pathlib.Path(tempfile.mkdtemp())
+  if os.geteuid() == 0:
+    subprocess.run(['mount', '-t', 'tmpfs', '-o', 'ro,size=1m', 'tmpfs', str(path)], check=True)
+    try:
+      yield path
+    finally:
+      subprocess.run(['umount', str(path)], check=True)
+      path.rmdir()
+  else:
+    path.chmod(0o555)
+    try:
+      yield path
+    finally:
+      path.chmod(0o755)
+      path.rmdir()
+
+
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason='mounting a small tmpfs needs root')
+
+
+@contextlib.contextmanager
+def tmpfs(megabytes: float):
+  """A fresh, empty tmpfs of the given size (root only: mark the test `AS_ROOT`): another
+  filesystem than tmp_path, and one that fills up."""
+  path = pathlib.Path(tempfile.mkdtemp(prefix='megatrain_test_fs_'))
+  subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={int(megabytes * 1024)}k', 'tmpfs',
+                  str(path)], check=True)
+  try:
+    yield path
+  finally:
+    subprocess.run(['umount', str(path)], check=True)
+    path.rmdir()
