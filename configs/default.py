@@ -38,6 +38,10 @@ def get_config() -> ml_collections.ConfigDict:
   #                             block, each recomputed in the backward, so a layer holds B·H·512·S
   #                             scores instead of B·H·S·S (17 GB for 405B at 4096 tokens). Same
   #                             math; 0 = all queries at once.
+  model.vocab_chunk = 0  # Vocabulary columns per block of the LM head + loss. The loss runs block by
+  #                         block (online logsumexp, each block recomputed in the backward), so it
+  #                         holds [tokens, chunk] float32 logits instead of [tokens, vocab_size].
+  #                         Same math; 0 = auto = min(vocab_size, 8192); must be <= vocab_size.
   model.init_std = 0.02  # Std of the normal init of every matrix (HF initializer_range).
   model.dtype = 'float32'  # Compute dtype: 'float32' or 'bfloat16'. Params are always float32.
   model.matmul_precision = 'highest'  # 'highest' = true FP32 matmuls on GPU (no TF32); 'default'.
@@ -85,7 +89,12 @@ def get_config() -> ml_collections.ConfigDict:
   # ---------------------------------------------------------------------------------------------
   config.checkpoint = checkpoint = ml_collections.ConfigDict()
   checkpoint.every = 200  # Steps between checkpoints (one is also written at the end); 0 = end
-  #                         only; -1 = never.
+  #                         only; -1 = never (no checkpoint of any kind, not even on SIGTERM).
+  checkpoint.every_minutes = 0.0  # Also checkpoint once this many minutes have passed since the
+  #                                 last checkpoint (wall clock; checked after each step); 0 = off.
+  #                                 Bounds the work lost to a crash when steps are slow. SIGTERM
+  #                                 and SIGINT always save the step in flight (README: Preemptible
+  #                                 machines and SLURM).
   checkpoint.keep = 3  # Newest checkpoints kept on disk. NVMe runs: each kept checkpoint pins one
   #                      full copy of the NVMe state on disk (hard links to the stores' files).
 
@@ -101,8 +110,9 @@ def get_config() -> ml_collections.ConfigDict:
   offload.opt_state = 'auto'  # Adam m and v of the layers: 'device', 'host', 'nvme' or 'auto'.
   offload.activations = 'auto'  # Group-boundary activations kept for backward: 'device', 'host',
   #                               'auto'.
-  offload.embed_head = 'auto'  # Embedding, final norm and LM head (params + Adam state):
-  #                              'device', 'host' or 'auto'.
+  offload.embed_head = 'auto'  # Embedding, final norm and LM head (params + Adam state), kept
+  #                              in vocabulary chunks of at most shard_mb and streamed chunk by
+  #                              chunk: 'device', 'host', 'nvme' or 'auto'.
   offload.layers_per_group = 0  # K: layers per streamed group (the last may be smaller); 0 = auto.
   offload.prefetch_depth = 0  # Groups whose weights are in flight ahead of the compute; 0 = auto.
   offload.optimizer_on = 'auto'  # Where a group's AdamW update runs: 'device' (its Adam state is

@@ -188,6 +188,9 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
            f'must be >= 0 (0 = at the end only) or -1 (never), got {config.checkpoint.every}.')
   _require(config.checkpoint.keep >= 1, 'checkpoint.keep',
            f'must be >= 1, got {config.checkpoint.keep}.')
+  _require(config.checkpoint.every_minutes >= 0, 'checkpoint.every_minutes',
+           'must be >= 0 (minutes between time-based checkpoints; 0 = off), got '
+           f'{config.checkpoint.every_minutes}.')
   _require(0 < config.data.val_fraction <= 0.5, 'data.val_fraction',
            f'must be in (0, 0.5], got {config.data.val_fraction}.')
   if config.jax_cache_dir:

@@ -24,7 +24,8 @@ The points (and how often each is passed per training step, with G layer groups)
               before meta.json, the manifest and the commit rename (files partly written).
 
 Tests pick the n-th pass from these counts (`passes_per_step`). A kill at a random wall-clock time
-from outside (the other fault kind) needs no hook: see `kill_after`.
+from outside (the other fault kind) needs no hook: see `kill_after`. megatrain_jax/reliability.py
+runs launch.py processes under both kinds and compares what they leave.
 """
 
 import os

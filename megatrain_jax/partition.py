@@ -1,18 +1,21 @@
 """Cutting the full train state into the pieces a streamed engine stores, and joining them back.
 
 The full state (what the resident engine trains and every checkpoint holds) has layer leaves
-stacked over all L layers. The streamed engine keeps one piece per stage (schedule.py), each
+stacked over all L layers. The streamed engine keeps pieces of four kinds (schedule.py), each piece
 {'params': <subtree at its full-state paths>, 'opt_state': tx.init(those params)}:
-  'embed':       params {'embed': ...}
-  'final_norm':  params {'head': {'final_norm': ...}}
-  'head':        params {'head': {'lm_head': ...}}          (absent when tied to the embedding)
-  group g:       params {'layers': leaves[start:stop]}
+
+  kind          key          params of the piece                          split along
+  'layers'      group g      {'layers': leaves[start:stop]}               axis 0 (layers)
+  'embed'       chunk c      {'embed': {'embedding': [start:stop, :]}}    axis 0 (vocabulary)
+  'head'        chunk c      {'head': {'lm_head': {'kernel': [:, start:stop]}}}   axis 1
+                             (absent when the head is tied to the embedding)
+  'final_norm'  0            {'head': {'final_norm': ...}}                whole
 
 Optax states mirror the params tree inside their own structure (e.g. AdamW's mu and nu), so a
 leaf of a piece's optimizer state sits at the *same tree path* as the matching leaf of the full
-state: pieces are filled by path, slicing leaves whose path goes through 'layers' and copying the
-rest (step counts). This works for any optax transformation whose state is per-parameter or
-scalar, which is what "elementwise" means here.
+state: pieces are filled by path, slicing the leaves `split_axis` names and copying the rest (step
+counts). This works for any optax transformation whose state is per-parameter or scalar, which is
+what "elementwise" means here.
 """
 
 import jax
@@ -20,6 +23,9 @@ import numpy as np
 import optax
 
 LAYERS = "['layers']"  # full-state paths through the layer stack contain this
+EMBEDDING = "['embed']['embedding']"  # [V, D]
+HEAD_KERNEL = "['lm_head']['kernel']"  # [D, V]
+KINDS = ('layers', 'embed', 'head', 'final_norm')
 
 
 def by_path(tree, prefix: str = '') -> dict:
@@ -28,18 +34,44 @@ def by_path(tree, prefix: str = '') -> dict:
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def outer_pieces(params) -> dict:
-  """{piece name: its params subtree}, paths as in the full params tree (see module docstring)."""
-  pieces = {'embed': {'embed': params['embed']},
-            'final_norm': {'head': {'final_norm': params['head']['final_norm']}}}
-  if 'lm_head' in params['head']:
-    pieces['head'] = {'head': {'lm_head': params['head']['lm_head']}}
-  return pieces
+def split_axis(path: str) -> int | None:
+  """The axis along which the leaf at `path` (full-state or piece path) is cut into pieces:
+  0 for layer leaves and the embedding, 1 for the head kernel, None for whole leaves."""
+  if LAYERS in path or EMBEDDING in path:
+    return 0
+  return 1 if HEAD_KERNEL in path else None
+
+
+def vocab_slices(vocab_size: int, d_model: int, shard_mb: float) -> list[tuple[int, int]]:
+  """Vocabulary chunks [(start, stop)] of at most `shard_mb` MiB of float32 rows (at least one row
+  per chunk); all but the last have the same length."""
+  rows = max(1, min(vocab_size, int(shard_mb * 2**20 // (4 * d_model))))
+  return [(s, min(s + rows, vocab_size)) for s in range(0, vocab_size, rows)]
+
+
+def kinds_of(params) -> tuple[str, ...]:
+  """The kinds a params tree has: no 'head' when it is tied to the embedding."""
+  return KINDS if 'lm_head' in params['head'] else tuple(k for k in KINDS if k != 'head')
+
+
+def piece_of(params, kind: str, start: int = 0, stop: int = 0) -> dict:
+  """The params of piece [start, stop) of `kind` (see the module docstring)."""
+  cut = lambda a, axis: a[(slice(None),) * axis + (slice(start, stop),)]
+  if kind == 'layers':
+    return {'layers': jax.tree.map(lambda a: cut(a, 0), params['layers'])}
+  if kind == 'embed':
+    return {'embed': {'embedding': cut(params['embed']['embedding'], 0)}}
+  if kind == 'head':
+    return {'head': {'lm_head': {'kernel': cut(params['head']['lm_head']['kernel'], 1)}}}
+  return {'head': {'final_norm': params['head']['final_norm']}}
+
+
+def group_of(params, start: int, stop: int) -> dict:
+  return piece_of(params, 'layers', start, stop)
 
 
 def join_pieces(pieces) -> dict:
-  """The union of piece trees (each a nested dict at full-state paths): the inverse of
-  `outer_pieces`."""
+  """The union of piece trees (nested dicts at full-state paths) that share no leaf."""
   joined = {}
   for tree in pieces:
     for key, value in tree.items():
@@ -47,72 +79,82 @@ def join_pieces(pieces) -> dict:
   return joined
 
 
-def group_of(params, start: int, stop: int) -> dict:
-  return {'layers': jax.tree.map(lambda a: a[start:stop], params['layers'])}
-
-
-def _fill(template, source: dict, layer_leaf):
-  """A tree shaped like `template` whose leaves come from `source` (by path)."""
+def _fill(template, source: dict, start: int, stop: int):
+  """A tree shaped like `template` whose leaves come from `source` (full-state path -> array):
+  split leaves cut to [start, stop) along their axis, whole leaves (step counts) as they are."""
   def leaf(path, _):
     key = jax.tree_util.keystr(path)
-    return layer_leaf(key) if LAYERS in key else np.asarray(source[key])
+    axis = split_axis(key)
+    value = np.asarray(source[key])
+    return value if axis is None else value[(slice(None),) * axis + (slice(start, stop),)]
   return jax.tree_util.tree_map_with_path(leaf, template)
 
 
-def split_state(state: dict, tx: optax.GradientTransformation, slices) -> tuple[dict, list[dict]]:
-  """Full state -> ({piece: outer piece}, [group pieces]) as host numpy arrays."""
+def split_state(state: dict, tx: optax.GradientTransformation,
+                slices: dict) -> dict[str, list[dict]]:
+  """Full state -> {kind: [pieces in key order]} as host numpy arrays; `slices`: {kind: [(start,
+  stop)]} for 'layers', 'embed' and 'head' (schedule.StepSchedule / the engine choose them)."""
   params = jax.tree.map(np.asarray, state['params'])
   full_opt = by_path(state['opt_state'])
-  outer = {name: {'params': piece, 'opt_state': _fill(jax.eval_shape(tx.init, piece), full_opt, None)}
-           for name, piece in outer_pieces(params).items()}
-  groups = []
-  for start, stop in slices:
-    group_params = group_of(params, start, stop)
-    opt = _fill(jax.eval_shape(tx.init, group_params), full_opt,
-                lambda key, a=start, b=stop: np.asarray(full_opt[key])[a:b])
-    groups.append({'params': group_params, 'opt_state': opt})
-  return outer, groups
+  pieces = {}
+  for kind in kinds_of(params):
+    pieces[kind] = []
+    for start, stop in slices.get(kind, [(0, 0)]):
+      piece = piece_of(params, kind, start, stop)
+      opt = _fill(jax.eval_shape(tx.init, piece), full_opt, start, stop)
+      pieces[kind].append({'params': piece, 'opt_state': opt})
+  return pieces
 
 
-def merge_state(outer: dict, groups: list[dict], tx: optax.GradientTransformation, step, rng) -> dict:
-  """({piece: outer piece}, [group pieces]) -> full state, as host numpy arrays."""
-  layers = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]),
-                        *[g['params']['layers'] for g in groups])
-  params = {**jax.tree.map(np.asarray, join_pieces(p['params'] for p in outer.values())),
-            'layers': layers}
-  outer_opt = {}  # the pieces' moments at their own paths; step counts, equal in every piece
-  for piece in outer.values():
-    outer_opt.update(by_path(piece['opt_state']))
-  group_opts = [by_path(g['opt_state']) for g in groups]
-  opt = _fill(jax.eval_shape(tx.init, params), outer_opt,
-              lambda key: np.concatenate([np.asarray(g[key]) for g in group_opts]))
+def merge_state(pieces: dict, tx: optax.GradientTransformation, step, rng) -> dict:
+  """{kind: [pieces in key order]} -> full state, as host numpy arrays."""
+  joined = {}  # full-state path -> [that leaf's part in every piece, in key order]
+  for part in ('params', 'opt_state'):
+    for kind_pieces in pieces.values():
+      for piece in kind_pieces:
+        for path, x in by_path(piece[part], f"['{part}']").items():
+          joined.setdefault(path, []).append(np.asarray(x))
+
+  def leaf(prefix):
+    def join(path, _):
+      key = prefix + jax.tree_util.keystr(path)
+      axis = split_axis(key)  # step counts: equal in every piece
+      return joined[key][0] if axis is None else np.concatenate(joined[key], axis=axis)
+    return join
+  structure = join_pieces(kind_pieces[0]['params'] for kind_pieces in pieces.values())
+  params = jax.tree_util.tree_map_with_path(leaf("['params']"), structure)
+  opt = jax.tree_util.tree_map_with_path(leaf("['opt_state']"), jax.eval_shape(tx.init, params))
   return {'step': np.asarray(step), 'params': params, 'opt_state': opt, 'rng': np.asarray(rng)}
 
 
-def _read_tree(template, prefix: str, read, start=None, stop=None):
-  """A tree shaped like `template` read leaf by leaf from `read(full-state path[, start, stop])`:
-  layers [start:stop] of stacked leaves, the whole leaf otherwise (step counts)."""
-  def leaf(path, _):
-    key = prefix + jax.tree_util.keystr(path)
-    return read(key, start, stop) if LAYERS in key else read(key)
-  return jax.tree_util.tree_map_with_path(leaf, template)
-
-
-def group_template(tx: optax.GradientTransformation, abstract_params, start: int, stop: int):
-  """ShapeDtypeStructs of group [start, stop)'s piece: {'params', 'opt_state'}."""
-  params = jax.eval_shape(lambda p: group_of(p, start, stop), abstract_params)
+def piece_template(tx: optax.GradientTransformation, abstract_params, kind: str, start: int,
+                   stop: int) -> dict:
+  """ShapeDtypeStructs of piece [start, stop) of `kind`: {'params', 'opt_state'}."""
+  params = jax.eval_shape(lambda p: piece_of(p, kind, start, stop), abstract_params)
   return {'params': params, 'opt_state': jax.eval_shape(tx.init, params)}
 
 
-def read_outer(read, tx: optax.GradientTransformation, abstract_params) -> dict:
-  """{piece: outer piece} from a checkpoint's `read` (see checkpoint.CheckpointReader.read)."""
-  return {name: {'params': _read_tree(piece, "['params']", read),
-                 'opt_state': _read_tree(jax.eval_shape(tx.init, piece), "['opt_state']", read)}
-          for name, piece in outer_pieces(abstract_params).items()}
+def group_template(tx: optax.GradientTransformation, abstract_params, start: int, stop: int):
+  return piece_template(tx, abstract_params, 'layers', start, stop)
+
+
+def read_piece(read, tx: optax.GradientTransformation, abstract_params, kind: str, start: int,
+               stop: int, part: str) -> dict:
+  """`part` ('params' or 'opt_state') of piece [start, stop) of `kind`, leaf by leaf from a
+  checkpoint's `read(full-state path[, start, stop])` (rows [start:stop] of a leaf's axis 0)."""
+  template = piece_template(tx, abstract_params, kind, start, stop)[part]
+  def leaf(path, _):
+    key = f"['{part}']" + jax.tree_util.keystr(path)
+    axis = split_axis(key)
+    if axis is None:
+      return read(key)
+    if axis == 0:
+      return read(key, start, stop)
+    return np.asarray(read(key))[:, start:stop]  # the head kernel [D, V]: columns
+  return jax.tree_util.tree_map_with_path(leaf, template)
 
 
 def read_group(read, tx: optax.GradientTransformation, abstract_params, start: int, stop: int,
                part: str) -> dict:
   """`part` ('params' or 'opt_state') of group [start, stop)'s piece from a checkpoint's `read`."""
-  return _read_tree(group_template(tx, abstract_params, start, stop)[part], f"['{part}']", read,
-                    start, stop)
+  return read_piece(read, tx, abstract_params, 'layers', start, stop, part)

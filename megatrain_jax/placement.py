@@ -14,7 +14,7 @@ from megatrain_jax.model import ModelConfig
 from megatrain_jax.tiers import codecs
 
 TIERS = ('device', 'host', 'nvme')
-MEMORY_TIERS = ('device', 'host')  # activations and embedding/head never go to disk
+MEMORY_TIERS = ('device', 'host')  # activations never go to disk
 OPTIMIZER_PLACES = ('device', 'host')
 HOST_MEMORY_KIND = 'pinned_host'
 AUTO = 'auto'  # a field the planner (planner.py) chooses
@@ -77,6 +77,11 @@ class Placement:
     return placement
 
   @property
+  def uses_nvme(self) -> bool:
+    """True when some state lives in the NVMe tier (layers, their Adam state, embedding/head)."""
+    return 'nvme' in (self.params, self.opt_state, self.embed_head)
+
+  @property
   def has_auto(self) -> bool:
     return (AUTO in (self.params, self.opt_state, self.activations, self.embed_head,
                      self.optimizer_on) or self.layers_per_group == 0 or self.prefetch_depth == 0
@@ -114,7 +119,7 @@ class Placement:
     """Each part of the state names a tier it may live in (or 'auto', when allowed)."""
     auto = (AUTO,) if allow_auto else ()
     for name, allowed in (('params', TIERS), ('opt_state', TIERS),
-                          ('activations', MEMORY_TIERS), ('embed_head', MEMORY_TIERS)):
+                          ('activations', MEMORY_TIERS), ('embed_head', TIERS)):
       tier = getattr(self, name)
       if tier not in allowed + auto:
         raise ConfigError(f'offload.{name}={tier!r} is not a tier for it: use one of '
@@ -157,7 +162,7 @@ class Placement:
   def _check_resolved(self, model_cfg: ModelConfig) -> None:
     """Checks that need every field concrete: the NVMe staging fits host_buffer_gb, AdamW on the
     host has its state off the device, and the backend offers pinned host memory."""
-    if 'nvme' in (self.params, self.opt_state):
+    if self.uses_nvme:
       needed = self.staging_bytes(model_cfg, groups_in_flight=self.prefetch_depth + 2)
       if self.host_buffer_gb * _GB < needed:
         raise ConfigError(

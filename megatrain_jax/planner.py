@@ -14,7 +14,8 @@ what the stages of schedule.py declare they hold, each row naming its stage):
   resident, device:  params 4·P, Adam 8·P, gradients 4·P (+4·P accumulator when M > 1),
                      activations of one microbatch:
                        remat full/minimal/offload: L·B·S·D·c saved layer inputs + one layer's
-                       internals (recomputed in its backward) + logits 3·B·S·V·4
+                       internals (recomputed in its backward) + the logits of one
+                       vocabulary block 3·B·S·V_c·4 (V_c = model.vocab_chunk)
                        remat none: L × one layer's internals + logits
   streamed, device:  (prefetch_depth + 1) groups of weights in flight, K·P_l·4 each;
                      the group's gradient accumulator (K·P_l·4); the update's inputs (device
@@ -22,12 +23,16 @@ what the stages of schedule.py declare they hold, each row naming its stage):
                      arriving); hidden states and their gradients 2·M·B·S·D·c; the group
                      backward's working set (K = 1: one layer's internals; K > 1: K saved
                      layer inputs + one layer's internals); boundary activations
-                     G·M·B·S·D·c unless offload.activations = host; embedding/head
-                     params + grads + Adam (4 + 4 + 8)·E/4 and its logits, unless on host.
+                     G·M·B·S·D·c unless offload.activations = host; the head stage's
+                     working set: one vocabulary chunk's gradient and logits (3·B·S·V_c·4),
+                     normed states and their gradients; vocabulary chunks in flight
+                     (prefetch_depth + 1) unless the embedding/head lives on the device.
   host (pinned):     params W, Adam A, parked gradients W (exact clipping, params on host),
-                     boundary activations, embedding/head, and for the NVMe tier its staging
-                     buffer offload.host_buffer_gb.
-  nvme:              params W, Adam A (layer leaves), parked gradients W (clipping, params on
+                     boundary activations, embedding/head (params, Adam, parked gradients; in
+                     vocabulary chunks), and for the NVMe tier its staging buffer
+                     offload.host_buffer_gb.
+  nvme:              params W, Adam A (layer leaves), embedding/head (embed_head = nvme),
+                     parked gradients W (clipping, params on
                      nvme), and checkpoint.keep more copies of them: each kept checkpoint
                      hard-links the stores, and the next write-back unshares every file.
   Budgets: device 90% of its memory; host 85% of RAM; nvme the free space at offload.dir.
@@ -119,11 +124,14 @@ def state_sizes(cfg: ModelConfig, train_key: tuple) -> StateSizes:
   opt_two = _nbytes(jax.eval_shape(tx.init, {'layers': two}))
   outer = jax.eval_shape(lambda: model_lib.init_outer(cfg, key))
   layer_opt = opt_two - opt_one
+  piece = lambda kind: _nbytes(jax.eval_shape(
+      lambda o: partition.piece_of(o, kind, 0, cfg.vocab_size), outer)) if (
+          kind in partition.kinds_of(outer)) else 0
   return StateSizes(layer_params=_nbytes(one), layer_opt=layer_opt,
                     group_opt_extra=opt_one - layer_opt, outer_params=_nbytes(outer),
                     outer_opt=_nbytes(jax.eval_shape(tx.init, outer)),
-                    outer_pieces_opt=sum(_nbytes(jax.eval_shape(tx.init, piece))
-                                         for piece in partition.outer_pieces(outer).values()))
+                    embed_params=piece('embed'), head_params=piece('head'),
+                    norm_params=piece('final_norm'))
 
 
 class _Attrs(dict):
@@ -203,7 +211,7 @@ def _memory_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, 
                  seq: int, clipping: bool, checkpoint_copies: int = 0) -> list:
   """[Row]: the resident step's state and activations, or what each streamed stage holds."""
   if p.streamed:
-    schedule = StepSchedule(p, cfg.num_layers, micro, clipping)
+    schedule = StepSchedule(p, cfg, micro, clipping)
     return schedule.held(cfg, sizes, batch, seq, checkpoint_copies)
   L, E = cfg.num_layers, sizes.outer_params
   W = sizes.group_params(L)
@@ -219,7 +227,7 @@ def _memory_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, 
   else:
     add('activations (1 microbatch)', L * hidden_bytes(cfg, batch, seq) + internals,
         "L·B·S·D·c saved inputs + one layer's internals")
-  add('logits (1 microbatch)', logits_bytes(cfg, batch, seq), '3·B·S·V·4')
+  add('logits (1 microbatch)', logits_bytes(cfg, batch, seq), '3·B·S·V_c·4 (one vocabulary block)')
   return rows
 
 
@@ -229,7 +237,7 @@ def traffic(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch
   of the streamed step declares (schedule.py)."""
   if not p.streamed:
     return dict(h2d=0.0, d2h=0.0, read=0.0, write=0.0)
-  stages = StepSchedule(p, cfg.num_layers, micro, clipping).traffic(sizes, hidden_bytes(cfg, batch, seq))
+  stages = StepSchedule(p, cfg, micro, clipping).traffic(sizes, hidden_bytes(cfg, batch, seq))
   return dataclasses.asdict(sum(stages.values(), Traffic()))
 
 
@@ -286,7 +294,7 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
   cached = nvme_bytes > 0 and nvme_bytes < host_free
   disk = moved['read'] / _read_rate(hw, cached) + moved['write'] / _write_rate(hw, cached)
   calls = (1 if not p.streamed
-           else sum(StepSchedule(p, cfg.num_layers, micro, clipping).jitted_calls().values()))
+           else sum(StepSchedule(p, cfg, micro, clipping).jitted_calls().values()))
   dispatch = calls * hw.dispatch_s
   times = {'compute': compute, 'optimizer': optimizer, 'h2d': h2d, 'd2h': d2h, 'disk': disk,
            'dispatch': dispatch}
@@ -387,7 +395,7 @@ def candidates(offload, cfg: ModelConfig, micro_options: list):
   base = dataclasses.asdict(Placement.from_config(offload, cfg, allow_auto=True))
   for params in _choices(base['params'], TIERS):
     for opt in _choices(base['opt_state'], TIERS):
-      for embed in _choices(base['embed_head'], MEMORY_TIERS):
+      for embed in _choices(base['embed_head'], TIERS):
         resident = params == opt == embed == 'device'
         for act in (['device'] if resident and base['activations'] == AUTO
                     else _choices(base['activations'], MEMORY_TIERS)):

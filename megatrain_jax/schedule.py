@@ -10,29 +10,33 @@ byte for byte, for every placement path.
 One optimizer step over M microbatches, G groups of K layers (B batch, S seq, D d_model):
 
   stage           what runs                                          weights moved
-  embed           x[m] = embed(tokens[m])                            outer pieces fetched once
+  embed           x[m] = Σ_c embed_chunk_c(tokens[m])                each embedding chunk once
   forward         for g in 0..G-1: saved[g][m] = x[m]; x[m] = group_g(x[m])      each group once
-  head            n[m] = final_norm(x[m]); loss[m], dn = vjp(logits_loss)(n[m]);
-                  dy[m] = vjp(final_norm)(dn)                        (norm, head pieces)
+  head            n[m] = final_norm(x[m]); an online logsumexp over the head's vocabulary
+                  chunks gives loss[m]; a second pass over them gives d n[m] and each chunk's
+                  gradient (parked); dy[m] = vjp(final_norm)(d n[m])  each head chunk twice
   backward        for g in G-1..0: grad_g, dy[m] = vjp(group_g)(saved[g][m], dy[m])
                                                                      each group again
   update          AdamW of group g: right after its backward (overlapped), or after the
                   global norm (deferred, exact clipping: gradients parked in the weights' tier)
-  embed_backward  d_embed += vjp(embed)(dy[m])
-  outer_update    AdamW of the embed, final_norm and head pieces
+  embed_backward  each embedding chunk's gradient (rows of the batch's tokens; + the tied head's
+                  parked one), parked
+  outer_update    AdamW of the final norm, then of every embedding / head chunk from its parked
+                  gradient (weights, Adam state and gradient read one chunk ahead)
 
-Pieces of the state: layer groups (keys 0..G-1) in the params / opt_state tiers; the outer pieces
-'embed' ({'embed': ...}), 'final_norm' ({'head': {'final_norm': ...}}) and, unless the head is
-tied to the embedding, 'head' ({'head': {'lm_head': ...}}) in the embed_head tier. Each piece keeps
-the tree paths it has in the full state, so checkpoints address it by the same paths.
+Pieces of the state (partition.py): layer groups (keys 0..G-1) in the params / opt_state tiers;
+embedding and head vocabulary chunks of at most offload.shard_mb (keys 0..C-1) and the final norm
+in the embed_head tier (the final norm, D floats, in host memory when that tier is nvme). Each
+piece keeps the tree paths it has in the full state, so checkpoints address it by the same paths.
 """
 
 import dataclasses
 import math
 
+from megatrain_jax import partition
+
 STAGES = ('embed', 'forward', 'head', 'backward', 'update', 'embed_backward', 'outer_update')
 STATE = 'state'  # what stays in its tiers between steps (not a stage)
-OUTER_PIECES = ('embed', 'final_norm', 'head')
 
 
 STAGING_ROW = 'NVMe staging buffer'
@@ -64,13 +68,21 @@ def layer_internal_bytes(cfg, batch: int, seq: int) -> int:
 
 
 def logits_bytes(cfg, batch: int, seq: int) -> int:
-  """Logits, their log-softmax and their gradient: 3·B·S·V float32."""
-  return 3 * 4 * batch * seq * cfg.vocab_size
+  """The resident loss's logits: one vocabulary block of Vc = model.vocab_chunk columns at a time
+  (model/vocab.py), its exponentials and its gradient: 3·B·S·Vc float32."""
+  return 3 * 4 * batch * seq * min(cfg.vocab_size, cfg.resolved_vocab_chunk)
 
 
-def outer_pieces(tied: bool) -> tuple[str, ...]:
-  """The outer pieces a model has: no separate 'head' when it is tied to the embedding."""
-  return OUTER_PIECES[:2] if tied else OUTER_PIECES
+def piece_kinds(tied: bool) -> tuple[str, ...]:
+  """The kinds of pieces a model's state is cut into (partition.py); no separate 'head' when it
+  is tied to the embedding. Layers come first, the final norm last."""
+  return ('layers', 'embed', 'final_norm') if tied else ('layers', 'embed', 'head', 'final_norm')
+
+
+def outer_host_optimizer(placement) -> bool:
+  """The embedding and head chunks are updated on the host when the optimizer runs there and
+  they live off the device (the final norm, D floats, always on the device)."""
+  return placement.optimizer_on == 'host' and placement.embed_head != 'device'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,13 +91,16 @@ class StateSizes:
   layer_params: int  # 4·P_l
   layer_opt: int  # Adam m + v of one layer: 8·P_l
   group_opt_extra: int  # per-group optimizer scalars (step counters)
-  outer_params: int
-  outer_opt: int  # Adam state of the outer parts as the full state holds it (one set of counters)
-  outer_pieces_opt: int = 0  # the same kept per piece (schedule.outer_pieces): counters per piece
+  outer_params: int  # embedding + final norm + head
+  outer_opt: int  # their Adam state as the full state holds it (one set of step counters)
+  embed_params: int = 0  # 4·V·D
+  head_params: int = 0  # 4·D·V, 0 when tied to the embedding
+  norm_params: int = 0  # 4·D
 
-  @property
-  def streamed_outer_opt(self) -> int:
-    return self.outer_pieces_opt or self.outer_opt
+  def piece_opt(self, nbytes: int, pieces: int) -> int:
+    """Adam state of `pieces` pieces holding `nbytes` of params: m and v, and the step counters
+    every piece carries (the same per piece as per layer group)."""
+    return 2 * nbytes + pieces * self.group_opt_extra
 
   def group_params(self, k: int) -> int:
     return k * self.layer_params
@@ -120,9 +135,13 @@ class Traffic:
 class StepSchedule:
   """The decisions of one streamed step, from the placement (a placement.Placement) and the run."""
   placement: object
-  num_layers: int
+  cfg: object  # the model.ModelConfig
   microbatches: int
   clipping: bool  # exact global-norm clipping (train.grad_clip > 0)
+
+  @property
+  def num_layers(self) -> int:
+    return self.cfg.num_layers
 
   # --- decisions the engine takes -------------------------------------------------------------
 
@@ -167,10 +186,42 @@ class StepSchedule:
     stages['forward'] = fetch_weights + Traffic(d2h=boundary)
     stages['backward'] = fetch_weights + Traffic(h2d=boundary)
     stages['update'] = self._update_traffic(sizes)
-    if p.embed_head == 'host':  # params in for the step; Adam in for the update; both back out
-      stages['embed'] = Traffic(h2d=sizes.outer_params)
-      opt = sizes.streamed_outer_opt
-      stages['outer_update'] = Traffic(h2d=opt, d2h=sizes.outer_params + opt)
+    stages.update(self._outer_traffic(sizes))
+    return stages
+
+  def vocab_chunks(self) -> list[tuple[int, int]]:
+    """The embedding / head vocabulary chunks (partition.vocab_slices)."""
+    return partition.vocab_slices(self.cfg.vocab_size, self.cfg.d_model, self.placement.shard_mb)
+
+  @property
+  def norm_tier(self) -> str:
+    """The final norm (D floats) stays in memory: in host RAM when embed_head is nvme."""
+    return 'host' if self.placement.embed_head == 'nvme' else self.placement.embed_head
+
+  def _outer_traffic(self, sizes: StateSizes) -> dict[str, Traffic]:
+    """Embedding, head and final norm: each chunk is fetched for the embedding (once) or the head
+    (twice: forward, backward), its gradient parked, then fetched again with its Adam state and
+    gradient for the update (device optimizer), or updated where it lives (host optimizer)."""
+    T, chunks = self.placement.embed_head, self.num_vocab_chunks
+    off, disk, norm_off = T != 'device', T == 'nvme', self.norm_tier != 'device'
+    E, N = sizes.embed_params, sizes.norm_params
+    head = sizes.head_params or E  # the weights the head reads: the embedding when tied
+    fetch = lambda all_bytes, disk_bytes: Traffic(h2d=all_bytes * off, read=disk_bytes * disk)
+    park = lambda n: Traffic(d2h=n * off, write=n * disk)  # a device array put in the tier
+    norm_opt = sizes.piece_opt(N, 1)
+    stages = {'embed': fetch(E, E) + Traffic(h2d=N * norm_off),
+              'head': fetch(2 * head, 2 * head) + park(head),
+              'embed_backward': (fetch(E, E) if not sizes.head_params else Traffic()) + park(E),
+              'outer_update': Traffic(h2d=norm_opt * norm_off, d2h=(N + norm_opt) * norm_off)}
+    for nbytes in (E, sizes.head_params):
+      if not nbytes:
+        continue
+      if outer_host_optimizer(self.placement):  # reads where it lives, writes weights + Adam
+        stages['outer_update'] += Traffic(read=4 * nbytes * disk, write=3 * nbytes * disk)
+      else:  # Adam state, weights and gradient in; weights and Adam state out
+        opt = sizes.piece_opt(nbytes, chunks)
+        stages['outer_update'] += fetch(opt + 2 * nbytes, 4 * nbytes) + Traffic(
+            d2h=(nbytes + opt) * off, write=3 * nbytes * disk)
     return stages
 
   def _update_traffic(self, sizes: StateSizes) -> Traffic:
@@ -210,18 +261,14 @@ class StepSchedule:
         "one layer's internals" if k == 1 else "K·B·S·D·c + one layer's internals")
     add('forward', p.activations, f'boundary activations ({G} groups × {M} mb)', G * M * hidden,
         'G·M·B·S·D·c')
-    add(STATE, p.embed_head, 'embedding/head params + Adam', sizes.outer_params + sizes.streamed_outer_opt,
-        '(4 + 8)·P_outer')
-    add('head', 'device', 'embedding/head grads + logits',
-        sizes.outer_params + logits_bytes(cfg, batch, seq), '4·P_outer + 3·B·S·V·4')
-    rows += self._state_rows(sizes, checkpoint_copies)
+    rows += self._outer_rows(cfg, sizes, batch, seq)
+    rows += self._state_rows(sizes)
     if self.host_optimizer:
       add('update', 'host', 'host optimizer staging (2 groups)', 2 * gw, '2·K·P_l·4')
-    return rows
+    return rows + self._nvme_rows(rows, checkpoint_copies)
 
-  def _state_rows(self, sizes: StateSizes, checkpoint_copies: int) -> list:
-    """Layer params and Adam state in their tiers, parked gradients, the NVMe stores with the
-    checkpoints that hard-link them, and the NVMe staging buffer."""
+  def _state_rows(self, sizes: StateSizes) -> list:
+    """Layer params and Adam state in their tiers, and their parked gradients."""
     p, L = self.placement, self.num_layers
     W, A = sizes.group_params(L), L * sizes.layer_opt + self.num_groups * sizes.group_opt_extra
     rows = []
@@ -236,17 +283,52 @@ class StepSchedule:
       add(STATE, 'nvme', 'layer params', L * sizes.layer_params, '4·L·P_l')
     if p.opt_state == 'nvme':
       add(STATE, 'nvme', 'layer Adam m, v', L * sizes.layer_opt, '8·L·P_l')
-    if 'nvme' in (p.params, p.opt_state):
-      if checkpoint_copies:
-        # Each kept checkpoint hard-links the stores; the next write-back unshares them.
-        live = sum(r.bytes for r in rows if r.tier == 'nvme')
-        add(STATE, 'nvme', f'checkpoint snapshots (keep={checkpoint_copies})',
-            checkpoint_copies * live, 'checkpoint.keep × the stores above')
-      add(STATE, 'host', STAGING_ROW, p.host_buffer_gb * 1e9, 'offload.host_buffer_gb (numpy, unpinned)')
     return rows
+
+  def _nvme_rows(self, rows: list, checkpoint_copies: int) -> list:
+    """The checkpoints that hard-link the NVMe stores in `rows`, and the NVMe staging buffer."""
+    if not self.placement.uses_nvme:
+      return []
+    extra = []
+    if checkpoint_copies:
+      # Each kept checkpoint hard-links the stores; the next write-back unshares them.
+      live = sum(r.bytes for r in rows if r.tier == 'nvme')
+      extra.append(Row('nvme', f'checkpoint snapshots (keep={checkpoint_copies})',
+                       checkpoint_copies * live, 'checkpoint.keep × the stores above'))
+    extra.append(Row('host', STAGING_ROW, self.placement.host_buffer_gb * 1e9,
+                     'offload.host_buffer_gb (numpy, unpinned)'))
+    return extra
+
+  def _outer_rows(self, cfg, sizes: StateSizes, batch: int, seq: int) -> list:
+    """The embedding/head chunks and the final norm in their tiers, their parked gradients, and
+    the head stage's working set on the device (one vocabulary chunk's logits at a time)."""
+    p, M, chunks = self.placement, self.microbatches, self.num_vocab_chunks
+    E, H, N = sizes.embed_params, sizes.head_params, sizes.norm_params
+    chunk_rows = max(stop - start for start, stop in self.vocab_chunks())
+    chunk = 4 * chunk_rows * cfg.d_model
+    rows = []
+    add = lambda stage, tier, item, n, formula: rows.append(Row(tier, item, float(n), formula, stage))
+    add(STATE, p.embed_head, 'embedding/head params + Adam',
+        E + H + sizes.piece_opt(E, chunks) + (sizes.piece_opt(H, chunks) if H else 0),
+        f'(4 + 8)·P_embed/head ({chunks} chunks)')
+    add(STATE, self.norm_tier, 'final norm params + Adam', N + sizes.piece_opt(N, 1), '(4 + 8)·D')
+    add('update', p.embed_head, 'parked embedding/head gradients', E + H, '4·P_embed/head')
+    if p.embed_head != 'device':
+      add('head', 'device', f'vocabulary chunks in flight ({p.prefetch_depth + 1})',
+          (p.prefetch_depth + 1) * chunk, '(prefetch_depth + 1)·4·V_c·D')
+    add('head', 'device', 'head working set (one vocabulary chunk)',
+        chunk + 3 * 4 * batch * seq * chunk_rows + 2 * M * hidden_bytes(cfg, batch, seq)
+        + 3 * 4 * M * batch * seq, "4·V_c·D grads + 3·B·S·V_c·4 logits + 2·M·B·S·D·c + lse")
+    return rows
+
+  @property
+  def num_vocab_chunks(self) -> int:
+    return len(self.vocab_chunks())
 
   def jitted_calls(self) -> dict[str, int]:
     """{stage: jitted functions dispatched per step} (the planner's dispatch overhead)."""
-    G, M = self.num_groups, self.microbatches
-    return {'embed': M, 'forward': G * M, 'head': 3 * M, 'backward': G * M + 2 * G,
-            'update': 2 * G, 'embed_backward': M, 'outer_update': 4}
+    G, M, C = self.num_groups, self.microbatches, self.num_vocab_chunks
+    kinds = 1 if self.cfg.tie_embeddings else 2
+    return {'embed': C * M, 'forward': G * M, 'head': 2 * C * M + 4 * M + 2,
+            'backward': G * M + 2 * G, 'update': 2 * G, 'embed_backward': C * (M + 1),
+            'outer_update': 1 + kinds * C}

@@ -2,16 +2,21 @@
 
 Order of work (each failure is reported before the next stage allocates or writes anything):
   1. validate the config, the data paths, the workdir and the tokenizer;
-  2. find the newest intact checkpoint in <workdir>/checkpoints, and plan: `auto` fields resolved
-     (a resumed run keeps the microbatches it started with), offload.dir checked (`resolve_plan`);
-  3. prepare the token files (cached in <workdir>/data), open the sampler and eval batches;
-  4. build the engine the placement picks, from the checkpoint or a fresh initialisation;
-  5. loop: batch -> step -> (log, eval, checkpoint) until `train.steps`.
+  2. lock the workdir (locks.py: a second run is refused here, before anything is written);
+  3. find the newest intact checkpoint in <workdir>/checkpoints, and plan: `auto` fields resolved
+     (a resumed run keeps the microbatches it started with), offload.dir checked (`resolve_plan`),
+     and locked when an NVMe tier uses it;
+  4. prepare the token files (cached in <workdir>/data), open the sampler and eval batches;
+  5. build the engine the placement picks, from the checkpoint or a fresh initialisation;
+  6. loop: batch -> step -> (log, eval, checkpoint) until `train.steps`, or until SIGTERM/SIGINT
+     (preemption.py): then the step in flight finishes, its checkpoint is committed, and
+     TrainingStopped is raised.
 
 The data sampler is stateless given its position, and the position is saved with each checkpoint,
 so a resumed run replays exactly the batches the uninterrupted run would have seen.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -30,8 +35,10 @@ from megatrain_jax import metrics as metrics_lib
 from megatrain_jax import model as model_lib
 from megatrain_jax import hardware
 from megatrain_jax import layout as layout_lib
+from megatrain_jax import locks
 from megatrain_jax import optim
 from megatrain_jax import planner
+from megatrain_jax import preemption
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
@@ -108,9 +115,11 @@ def _disk_free_gb(offload_dir: str, hw: hardware.HardwareProfile, dry_run: bool)
 def _check_offload_dir(config, model_cfg, workdir: pathlib.Path, placement) -> None:
   """offload.dir is writable and holds the NVMe stores plus what kept checkpoints pin."""
   layer_bytes = 4 * model_cfg.num_layers * model_cfg.params_per_layer
+  outer_bytes = 4 * (model_cfg.num_params - model_cfg.num_layers * model_cfg.params_per_layer)
   offload_dir = placement.dir or str(workdir / 'offload')
-  nvme.check_offload_dir(offload_dir, nvme.nvme_bytes(layer_bytes, placement.params,
-                                                      placement.opt_state),
+  needed = (nvme.nvme_bytes(layer_bytes, placement.params, placement.opt_state)
+            + nvme.nvme_bytes(outer_bytes, placement.embed_head, placement.embed_head))
+  nvme.check_offload_dir(offload_dir, needed,
                          checkpoint_dir=workdir / 'checkpoints',
                          keep=config.checkpoint.keep if config.checkpoint.every >= 0 else 0)
 
@@ -121,7 +130,7 @@ def plan_for(config, workdir: pathlib.Path | None, dry_run: bool):
   hw = hardware.load_profile(config.hardware)
   offload_dir = config.offload.dir or str((workdir or pathlib.Path('runs/default')) / 'offload')
   plan = planner.plan_run(config, hw, disk_free_gb=_disk_free_gb(offload_dir, hw, dry_run))
-  if 'nvme' in (plan.placement.params, plan.placement.opt_state):
+  if plan.placement.uses_nvme:
     plan.placement = dataclasses.replace(plan.placement, dir=offload_dir)
   return hw, plan
 
@@ -144,7 +153,7 @@ def resolve_plan(config, model_cfg, workdir: pathlib.Path, checkpointer: Checkpo
     config = ml_collections.ConfigDict(config.to_dict())
     config_lib.set_field(config, 'train.microbatches', int(recorded))
     hw, plan = plan_for(config, workdir, dry_run=False)
-  if 'nvme' in (plan.placement.params, plan.placement.opt_state):
+  if plan.placement.uses_nvme:
     _check_offload_dir(config, model_cfg, workdir, plan.placement)
   return config, hw, plan, restored
 
@@ -170,7 +179,7 @@ def _validate(config, workdir: str) -> tuple[model_lib.ModelConfig, pathlib.Path
   requested = Placement.from_config(config.offload, model_cfg, allow_auto=True)
   data_lib.check_data_config(config.data, config.train)
   workdir = config_lib.check_workdir(workdir)
-  if 'nvme' in (requested.params, requested.opt_state):
+  if requested.uses_nvme:
     _check_offload_dir(config, model_cfg, workdir, requested)  # named tiers: say what's wrong
   tokenizer = data_lib.load_tokenizer(config.data.tokenizer)  # reads tokenizer.json, writes nothing
   if tokenizer.vocab_size > model_cfg.vocab_size:
@@ -223,39 +232,77 @@ def _evaluate(engine, batches) -> dict:
   return {'eval/loss': loss, 'eval/perplexity': math.exp(min(loss, 80.0))}
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains (or resumes) the run in `workdir` to `config.train.steps`; returns the last metrics."""
-  model_cfg, workdir = _validate(config, workdir)
-  checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep)
-  config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
+def _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log, position,
+           stop: preemption.StopSignals) -> None:
+  """Steps to `train.steps`: each step logged, evaluated and checkpointed when due (every
+  `checkpoint.every` steps, once `checkpoint.every_minutes` have passed since the last checkpoint,
+  at the end). A stop request (`stop`: SIGTERM, SIGINT) is acted on once the step in flight is
+  done: its checkpoint is committed and TrainingStopped raised."""
   train_cfg, every = config.train, config.checkpoint.every
-  enable_compilation_cache(config.jax_cache_dir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  sampler, eval_data = _open_data(config, workdir, plan.microbatches)
-  engine = make_engine(model_cfg, optim.make_optimizer(train_cfg), optim.lr_schedule(train_cfg),
-                       train_cfg, plan.placement, restore_from=restored)
-  start_step = engine.step
-  position = restored.meta['data_position'] if restored is not None else 0
-  del restored
-  fs.write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
-  try:
-    with _open_run_log(config, model_cfg, hw, plan, workdir, sampler.samples_per_step,
-                       start_step, position, checkpointer) as log:
-      if start_step == 0:  # the baseline every later eval is compared with
-        log.write(0, _evaluate(engine, eval_data))
-      for done in range(start_step + 1, train_cfg.steps + 1):
-        scalars = log.timed_step(done, engine.train_step, sampler.batch(position))
-        position += sampler.samples_per_step
-        if metrics_lib.due(done, train_cfg.eval_every, train_cfg.steps):
-          scalars.update(_evaluate(engine, eval_data))
-        log.record(done, scalars)
-        if every >= 0 and metrics_lib.due(done, every, train_cfg.steps):
-          checkpointer.save(done, engine, data_position=position, model_cfg=model_cfg,
-                            seed=train_cfg.seed, placement=plan.placement,
-                            microbatches=plan.microbatches)
-  finally:
-    try:
-      engine.close()  # waits for write-behind, stops I/O threads
-    finally:
-      checkpointer.close()  # commits the checkpoint in flight, even when the loop failed
-  return log.last
+  clock = preemption.CheckpointClock(config.checkpoint.every_minutes)
+  for done in range(engine.step + 1, train_cfg.steps + 1):
+    scalars = log.timed_step(done, engine.train_step, sampler.batch(position))
+    position += sampler.samples_per_step
+    if metrics_lib.due(done, train_cfg.eval_every, train_cfg.steps):
+      scalars.update(_evaluate(engine, eval_data))
+    log.record(done, scalars)
+    stopping, on_time = preemption.agreed(stop.requested and done < train_cfg.steps, clock.due())
+    if every >= 0 and (metrics_lib.due(done, every, train_cfg.steps) or on_time or stopping):
+      checkpointer.save(done, engine, data_position=position, model_cfg=model_cfg,
+                        seed=train_cfg.seed, placement=plan.placement,
+                        microbatches=plan.microbatches)
+      clock.reset()
+    if stopping:
+      raise _stopped(log, checkpointer, done, stop.received, saved=every >= 0)
+
+
+def _stopped(log, checkpointer, step: int, signal_name: str, saved: bool):
+  """TrainingStopped at `step`, once its checkpoint is committed and the console says so."""
+  if saved:
+    checkpointer.wait()  # committed (or its error raised) before the message says so
+    message = (f'stopped at step {step} by {signal_name}; checkpoint saved; rerun the same '
+               'command to resume')
+  else:
+    message = (f'stopped at step {step} by {signal_name}; no checkpoint saved '
+               '(checkpoint.every=-1)')
+  log.print(message)
+  return preemption.TrainingStopped(message, step, signal_name, saved)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains (or resumes) the run in `workdir` to `config.train.steps`; returns the last metrics.
+
+  The workdir (and an NVMe tier's offload.dir) is locked for the run's whole life: a second run
+  on either is refused (locks.py). SIGTERM or SIGINT during training stop the run after the step
+  in flight, with a checkpoint, by raising preemption.TrainingStopped."""
+  model_cfg, workdir = _validate(config, workdir)
+  with contextlib.ExitStack() as locked:
+    locked.enter_context(locks.hold_workdir(workdir))  # before anything is written
+    checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep)
+    config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
+    if plan.placement.uses_nvme:  # before the stores are written
+      locked.enter_context(locks.hold_offload_dir(plan.placement.dir, workdir))
+    train_cfg = config.train
+    enable_compilation_cache(config.jax_cache_dir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    sampler, eval_data = _open_data(config, workdir, plan.microbatches)
+    engine = make_engine(model_cfg, optim.make_optimizer(train_cfg), optim.lr_schedule(train_cfg),
+                         train_cfg, plan.placement, restore_from=restored)
+    start_step = engine.step
+    position = restored.meta['data_position'] if restored is not None else 0
+    del restored
+    fs.write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
+    with preemption.StopSignals() as stop:
+      try:
+        with _open_run_log(config, model_cfg, hw, plan, workdir, sampler.samples_per_step,
+                           start_step, position, checkpointer) as log:
+          if start_step == 0:  # the baseline every later eval is compared with
+            log.write(0, _evaluate(engine, eval_data))
+          _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log,
+                 position, stop)
+      finally:
+        try:
+          engine.close()  # waits for write-behind, stops I/O threads
+        finally:
+          checkpointer.close()  # commits the checkpoint in flight, even when the loop failed
+    return log.last

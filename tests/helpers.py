@@ -9,6 +9,9 @@
 - Bad-input set-ups: `config_with` (the tiny preset with overrides), `read_only_directory`,
   `tmpfs` (a small filesystem of its own) and `AS_ROOT` (skip unless root, which mounting needs).
 
+The paths, `SMALL_MODEL` and `tmpfs` are megatrain_jax.reliability's (the kill-chain harness that
+tests/test_reliability.py and bench/reliability.py share), re-exported here.
+
 pytest puts this directory on sys.path (rootdir-relative 'prepend' import mode, no __init__.py),
 so `from helpers import ...` works from every test module and from conftest.py.
 """
@@ -33,16 +36,8 @@ from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.placement import Placement
-
-# ------------------------------------------------------------------------------------------------
-# Paths.
-# ------------------------------------------------------------------------------------------------
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / 'shared' / 'data'
-# Outside the checkout, so that CI runs on a fresh clone reuse executables compiled earlier.
-JAX_CACHE_DIR = os.environ.get('MEGATRAIN_TEST_JAX_CACHE',
-                               os.path.expanduser('~/.cache/megatrain_jax/jax-tests'))
+from megatrain_jax.reliability import (  # noqa: F401 (re-exported)
+    JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, SMALL_MODEL, tmpfs)
 
 # ------------------------------------------------------------------------------------------------
 # The parity harness: streamed engine vs resident engine on one small model.
@@ -104,10 +99,18 @@ def assert_states_match(got, want):
   A norm rather than every element: Adam divides each gradient by its own running magnitude, so an
   element whose gradient is pure rounding noise (a near-total cancellation) moves by a noisy
   fraction of the learning rate in *any* two correct implementations.
+
+  The token embedding gets 2e-6: its gradient is a sparse sum (each of the 97 rows hit by a few of
+  the batch's 32 tokens, or none), so Adam amplifies rounding there most. Measured (issue 10): two
+  correct resident engines, one with the whole-logits loss and one with the chunked loss, end 5
+  steps 5.9e-7 apart on it, and streamed-vs-resident runs land anywhere in 1e-7..1.5e-6 as the
+  vocabulary chunk size changes, with identical head gradients for the same inputs.
   """
   def check(bound, path, a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    if jax.tree_util.keystr(path) == "['embed']['embedding']":
+      bound *= 2
     assert error <= bound, (jax.tree_util.keystr(path), error)
   jax.tree_util.tree_map_with_path(functools.partial(check, 1e-6), got['params'], want['params'])
   jax.tree_util.tree_map_with_path(functools.partial(check, 1e-5), got['opt_state'],
@@ -118,11 +121,6 @@ def assert_states_match(got, want):
 # ------------------------------------------------------------------------------------------------
 # End-to-end runs of the trainer.
 # ------------------------------------------------------------------------------------------------
-
-# A small model so each run compiles and trains in seconds on 2 cores.
-SMALL_MODEL = dict(model__d_model=64, model__num_layers=2, model__num_heads=4, model__num_kv_heads=2,
-                   model__d_ff=172, model__max_seq_len=128)
-
 
 def small_config(data_path, **overrides):
   """The tiny preset with `SMALL_MODEL` on the text at `data_path`: 12 steps of 8 x 64 tokens,
@@ -189,17 +187,3 @@ def read_only_directory():
 
 
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason='mounting a small tmpfs needs root')
-
-
-@contextlib.contextmanager
-def tmpfs(megabytes: float):
-  """A fresh, empty tmpfs of the given size (root only: mark the test `AS_ROOT`): another
-  filesystem than tmp_path, and one that fills up."""
-  path = pathlib.Path(tempfile.mkdtemp(prefix='megatrain_test_fs_'))
-  subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={int(megabytes * 1024)}k', 'tmpfs',
-                  str(path)], check=True)
-  try:
-    yield path
-  finally:
-    subprocess.run(['umount', str(path)], check=True)
-    path.rmdir()

@@ -1,13 +1,10 @@
 """The command line (launch.py) and the bad-input table: each bad input is a clear ConfigError that
 names the field and the fix, raised before anything is allocated or written."""
 
-import contextlib
 import json
 import os
-import pathlib
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -16,7 +13,7 @@ from megatrain_jax import config as config_lib
 from megatrain_jax import train
 from megatrain_jax.errors import ConfigError
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import REPO_ROOT, config_with, read_only_directory
 
 
 def run_launch(*args, timeout=300):
@@ -84,31 +81,6 @@ def test_launch_reports_an_unknown_config_name():
 # ------------------------------------------------------------------------------------------------
 # The bad-input table, in process: each case raises before the workdir is created.
 # ------------------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def read_only_directory():
-  """A directory no one can write to: a read-only tmpfs as root (root ignores mode bits), else a
-  mode-0555 directory."""
-  path = pathlib.Path(tempfile.mkdtemp())
-  if os.geteuid() == 0:
-    subprocess.run(['mount', '-t', 'tmpfs', '-o', 'ro,size=1m', 'tmpfs', str(path)], check=True)
-    try:
-      yield path
-    finally:
-      subprocess.run(['umount', str(path)], check=True)
-      path.rmdir()
-  else:
-    path.chmod(0o555)
-    try:
-      yield path
-    finally:
-      path.chmod(0o755)
-      path.rmdir()
-
-
-def config_with(**overrides):
-  return config_lib.load_config('tiny', jax_cache_dir='', train__progress_bar=False, **overrides)
-
 
 @pytest.mark.parametrize('overrides, field, fix', [
     (dict(model__d_model=250), 'model.d_model', 'num_heads dividing d_model'),

@@ -24,8 +24,7 @@ from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.placement import Placement
 
-from helpers import CFG, REPO_ROOT, TRAIN, config_with
-from helpers import batches as _batches, initial_state as _initial_state, make_tx as _tx
+from helpers import CFG, REPO_ROOT, TRAIN, batches, config_with, initial_state, make_tx
 
 SIZES = planner.state_sizes(CFG, planner.train_key(TRAIN))
 _GB = 1e9
@@ -70,16 +69,20 @@ TRAFFIC_CASES = [
     dict(params='nvme', opt_state='nvme', layers_per_group=2),
     dict(params='nvme', opt_state='host', optimizer_on='host'),
     dict(params='host', opt_state='nvme', layers_per_group=4),
+    # The embedding/head in vocabulary chunks (4 of 32 rows at shard_mb=0.004), in every tier.
+    dict(params='host', opt_state='host', embed_head='host', shard_mb=0.004),
+    dict(params='nvme', opt_state='nvme', embed_head='nvme', layers_per_group=2, shard_mb=0.004),
+    dict(params='host', opt_state='nvme', embed_head='nvme', optimizer_on='host', shard_mb=0.004),
 ]
 
 
 def _run_engine(micro, clip, placement, steps=4):
   """Per-step metrics of a streamed run, and its cumulative transfer counters after close()."""
-  tx, schedule, _ = _tx(clip)
+  tx, schedule, _ = make_tx(clip)
   placement.check(CFG)
   engine = StreamedEngine(CFG, tx, schedule, clip, placement,
-                          jax.tree.map(np.copy, _initial_state()))
-  metrics = [engine.train_step(b) for b in _batches(micro)[:steps]]
+                          jax.tree.map(np.copy, initial_state()))
+  metrics = [engine.train_step(b) for b in batches(micro)[:steps]]
   engine.close()  # flushes the write-behind
   return metrics, engine.stats
 
@@ -101,7 +104,8 @@ def test_traffic_equals_engine_counters(tmp_path, case, clip):
     for m in metrics[1:]:
       assert m['io/read_gb'] * _GB == pytest.approx(want['read'], rel=1e-9)
     init = (CFG.num_layers * SIZES.layer_params * (placement.params == 'nvme')
-            + CFG.num_layers * SIZES.layer_opt * (placement.opt_state == 'nvme'))
+            + CFG.num_layers * SIZES.layer_opt * (placement.opt_state == 'nvme')
+            + 3 * (SIZES.embed_params + SIZES.head_params) * (placement.embed_head == 'nvme'))
     assert stats.write_bytes == init + steps * want['write']
 
 
@@ -229,14 +233,14 @@ def test_explicit_placement_is_kept():
 
 def test_pinned_host_limit_the_user_set_is_budgeted_and_named(monkeypatch):
   """On a GPU, pinned host memory must fit XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB when the user set
-  it: XLA's default 64 GiB cannot hold 101B's host-resident state, and the refusal says which
-  limit would fit."""
+  it: 16 GiB cannot hold 101B's host-resident state (XLA's default 64 GiB can since the embedding
+  and head stream in vocabulary chunks), and the refusal says which limit would fit."""
   config = config_lib.load_config('101b', hardware='h200')
   hw = hardware.load_profile('h200')
   unlimited = planner.plan_run(config, hw)  # the cap raised to RAM: RAM is the budget
   assert unlimited.fits
   monkeypatch.setattr(megatrain_jax, 'PINNED_LIMIT_FROM_USER', True)
-  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '64')
+  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '16')
   with pytest.raises(ConfigError) as e:
     planner.plan_run(config, hw)
   message = str(e.value)

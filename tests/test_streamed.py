@@ -15,9 +15,8 @@ from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.placement import Placement
 
-from helpers import (CFG, assert_states_match, read_rows, resident_run, run_until_crash,
-                     small_config, streamed_run)
-from helpers import batches as _batches, initial_state as _initial_state, make_tx as _tx
+from helpers import (CFG, assert_states_match, batches, initial_state, make_tx, read_rows,
+                     resident_run, run_until_crash, small_config, streamed_run)
 
 
 # K = 1, 2 (even split), 3 (a remainder group of 1), 4 (all layers) over 4 layers.
@@ -78,29 +77,30 @@ def test_leaves_keep_their_memory_kinds(placement, kinds):
   for g in range(2):
     assert {x.sharding.memory_kind for x in jax.tree.leaves(engine.params.get(g))} == {params_kind}
     assert {x.sharding.memory_kind for x in jax.tree.leaves(engine.opt_state.get(g))} == {opt_kind}
-  outer = [store.get(piece) for store in (engine.outer_params, engine.outer_opt)
-           for piece in engine.pieces]
+  outer = [store.get(key) for kind in ('embed', 'head', 'final_norm')
+           for store in (engine.stores[kind].params, engine.stores[kind].opt_state)
+           for key in range(len(engine.kind_slices[kind]))]
   assert {x.sharding.memory_kind for x in jax.tree.leaves(outer)} == {outer_kind}
 
 
 def test_streamed_init_equals_resident_init():
-  tx, schedule, clip = _tx(1.0)
+  tx, schedule, clip = make_tx(1.0)
   engine = StreamedEngine(CFG, tx, schedule, clip, Placement(params='host', opt_state='host',
                                                              layers_per_group=3), seed=0)
-  got, want = engine.export_state(), _initial_state()
+  got, want = engine.export_state(), initial_state()
   jax.tree.map(np.testing.assert_array_equal, got['params'], want['params'])
   jax.tree.map(np.testing.assert_array_equal, got['opt_state'], want['opt_state'])
   np.testing.assert_array_equal(got['rng'], want['rng'])
 
 
 def test_streamed_eval_matches_resident():
-  tx, schedule, clip = _tx(1.0)
-  state = _initial_state()
-  batches = [b[0] for b in _batches(1)[:3]]
+  tx, schedule, clip = make_tx(1.0)
+  state = initial_state()
+  evals = [b[0] for b in batches(1)[:3]]
   res = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, state))
   streamed = StreamedEngine(CFG, tx, schedule, clip, Placement(params='host', opt_state='host',
                                                                layers_per_group=3), state)
-  np.testing.assert_allclose(streamed.eval_losses(batches), res.eval_losses(batches), rtol=1e-6)
+  np.testing.assert_allclose(streamed.eval_losses(evals), res.eval_losses(evals), rtol=1e-6)
 
 
 @pytest.mark.parametrize('field, value, message', [

@@ -6,29 +6,12 @@ import math
 
 import pytest
 
-from megatrain_jax import config as config_lib
 from megatrain_jax import metrics
 from megatrain_jax import train
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.errors import ConfigError, TrainingDivergedError
 
-# A small model so each run compiles and trains in seconds on 2 cores.
-SMALL_MODEL = dict(model__d_model=64, model__num_layers=2, model__num_heads=4, model__num_kv_heads=2,
-                   model__d_ff=172, model__max_seq_len=128)
-
-
-def small_config(data_path, **overrides):
-  fields = dict(SMALL_MODEL, data__path=str(data_path), train__seq_len=64, train__batch_size=8,
-                train__steps=12, train__warmup_steps=2, train__log_every=1, train__eval_every=4,
-                train__eval_batches=2, train__progress_bar=False, checkpoint__every=4,
-                jax_cache_dir='')
-  fields.update(overrides)
-  return config_lib.load_config('tiny', **fields)
-
-
-def read_rows(workdir):
-  with open(workdir / 'metrics.jsonl') as f:
-    return [json.loads(line) for line in f]
+from helpers import read_rows, run_until_crash, small_config
 
 
 def test_training_on_shakespeare_lowers_validation_loss(tmp_path, shared_data):
@@ -58,22 +41,6 @@ def test_training_on_shakespeare_lowers_validation_loss(tmp_path, shared_data):
   peaks = [r['perf/host_peak_gb'] for r in train_rows]
   assert all(0.1 < r['perf/host_rss_gb'] <= r['perf/host_peak_gb'] * 1.001 for r in train_rows)
   assert peaks == sorted(peaks)
-
-
-def run_until_crash(monkeypatch, config, workdir, crash_after_checkpoint: int):
-  """Trains until the checkpoint of step `crash_after_checkpoint` is written, then 'crashes'."""
-  original_save = Checkpointer.save
-
-  def save_then_crash(self, step, *args, **kwargs):
-    original_save(self, step, *args, **kwargs)
-    if step == crash_after_checkpoint:
-      self.wait()
-      raise KeyboardInterrupt('simulated crash')
-
-  monkeypatch.setattr(Checkpointer, 'save', save_then_crash)
-  with pytest.raises(KeyboardInterrupt):
-    train.train_and_evaluate(config, str(workdir))
-  monkeypatch.undo()
 
 
 def _learning_rows(rows):

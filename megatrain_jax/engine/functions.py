@@ -20,6 +20,7 @@ from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax.layout import Layout
 from megatrain_jax.model import ModelConfig
+from megatrain_jax.model import head_chunks
 
 
 def _on_host():
@@ -54,15 +55,21 @@ class StageFunctions:
   """One jitted function per stage step; see schedule.py for the order they run in."""
 
   def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, layout: Layout):
-    self.embed = jax.jit(functools.partial(model_lib.embed, cfg))  # (embed, tokens [B, S]) -> [B, S, D]
+    # Vocabulary chunks: `start` (the chunk's first id) is traced, so chunks of one length share
+    # one compiled function; pieces are trees at full-state paths (partition.py).
+    self.embed_chunk = jax.jit(functools.partial(_embed_chunk, cfg))
+    self.embed_chunk_add = jax.jit(functools.partial(_embed_chunk_add, cfg), donate_argnums=(3,))
+    self.lse_init = jax.jit(head_chunks.lse_init)
+    self.lse_update = jax.jit(functools.partial(_lse_update, cfg))
+    self.lse_finish = jax.jit(head_chunks.lse_finish)
+    self.head_chunk_backward = jax.jit(functools.partial(_head_chunk_backward, cfg))
+    self.embed_chunk_backward = jax.jit(functools.partial(_embed_chunk_backward, cfg),
+                                        static_argnums=0)  # the chunk's shape
     self.group_forward = jax.jit(
         lambda group, x, positions: model_lib.apply_group(cfg, group['layers'], x, positions))
     self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg))
-    self.head_forward_backward = jax.jit(functools.partial(_head_forward_backward, cfg))
     self.final_norm_backward = jax.jit(functools.partial(_final_norm_backward, cfg))
-    self.head_loss = jax.jit(functools.partial(model_lib.logits_loss, cfg))
     self.group_backward = jax.jit(functools.partial(_group_backward, cfg), donate_argnums=(2, 4))
-    self.embed_backward = jax.jit(functools.partial(_embed_backward, cfg), donate_argnums=(3,))
     self.zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
     self.add = jax.jit(tree_add, donate_argnums=(0,))
     self.sum_of_squares = jax.jit(mean_sum_of_squares, static_argnums=1)
@@ -74,17 +81,43 @@ class StageFunctions:
                                out_shardings=layout.sharding('pinned_host'))
 
 
-def _head_forward_backward(cfg, head_weights, normed, targets):
-  """Loss of one microbatch and its gradients: (loss, d head_weights, d normed [B, S, D])."""
-  loss, vjp = jax.vjp(lambda w, n: model_lib.logits_loss(cfg, w, n, targets), head_weights, normed)
-  d_weights, d_normed = vjp(jnp.ones_like(loss))
-  return loss, d_weights, d_normed
+def _weight(cfg, piece):
+  """The head's weight in a vocabulary piece: embedding rows [Vc, D] (tied) or kernel [D, Vc]."""
+  return piece['embed']['embedding'] if cfg.tie_embeddings else piece['head']['lm_head']['kernel']
+
+
+def _embed_chunk(cfg, piece, tokens, start):
+  return head_chunks.embed_chunk(cfg, piece['embed']['embedding'], tokens, start)
+
+
+def _embed_chunk_add(cfg, piece, tokens, start, hidden):
+  return hidden + head_chunks.embed_chunk(cfg, piece['embed']['embedding'], tokens, start)
+
+
+def _lse_update(cfg, piece, normed, targets, start, carry):
+  return head_chunks.lse_update(cfg, normed, _weight(cfg, piece), targets, start, carry)
+
+
+def _head_chunk_backward(cfg, piece, normed, targets, start, lse, grad_sum, d_normed):
+  """Adds one microbatch's gradients from one vocabulary chunk: (piece grad, d normed)."""
+  d_n, d_w = head_chunks.chunk_backward(cfg, normed, _weight(cfg, piece), targets, start, lse)
+  grad = (jax.tree.map(jnp.zeros_like, piece) if grad_sum is None else grad_sum)
+  leaf = ['embed', 'embedding'] if cfg.tie_embeddings else ['head', 'lm_head', 'kernel']
+  grad = jax.tree_util.tree_map_with_path(
+      lambda p, g: g + d_w if [k.key for k in p] == leaf else g, grad)
+  return grad, d_n if d_normed is None else d_normed + d_n
+
+
+def _embed_chunk_backward(cfg, piece_shape, tokens, start, dx, grad_sum):
+  rows = head_chunks.embed_chunk_backward(cfg, piece_shape, tokens, start, dx)
+  return {'embed': {'embedding': rows if grad_sum is None else grad_sum['embed']['embedding'] + rows}}
 
 
 def _final_norm_backward(cfg, norm, x, d_normed):
-  """(d norm, dx [B, S, D]) of the final norm, recomputed from its input x."""
-  _, vjp = jax.vjp(lambda p, h: model_lib.final_norm(cfg, p, h), norm, x)
-  return vjp(d_normed)
+  """(d norm, dx [B, S, D]) of the final norm, recomputed from its input x; d_normed summed in
+  float32 over the head's chunks comes back to the compute dtype first (as in model/vocab.py)."""
+  normed, vjp = jax.vjp(lambda p, h: model_lib.final_norm(cfg, p, h), norm, x)
+  return vjp(d_normed.astype(normed.dtype))
 
 
 def _group_backward(cfg, group_params, x, dy, positions, grad_sum):
@@ -99,11 +132,6 @@ def _group_backward(cfg, group_params, x, dy, positions, grad_sum):
       lambda p, h: model_lib.apply_group(layer_cfg, p['layers'], h, positions), group_params, x)
   d_params, dx = vjp(dy)
   return tree_add(grad_sum, d_params), dx
-
-
-def _embed_backward(cfg, embed, tokens, dx, grad_sum):
-  _, vjp = jax.vjp(lambda e: model_lib.embed(cfg, e, tokens), embed)
-  return tree_add(grad_sum, vjp(dx)[0])
 
 
 def _host_update(tx, grad_sum, opt_state, params, scale, num_micro):

@@ -30,13 +30,14 @@ from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax import partition
 from megatrain_jax.engine.functions import StageFunctions
-from megatrain_jax.engine.updates import GroupUpdater, update_policy
+from megatrain_jax.engine.updates import PieceStores, PieceUpdater, update_parked, update_policy
 from megatrain_jax.layout import Layout
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.placement import Placement
 from megatrain_jax.prefetch import Prefetcher
-from megatrain_jax.schedule import StepSchedule, outer_pieces
+from megatrain_jax.schedule import StepSchedule, outer_host_optimizer, piece_kinds
 from megatrain_jax.tiers import TransferStats, make_store
+from megatrain_jax.tiers.base import resolve
 from megatrain_jax.tiers.nvme import NvmeStore
 
 _GB = 1e9
@@ -49,8 +50,8 @@ class _Step:
   tokens: jax.Array  # [M, B, S] int32
   targets: jax.Array  # [M, B, S] int32
   positions: jax.Array  # [B, S] int32
-  outer: dict  # {piece: device params}
-  outer_grads: dict = None  # {piece: summed gradient}
+  norm: dict  # the final norm's params, on the device
+  norm_grad: dict = None
   squares: list = dataclasses.field(default_factory=list)  # per piece: sum of squares of the mean grad
   fetch_wait_s: float = 0.0
   started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -62,7 +63,7 @@ class _Step:
 
 
 def _small_leaves_of(reader):
-  """A checkpoint `read` for stores whose layers were linked: placeholders for layer leaves."""
+  """A checkpoint `read` for stores whose leaves were linked: placeholders for split leaves."""
   def read(path, start=None, stop=None):
     return np.zeros(0, np.float32) if start is not None else reader.read(path)
   return read
@@ -82,18 +83,23 @@ class StreamedEngine:
     self.placement = placement
     self.layout = layout or Layout.single_device()
     self.slices = placement.group_slices(model_cfg.num_layers)
-    self.pieces = outer_pieces(model_cfg.tie_embeddings)
+    self.vocab = partition.vocab_slices(model_cfg.vocab_size, model_cfg.d_model, placement.shard_mb)
+    self.kinds = piece_kinds(model_cfg.tie_embeddings)
+    self.kind_slices = {'layers': self.slices, 'embed': self.vocab, 'head': self.vocab,
+                        'final_norm': [(0, 0)]}
     self.stats = TransferStats()
-    self.params = self._make_store(placement.params, 'params')
-    self.opt_state = self._make_store(placement.opt_state, 'opt_state')
-    self.outer_params = self._make_store(placement.embed_head, 'embed_head_params')
-    self.outer_opt = self._make_store(placement.embed_head, 'embed_head_opt')
-    # With exact clipping, finished group gradients wait here (in the weights' tier, so memory
-    # stays bounded on every tier) until the global norm is known.
-    self.parked_grads = self._make_store(placement.params, 'grads')
     self.fn = StageFunctions(model_cfg, tx, self.layout)
-    self.updater = GroupUpdater((self.params, self.opt_state, self.parked_grads), self.fn,
-                                self.layout, self.stats)
+    self.stores = {kind: self._make_stores(kind) for kind in self.kinds}
+    # With exact clipping, finished group gradients wait in `grads` (in the weights' tier, so
+    # memory stays bounded on every tier) until the global norm is known.
+    self.params, self.opt_state, self.parked_grads = self.stores['layers'].all()
+    host_optimizer = {'layers': placement.optimizer_on == 'host',
+                      'final_norm': False}  # D floats: on the device
+    self.updaters = {
+        kind: PieceUpdater(stores, self.fn, self.layout, self.stats,
+                           host_optimizer=host_optimizer.get(kind, outer_host_optimizer(placement)))
+        for kind, stores in self.stores.items()}
+    self.updater = self.updaters['layers']
     self._disk_seen = {}
     if restore_from is not None:
       self.load_checkpoint(restore_from)
@@ -102,39 +108,45 @@ class StreamedEngine:
     else:
       self.load_state(state)
 
-  def _make_store(self, tier: str, name: str):
+  def _make_stores(self, kind: str) -> PieceStores:
+    p = self.placement
+    if kind == 'layers':
+      return PieceStores(*(self._make_store(tier, name, kind) for tier, name in (
+          (p.params, 'params'), (p.opt_state, 'opt_state'), (p.params, 'grads'))))
+    tier = p.embed_head if kind != 'final_norm' or p.embed_head != 'nvme' else 'host'
+    return PieceStores(*(self._make_store(tier, f'{kind}_{part}', kind)
+                         for part in ('params', 'opt', 'grads')))
+
+  def _make_store(self, tier: str, name: str, kind: str):
     if tier != 'nvme':
       return make_store(tier, name, self.stats, self.layout)
     if not self.placement.dir:
       raise ValueError('the NVMe tier needs placement.dir (the trainer sets <workdir>/offload)')
     return NvmeStore(name, self.stats, self.layout, directory=self.placement.dir,
-                     slices=self.slices, codec=self.placement.codec,
+                     slices=self.kind_slices[kind], codec=self.placement.codec,
                      level=self.placement.codec_level, shard_mb=self.placement.shard_mb,
                      max_pending_writes=self.placement.max_pending_writes(self.cfg),
-                     read_threads=max(2, self.placement.prefetch_depth))
+                     read_threads=max(2, self.placement.prefetch_depth),
+                     axis_of=None if kind == 'layers' else partition.split_axis)
 
   def close(self) -> None:
     """Waits for pending writes and stops the stores' I/O threads."""
-    for store in (self.params, self.opt_state, self.outer_params, self.outer_opt,
-                  self.parked_grads):
-      store.close()
+    for stores in self.stores.values():
+      for store in stores.all():
+        store.close()
 
   # --------------------------------------------------------------------------------------------
   # State in and out (checkpoints hold the full, resident-shaped state: portable across engines).
   # --------------------------------------------------------------------------------------------
 
-  def _put_outer(self, outer: dict) -> None:
-    """{piece: {'params', 'opt_state'}} into the embed_head stores."""
-    for name, piece in outer.items():
-      self.outer_params.put(name, piece['params'])
-      self.outer_opt.put(name, piece['opt_state'])
+  def _keys(self, kind: str) -> range:
+    return range(len(self.kind_slices[kind]))
 
   def load_state(self, state: dict) -> None:
-    outer, groups = partition.split_state(state, self.tx, self.slices)
-    self._put_outer(outer)
-    for g, piece in enumerate(groups):
-      self.params.put(g, piece['params'])
-      self.opt_state.put(g, piece['opt_state'])
+    for kind, pieces in partition.split_state(state, self.tx, self.kind_slices).items():
+      for key, piece in enumerate(pieces):
+        self.stores[kind].params.put(key, piece['params'])
+        self.stores[kind].opt_state.put(key, piece['opt_state'])
     self.step = int(np.asarray(state['step']))
     self.rng = np.asarray(state['rng'])
 
@@ -147,8 +159,12 @@ class StreamedEngine:
     layers_key = model_lib.param_keys(init_key)[1]
     init_opt = jax.jit(self.tx.init)
     outer = jax.jit(model_lib.init_outer, static_argnums=0)(self.cfg, init_key)
-    self._put_outer({name: {'params': piece, 'opt_state': init_opt(piece)}
-                     for name, piece in partition.outer_pieces(outer).items()})
+    for kind in self.kinds[1:]:
+      for key, (start, stop) in enumerate(self.kind_slices[kind]):
+        piece = partition.piece_of(outer, kind, start, stop)
+        self.stores[kind].params.put(key, piece)
+        self.stores[kind].opt_state.put(key, init_opt(piece))
+    del outer
     init_layers = jax.jit(model_lib.init_layers, static_argnums=(0, 3))
     for g, (start, stop) in enumerate(self.slices):
       group = {'layers': init_layers(self.cfg, layers_key, start, stop - start)}
@@ -160,56 +176,63 @@ class StreamedEngine:
   def export_state(self) -> dict:
     """The full train state as host numpy arrays (what the resident engine would hold).
 
-    Gathers every group in host RAM (tests, export); checkpoints use `checkpoint_parts`, which
+    Gathers every piece in host RAM (tests, export); checkpoints use `checkpoint_parts`, which
     leaves the NVMe tier on disk.
     """
-    outer = {name: {'params': self.outer_params.get(name), 'opt_state': self.outer_opt.get(name)}
-             for name in self.pieces}
-    groups = [{'params': self.params.get(g), 'opt_state': self.opt_state.get(g)}
-              for g in range(len(self.slices))]
-    return partition.merge_state(outer, groups, self.tx, np.int32(self.step), self.rng)
+    pieces = {kind: [{'params': self.stores[kind].params.get(key),
+                      'opt_state': self.stores[kind].opt_state.get(key)} for key in self._keys(kind)]
+              for kind in self.kinds}
+    return partition.merge_state(pieces, self.tx, np.int32(self.step), self.rng)
 
   def checkpoint_parts(self) -> tuple[dict, dict]:
     """What a checkpoint needs, addressed by full-state tree path (checkpoint.py):
     ({path: host numpy copy} of leaves in memory, {path: live zarr3 array dir} of leaves on NVMe).
     NVMe leaves are not read: the checkpointer links their files once the writes have landed."""
-    copy = lambda tree, prefix: {p: np.array(x, copy=True)
-                                 for p, x in partition.by_path(tree, prefix).items()}
     memory = {"['step']": np.asarray(self.step, np.int32), "['rng']": np.array(self.rng)}
-    for name in self.pieces:  # the step counts sit at the same path in every piece: all equal
-      memory.update(copy(self.outer_params.get(name), "['params']"))
-      memory.update(copy(self.outer_opt.get(name), "['opt_state']"))
     disk = {}
-    for part, store in (('params', self.params), ('opt_state', self.opt_state)):
-      if isinstance(store, NvmeStore):
-        disk.update({f"['{part}']" + p: d for p, d in store.array_dirs().items()})
-        continue
-      groups = [partition.by_path(store.get(g), f"['{part}']") for g in range(len(self.slices))]
-      memory.update({p: np.concatenate([np.asarray(g[p]) for g in groups])
-                     for p in groups[0] if partition.LAYERS in p})
+    for kind in self.kinds:
+      for part, store in (('params', self.stores[kind].params),
+                          ('opt_state', self.stores[kind].opt_state)):
+        if isinstance(store, NvmeStore):
+          disk.update({f"['{part}']" + p: d for p, d in store.array_dirs().items()})
+        pieces = [partition.by_path(store.get(key), f"['{part}']") for key in self._keys(kind)]
+        for path in pieces[0]:
+          axis = partition.split_axis(path)
+          if axis is None:  # step counts sit at the same path in every piece: all equal
+            memory[path] = np.array(pieces[0][path], copy=True)
+          elif not isinstance(store, NvmeStore):
+            memory[path] = np.concatenate([np.asarray(p[path]) for p in pieces], axis=axis)
     return memory, disk
 
   def load_checkpoint(self, reader) -> None:
-    """Fills the stores from a verified checkpoint, group by group (never the whole state in RAM).
+    """Fills the stores from a verified checkpoint, piece by piece (never the whole state in RAM).
     An NVMe store whose snapshot has its on-disk layout links the snapshot's files instead."""
     abstract = model_lib.abstract_params(self.cfg)
-    self._put_outer(partition.read_outer(reader.read, self.tx, abstract))
-    for part, store in (('params', self.params), ('opt_state', self.opt_state)):
-      linked = False
-      if isinstance(store, NvmeStore):
-        template = partition.group_template(self.tx, abstract, *self.slices[0])[part]
-        sources = {p: (x.shape[1:], reader.snapshot_dir(f"['{part}']" + p))
-                   for p, x in partition.by_path(template).items() if partition.LAYERS in p}
-        linked = (all(d is not None for _, d in sources.values())
-                  and store.link_arrays(sources))
-      for g, (start, stop) in enumerate(self.slices):
-        if linked:  # the layers are on disk already: read only the structure and step counts
-          store.adopt(g, partition.read_group(_small_leaves_of(reader), self.tx, abstract, start,
-                                              stop, part))
-        else:
-          store.put(g, partition.read_group(reader.read, self.tx, abstract, start, stop, part))
+    for kind in self.kinds:
+      for part in ('params', 'opt_state'):
+        self._load_part(reader, abstract, kind, part)
     self.step = int(reader.read("['step']"))
     self.rng = np.asarray(reader.read("['rng']"))
+
+  def _load_part(self, reader, abstract, kind: str, part: str) -> None:
+    store = getattr(self.stores[kind], part)
+    slices = self.kind_slices[kind]
+    linked = False
+    if isinstance(store, NvmeStore):
+      template = partition.piece_template(self.tx, abstract, kind, *slices[0])[part]
+      sources = {}
+      for p, x in partition.by_path(template).items():
+        axis = partition.split_axis(p)
+        if axis is not None:
+          sources[p] = (x.shape[:axis] + x.shape[axis + 1:], reader.snapshot_dir(f"['{part}']" + p))
+      linked = all(d is not None for _, d in sources.values()) and store.link_arrays(sources)
+    for key, (start, stop) in enumerate(slices):
+      if linked:  # the split leaves are on disk already: read only the structure and step counts
+        store.adopt(key, partition.read_piece(_small_leaves_of(reader), self.tx, abstract, kind,
+                                              start, stop, part))
+      else:
+        store.put(key, partition.read_piece(reader.read, self.tx, abstract, kind, start, stop,
+                                            part))
 
   # --------------------------------------------------------------------------------------------
   # The step: the stages of schedule.py, in order.
@@ -218,8 +241,9 @@ class StreamedEngine:
   def train_step(self, batch: np.ndarray) -> dict:
     """One optimizer step on batch [M, B, S+1] int32. Returns the step's metrics."""
     step = self._begin(batch)
-    hidden = self._embed(step.outer, step.tokens)
-    hidden, saved, step.fetch_wait_s = self._forward(hidden, step.positions, keep_inputs=True)
+    hidden = self._embed(step.tokens, step)
+    hidden, saved, wait_s = self._forward(hidden, step.positions, keep_inputs=True)
+    step.fetch_wait_s += wait_s
     loss, dys = self._head(step, hidden)
     updates = update_policy(self.updater, step.schedule)
     dys = self._backward(step, saved, dys, updates)
@@ -231,21 +255,35 @@ class StreamedEngine:
     step.fetch_wait_s += updates.wait_s
     # Wait for the last update's results (not for write-behind to disk, which overlaps the next
     # step's forward).
-    jax.block_until_ready((loss, self.updater.last, self.outer_params.get('embed')))
+    jax.block_until_ready((loss, [u.last for u in self.updaters.values()]))
     return self._metrics(step, loss, grad_norm)
 
   def _begin(self, batch: np.ndarray) -> _Step:
-    """Starts a step: the batch's tokens on the device and the outer pieces fetched."""
+    """Starts a step: the batch's tokens on the device and the final norm fetched."""
     self.stats.reset()
     batch = jnp.asarray(batch)
     tokens, targets = batch[:, :, :-1], batch[:, :, 1:]
-    schedule = StepSchedule(self.placement, self.cfg.num_layers, batch.shape[0], self.grad_clip > 0)
+    schedule = StepSchedule(self.placement, self.cfg, batch.shape[0], self.grad_clip > 0)
     return _Step(schedule, tokens, targets, model_lib.default_positions(tokens[0]),
-                 outer={name: self.outer_params.fetch(name) for name in self.pieces})
+                 norm=resolve(self.stores['final_norm'].params.fetch(0)))
 
-  def _embed(self, outer: dict, tokens) -> list:
-    """Stage 'embed': [B, S] tokens -> [B, S, D] hidden, per microbatch."""
-    return [self.fn.embed(outer['embed'], t) for t in tokens]
+  def _chunks(self, store, order=None) -> Prefetcher:
+    """The vocabulary chunks of `store` in `order`, read ahead like layer groups."""
+    return Prefetcher(store.fetch, order if order is not None else self._keys('embed'),
+                      self.placement.prefetch_depth)
+
+  def _embed(self, tokens, step: _Step | None = None) -> list:
+    """Stage 'embed': [B, S] tokens -> [B, S, D] hidden, per microbatch. Each embedding chunk is
+    fetched once; a token's row comes from its chunk (the others add zeros)."""
+    hidden = None
+    chunks = self._chunks(self.stores['embed'].params)
+    for c, piece in chunks:
+      start = jnp.int32(self.vocab[c][0])
+      hidden = ([self.fn.embed_chunk(piece, t, start) for t in tokens] if hidden is None else
+                [self.fn.embed_chunk_add(piece, t, start, h) for t, h in zip(tokens, hidden)])
+    if step is not None:
+      step.fetch_wait_s += chunks.wait_s
+    return hidden
 
   def _forward(self, hidden: list, positions, keep_inputs: bool):
     """Stage 'forward': every group in order, each fetched once (the next ones already in
@@ -260,22 +298,43 @@ class StreamedEngine:
       jax.block_until_ready(hidden)
     return hidden, saved, groups.wait_s
 
+  def _head_losses(self, normed: list, targets) -> tuple[list, list]:
+    """The head's forward over its vocabulary chunks: ([mean loss], [logsumexp [B, S]]) per
+    microbatch, from an online logsumexp (the logits of one chunk exist at a time)."""
+    carry = [self.fn.lse_init(t) for t in targets]
+    for c, piece in self._chunks(self.stores[self._head_kind].params):
+      start = jnp.int32(self.vocab[c][0])
+      carry = [self.fn.lse_update(piece, n, t, start, k) for n, t, k in zip(normed, targets, carry)]
+    finished = [self.fn.lse_finish(k) for k in carry]
+    return [loss for loss, _ in finished], [lse for _, lse in finished]
+
+  @property
+  def _head_kind(self) -> str:
+    return 'embed' if self.cfg.tie_embeddings else 'head'
+
   def _head(self, step: _Step, hidden: list):
-    """Stage 'head': final norm, LM head and loss of every microbatch, and their backward.
-    Returns (mean loss, [d hidden]); the outer gradients start here."""
-    head_piece = 'embed' if self.cfg.tie_embeddings else 'head'
-    grads = {name: self.fn.zeros(params) for name, params in step.outer.items()}
-    loss_sum, dys = jnp.zeros((), jnp.float32), []
+    """Stage 'head': final norm, LM head and loss of every microbatch, and their backward: each
+    head chunk is fetched twice (forward, backward) and its gradient parked until the update.
+    Returns (mean loss, [d hidden])."""
+    normed = [self.fn.final_norm(step.norm, x) for x in hidden]
+    losses, lses = self._head_losses(normed, step.targets)
+    stores, d_normed = self.stores[self._head_kind], [None] * step.num_micro
+    for c, piece in self._chunks(stores.params):
+      start, grad = jnp.int32(self.vocab[c][0]), None
+      for m in range(step.num_micro):
+        grad, d_normed[m] = self.fn.head_chunk_backward(piece, normed[m], step.targets[m], start,
+                                                        lses[m], grad, d_normed[m])
+      if not self.cfg.tie_embeddings:  # complete: the tied embedding's waits for its backward
+        step.squares.append(self.fn.sum_of_squares(grad, step.num_micro))
+      stores.grads.put(c, grad)
+    dys = []
     for m, x in enumerate(hidden):
-      normed = self.fn.final_norm(step.outer['final_norm'], x)
-      loss, d_head, d_normed = self.fn.head_forward_backward(step.outer[head_piece], normed,
-                                                              step.targets[m])
-      d_norm, dy = self.fn.final_norm_backward(step.outer['final_norm'], x, d_normed)
-      grads[head_piece] = self.fn.add(grads[head_piece], d_head)
-      grads['final_norm'] = self.fn.add(grads['final_norm'], d_norm)
-      loss_sum, dys = loss_sum + loss, dys + [dy]
-    step.outer_grads = grads
-    return loss_sum / step.num_micro if step.num_micro > 1 else loss_sum, dys
+      d_norm, dy = self.fn.final_norm_backward(step.norm, x, d_normed[m])
+      step.norm_grad = d_norm if step.norm_grad is None else self.fn.add(step.norm_grad, d_norm)
+      dys.append(dy)
+    step.squares.append(self.fn.sum_of_squares(step.norm_grad, step.num_micro))
+    loss = sum(losses)
+    return loss / step.num_micro if step.num_micro > 1 else loss, dys
 
   def _backward(self, step: _Step, saved: list, dys: list, updates) -> list:
     """Stage 'backward': groups in reverse, each fetched again; each group's summed gradient goes
@@ -297,20 +356,30 @@ class StreamedEngine:
     return dys
 
   def _embed_backward(self, step: _Step, dys: list) -> None:
-    """Stage 'embed_backward': the embedding's gradient, added to the head's when tied."""
-    for m in range(step.num_micro):
-      step.outer_grads['embed'] = self.fn.embed_backward(step.outer['embed'], step.tokens[m],
-                                                         dys[m], step.outer_grads['embed'])
-    step.squares += [self.fn.sum_of_squares(step.outer_grads[name], step.num_micro)
-                     for name in self.pieces]
+    """Stage 'embed_backward': each embedding chunk's gradient (the rows of the batch's tokens),
+    added to the tied head's parked one, parked until the update."""
+    stores = self.stores['embed']
+    tied = (self._chunks(stores.grads) if self.cfg.tie_embeddings
+            else ((c, None) for c in self._keys('embed')))
+    for c, grad in tied:
+      start, stop = self.vocab[c]
+      shape = (stop - start, self.cfg.d_model)
+      for m in range(step.num_micro):
+        grad = self.fn.embed_chunk_backward(shape, step.tokens[m], jnp.int32(start), dys[m], grad)
+      step.squares.append(self.fn.sum_of_squares(grad, step.num_micro))
+      stores.grads.put(c, grad)
 
   def _update_outer(self, step: _Step, scale) -> None:
-    """Stage 'outer_update': AdamW of each outer piece (on the device)."""
-    for name in self.pieces:
-      params, opt = self.fn.device_update(step.outer_grads[name], self.outer_opt.fetch(name),
-                                          step.outer[name], scale, step.num_micro)
-      self.outer_params.put(name, params)
-      self.outer_opt.put(name, opt)
+    """Stage 'outer_update': AdamW of the final norm, then of every embedding and head chunk from
+    its parked gradient, the inputs read one chunk ahead."""
+    norm = self.updaters['final_norm']
+    norm.apply(0, norm.request_inputs(0, parked=False, refetch_weights=False), scale=scale,
+               num_micro=step.num_micro, grad_sum=step.norm_grad, device_params=step.norm)
+    for kind in self.kinds[1:]:
+      if kind != 'final_norm':
+        step.fetch_wait_s += update_parked(self.updaters[kind], self._keys(kind), scale,
+                                           step.num_micro, self.placement.prefetch_depth,
+                                           refetch_weights=True)
     faults.point('optimizer')
 
   # --------------------------------------------------------------------------------------------
@@ -338,7 +407,7 @@ class StreamedEngine:
                'perf/fetch_wait_s': step.fetch_wait_s,
                'perf/compute_s': step.backward_done - step.started - step.fetch_wait_s,
                'perf/optimizer_s': finished - step.backward_done}
-    if 'nvme' in (self.placement.params, self.placement.opt_state):
+    if self.placement.uses_nvme:
       # Disk I/O completed since the previous step's end (write-behind lands a step late).
       now = self.stats.disk_snapshot()
       disk = {k: now[k] - self._disk_seen.get(k, 0) for k in now}
@@ -352,12 +421,11 @@ class StreamedEngine:
     return metrics
 
   def eval_losses(self, batches: list[np.ndarray]) -> list[float]:
-    """Mean loss of each [B, S+1] batch; layer-major, so each group is fetched once for all."""
+    """Mean loss of each [B, S+1] batch; layer-major, so each piece is fetched once for all."""
     tokens = [jnp.asarray(b[:, :-1]) for b in batches]
-    outer = {name: self.outer_params.fetch(name) for name in self.pieces}
-    hidden, _, _ = self._forward(self._embed(outer, tokens), model_lib.default_positions(tokens[0]),
+    norm = resolve(self.stores['final_norm'].params.fetch(0))
+    hidden, _, _ = self._forward(self._embed(tokens), model_lib.default_positions(tokens[0]),
                                  keep_inputs=False)
-    head = outer['embed' if self.cfg.tie_embeddings else 'head']
-    return [float(self.fn.head_loss(head, self.fn.final_norm(outer['final_norm'], h),
-                                    jnp.asarray(b[:, 1:])))
-            for h, b in zip(hidden, batches)]
+    losses, _ = self._head_losses([self.fn.final_norm(norm, h) for h in hidden],
+                                  [jnp.asarray(b[:, 1:]) for b in batches])
+    return [float(loss) for loss in losses]

@@ -14,6 +14,7 @@ REMAT_POLICIES = ('none', 'full', 'minimal', 'offload')
 ROPE_SCALING_TYPES = ('none', 'linear', 'llama3')
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 MATMUL_PRECISIONS = ('highest', 'high', 'default')
+AUTO_VOCAB_CHUNK = 8192  # model.vocab_chunk = 0: see ModelConfig.resolved_vocab_chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class ModelConfig:
   norm_eps: float = 1e-5
   sliding_window: int = 0  # 0 = full causal attention (Mistral uses a window)
   attention_chunk: int = 512  # queries per attention block; 0 = all at once
+  vocab_chunk: int = 0  # vocabulary columns per loss block; 0 = auto (resolved_vocab_chunk)
   init_std: float = 0.02
   dtype: str = 'float32'  # compute dtype; params are always float32
   matmul_precision: str = 'highest'
@@ -96,6 +98,7 @@ class ModelConfig:
     if self.attention_chunk < 0:
       raise ConfigError(f'model.attention_chunk={self.attention_chunk} must be >= 0 (queries per '
                         'attention block; 0 = all queries at once).')
+    _check_vocab_chunk(self.vocab_chunk, self.vocab_size)
 
   @classmethod
   def from_config_dict(cls, model) -> 'ModelConfig':
@@ -111,12 +114,24 @@ class ModelConfig:
         rope_original_max_len=scaling.original_max_len, qkv_bias=model.qkv_bias,
         tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps,
         sliding_window=model.sliding_window, attention_chunk=model.attention_chunk,
+        vocab_chunk=model.vocab_chunk,
         init_std=model.init_std, dtype=model.dtype,
         matmul_precision=model.matmul_precision, remat=model.remat,
         scan_layers=model.scan_layers)
 
   def replace(self, **changes) -> 'ModelConfig':
     return dataclasses.replace(self, **changes)
+
+  @property
+  def resolved_vocab_chunk(self) -> int:
+    """Vocabulary columns per block of the chunked loss (model/vocab.py).
+
+    0 = auto = min(vocab_size, 8192): the loss holds a few [tokens, chunk] float32 blocks (logits,
+    softmax, their gradient) instead of [tokens, vocab_size], so 8192 bounds them at 32 KiB per
+    token each (4 GiB for 32k tokens) whatever the vocabulary, while each block's matmul stays
+    large enough to run at full speed. Vocabularies up to 8192 are one block.
+    """
+    return self.vocab_chunk or min(self.vocab_size, AUTO_VOCAB_CHUNK)
 
   # --- Sizes, from the shapes alone (no arrays are created). ---
 
@@ -154,6 +169,15 @@ def _check_positive(cfg, names):
     value = getattr(cfg, name)
     if not isinstance(value, int) or value <= 0:
       raise ConfigError(f'model.{name}={value!r} must be a positive integer.')
+
+
+def _check_vocab_chunk(chunk, vocab_size):
+  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+    raise ConfigError(f'model.vocab_chunk={chunk!r} must be a non-negative integer (vocabulary '
+                      'columns per block of the loss; 0 = auto).')
+  if chunk > vocab_size:
+    raise ConfigError(f'model.vocab_chunk={chunk} is larger than model.vocab_size={vocab_size}; '
+                      f'use 0 (auto) or a value <= {vocab_size}.')
 
 
 def _check_choice(field, value, choices):

@@ -17,6 +17,10 @@ The model is cut into stages so that a streaming engine can run it from weights 
 piece at a time: `embed` -> `apply_group` over consecutive K-slices of 'layers' -> `final_norm` ->
 `logits`/`logits_loss` (`head` and `head_loss` chain the last two). `forward` and `loss_fn` chain them over the whole stack (the resident path).
 
+`logits_loss` (and so `head_loss` and `loss_fn`, i.e. every engine's training and eval loss) runs
+the head over vocabulary blocks (model/vocab.py) without materialising the [B, S, V] logits;
+`logits`, `head` and `forward` still return whole logits (HF parity, evaluation by logits).
+
 The NNX modules in layers.py define the parameters and the math; here each stage rebuilds its
 module from a cached graph definition and the plain params (`nnx.merge`), so every function is
 pure and jittable over ordinary dicts of arrays.
@@ -30,6 +34,7 @@ from flax import nnx
 
 from megatrain_jax.model import layers as layers_lib
 from megatrain_jax.model.config import ModelConfig
+from megatrain_jax.model.vocab import chunked_logits_loss
 
 _MODULES = {'layer': layers_lib.DecoderLayer, 'embed': layers_lib.Embedder,
             'head': layers_lib.Head}
@@ -172,19 +177,33 @@ def logits(cfg: ModelConfig, params, normed):
   return layers_lib.untied_logits(cfg, normed, params['head']['lm_head']['kernel'])
 
 
-def logits_loss(cfg: ModelConfig, params, normed, targets):
-  """Mean cross-entropy of the LM head applied to the final norm's output."""
-  return cross_entropy(logits(cfg, params, normed), targets)
+def logits_loss(cfg: ModelConfig, params, normed, targets, mask=None):
+  """Mean cross-entropy of the LM head applied to the final norm's output [B, S, D].
+
+  Computed over vocabulary blocks of `cfg.resolved_vocab_chunk` columns (model/vocab.py): equals
+  `cross_entropy(logits(...), targets)` to float32 rounding without the [B, S, V] logits or their
+  gradient. Needs params['head']['lm_head'] or, with tied embeddings, params['embed']. `mask`
+  [B, S] (1 = the token counts) makes it the mean over the masked-in tokens.
+  """
+  if cfg.tie_embeddings:
+    weight = params['embed']['embedding']
+  else:
+    weight = params['head']['lm_head']['kernel']
+  return chunked_logits_loss(normed, weight, targets, tied=cfg.tie_embeddings,
+                             chunk=cfg.resolved_vocab_chunk, precision=cfg.matmul_precision,
+                             mask=mask)
 
 
 def cross_entropy(logits, targets):
-  """Mean token cross-entropy; logits [B, S, V] float32, targets [B, S] int."""
+  """Mean token cross-entropy of whole logits [B, S, V] float32, targets [B, S] int (the
+  reference that `logits_loss` matches; training goes through the chunked `logits_loss`)."""
   logp = jax.nn.log_softmax(logits, axis=-1)
   return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-def head_loss(cfg: ModelConfig, params, x, targets):
-  return cross_entropy(head(cfg, params, x), targets)
+def head_loss(cfg: ModelConfig, params, x, targets, mask=None):
+  """Mean cross-entropy of `head` on hidden x [B, S, D]: final norm, then the chunked loss."""
+  return logits_loss(cfg, params, final_norm(cfg, params, x), targets, mask)
 
 
 def forward(cfg: ModelConfig, params, tokens, positions=None):
@@ -196,6 +215,12 @@ def forward(cfg: ModelConfig, params, tokens, positions=None):
 
 
 def loss_fn(cfg: ModelConfig, params, batch):
-  """batch [B, S + 1] int tokens -> mean next-token cross-entropy (inputs [:, :-1], targets [:, 1:])."""
+  """batch [B, S + 1] int tokens -> mean next-token cross-entropy (inputs [:, :-1], targets [:, 1:]).
+
+  The same stages as `forward`, but the head and loss run over vocabulary blocks (`logits_loss`),
+  so the [B, S, V] logits are never materialised.
+  """
   tokens, targets = batch[:, :-1], batch[:, 1:]
-  return cross_entropy(forward(cfg, params, tokens), targets)
+  x = embed(cfg, params, tokens)
+  x = apply_group(cfg, params['layers'], x, default_positions(tokens))
+  return head_loss(cfg, params, x, targets)

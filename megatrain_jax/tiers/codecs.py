@@ -1,8 +1,9 @@
-"""On-disk layout of the NVMe tier: one zarr3 TensorStore array per stacked leaf.
+"""On-disk layout of the NVMe tier: one zarr3 TensorStore array per split leaf.
 
-Array [L, *leaf_shape] float32; one outer chunk per layer (a zarr3 shard = one file per layer),
-split by `sharding_indexed` into inner chunks of at most `shard_mb` so that codecs and reads run
-in parallel over a layer. Every inner chunk and the shard index carry a crc32c checksum: a read of
+Layer leaves: array [L, *leaf_shape] float32; one outer chunk per layer (a zarr3 shard = one file
+per layer), split by `sharding_indexed` into inner chunks of at most `shard_mb` so that codecs and
+reads run in parallel over a layer. Vocabulary leaves (embedding [V, D], head kernel [D, V]): one
+file per vocabulary chunk of at most `shard_mb`. Every inner chunk and the shard index carry a crc32c checksum: a read of
 a corrupted chunk fails instead of returning wrong numbers. Missing chunks are errors too
 (`fill_missing_data_reads=False`): a layer that was never written is never read as zeros, and
 all-zero chunks are written like any other (`store_data_equal_to_fill_value`).
@@ -47,9 +48,17 @@ def inner_chunk_shape(layer_shape: tuple[int, ...], shard_mb: float, itemsize: i
 
 
 def array_spec(path: str, shape: tuple[int, ...], *, codec: str = 'none', level: int = 1,
-               shard_mb: float = 512, dtype: str = 'float32') -> dict:
-  """TensorStore spec of a stacked leaf [L, *layer_shape] stored one layer per file."""
-  layer_shape = tuple(shape[1:])
+               shard_mb: float = 512, dtype: str = 'float32', axis: int = 0,
+               chunk: int = 1) -> dict:
+  """TensorStore spec of a leaf split along `axis` into files of `chunk` indices: a stacked layer
+  leaf [L, *layer_shape] one layer per file (axis 0, chunk 1), or a vocabulary leaf ([V, D]
+  embedding on axis 0, [D, V] head kernel on axis 1) one vocabulary chunk per file."""
+  if axis == 0 and chunk == 1:
+    outer = [1, *shape[1:]]
+    inner = inner_chunk_shape(tuple(shape[1:]), shard_mb)
+  else:  # a vocabulary chunk is sized to shard_mb already: one inner chunk per file
+    outer = [chunk if d == axis else n for d, n in enumerate(shape)]
+    inner = outer
   return {
       'driver': 'zarr3',
       'kvstore': {'driver': 'file', 'path': path},
@@ -58,12 +67,11 @@ def array_spec(path: str, shape: tuple[int, ...], *, codec: str = 'none', level:
       'metadata': {
           'shape': list(shape),
           'data_type': dtype,
-          'chunk_grid': {'name': 'regular',
-                         'configuration': {'chunk_shape': [1, *layer_shape]}},
+          'chunk_grid': {'name': 'regular', 'configuration': {'chunk_shape': outer}},
           'codecs': [{
               'name': 'sharding_indexed',
               'configuration': {
-                  'chunk_shape': inner_chunk_shape(layer_shape, shard_mb),
+                  'chunk_shape': inner,
                   'codecs': [{'name': 'bytes', 'configuration': {'endian': 'little'}},
                              *compression_codecs(codec, level), {'name': 'crc32c'}],
                   'index_codecs': [{'name': 'bytes', 'configuration': {'endian': 'little'}},
@@ -74,6 +82,7 @@ def array_spec(path: str, shape: tuple[int, ...], *, codec: str = 'none', level:
   }
 
 
-def chunk_file(path: str, layer: int, ndim: int) -> str:
-  """The file holding `layer` of the array at `path` (zarr3 default chunk key encoding)."""
-  return '/'.join([path, 'c', str(layer)] + ['0'] * (ndim - 1))
+def chunk_file(path: str, layer: int, ndim: int, axis: int = 0) -> str:
+  """The file holding chunk `layer` along `axis` of the array at `path` (zarr3 default chunk key
+  encoding): a layer of a stacked leaf, or a vocabulary chunk."""
+  return '/'.join([path, 'c'] + [str(layer) if d == axis else '0' for d in range(ndim)])

@@ -7,9 +7,11 @@ thread, so the main thread never waits for the update to finish) and returns; at
 `max_pending_writes` groups may be queued, after which `put` blocks (back-pressure, bounded RAM).
 A read of key k first waits for the pending write of k, so step n+1 always reads step n's values.
 
-Leaves whose tree path goes through 'layers' are stored on disk, one array per leaf path,
-[num_layers, ...] with one file per layer; other leaves (optax step counts) are scalars kept in
-memory.
+Which leaves go to disk, and along which axis a key slices them, is the store's `axis_of(path)`:
+by default leaves whose tree path goes through 'layers' ([num_layers, ...], one file per layer, key
+g = layers slices[g]); vocabulary stores split the embedding [V, D] on axis 0 and the head kernel
+[D, V] on axis 1 (key c = vocabulary rows slices[c], one file per chunk). Other leaves (optax step
+counts) are small and kept in memory.
 """
 
 import concurrent.futures
@@ -37,8 +39,12 @@ class NvmeStore(Store):
 
   def __init__(self, name: str, stats: TransferStats, layout: Layout | None = None, *,
                directory: str, slices: list[tuple[int, int]], codec: str = 'none', level: int = 1,
-               shard_mb: float = 512, max_pending_writes: int = 2, read_threads: int = 2):
+               shard_mb: float = 512, max_pending_writes: int = 2, read_threads: int = 2,
+               axis_of=None):
     super().__init__(name, stats, layout)
+    self._axis_of = axis_of or layer_axis
+    # One file per layer; a vocabulary store one per chunk (all chunks but the last are equal).
+    self._file_rows = 1 if axis_of is None else slices[0][1] - slices[0][0]
     self.directory = pathlib.Path(directory) / name
     if self.directory.exists():  # the live store is never trusted across runs: resume = reload
       shutil.rmtree(self.directory)
@@ -60,10 +66,13 @@ class NvmeStore(Store):
 
   # --- writing ---------------------------------------------------------------------------------
 
-  def _array(self, path: str, layer_shape) -> ts.TensorStore:
+  def _array(self, path: str, piece_shape) -> ts.TensorStore:
+    """The array of leaf `path`; `piece_shape`: one key's piece, without the split axis."""
     if path not in self._arrays:
-      spec = codecs.array_spec(str(self.directory / leaf_name(path)),
-                               (self.num_layers, *layer_shape), **self._codec)
+      axis = self._axis_of(path)
+      shape = (*piece_shape[:axis], self.num_layers, *piece_shape[axis:])
+      spec = codecs.array_spec(str(self.directory / leaf_name(path)), shape, axis=axis,
+                               chunk=self._file_rows, **self._codec)
       self._arrays[path] = ts.open(spec, create=True, delete_existing=True,
                                    context=self._context).result()
     return self._arrays[path]
@@ -93,20 +102,21 @@ class NvmeStore(Store):
       try:
         for path, leaf in zip(paths, leaves):
           host = np.asarray(leaf)  # waits for the update that produced it
-          if LAYERS not in path:
+          axis = self._axis_of(path)
+          if axis is None:
             small[path] = host
             continue
-          array = self._array(path, host.shape[1:])
-          writes.append(array[start:stop].write(host))
+          array = self._array(path, host.shape[:axis] + host.shape[axis + 1:])
+          writes.append(array[_index(axis, start, stop)].write(host))
           nbytes += host.nbytes
-          files += [codecs.chunk_file(str(self.directory / leaf_name(path)), layer, host.ndim)
-                    for layer in range(start, stop)]
+          files += self._files(path, start, stop, host.ndim)
         for write in writes:
           write.result()
       except Exception as error:  # pylint: disable=broad-except  (ENOSPC arrives as ValueError)
         if not is_disk_full(error):
           raise
-        needed = sum(int(np.prod(np.shape(x))) * 4 for p, x in zip(paths, leaves) if LAYERS in p)
+        needed = sum(int(np.prod(np.shape(x))) * 4 for p, x in zip(paths, leaves)
+                     if self._axis_of(p) is not None)
         raise DiskFullError(
             f'NVMe store {self.name!r}: the disk holding {self.directory} is full while writing '
             f'back layers {start}..{stop - 1} ({human_bytes(needed)} for this group, '
@@ -134,7 +144,8 @@ class NvmeStore(Store):
     start, stop = self.slices[key]
     small = self._small[key]
     with self._read_timer:
-      reads = {p: self._arrays[p][start:stop].read() for p in paths if LAYERS in p}
+      reads = {p: self._arrays[p][_index(self._axis_of(p), start, stop)].read() for p in paths
+               if self._axis_of(p) is not None}
       leaves = []
       for path in paths:
         if path in reads:
@@ -148,15 +159,16 @@ class NvmeStore(Store):
     try:
       return read.result()
     except ValueError as error:  # TensorStore reports DATA_LOSS / NOT_FOUND as ValueError
-      array = self._arrays[path]
-      for layer in range(start, stop):  # name the first bad layer and its file
+      array, axis = self._arrays[path], self._axis_of(path)
+      for first in range(start, stop, self._file_rows):  # name the first bad file
         try:
-          array[layer:layer + 1].read().result()
-        except ValueError as layer_error:
-          file = codecs.chunk_file(str(self.directory / leaf_name(path)), layer, array.ndim)
+          array[_index(axis, first, min(first + self._file_rows, stop))].read().result()
+        except ValueError as file_error:
+          file = self._files(path, first, first + 1, array.ndim)[0]
+          what = f'layer {first}' if self._file_rows == 1 else f'rows from {first}'
           raise StoreCorruptionError(
-              f'NVMe store {self.name!r}: array {leaf_name(path)} layer {layer} in file {file} '
-              f'cannot be read back intact ({layer_error}). Training stops rather than use '
+              f'NVMe store {self.name!r}: array {leaf_name(path)} {what} in file {file} '
+              f'cannot be read back intact ({file_error}). Training stops rather than use '
               'damaged data: check the disk, then resume from the last checkpoint.') from error
       raise
 
@@ -211,7 +223,24 @@ class NvmeStore(Store):
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
     self._structure[key] = (treedef, paths)
-    self._small[key] = {p: np.asarray(x) for p, (_, x) in zip(paths, flat) if LAYERS not in p}
+    self._small[key] = {p: np.asarray(x) for p, (_, x) in zip(paths, flat)
+                        if self._axis_of(p) is None}
+
+  def _files(self, path: str, start: int, stop: int, ndim: int) -> list[str]:
+    """The chunk files holding indices [start, stop) of leaf `path`."""
+    return [codecs.chunk_file(str(self.directory / leaf_name(path)), i // self._file_rows, ndim,
+                              self._axis_of(path))
+            for i in range(start, stop, self._file_rows)]
+
+
+def layer_axis(path: str) -> int | None:
+  """Layer stores: leaves through 'layers' are split on their stacked axis 0."""
+  return 0 if LAYERS in path else None
+
+
+def _index(axis: int, start: int, stop: int) -> tuple:
+  """Indices [start, stop) along `axis`, everything along the others."""
+  return (slice(None),) * axis + (slice(start, stop),)
 
 
 def nvme_bytes(layer_params_bytes: int, params_tier: str, opt_tier: str) -> int:

@@ -1,0 +1,162 @@
+"""One run per directory: an exclusive OS lock on the workdir (and on offload.dir when an NVMe
+tier is used), held for the run's whole life.
+
+Two runs in one workdir interleave checkpoints and metrics.jsonl; two runs on one offload.dir
+rewrite each other's TensorStore chunks. So `train_and_evaluate` takes `fcntl.flock(LOCK_EX |
+LOCK_NB)` on `<dir>/.megatrain.lock` after validating its inputs and before writing anything, and
+a second run is refused with `DirectoryInUseError` naming the process that holds the lock (pid,
+host, start time, workdir: the holder writes them into the lock file).
+
+- The lock belongs to the open file, not to the file's existence: the OS releases it when the
+  holder exits or dies, kill -9 included, so a lock file left behind never blocks a resume.
+- On release the holder deletes the lock file (and the directories it created for it, if they
+  are still empty: a run refused later in its start-up leaves nothing behind). That is safe with
+  flock because a taker checks, once it holds the lock, that the file it locked is still the one
+  at the path (same inode) and starts over otherwise.
+- The descriptor is close-on-exec: a subprocess of the trainer does not inherit (and keep) it.
+- Network filesystems: flock on NFS is emulated with POSIX byte-range locks (Linux >= 2.6.12) and
+  works between clients only where the NFS lock service does (not with the `nolock` mount
+  option); Lustre honours it only when mounted with `-o flock`, CIFS/SMB and some FUSE
+  filesystems only within one host. Where the filesystem refuses flock outright (ENOLCK, ENOSYS,
+  EOPNOTSUPP, EINVAL) the run warns and continues unprotected; where it accepts flock but does
+  not share it between hosts, two runs on different hosts are not detected. Keep offload.dir on
+  a local disk (it should be anyway) and give each run its own --workdir.
+- Processes of one multi-process run (issue 13) share the run's locks: only process 0 takes the
+  workdir lock, and each host its own offload.dir's.
+"""
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import pathlib
+import socket
+import sys
+
+from megatrain_jax.errors import ConfigError
+
+LOCK_FILE = '.megatrain.lock'
+# flock errors that mean "this filesystem does not do locks", not "someone holds it".
+_UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+
+
+class DirectoryInUseError(ConfigError):
+  """The workdir or offload.dir is locked by another run; the message names its pid and host."""
+
+
+def _holder(path: pathlib.Path) -> str:
+  """'pid 1234 on host h, started ..., workdir ...' from a lock file, as far as it says."""
+  try:
+    info = json.loads(path.read_text())
+    return (f'pid {info["pid"]} on host {info["host"]}, started {info["started"]}, workdir '
+            f'{info["workdir"]}')
+  except (OSError, ValueError, KeyError, TypeError):
+    return f'which has not written its pid into {path} yet'
+
+
+class DirectoryLock:
+  """The exclusive lock on one directory; `acquire` raises DirectoryInUseError (`what` names the
+  directory in the message, `fix` ends it), `release` gives it back."""
+
+  def __init__(self, directory, what: str, fix: str, workdir=None):
+    self.directory = pathlib.Path(directory).expanduser().absolute()
+    self.path = self.directory / LOCK_FILE
+    self.what, self.fix = what, fix
+    self.workdir = pathlib.Path(workdir or directory).expanduser().absolute()
+    self._fd = None
+    self._created: list[pathlib.Path] = []  # directories made for the lock file, deepest last
+
+  def _make_directory(self) -> None:
+    missing = []
+    path = self.directory
+    while not path.exists():
+      missing.append(path)
+      path = path.parent
+    self.directory.mkdir(parents=True, exist_ok=True)
+    self._created = list(reversed(missing))
+
+  def acquire(self) -> 'DirectoryLock':
+    self._make_directory()
+    while True:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except OSError as error:
+        os.close(fd)
+        if error.errno in _UNSUPPORTED:
+          print(f'warning: cannot lock {self.what} {self.directory} ({error.strerror}: the '
+                'filesystem does not support flock, e.g. NFS mounted with nolock, Lustre without '
+                '-o flock); running without protection against a second run using it.',
+                file=sys.stderr, flush=True)
+          return self
+        self._remove_created()
+        if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+          raise DirectoryInUseError(
+              f'{self.what} {self.directory} is in use by another run ({_holder(self.path)}): '
+              f'wait for it, stop it, or {self.fix}.') from None
+        raise
+      if _same_file(fd, self.path):
+        break
+      os.close(fd)  # the holder deleted it as we opened it: take the new one
+    self._fd = fd
+    self._write_holder()
+    return self
+
+  def _write_holder(self) -> None:
+    started = datetime.datetime.now().astimezone().isoformat(timespec='seconds')
+    info = {'pid': os.getpid(), 'host': socket.gethostname(), 'started': started,
+            'workdir': str(self.workdir), 'command': ' '.join(sys.argv)}
+    os.ftruncate(self._fd, 0)
+    os.pwrite(self._fd, (json.dumps(info) + '\n').encode(), 0)
+
+  def release(self) -> None:
+    if self._fd is None:
+      self._remove_created()
+      return
+    try:
+      if _same_file(self._fd, self.path):
+        self.path.unlink()  # while still holding it; see the module docstring
+    finally:
+      os.close(self._fd)
+      self._fd = None
+    self._remove_created()
+
+  def _remove_created(self) -> None:
+    for directory in reversed(self._created):
+      try:
+        directory.rmdir()
+      except OSError:
+        break  # not empty: the run wrote something there, which is kept
+    self._created = []
+
+
+def _same_file(fd: int, path: pathlib.Path) -> bool:
+  try:
+    held, now = os.fstat(fd), os.stat(path)
+  except FileNotFoundError:
+    return False
+  return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
+
+@contextlib.contextmanager
+def hold(directory, what: str, fix: str, workdir=None):
+  """Holds the lock on `directory` for the duration of the `with` block."""
+  lock = DirectoryLock(directory, what, fix, workdir).acquire()
+  try:
+    yield lock
+  finally:
+    lock.release()
+
+
+def hold_workdir(workdir):
+  return hold(workdir, 'workdir', 'choose another --workdir')
+
+
+def hold_offload_dir(offload_dir, workdir):
+  """The offload.dir lock; none when offload.dir is the workdir itself (its lock covers it)."""
+  same = pathlib.Path(offload_dir).expanduser().resolve() == pathlib.Path(workdir).resolve()
+  if same:
+    return contextlib.nullcontext()
+  return hold(offload_dir, 'offload.dir', 'point offload.dir at another directory', workdir)
