@@ -1,7 +1,8 @@
 """Host memory of checkpointing a resident state with a real vocabulary: bytes of peak RSS a save
 adds over the RSS before it (next to a training step's peak), and bytes a restore adds over the
-state's own size (peaks read from VmHWM, reset before each measure). Each measure runs in a fresh process; `--code` compares another checkout
-(e.g. the format-2 checkpointer: `git worktree add /tmp/ckold <commit>`).
+state's own size (peaks read from VmHWM, reset before each measure). Each measure runs in a fresh
+process; `--code` compares another checkout (e.g. the format-2 checkpointer:
+`git worktree add /tmp/ckold <commit>`).
 
   PYTHONPATH=. python bench/checkpoint_memory.py --dir /tmp/ckmem [--code /tmp/ckold]
 

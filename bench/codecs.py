@@ -59,6 +59,7 @@ from megatrain_jax import optim
 from megatrain_jax.engine import resident
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.tiers import codecs as tier_codecs
+from megatrain_jax.fs import cached_bytes, drop_page_cache
 
 MODEL = ModelConfig(vocab_size=256, d_model=512, num_layers=4, num_heads=8, num_kv_heads=4,
                     d_ff=1376, max_seq_len=256)
@@ -69,29 +70,6 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 CODECS = (('none', 0), ('zstd', 1), ('zstd', 3), ('blosc', 1))  # (codec, level)
 ROW = 1024  # floats per row of the benchmark arrays: 4 KiB, the unit inner chunks are cut in
 DISK_READ = pathlib.Path(__file__).resolve().parent / 'disk_read.py'
-
-
-def drop_page_cache() -> bool:
-  """sync + drop the page cache, dentries and inodes. False where not permitted (not root)."""
-  os.sync()  # dirty pages cannot be dropped: write them back first
-  try:
-    with open('/proc/sys/vm/drop_caches', 'w') as f:
-      f.write('3\n')
-    return True
-  except OSError:
-    return False
-
-
-def cached_bytes(paths) -> int | None:
-  """Bytes of `paths` resident in the page cache (util-linux `fincore`); None if unavailable."""
-  paths = [str(p) for p in paths]
-  if not paths or shutil.which('fincore') is None:
-    return None
-  out = subprocess.run(['fincore', '--bytes', '--noheadings', '--raw', '--output', 'RES', *paths],
-                       capture_output=True, text=True)
-  if out.returncode != 0:
-    return None
-  return sum(int(line) for line in out.stdout.split())
 
 
 def raw_read_gbps(directory, size_gb: float = 2, repeats: int = 2) -> dict:

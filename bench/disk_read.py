@@ -29,31 +29,9 @@ import tempfile
 import time
 
 import numpy as np
+from megatrain_jax.fs import cached_bytes, drop_page_cache
 
 _CHUNK = 64 << 20  # random data is generated and written in 64 MiB pieces
-
-
-def drop_page_cache() -> bool:
-  """sync + drop the page cache, dentries and inodes. False where not permitted (not root)."""
-  os.sync()  # dirty pages cannot be dropped: write them back first
-  try:
-    with open('/proc/sys/vm/drop_caches', 'w') as f:
-      f.write('3\n')
-    return True
-  except OSError:
-    return False
-
-
-def cached_bytes(paths) -> int | None:
-  """Bytes of `paths` resident in the page cache (util-linux `fincore`); None if unavailable."""
-  paths = [str(p) for p in paths]
-  if not paths or shutil.which('fincore') is None:
-    return None
-  out = subprocess.run(['fincore', '--bytes', '--noheadings', '--raw', '--output', 'RES', *paths],
-                       capture_output=True, text=True)
-  if out.returncode != 0:
-    return None
-  return sum(int(line) for line in out.stdout.split())
 
 
 def _dd_read(path: str, direct: bool) -> float:

@@ -12,7 +12,6 @@ and the dd figures of bench/disk_read.py measured in the same run. Needs root (d
 
 import argparse
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -26,22 +25,12 @@ from megatrain_jax import optim
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.placement import Placement
+from megatrain_jax.fs import drop_page_cache
 
 # 3.03B params; 12.1 GB of FP32 weights (275 MB per layer).
 MODEL = ModelConfig(vocab_size=256, d_model=2560, num_layers=44, num_heads=20, num_kv_heads=4,
                     d_ff=6912, max_seq_len=256, remat='full')
 DISK_READ = pathlib.Path(__file__).resolve().parent / 'disk_read.py'
-
-
-def drop_page_cache() -> bool:
-  """sync + drop the page cache, dentries and inodes. False where not permitted (not root)."""
-  os.sync()  # dirty pages cannot be dropped: write them back first
-  try:
-    with open('/proc/sys/vm/drop_caches', 'w') as f:
-      f.write('3\n')
-    return True
-  except OSError:
-    return False
 
 
 def raw_read_gbps(directory, size_gb: float = 2, repeats: int = 2) -> dict:

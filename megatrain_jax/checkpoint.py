@@ -70,6 +70,7 @@ each leaf as one chunk, so a read decodes that whole leaf); their integrity is t
 crc32 of every orbax file. The next checkpoint a resumed run writes is format 3.
 """
 
+import collections
 import concurrent.futures
 import ctypes
 import dataclasses
@@ -100,6 +101,7 @@ FORMAT = 3
 READABLE_FORMATS = (2, 3)
 DEFAULT_PIECE_MB = 64  # largest piece `save` cuts from a leaf itself (capped by offload.shard_mb)
 INNER_MB = 8  # largest inner chunk of a stored array (crc32c and decoding unit)
+VERIFY_BYTES = 4 * INNER_MB * 2**20  # inner chunks verify_data reads at once (at least one)
 _TMP_PREFIX = '.tmp-'
 _SNAPSHOT_PREFIX = '.checkpoint-snapshot-'  # in offload.dir, when the workdir is elsewhere
 _SHAPE_FIELDS = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'd_ff',
@@ -287,13 +289,14 @@ def _check_piece(leaves: dict, covered: dict, path: str, start: int, stop: int) 
   return layout
 
 
-def _chunk_boxes(array: ts.TensorStore):
-  """(grid cell, index box) of every stored chunk (file) of `array`, in order."""
+def _inner_boxes(array: ts.TensorStore):
+  """The index box of every inner chunk of `array` (the unit TensorStore reads and checks by
+  crc32c; a file holds one or more), in order."""
   shape = tuple(array.shape)
-  chunk = tuple(array.chunk_layout.write_chunk.shape or shape)
+  chunk = tuple(array.chunk_layout.read_chunk.shape or shape)
   counts = [-(-n // c) if c else 1 for n, c in zip(shape, chunk)]
   for cell in itertools.product(*map(range, counts)):
-    yield cell, tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(cell, chunk, shape))
+    yield tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(cell, chunk, shape))
 
 
 def _aligned_empty(shape: tuple, dtype: np.dtype, alignment: int = 64) -> np.ndarray:
@@ -411,21 +414,35 @@ class CheckpointReader:
                               'versions, which this version does not read')
 
   def verify_data(self) -> None:
-    """Reads every chunk of every array once, one at a time, keeping nothing: a chunk that fails
-    its crc32c (or is missing) is named. Format 2's orbax arrays are only opened: the manifest's
-    crc32 covers every byte of them."""
+    """Reads every inner chunk of every array once, VERIFY_BYTES at a time, keeping nothing:
+    a chunk that fails its crc32c (or is missing) is named by its file. Format 2's orbax arrays
+    are only opened: the manifest's crc32 covers every byte of them."""
     for path in [*self._memory, *self._disk_names]:
       array = self._open(path)
       if path in self._memory and self.format == 2:
         continue
-      for cell, box in _chunk_boxes(array):
-        try:
-          array[box].read().result()
-          _release_freed_memory()
-        except ValueError as error:
-          file = self._location(path) / 'c' / '/'.join(map(str, cell))
-          raise DamagedCheckpoint(file, f'chunk {cell} of {self._location(path).name} fails its '
-                                  f'checksum or is missing ({error})') from error
+      chunk_bytes = math.prod(array.chunk_layout.read_chunk.shape or array.shape or (1,))
+      in_flight = max(1, VERIFY_BYTES // (chunk_bytes * array.dtype.numpy_dtype.itemsize))
+      pending = collections.deque()
+      for box in _inner_boxes(array):
+        pending.append((box, array[box].read()))
+        if len(pending) >= in_flight:
+          self._check_read(path, array, *pending.popleft())
+      while pending:
+        self._check_read(path, array, *pending.popleft())
+
+  def _check_read(self, path: str, array: ts.TensorStore, box: tuple, read) -> None:
+    try:
+      read.result()
+    except ValueError as error:
+      files = array.chunk_layout.write_chunk.shape or array.shape
+      cell = tuple(s.start // c for s, c in zip(box, files))
+      raise DamagedCheckpoint(self._location(path) / 'c' / '/'.join(map(str, cell)),
+                              f'chunk {cell} of {self._location(path).name} fails its checksum '
+                              f'or is missing ({error})') from error
+    finally:
+      del read
+      _release_freed_memory()
 
   # --- reading -----------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import os
 import pathlib
 import re
 import shutil
+import subprocess
 import tempfile
 import zlib
 
@@ -105,3 +106,27 @@ def link_tree(source: pathlib.Path, dest: pathlib.Path) -> int:
         shutil.copyfile(src, dst)  # streams in blocks: no whole-file buffer
         copied += os.path.getsize(dst)
   return copied
+
+
+def drop_page_cache() -> bool:
+  """sync + drop the page cache, dentries and inodes (benchmarks of cold reads). False where not
+  permitted (not root)."""
+  os.sync()  # dirty pages cannot be dropped: write them back first
+  try:
+    with open('/proc/sys/vm/drop_caches', 'w') as f:
+      f.write('3\n')
+    return True
+  except OSError:
+    return False
+
+
+def cached_bytes(paths) -> int | None:
+  """Bytes of `paths` resident in the page cache (util-linux `fincore`); None if unavailable."""
+  paths = [str(p) for p in paths]
+  if not paths or shutil.which('fincore') is None:
+    return None
+  out = subprocess.run(['fincore', '--bytes', '--noheadings', '--raw', '--output', 'RES', *paths],
+                       capture_output=True, text=True)
+  if out.returncode != 0:
+    return None
+  return sum(int(line) for line in out.stdout.split())

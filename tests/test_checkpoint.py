@@ -432,7 +432,8 @@ def run_memory_script(mode: str, workdir: pathlib.Path) -> dict:
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   result = subprocess.run(
-      [sys.executable, '-c', _MEMORY_SCRIPT, mode, str(workdir), json.dumps(dataclasses.asdict(CFG))],
+      [sys.executable, '-c', _MEMORY_SCRIPT, mode, str(workdir),
+       json.dumps(dataclasses.asdict(CFG))],
       env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])

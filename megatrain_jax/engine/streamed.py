@@ -193,14 +193,17 @@ class StreamedEngine:
     for kind in self.kinds:
       for part, store in (('params', self.stores[kind].params),
                           ('opt_state', self.stores[kind].opt_state)):
-        if isinstance(store, NvmeStore):
+        if isinstance(store, NvmeStore):  # split leaves: linked by the checkpointer, not read
           disk.update({f"['{part}']" + p: d for p, d in store.array_dirs().items()})
+          memory.update({f"['{part}']" + p: np.array(x, copy=True)
+                         for p, x in store.small_leaves(0).items()})
+          continue
         pieces = [partition.by_path(store.get(key), f"['{part}']") for key in self._keys(kind)]
         for path in pieces[0]:
           axis = partition.split_axis(path)
           if axis is None:  # step counts sit at the same path in every piece: all equal
             memory[path] = np.array(pieces[0][path], copy=True)
-          elif not isinstance(store, NvmeStore):
+          else:
             memory[path] = np.concatenate([np.asarray(p[path]) for p in pieces], axis=axis)
     return memory, disk
 

@@ -226,6 +226,14 @@ class NvmeStore(Store):
     self._small[key] = {p: np.asarray(x) for p, (_, x) in zip(paths, flat)
                         if self._axis_of(p) is None}
 
+  def small_leaves(self, key) -> dict:
+    """{piece path: leaf} of the small in-memory leaves of `key` (e.g. optax step counts), once
+    its pending write has landed: no disk read."""
+    pending = self._pending.get(key)
+    if pending is not None:
+      pending.result()
+    return dict(self._small[key])
+
   def _files(self, path: str, start: int, stop: int, ndim: int) -> list[str]:
     """The chunk files holding indices [start, stop) of leaf `path`."""
     return [codecs.chunk_file(str(self.directory / leaf_name(path)), i // self._file_rows, ndim,
