@@ -148,9 +148,7 @@ def read_piece(read, tx: optax.GradientTransformation, abstract_params, kind: st
     axis = split_axis(key)
     if axis is None:
       return read(key)
-    if axis == 0:
-      return read(key, start, stop)
-    return np.asarray(read(key))[:, start:stop]  # the head kernel [D, V]: columns
+    return read(key, start, stop) if axis == 0 else read(key, start, stop, axis=axis)
   return jax.tree_util.tree_map_with_path(leaf, template)
 
 

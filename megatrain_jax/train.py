@@ -166,8 +166,9 @@ def make_engine(model_cfg, tx, schedule, train_cfg, placement: Placement, restor
                           seed=train_cfg.seed, restore_from=restore_from)
   state = None
   if restore_from is not None:
-    state = Layout.single_device().put(
-        restore_from.full_state(resident.abstract_state(model_cfg, tx)), 'device')
+    # Leaf by leaf, file by file into device buffers: no whole host copy of the state.
+    state = restore_from.device_state(resident.abstract_state(model_cfg, tx),
+                                      Layout.single_device())
   return resident.ResidentEngine(model_cfg, tx, schedule, train_cfg.grad_clip, state,
                                  seed=train_cfg.seed)
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from megatrain_jax import train
+from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError
@@ -88,3 +89,26 @@ def test_embedding_on_nvme_needs_a_writable_offload_dir(tmp_path):
     with pytest.raises(ConfigError, match=r'offload.dir=.*not a writable directory'):
       train.train_and_evaluate(config, str(tmp_path / 'run'))
   assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize('embed_head', ['host', 'nvme'])
+def test_vocabulary_chunks_checkpoint_and_restore_in_any_engine(tmp_path, embed_head):
+  """A checkpoint of chunked embedding/head pieces (the head kernel cut on its vocabulary axis)
+  restores bitwise into another streamed engine and into the resident engine."""
+  placement = Placement(params='host', opt_state='nvme', embed_head=embed_head, shard_mb=SHARD_MB,
+                        dir=str(tmp_path / 'offload'))
+  tx, schedule, clip = make_tx(1.0)
+  engine = StreamedEngine(CFG, tx, schedule, clip, placement, seed=0)
+  engine.train_step(batches(1)[0])
+  want = engine.export_state()
+  checkpointer = Checkpointer(tmp_path / 'run', keep=1)
+  checkpointer.save(1, engine, data_position=0, model_cfg=CFG, placement=placement)
+  checkpointer.close()
+  engine.close()
+  reader = Checkpointer(tmp_path / 'run', keep=1).restore(CFG)
+  again = StreamedEngine(CFG, tx, schedule, clip, dataclasses.replace(
+      placement, dir=str(tmp_path / 'offload2')), restore_from=reader)
+  jax.tree.map(np.testing.assert_array_equal, again.export_state(), want)
+  again.close()
+  state = reader.device_state(resident.abstract_state(CFG, tx))
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state), want)

@@ -64,7 +64,7 @@ class _Step:
 
 def _small_leaves_of(reader):
   """A checkpoint `read` for stores whose leaves were linked: placeholders for split leaves."""
-  def read(path, start=None, stop=None):
+  def read(path, start=None, stop=None, axis=0):
     return np.zeros(0, np.float32) if start is not None else reader.read(path)
   return read
 
