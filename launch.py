@@ -4,6 +4,10 @@
   python launch.py --config tiny --config.train.steps=50 --workdir runs/x
   python launch.py --config 101b --dry_run          # memory plan and predicted step time, no allocation
   python launch.py --calibrate                      # measure this machine for the planner (< 60 s)
+  python launch.py --prepare --config.data.path=corpus.jsonl.zst   # tokenize only (resumable)
+  python launch.py --config.init.from_hf=/models/llama --workdir runs/ft   # fine-tune an HF model
+  python launch.py --eval --workdir runs/ft --config.eval.path=test.txt   # sliding-window perplexity
+  python launch.py --export_hf=/tmp/ft-hf --workdir runs/ft               # newest checkpoint -> HF
 
 A bare config name resolves to configs/<name>.py. Every config field can be overridden with
 --config.<section>.<field>=value.
@@ -40,6 +44,18 @@ _DRY_RUN = flags.DEFINE_bool('dry_run', False,
 _CALIBRATE = flags.DEFINE_bool('calibrate', False,
                                'Measure this machine (compute, copies, AdamW, disk at offload.dir) '
                                'and save the hardware profile the planner uses, then exit.')
+_EVAL = flags.DEFINE_bool('eval', False,
+                           'Print the sliding-window perplexity on config.eval.path (any format '
+                           'data.path takes: text, .jsonl(.zst/.gz), .parquet, a directory, a '
+                           'glob) of the newest '
+                           'checkpoint in --workdir (or of config.init.from_hf when it has none), '
+                           'write <workdir>/eval.json, then exit.')
+_EXPORT_HF = flags.DEFINE_string('export_hf', '',
+                                 'Write the newest checkpoint in --workdir as a Hugging Face '
+                                 'checkpoint into this new (or empty) directory, then exit.')
+_PREPARE = flags.DEFINE_bool('prepare', False,
+                             'Tokenize config.data into its cache (data.num_workers processes, '
+                             'resumable), print token counts and MB/s, then exit.')
 _PROFILE_OUT = flags.DEFINE_string('profile_out', '',
                                    'Where --calibrate writes the profile; default '
                                    '~/.cache/megatrain_jax/hardware.json (used when '
@@ -69,13 +85,19 @@ def _parse_flags(argv: list[str]) -> list[str]:
     sys.exit(f'error: {e}. Run with --helpshort to list the flags.')
 
 
+def _overrides() -> list[str]:
+  """The config keys set on the command line (--config.a.b=...): with init.from_hf, a model
+  shape field among them that disagrees with the checkpoint's config.json is an error."""
+  return list(config_flags.get_override_values(flags.FLAGS['config']))
+
+
 def _train(train):
   """train_and_evaluate. Outside its graceful stop, and as the way out of it (a second Ctrl-C),
   SIGINT ends the process at once (SIG_DFL: no Python, so not even a long XLA call delays it).
   Safe at any point: saves are atomic, and kill -9 is tested everywhere."""
   previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
   try:
-    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value, _overrides())
   except TrainingStopped:
     sys.exit(0)  # the checkpoint is committed; train printed 'stopped at step N by ...'
   finally:
@@ -88,10 +110,18 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   from megatrain_jax import train  # imported after flag parsing: `--help` stays fast
   try:
-    if _CALIBRATE.value:
+    if _PREPARE.value:
+      from megatrain_jax import data  # pylint: disable=g-import-not-at-top
+      info, _ = data.load_data(_CONFIG.value.data, _WORKDIR.value, progress=True)
+      print(data.prepare_summary(info))
+    elif _CALIBRATE.value:
       train.calibrate(_CONFIG.value, _WORKDIR.value, _PROFILE_OUT.value)
     elif _DRY_RUN.value:
-      train.dry_run(_CONFIG.value, _WORKDIR.value)
+      train.dry_run(_CONFIG.value, _WORKDIR.value, _overrides())
+    elif _EXPORT_HF.present:
+      train.export_hf(_CONFIG.value, _WORKDIR.value, _EXPORT_HF.value)
+    elif _EVAL.value:
+      train.evaluate(_CONFIG.value, _WORKDIR.value, _overrides())
     else:
       _train(train)
   except (ConfigError, TrainingDivergedError, StoreCorruptionError, DiskFullError) as e:

@@ -76,12 +76,30 @@ def get_config() -> ml_collections.ConfigDict:
   # Data.
   # ---------------------------------------------------------------------------------------------
   config.data = data = ml_collections.ConfigDict()
-  data.path = ''  # '' = embedded default corpus; else a text file, a directory of text files, or a
-  #                 directory already prepared (holding meta.json, train.bin, val.bin).
-  data.val_path = ''  # Validation text; '' = hold out the last val_fraction of data.path.
+  data.path = ''  # '' = embedded default corpus; else a file, a directory or a glob pattern of
+  #                 .txt, .jsonl, .jsonl.zst, .jsonl.gz, .parquet (by extension; README: Train on
+  #                 your own data), or a directory already prepared (holding meta.json).
+  data.val_path = ''  # Validation data, like path; '' = hold out the last val_fraction of path.
   data.val_fraction = 0.05  # Share of the token stream held out for validation (when no val_path).
-  data.tokenizer = 'byte'  # 'byte' (256 ids) or a path to a Hugging Face tokenizer.json.
-  data.cache_dir = ''  # Where prepared token files go; '' = <workdir>/data.
+  data.tokenizer = 'byte'  # 'byte' (256 ids) or a path to a Hugging Face tokenizer.json (or its
+  #                          directory; a tokenizer_config.json there gives EOS, BOS and the chat
+  #                          template).
+  data.cache_dir = ''  # Where prepared token shards go; '' = <workdir>/data.
+  # Records (.jsonl*, .parquet): each is one document, stored as [BOS] text EOS.
+  data.text_field = 'text'  # The record field holding a document's text.
+  data.prompt_field = 'prompt'  # Records holding prompt_field and completion_field are instruction
+  data.completion_field = 'completion'  # data: only the completion (and EOS) is learned (a loss
+  #                                       mask is stored). Records holding `messages` are rendered
+  #                                       with the tokenizer's chat template; only assistant turns
+  #                                       are learned.
+  data.eos_token = ''  # The token after every document; '' = eos_token of tokenizer_config.json
+  #                      (the byte tokenizer: NUL, byte 0).
+  data.skip_bad_records = False  # Skip (and count) malformed records instead of stopping.
+  data.mixture = ''  # Several sources sampled by weight, 'WEIGHT:SOURCE,WEIGHT:SOURCE' (e.g.
+  #                    '0.7:web/*.jsonl.zst,0.3:code.parquet'); exclusive with path. Deterministic
+  #                    and resumed exactly from checkpoints.
+  data.num_workers = 0  # Tokenizing processes of the prepare step; 0 = every core.
+  data.shard_tokens = 1 << 27  # The most tokens per prepared shard file (~256 MB of uint16 ids).
 
   # ---------------------------------------------------------------------------------------------
   # Checkpoints in <workdir>/checkpoints (megatrain_jax/checkpoint.py). A run resumes from the
@@ -131,8 +149,57 @@ def get_config() -> ml_collections.ConfigDict:
   #                               ((prefetch_depth + 3) groups of the disk-resident state).
 
   # ---------------------------------------------------------------------------------------------
+  # Initial weights (megatrain_jax/hf/importer.py).
+  # ---------------------------------------------------------------------------------------------
+  config.init = init = ml_collections.ConfigDict()
+  init.from_hf = ''  # '' = random init (model.init_std). Else a local Hugging Face checkpoint
+  #                    directory (config.json + model.safetensors or a sharded index; Llama, Qwen2,
+  #                    Mistral; F16/BF16/F32 weights, cast to float32): the model's shape fields
+  #                    come from its config.json (a model.* shape field you set that disagrees is
+  #                    an error; runtime fields such as remat, dtype, matmul_precision,
+  #                    attention_chunk, vocab_chunk still apply), data.tokenizer defaults to its
+  #                    tokenizer.json (copied into <workdir>/hf_tokenizer), and its weights are
+  #                    read piece by piece straight into the planned tiers, Adam state zero. Read
+  #                    only when the run starts: a resumed run restores its own checkpoint.
+
+  # ---------------------------------------------------------------------------------------------
+  # Perplexity evaluation (`launch.py --eval`, megatrain_jax/evaluate.py): of the newest
+  # checkpoint in --workdir, or else of init.from_hf. Results go to <workdir>/eval.json.
+  # ---------------------------------------------------------------------------------------------
+  config.eval = evaluation = ml_collections.ConfigDict()
+  evaluation.path = ''  # What to score (required): anything data.path takes (.txt, .jsonl,
+  #                       .jsonl.zst, .jsonl.gz, .parquet files, a directory, a glob), read in
+  #                       order as one stream with data.tokenizer: a text file whole, records as
+  #                       documents (EOS after each, data.text_field etc.); with prompt/completion
+  #                       or chat records only the learned targets are scored.
+  evaluation.max_len = 0  # Tokens of context per window; 0 = train.seq_len.
+  evaluation.stride = 0  # A window starts every `stride` tokens; 0 = max_len (no overlap). Every
+  #                        token from position 1 on is scored once, in the first window that
+  #                        predicts it, with that window's context before it (so a smaller stride
+  #                        gives more context, at max_len / stride times the compute).
+  evaluation.batch_size = 0  # Windows per forward batch; 0 = train.batch_size.
+
+  # ---------------------------------------------------------------------------------------------
+  # Export (`launch.py --export_hf=<dir>`, megatrain_jax/export.py): the newest checkpoint of
+  # --workdir as a Hugging Face checkpoint that transformers loads.
+  # ---------------------------------------------------------------------------------------------
+  config.export = export = ml_collections.ConfigDict()
+  export.dtype = 'float32'  # Tensor dtype of the safetensors files: 'float32' or 'bfloat16'.
+  export.max_shard_gb = 5.0  # Largest safetensors file (GB, 1e9 bytes); more shards + an index.
+
+  # ---------------------------------------------------------------------------------------------
   # Runtime.
   # ---------------------------------------------------------------------------------------------
+  config.runtime = runtime = ml_collections.ConfigDict()
+  runtime.allocator = 'auto'  # Host allocator (megatrain_jax/runtime.py): 'auto' = 'tuned', or
+  #                              'bounded' when the plan keeps state on NVMe (memory-bound: buffers
+  #                              >= 128 KiB are returned to the OS when freed, so RSS tracks live
+  #                              memory; 'tuned' keeps the heap's high-water mark); 'tuned' = glibc keeps
+  #                              freed large buffers for reuse (one arena, no mmap'd chunks, no
+  #                              trimming) instead of returning them to the OS and faulting them in
+  #                              again every step; 'system' = glibc's defaults. Applied when the
+  #                              package is imported (MEGATRAIN_JAX_ALLOCATOR=system opts out from
+  #                              the start) and again with this value when training starts.
   config.jax_cache_dir = '~/.cache/megatrain_jax/jax'  # Persistent XLA compile cache; '' = off.
   config.hardware = ''  # Hardware profile the planner predicts from: a preset (h100, h200, a100,
   #                       rtx4090, cpu), a JSON file from `launch.py --calibrate`, or '' = auto

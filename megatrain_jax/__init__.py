@@ -4,6 +4,10 @@ import os as _os
 
 __version__ = '0.1.0'
 
+# The host allocator first, before JAX or the data pipeline allocate or start threads (runtime.py).
+from megatrain_jax import runtime as _runtime  # pylint: disable=g-import-not-at-top
+_runtime.configure_from_env()
+
 # Both settings below must be made before JAX creates its GPU client, hence here.
 
 # JAX preallocates 75% of GPU memory unless told otherwise; the planner budgets 90% of it

@@ -9,15 +9,16 @@ import os
 import pathlib
 import shutil
 import time
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import tensorstore as ts
 
 from megatrain_jax import model as model_lib
 from megatrain_jax import layout as layout_lib
+from megatrain_jax import optim
 from megatrain_jax.hardware import (PRESETS, HardwareProfile, device_memory_gb, machine_memory_gb,
                                     preset_for)
 from megatrain_jax.tiers import codecs
@@ -64,18 +65,16 @@ def _layer_tflops(d_model: int, tokens: int) -> float:
 
 
 def _adam_gparams(memory_kind: str, n: int) -> float:
-  """Jitted optax AdamW with donated state on `n` float32 params, in `memory_kind` memory."""
-  tx = optax.adamw(1e-3)
+  """AdamW as the engines' host path runs it (optim.apply_adamw: one pass over p, g, m, v where
+  XLA fuses it), jitted with donated state, on `n` float32 params in `memory_kind` memory."""
+  tx = optim.make_optimizer(types.SimpleNamespace(lr=1e-3, warmup_steps=1, steps=1000,
+                                                  min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
+                                                  weight_decay=0.1))
   sharding = layout_lib.Layout.single_device().sharding(memory_kind)
-  params = jax.device_put(jnp.ones((n,), jnp.float32), sharding)
-  grads = jax.device_put(jnp.full((n,), 1e-3, jnp.float32), sharding)
+  params = {'kernel': jax.device_put(jnp.ones((n,), jnp.float32), sharding)}  # a decayed leaf
+  grads = {'kernel': jax.device_put(jnp.full((n,), 1e-3, jnp.float32), sharding)}
   state = [params, tx.init(params)]
-
-  @jax.jit
-  def update(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-  update = jax.jit(update, donate_argnums=(0, 1))
+  update = jax.jit(lambda p, s, g: optim.apply_adamw(tx, g, s, p), donate_argnums=(0, 1))
 
   def run():
     state[0], state[1] = update(state[0], state[1], grads)

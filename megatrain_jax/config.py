@@ -193,12 +193,31 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
            f'{config.checkpoint.every_minutes}.')
   _require(0 < config.data.val_fraction <= 0.5, 'data.val_fraction',
            f'must be in (0, 0.5], got {config.data.val_fraction}.')
+  _validate_eval_export(config)
   if config.jax_cache_dir:
     existing = nearest_existing(pathlib.Path(config.jax_cache_dir).expanduser().absolute())
     _require(existing.is_dir(), 'jax_cache_dir',
              f'{existing} is a file, not a directory. Point jax_cache_dir at a directory '
              "(created if missing), or set it to '' to turn the compile cache off.")
   return model_cfg
+
+
+EXPORT_DTYPES = ('float32', 'bfloat16')
+
+
+def _validate_eval_export(config: ml_collections.ConfigDict) -> None:
+  """The eval and export sections (init.from_hf is checked where it is read: hf/importer.py)."""
+  e = config.eval
+  for name in ('max_len', 'stride', 'batch_size'):
+    _require(e[name] >= 0, f'eval.{name}', f'must be >= 0 (0 = the default), got {e[name]}.')
+  max_len = e.max_len or config.train.seq_len
+  _require(e.stride <= max_len, 'eval.stride',
+           f'{e.stride} is larger than the window (eval.max_len = {max_len}): tokens between '
+           'windows would never be scored. Use a stride <= max_len (0 = max_len).')
+  _require(config.export.dtype in EXPORT_DTYPES, 'export.dtype',
+           f'{config.export.dtype!r} is not one of {", ".join(EXPORT_DTYPES)}.')
+  _require(config.export.max_shard_gb > 0, 'export.max_shard_gb',
+           f'must be > 0 (GB per safetensors file), got {config.export.max_shard_gb}.')
 
 
 def check_workdir(workdir: str) -> pathlib.Path:

@@ -6,9 +6,15 @@ run group by group. So engines call `clip_by_global_norm` themselves (one formul
 hence identical numbers), then `tx.update` on whatever slice of the tree they hold.
 """
 
+import functools
+import weakref
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
+
+from megatrain_jax import runtime
 
 # Leaves that get weight decay: matrices and the embedding; never norm scales or biases.
 _DECAYED_LEAVES = ('kernel', 'embedding')
@@ -29,10 +35,15 @@ def weight_decay_mask(params):
 def make_optimizer(train) -> optax.GradientTransformation:
   """AdamW without clipping (see module docstring). All state is float32 like the params.
 
-  `train` is the `config.train` section (any object with its attributes: lr, b1, b2, ...).
+  `train` is the `config.train` section (any object with its attributes: lr, b1, b2, ...). The
+  hyperparameters are remembered against the returned transformation, so `apply_adamw` can run
+  the same update as one pass over each leaf.
   """
-  return optax.adamw(lr_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
-                     weight_decay=train.weight_decay, mask=weight_decay_mask)
+  tx = optax.adamw(lr_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
+                   weight_decay=train.weight_decay, mask=weight_decay_mask)
+  _HYPERPARAMS[tx.update] = AdamWHyperparams(lr_schedule(train), float(train.b1), float(train.b2),
+                                             float(train.eps), float(train.weight_decay))
+  return tx
 
 
 def sum_of_squares(tree) -> jax.Array:
@@ -58,3 +69,85 @@ def clip_by_global_norm(grads, max_norm: float):
   norm = global_norm(grads)
   scale = clip_scale(norm, max_norm)
   return jax.tree.map(lambda g: g * scale, grads), norm
+
+
+class AdamWHyperparams(NamedTuple):
+  schedule: optax.Schedule
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
+
+
+# make_optimizer's transformations (keyed by their update function; gone with it) -> hyperparams.
+_HYPERPARAMS = weakref.WeakKeyDictionary()
+
+
+def apply_adamw(tx: optax.GradientTransformation, grads, opt_state, params, num_micro: int = 1,
+                scale=None):
+  """(new params, new opt_state): `tx.update` + `optax.apply_updates` of the gradient
+  grads / num_micro * scale (each step only where given, as engine/functions.adamw_update does),
+  to the same numbers; but for a `make_optimizer` transformation computed leaf by leaf as one
+  elementwise expression per output (`_adamw_leaf`), so XLA:CPU reads p, g, m, v once and writes
+  p, m, v once where it fuses the three outputs into one loop (runtime.multi_output_fusion;
+  bench/host_adamw.py). Any other `tx` takes the optax path."""
+  hp = _HYPERPARAMS.get(tx.update)
+  if hp is None:
+    grads = jax.tree.map(lambda g: _scaled(g, num_micro, scale), grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  adam, masked, sched = opt_state  # optax.adamw's chain: scale_by_adam, masked decay, schedule
+  count = optax.safe_increment(adam.count)
+  # Scalars exactly as optax computes them (bias corrections at the incremented count, the
+  # learning rate at the schedule's own count), outside the elementwise loop.
+  bc1 = (1 - hp.b1 ** count).astype(jnp.float32)
+  bc2 = (1 - hp.b2 ** count).astype(jnp.float32)
+  neg_lr = jnp.asarray(-hp.schedule(sched.count), jnp.float32)
+  decay = weight_decay_mask(params)
+  leaf = functools.partial(_adamw_leaf, hp, bc1, bc2, neg_lr, num_micro, scale)
+  out = jax.tree.map(leaf, params, grads, adam.mu, adam.nu, decay)
+  is_out = lambda x: isinstance(x, tuple) and len(x) == 3 and not isinstance(x, dict)
+  pick = lambda i: jax.tree.map(lambda o: o[i], out, is_leaf=is_out)
+  new_state = (adam._replace(count=count, mu=pick(1), nu=pick(2)), masked,
+               sched._replace(count=optax.safe_increment(sched.count)))
+  return pick(0), new_state
+
+
+def _scaled(g, num_micro: int, scale, sign=None):
+  """g / num_micro * scale; `sign` rewrites g and scale (g -> -g with scale, or |g| with |scale|)
+  without changing the product's bits, so the three expressions of a leaf share no intermediate."""
+  if sign == 'neg':
+    g = -g
+  elif sign == 'abs':
+    g, scale = jnp.abs(g), None if scale is None else jnp.abs(scale)
+  g = g / num_micro if num_micro > 1 else g
+  return g if scale is None else g * scale
+
+
+def _adamw_leaf(hp, bc1, bc2, neg_lr, num_micro, scale, p, g, m, v, decayed: bool):
+  """One leaf of AdamW: (p, m, v) new, each the expression optax evaluates, rounding included
+  (G = g / num_micro * scale):
+    m' = (1 - b1) G + b1 m;  v' = (1 - b2) G^2 + b2 v
+    p' = p + (-lr) (m' / bc1 / (sqrt(v' / bc2) + eps) [+ wd p]).
+  With multi-output fusion, v' and the update of p recompute what they need from g, m, v as
+  differently written expressions with the same IEEE result ((-b1) m + (b1 - 1) G is exactly -m':
+  products and sums round symmetrically; |g| |scale| is exactly |G|), so XLA shares no
+  intermediate between them through a buffer: the outputs read only p, g, m, v, and XLA:CPU fuses
+  them into one loop instead of a pass writing m', v' (and G) and another reading them back."""
+  mof = runtime.multi_output_fusion()  # else one loop per output: recomputing would cost a read
+  grad = _scaled(g, num_micro, scale)
+  grad_abs = _scaled(g, num_micro, scale, 'abs') if mof else grad
+  m_new = (1 - hp.b1) * grad + hp.b1 * m
+  v_new = (1 - hp.b2) * (grad_abs * grad_abs) + hp.b2 * v
+  m_again, v_again = m_new, v_new
+  if mof:
+    grad_neg = _scaled(g, num_micro, scale, 'neg')  # exactly -G
+    m_again = -((-hp.b1) * m + (1 - hp.b1) * grad_neg)
+    if scale is None and num_micro == 1:  # XLA would simplify (-g)(-g) to the g g of v'
+      v_again = -((-hp.b2) * v + (1 - hp.b2) * (grad_neg * g))  # (-g) g is exactly -(g g)
+    else:
+      v_again = -((-hp.b2) * v + (hp.b2 - 1) * (grad_neg * grad_neg))
+  update = (m_again / bc1) / (jnp.sqrt(v_again / bc2) + hp.eps)
+  if decayed and hp.weight_decay:
+    update = update + hp.weight_decay * p
+  return p + neg_lr * update, m_new, v_new

@@ -9,6 +9,7 @@ import dataclasses
 import math
 
 from megatrain_jax import layout
+from megatrain_jax import partition
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.tiers import codecs
@@ -54,17 +55,31 @@ class Placement:
     per_param = 4 * (self.params == tier) + 8 * (self.opt_state == tier)
     return per_param * self.layers_per_group * model_cfg.params_per_layer
 
+  def vocab_slices(self, model_cfg: ModelConfig) -> list[tuple[int, int]]:
+    """The embedding / head vocabulary chunks: at most `shard_mb` each and no heavier than one
+    layer group's weights, so a chunk in flight costs what a group does (the staging, write-behind
+    and update memory are sized per piece). Llama-3.2-1B, K=1: 5 chunks of 25.7k rows (210 MB)."""
+    group_mb = self.layers_per_group * model_cfg.params_per_layer * 4 / 2**20
+    return partition.vocab_slices(model_cfg.vocab_size, model_cfg.d_model,
+                                  min(self.shard_mb, max(group_mb, 1.0)))
+
   def staging_bytes(self, model_cfg: ModelConfig, groups_in_flight: int) -> int:
     """Host staging of the NVMe pipeline: `groups_in_flight` groups of the disk-resident leaves."""
     return groups_in_flight * self.group_bytes(model_cfg, 'nvme')
 
   def auto_host_buffer_gb(self, model_cfg: ModelConfig) -> float:
-    """The staging an NVMe pipeline needs: prefetch_depth + 1 groups being read, one being
-    written and one more queued behind it."""
-    return self.staging_bytes(model_cfg, groups_in_flight=self.prefetch_depth + 3) / _GB
+    """The staging an NVMe pipeline needs: prefetch_depth + 1 groups being read and one being
+    written (the write-behind budget, shared by every NVMe store: write_budget_bytes)."""
+    return self.staging_bytes(model_cfg, groups_in_flight=self.prefetch_depth + 2) / _GB
+
+  def write_budget_bytes(self, model_cfg: ModelConfig) -> int:
+    """Bytes of write-behind all NVMe stores may hold queued together: host_buffer_gb less the
+    reads in flight (prefetch_depth + 1 groups), never below one group (a piece always fits)."""
+    group = max(self.group_bytes(model_cfg, 'nvme'), 1)
+    return int(max(group, self.host_buffer_gb * _GB - (self.prefetch_depth + 1) * group))
 
   def max_pending_writes(self, model_cfg: ModelConfig) -> int:
-    """Write-behind queue depth that keeps reads + writes within host_buffer_gb."""
+    """Writes one store may queue (each store also waits for the shared byte budget)."""
     group = max(self.group_bytes(model_cfg, 'nvme'), 1)
     return max(1, int(self.host_buffer_gb * _GB // group) - (self.prefetch_depth + 1))
 

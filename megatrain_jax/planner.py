@@ -96,6 +96,8 @@ from megatrain_jax.placement import AUTO, MEMORY_TIERS, TIERS, Placement
 from megatrain_jax.schedule import (STAGING_ROW, Row, StateSizes, StepSchedule, Traffic,
                                     hidden_bytes, layer_internal_bytes, logits_bytes)
 
+RUNTIME_ROW = 'runtime (Python, JAX/XLA, compiled code)'
+
 _GB = 1e9
 # Of the device's memory: what JAX's allocator gets (XLA_PYTHON_CLIENT_MEM_FRACTION; 0.9 unless set,
 # megatrain_jax/__init__.py), less nothing more: XLA's workspace comes out of the same pool.
@@ -182,6 +184,12 @@ class Plan:
 
   def used(self, tier: str) -> float:
     return sum(r.bytes for r in self.rows if r.tier == tier)
+
+  @property
+  def host_peak_bytes(self) -> float:
+    """Peak resident memory of the process: every host row (the runtime included), and on a
+    unified-memory machine (CPU) the device rows too, which live in the same RAM."""
+    return self.used('host') + (self.used('device') if self.budgets.get('_unified') else 0.0)
 
   def over_budget(self) -> dict:
     """{tier: (needed, available)} for every tier whose budget the plan exceeds."""
@@ -275,6 +283,8 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
               micro: int, batch: int, seq: int, clipping: bool, budgets: dict,
               checkpoint_copies: int = 0) -> Plan:
   rows = _memory_rows(cfg, sizes, p, micro, batch, seq, clipping, checkpoint_copies)
+  rows.append(Row('host', RUNTIME_ROW, hw.runtime_host_gb * _GB,
+                  'hardware profile: runtime_host_gb'))
   moved = traffic(cfg, sizes, p, micro, batch, seq, clipping)
   executed, model_flops = step_flops(cfg, p, micro, batch, seq)
   rate = hw.tflops(cfg.dtype, cfg.matmul_precision, cfg.d_model) * 1e12
@@ -427,6 +437,18 @@ def _offloaded_bytes(plan: Plan) -> float:
   return sum(r.bytes for r in plan.rows if r.tier in ('host', 'nvme'))
 
 
+def checkpoint_copies(ckpt, steps: int) -> int:
+  """Checkpoints that pin a copy of the NVMe stores: checkpoint.keep, or fewer when the run writes
+  fewer (every = 0: the end only, one; every = -1: none). Time-based and preemption checkpoints
+  may add one more before the end: counted while keep allows."""
+  if ckpt is None or ckpt.every < 0:
+    return 0
+  written = 1 if ckpt.every == 0 else -(-steps // ckpt.every)
+  if ckpt.get('every_minutes', 0.0) > 0:
+    written += 1
+  return min(ckpt.keep, written)
+
+
 def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None) -> Plan:
   """The plan for `config`: its placement if fully specified, else the best `auto` choice.
 
@@ -438,7 +460,7 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None) -> 
   budgets = budgets_for(hw, offload, disk_free_gb)
   clipping = train.grad_clip > 0
   ckpt = config.get('checkpoint')
-  copies = ckpt.keep if ckpt is not None and ckpt.every >= 0 else 0
+  copies = checkpoint_copies(ckpt, train.steps)
   micro_options = ([1, 2, 4, 8, 16, 32, 64] if train.microbatches == 0
                    else [train.microbatches])
   plans, rejected, invalid = [], [], []
@@ -551,5 +573,6 @@ def format_plan(plan: Plan, hw: HardwareProfile) -> str:
           f'disk write {plan.traffic["write"] / _GB:,.2f} GB',
           f'predicted: {plan.tokens_per_s:,.1f} tokens/s, MFU {100 * plan.mfu:.1f}% '
           f'(of {plan.peak_tflops:,.4g} peak TFLOP/s), bottleneck: {plan.bottleneck}',
+          f'predicted_host_peak_gb: {plan.host_peak_bytes / _GB:.3f}',
           f'predicted_step_time_s: {plan.step_time_s:.6g}']
   return '\n'.join(out)

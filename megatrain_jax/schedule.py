@@ -191,7 +191,7 @@ class StepSchedule:
 
   def vocab_chunks(self) -> list[tuple[int, int]]:
     """The embedding / head vocabulary chunks (partition.vocab_slices)."""
-    return partition.vocab_slices(self.cfg.vocab_size, self.cfg.d_model, self.placement.shard_mb)
+    return self.placement.vocab_slices(self.cfg)
 
   @property
   def norm_tier(self) -> str:

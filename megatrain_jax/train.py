@@ -22,6 +22,8 @@ import json
 import math
 import os
 import pathlib
+import time
+from typing import Iterable
 
 import jax
 import ml_collections
@@ -30,15 +32,20 @@ import numpy as np
 from megatrain_jax import calibrate as calibrate_lib
 from megatrain_jax import config as config_lib
 from megatrain_jax import data as data_lib
+from megatrain_jax import evaluate as evaluate_lib
+from megatrain_jax import export as export_lib
 from megatrain_jax import fs
+from megatrain_jax import hf
 from megatrain_jax import metrics as metrics_lib
 from megatrain_jax import model as model_lib
 from megatrain_jax import hardware
 from megatrain_jax import layout as layout_lib
 from megatrain_jax import locks
 from megatrain_jax import optim
+from megatrain_jax import partition
 from megatrain_jax import planner
 from megatrain_jax import preemption
+from megatrain_jax import runtime
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
@@ -65,10 +72,15 @@ def state_bytes(model_cfg: model_lib.ModelConfig) -> dict:
           'adam_m_bytes': per_part, 'adam_v_bytes': per_part, 'total_bytes': 4 * per_part}
 
 
-def dry_run(config: ml_collections.ConfigDict, workdir: str | None = None) -> dict:
+def dry_run(config: ml_collections.ConfigDict, workdir: str | None = None,
+            overrides: Iterable[str] | None = None) -> dict:
   """Validates `config`, prints its size, memory plan and predicted step time; allocates nothing.
+  With init.from_hf, the model is the checkpoint's (read from its config.json and headers).
 
   The last line is `predicted_step_time_s: X` (for scripts)."""
+  if config.init.from_hf:
+    config = hf.config_from_checkpoint(config, hf.inspect_checkpoint(config.init.from_hf),
+                                       overrides)
   model_cfg = config_lib.validate(config)
   Placement.from_config(config.offload, model_cfg, allow_auto=True)
   sizes = state_bytes(model_cfg)
@@ -158,6 +170,94 @@ def resolve_plan(config, model_cfg, workdir: pathlib.Path, checkpointer: Checkpo
   return config, hw, plan, restored
 
 
+HF_TOKENIZER_DIR = 'hf_tokenizer'  # <workdir>/hf_tokenizer: the tokenizer files of init.from_hf
+
+
+def newest_checkpoint_meta(workdir: pathlib.Path) -> dict | None:
+  """meta.json of the newest committed checkpoint in <workdir>/checkpoints that has a readable
+  one, or None; reads nothing else and writes nothing (the restore verifies the checkpoint)."""
+  directory = pathlib.Path(workdir) / 'checkpoints'
+  if not directory.is_dir():
+    return None
+  steps = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()),
+                 reverse=True)
+  for step in steps:
+    try:
+      meta = json.loads((directory / str(step) / 'meta.json').read_text())
+    except (OSError, ValueError):
+      continue
+    if isinstance(meta, dict) and isinstance(meta.get('model_config'), dict):
+      return meta
+  return None
+
+
+def _run_tokenizer(workdir: pathlib.Path) -> str | None:
+  """data.tokenizer of the run in `workdir` (its config.json), if it recorded one."""
+  try:
+    return json.loads((workdir / 'config.json').read_text())['data']['tokenizer']
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def _config_from_run(config, workdir: pathlib.Path, meta: dict, overrides):
+  """`config` with the model shape of the run's checkpoint and, unless set, its tokenizer."""
+  return hf.apply_fields(config, hf.model_fields(meta['model_config']),
+                         f'the checkpoint in {workdir / "checkpoints"}', overrides,
+                         _run_tokenizer(workdir))
+
+
+def resolve_init(config, workdir: str, overrides: Iterable[str] | None = None):
+  """(config, inspected Hugging Face checkpoint or None) of a run that may start from
+  init.from_hf. A run with a checkpoint in `workdir` resumes from it: the model shape (and the
+  tokenizer) come from there, and the Hugging Face directory is not read at all. Otherwise the
+  checkpoint directory is checked whole (config.json, shards, headers) and its shape and
+  tokenizer go into the config. `overrides`: the config keys set on the command line (None: the
+  fields that differ from configs/default.py); one that disagrees with the source is an error."""
+  if not config.init.from_hf:
+    return config, None
+  path = config_lib.check_workdir(workdir)
+  meta = newest_checkpoint_meta(path)
+  if meta is not None:
+    return _config_from_run(config, path, meta, overrides), None
+  checkpoint = hf.inspect_checkpoint(config.init.from_hf)
+  return hf.config_from_checkpoint(config, checkpoint, overrides), checkpoint
+
+
+def _adopt_tokenizer(config, checkpoint, workdir: pathlib.Path):
+  """With the tokenizer of init.from_hf, copies its files into <workdir>/hf_tokenizer and points
+  data.tokenizer there: a resumed run (and an export) no longer needs the checkpoint directory.
+  The prepared data's key is the tokenizer's content, so the copy changes nothing else."""
+  found = hf.tokenizer_file(checkpoint.directory) if checkpoint is not None else None
+  if found is None or config.data.tokenizer != str(found):
+    return config
+  copies = hf.copy_tokenizer(checkpoint.directory, workdir / HF_TOKENIZER_DIR)
+  config = ml_collections.ConfigDict(config.to_dict())
+  config_lib.set_field(config, 'data.tokenizer', str(copies[0]))
+  return config
+
+
+def _build_engine(model_cfg, config, plan, restored, checkpoint):
+  """The engine, filled from the run's checkpoint (`restored`), else from the Hugging Face
+  checkpoint (`checkpoint`, piece by piece into the planned tiers), else a fresh init."""
+  train_cfg = config.train
+  tx = optim.make_optimizer(train_cfg)
+  source = restored
+  if restored is None and checkpoint is not None:
+    source = hf.HfReader(checkpoint, resident.abstract_state(model_cfg, tx), seed=train_cfg.seed)
+  started = time.perf_counter()
+  engine = make_engine(model_cfg, tx, optim.lr_schedule(train_cfg), train_cfg, plan.placement,
+                       restore_from=source)
+  if source is not restored:
+    for stores in getattr(engine, 'stores', {}).values():  # the NVMe tier's writes landed
+      for store in stores.all():
+        store.flush()
+    seconds = time.perf_counter() - started
+    print(f'initialised from {checkpoint.directory}: {source.bytes_read / 1e9:,.3f} GB of '
+          f'weights read into the planned tiers in {seconds:.2f} s '
+          f'({source.bytes_read / 1e9 / max(seconds, 1e-9):.3f} GB/s)', flush=True)
+  return engine
+
+
 def make_engine(model_cfg, tx, schedule, train_cfg, placement: Placement, restore_from=None):
   """The resident engine when everything stays on the device, else the streamed engine; filled
   from a checkpoint (`restore_from`, a CheckpointReader) or a fresh init."""
@@ -182,12 +282,21 @@ def _validate(config, workdir: str) -> tuple[model_lib.ModelConfig, pathlib.Path
   workdir = config_lib.check_workdir(workdir)
   if requested.uses_nvme:
     _check_offload_dir(config, model_cfg, workdir, requested)  # named tiers: say what's wrong
-  tokenizer = data_lib.load_tokenizer(config.data.tokenizer)  # reads tokenizer.json, writes nothing
-  if tokenizer.vocab_size > model_cfg.vocab_size:
-    raise ConfigError(f'model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer '
-                      f'({tokenizer.name}: {tokenizer.vocab_size} ids). Raise model.vocab_size or '
-                      'change data.tokenizer.')
+  _check_tokenizer(config, model_cfg)
   return model_cfg, workdir
+
+
+def _check_tokenizer(config, model_cfg):
+  """The tokenizer of data.tokenizer (reads tokenizer.json, writes nothing), refused if its ids
+  do not fit the model's vocabulary."""
+  tokenizer = data_lib.load_tokenizer(config.data.tokenizer)
+  if tokenizer.vocab_size > model_cfg.vocab_size:
+    fix = ('the checkpoint (init.from_hf) fixes the model\'s vocabulary: use its tokenizer '
+           '(leave data.tokenizer unset) or one that fits' if config.init.from_hf else
+           'Raise model.vocab_size or change data.tokenizer')
+    raise ConfigError(f'model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer '
+                      f'({config.data.tokenizer}: {tokenizer.vocab_size} ids). {fix}.')
+  return tokenizer
 
 
 def _open_data(config, workdir: pathlib.Path, microbatches: int):
@@ -229,7 +338,15 @@ def _open_run_log(config, model_cfg, hw, plan, workdir: pathlib.Path, samples_pe
 
 
 def _evaluate(engine, batches) -> dict:
-  loss = float(np.mean(engine.eval_losses(batches)))
+  """eval/loss: the mean over the eval batches' targets; for batches with a loss mask
+  (data.Batch), over their learned targets only (each batch's masked mean weighted by its
+  learned-token count, so the whole set's masked mean; 0 if no target is learned)."""
+  losses = engine.eval_losses(batches)
+  if batches and getattr(batches[0], 'loss_mask', None) is not None:
+    counts = np.array([np.count_nonzero(b.loss_mask) for b in batches], np.float64)
+    loss = float(np.dot(losses, counts) / counts.sum()) if counts.sum() else 0.0
+  else:
+    loss = float(np.mean(losses))
   return {'eval/loss': loss, 'eval/perplexity': math.exp(min(loss, 80.0))}
 
 
@@ -270,25 +387,31 @@ def _stopped(log, checkpointer, step: int, signal_name: str, saved: bool):
   return preemption.TrainingStopped(message, step, signal_name, saved)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       overrides: Iterable[str] | None = None) -> dict:
   """Trains (or resumes) the run in `workdir` to `config.train.steps`; returns the last metrics.
 
   The workdir (and an NVMe tier's offload.dir) is locked for the run's whole life: a second run
   on either is refused (locks.py). SIGTERM or SIGINT during training stop the run after the step
-  in flight, with a checkpoint, by raising preemption.TrainingStopped."""
+  in flight, with a checkpoint, by raising preemption.TrainingStopped. With init.from_hf a fresh
+  run starts from that Hugging Face checkpoint (`resolve_init`; `overrides`: the config keys set
+  on the command line)."""
+  runtime.configure(config)  # before the run allocates (the package applied the default at import)
+  config, checkpoint = resolve_init(config, workdir, overrides)
   model_cfg, workdir = _validate(config, workdir)
   with contextlib.ExitStack() as locked:
     locked.enter_context(locks.hold_workdir(workdir))  # before anything is written
     checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep)
     config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
+    runtime.configure(config, uses_nvme=plan.placement.uses_nvme)  # 'auto' knows the plan now
     if plan.placement.uses_nvme:  # before the stores are written
       locked.enter_context(locks.hold_offload_dir(plan.placement.dir, workdir))
     train_cfg = config.train
     enable_compilation_cache(config.jax_cache_dir)
     workdir.mkdir(parents=True, exist_ok=True)
+    config = _adopt_tokenizer(config, checkpoint, workdir)
     sampler, eval_data = _open_data(config, workdir, plan.microbatches)
-    engine = make_engine(model_cfg, optim.make_optimizer(train_cfg), optim.lr_schedule(train_cfg),
-                         train_cfg, plan.placement, restore_from=restored)
+    engine = _build_engine(model_cfg, config, plan, restored, checkpoint)
     start_step = engine.step
     position = restored.meta['data_position'] if restored is not None else 0
     del restored
@@ -307,3 +430,99 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         finally:
           checkpointer.close()  # commits the checkpoint in flight, even when the loop failed
     return log.last
+
+
+# ------------------------------------------------------------------------------------------------
+# Perplexity (`launch.py --eval`) and export (`launch.py --export_hf`).
+# ------------------------------------------------------------------------------------------------
+
+def _eval_config(config, workdir: str, overrides):
+  """(config, workdir path, run checkpoint meta or None, HF checkpoint or None) of an --eval: the
+  run's newest checkpoint if it has one (its shape and tokenizer), else init.from_hf."""
+  path = config_lib.check_workdir(workdir)
+  meta = newest_checkpoint_meta(path)
+  if meta is not None:
+    return _config_from_run(config, path, meta, overrides), path, meta, None
+  if not config.init.from_hf:
+    raise ConfigError(f'--eval: {path} holds no checkpoint and init.from_hf is not set, so there '
+                      'is no model to evaluate. Pass the --workdir of a run, or '
+                      '--config.init.from_hf=<Hugging Face model directory>.')
+  checkpoint = hf.inspect_checkpoint(config.init.from_hf)
+  return hf.config_from_checkpoint(config, checkpoint, overrides), path, None, checkpoint
+
+
+def _eval_pieces(config, model_cfg, workdir: pathlib.Path):
+  """(layer groups, vocabulary chunks, prefetch depth) an evaluation reads at a time: the
+  planned placement's (one group of every layer when it is resident); K = 1 if no placement fits
+  the training run (an evaluation needs no Adam state, gradients or saved activations)."""
+  try:
+    _, plan = plan_for(config, workdir, dry_run=False)
+    placement = plan.placement
+  except planner.NoPlacementFits:
+    placement = Placement(params='host', layers_per_group=1, prefetch_depth=1,
+                          shard_mb=config.offload.shard_mb)
+  groups = (placement.group_slices(model_cfg.num_layers) if placement.streamed
+            else [(0, model_cfg.num_layers)])
+  vocab = placement.vocab_slices(model_cfg)
+  return groups, vocab, placement.prefetch_depth or 1
+
+
+def evaluate(config: ml_collections.ConfigDict, workdir: str,
+             overrides: Iterable[str] | None = None) -> dict:
+  """Perplexity of the newest checkpoint in `workdir` (or of init.from_hf when it has none) on
+  eval.path, with sliding windows (evaluate.py); prints it and writes <workdir>/eval.json.
+  Forward only: weights are read group by group from the checkpoint; nothing else is written."""
+  config, path, meta, checkpoint = _eval_config(config, workdir, overrides)
+  model_cfg = config_lib.validate(config)
+  max_len = config.eval.max_len or config.train.seq_len
+  if max_len > model_cfg.max_seq_len:
+    raise ConfigError(f'eval.max_len: {max_len} is longer than the model maximum '
+                      f'model.max_seq_len={model_cfg.max_seq_len}; lower eval.max_len.')
+  tokens, mask = evaluate_lib.read_eval_data(config.eval.path, _check_tokenizer(config, model_cfg),
+                                             config.data)
+  enable_compilation_cache(config.jax_cache_dir)
+  with locks.hold_workdir(path):
+    if meta is not None:
+      reader = Checkpointer(path, keep=config.checkpoint.keep).restore(model_cfg)
+      source = f'{reader.directory} (step {reader.meta["step"]})'
+    else:
+      tx = optim.make_optimizer(config.train)
+      reader = hf.HfReader(checkpoint, resident.abstract_state(model_cfg, tx))
+      source = str(checkpoint.directory)
+    evaluator = evaluate_lib.Evaluator(reader, model_cfg, *_eval_pieces(config, model_cfg, path))
+    try:
+      result = evaluate_lib.perplexity(
+          evaluator, tokens, max_len, config.eval.stride or max_len,
+          config.eval.batch_size or config.train.batch_size, progress=config.train.progress_bar,
+          mask=mask)
+    finally:
+      evaluator.close()
+    result = {**result, 'eval/source': source, 'eval/path': str(config.eval.path)}
+    path.mkdir(parents=True, exist_ok=True)
+    fs.write_json_atomic(path / 'eval.json', result)
+  print(f'eval/loss {result["eval/loss"]:.6f} | eval/perplexity {result["eval/perplexity"]:.4f}'
+        f' | eval/tokens {result["eval/tokens"]} | {source} | '
+        f'{result["eval/seconds_per_1k_tokens"]:.3f} s per 1k tokens', flush=True)
+  return result
+
+
+def export_hf(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> list:
+  """Writes the newest checkpoint in `workdir` as a Hugging Face checkpoint in `out_dir` (new or
+  empty; export.py): sharded safetensors, config.json, the run's tokenizer files. Returns the
+  files written."""
+  config_lib.validate(config)  # the export section
+  out = export_lib.check_destination(out_dir)
+  path = config_lib.check_workdir(workdir)
+  meta = newest_checkpoint_meta(path)
+  if meta is None:
+    raise ConfigError(f'--export_hf: {path} holds no checkpoint to export. Pass the --workdir of '
+                      'a run that has saved one (checkpoints/<step>/).')
+  model_cfg = model_lib.ModelConfig(**meta['model_config'])
+  with locks.hold_workdir(path):
+    reader = Checkpointer(path, keep=config.checkpoint.keep).restore(model_cfg)
+    files = export_lib.export(reader, model_cfg, out, dtype=config.export.dtype,
+                              max_shard_bytes=int(config.export.max_shard_gb * 1e9),
+                              tokenizer=_run_tokenizer(path) or 'byte')
+  print(f'exported step {reader.meta["step"]} of {path} to {out}: '
+        f'{", ".join(f.name for f in files)}', flush=True)
+  return files

@@ -94,7 +94,7 @@ def small_hf_tokenizer(directory: pathlib.Path) -> str:
 
 def _truncated_prepared(d):
   path = prepared_dir(d)
-  with open(pathlib.Path(path) / 'train.bin', 'r+b') as f:
+  with open(pathlib.Path(path) / 'train-00000.bin', 'r+b') as f:
     f.truncate(10)
   return dict(data__path=path)
 

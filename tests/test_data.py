@@ -146,11 +146,13 @@ def test_prepare_byte_dtype_counts_and_tail_split(tmp_path):
 
   train, val = load_split(info, 'train'), load_split(tmp_path / 'out', 'val')
   assert train.dtype == np.dtype('<u2') and not train.flags.writeable
-  assert (tmp_path / 'out' / 'train.bin').stat().st_size == 2 * info.train_tokens
+  # One shard holds the whole stream (2 bytes a token); the splits are views of it.
+  shard = tmp_path / 'out' / 'train-00000.bin'
+  assert shard.stat().st_size == 2 * len(expected)
   # Validation is the contiguous tail of the stream; train is everything before it.
   np.testing.assert_array_equal(train, expected[:info.train_tokens])
   np.testing.assert_array_equal(val, expected[info.train_tokens:])
-  np.testing.assert_array_equal(open_tokens(tmp_path / 'out' / 'val.bin'), val)
+  np.testing.assert_array_equal(open_tokens(shard)[info.train_tokens:], val)
 
   meta = json.loads((tmp_path / 'out' / 'meta.json').read_text())
   assert meta['dtype'] == 'uint16' and meta['train_tokens'] == info.train_tokens
@@ -158,8 +160,8 @@ def test_prepare_byte_dtype_counts_and_tail_split(tmp_path):
   assert meta['train_sources'][0]['size'] == SHAKESPEARE.stat().st_size
   assert isinstance(meta['fingerprint'], str) and meta['fingerprint']
   assert read_dataset_info(tmp_path / 'out') == info
-  # Only the three committed files remain: no temp files left behind.
-  assert _tree(tmp_path / 'out') == ['meta.json', 'train.bin', 'val.bin']
+  # Only the committed files remain: no temp files or progress record left behind.
+  assert _tree(tmp_path / 'out') == ['meta.json', 'train-00000.bin']
 
 
 def test_prepare_chunked_reading_is_lossless(tmp_path, monkeypatch):
@@ -200,7 +202,7 @@ def test_prepare_reuses_and_reprepares_on_change(tmp_path, shakespeare_lines):
   source.write_text(''.join(shakespeare_lines[:3000]), encoding='utf-8')
   out = tmp_path / 'out'
   info = prepare_dataset(out, ByteTokenizer(), train_sources=[source])
-  train_bin = out / 'train.bin'
+  train_bin = out / 'train-00000.bin'
   mtime = train_bin.stat().st_mtime_ns
   os.utime(train_bin, ns=(mtime - 10**9, mtime - 10**9))  # Make any rewrite visible in mtime.
   mtime = train_bin.stat().st_mtime_ns
@@ -243,8 +245,8 @@ def test_prepare_errors(tmp_path):
   latin1.write_bytes('café\n'.encode('latin-1'))
   with pytest.raises(ConfigError, match='data.path'):
     prepare_dataset(tmp_path / 'out2', tok, train_sources=[latin1])
-  assert not (tmp_path / 'out').exists()
-  assert not [p for p in (tmp_path / 'out2').iterdir()]  # The failed run left no temp files.
+  # Every error above is found before anything is written.
+  assert not (tmp_path / 'out').exists() and not (tmp_path / 'out2').exists()
 
 
 # --- samplers -----------------------------------------------------------------------------------

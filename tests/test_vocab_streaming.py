@@ -4,6 +4,8 @@ by chunk with an online logsumexp, and still trains to the resident engine's num
 untied heads, device and host optimizers."""
 
 import dataclasses
+import os
+import pathlib
 
 import jax
 import numpy as np
@@ -112,3 +114,63 @@ def test_vocabulary_chunks_checkpoint_and_restore_in_any_engine(tmp_path, embed_
   again.close()
   state = reader.device_state(resident.abstract_state(CFG, tx))
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state), want)
+
+
+@pytest.mark.parametrize('block', [16, 64])  # 16: drawn in blocks; 64: the whole vocabulary at once
+@pytest.mark.parametrize('tied', [True, False])
+def test_outer_pieces_drawn_alone_equal_the_whole_init(monkeypatch, tied, block):
+  """The streamed engine initialises each vocabulary chunk alone (layers.vocab_normal); chunks
+  that straddle the init's row blocks must hold exactly the whole matrix's rows."""
+  from megatrain_jax import partition  # pylint: disable=import-outside-toplevel
+  from megatrain_jax.model import decoder, layers  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(layers, 'VOCAB_INIT_BLOCK', block)
+  cfg = decoder.ModelConfig(vocab_size=50, d_model=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                              d_ff=16, max_seq_len=16, tie_embeddings=tied)
+  key = jax.random.key(3)
+  whole = decoder.init_outer(cfg, key)
+  kinds = ['embed', 'final_norm'] + ([] if tied else ['head'])
+  for kind in kinds:
+    ranges = [(0, 0)] if kind == 'final_norm' else [(0, 7), (7, 30), (30, 50)]
+    for start, stop in ranges:
+      got = decoder.init_outer_piece(cfg, key, kind, start, stop)
+      want = partition.piece_of(whole, kind, start, stop)
+      jax.tree.map(np.testing.assert_array_equal, got, want)
+  assert float(np.std(whole['embed']['embedding'])) == pytest.approx(cfg.init_std, rel=0.2)
+
+
+RSS_ARGS = ['--config.model.vocab_size=131072', '--config.model.d_model=512',
+            '--config.model.num_layers=2', '--config.model.num_heads=8',
+            '--config.model.num_kv_heads=4', '--config.model.d_ff=1408',
+            '--config.offload.params=nvme', '--config.offload.opt_state=nvme',
+            '--config.offload.embed_head=nvme', '--config.train.batch_size=1',
+            '--config.train.seq_len=64', '--config.train.steps=1', '--config.train.eval_batches=1',
+            '--config.checkpoint.every=0', '--config.train.progress_bar=False']
+
+
+def test_peak_host_memory_of_a_128k_vocabulary_run_is_planned(tmp_path):
+  """The whole launch.py process (init, step, eval, end-of-run checkpoint) on a 128k-vocabulary
+  model whose embedding is most of its state, everything on NVMe, stays within the planner's
+  predicted_host_peak_gb (0.8-1.25x) and far below holding the embedding whole."""
+  import re, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  dry = subprocess.run([sys.executable, str(root / 'launch.py'), '--dry_run', *RSS_ARGS,
+                        f'--workdir={tmp_path / "dry"}'], capture_output=True, text=True,
+                       env=env, timeout=300, cwd=root)
+  assert dry.returncode == 0, dry.stderr[-2000:]
+  predicted = float(re.search(r'predicted_host_peak_gb: ([0-9.]+)', dry.stdout).group(1)) * 1e9
+  state = int(re.search(r'params: (\d+)', dry.stdout).group(1)) * 12  # params + Adam m, v
+  # A wrapper process whose only child is the run: its RUSAGE_CHILDREN peak is the run's.
+  wrapper = ('import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); '
+             'print("PEAK", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); '
+             'sys.exit(r.returncode)')
+  run = subprocess.run([sys.executable, '-c', wrapper, sys.executable, str(root / 'launch.py'),
+                        *RSS_ARGS, f'--workdir={tmp_path / "run"}'], capture_output=True,
+                       text=True, env=env, timeout=900, cwd=root)
+  assert run.returncode == 0, run.stderr[-3000:]
+  peak = int(re.search(r'PEAK (\d+)', run.stdout).group(1))
+  assert (tmp_path / 'run' / 'checkpoints' / '1').is_dir()
+  assert 0.8 * predicted <= peak <= 1.25 * predicted, (peak / 1e9, predicted / 1e9)
+  # The embedding's params + Adam state (805 MB) are most of the state: held whole, they alone
+  # would put the run above the runtime plus half of them.
+  assert peak < 0.95e9 + state / 2, (peak / 1e9, state / 1e9)

@@ -7,27 +7,39 @@ Typical use by the trainer:
   sampler = BatchSampler(load_split(info, 'train'), seq_len=..., batch_size=...,
                          microbatches=..., seed=...)
   batch = sampler.batch(position)                  # position is saved in checkpoints
+
+`batch` is an int32 array [microbatches, batch_size, seq_len + 1]; for a dataset with a loss mask
+(instruction or chat records) it is a `Batch(tokens, loss_mask)` instead (loader.py).
 """
 
 from megatrain_jax.data.corpus import default_corpus_text
-from megatrain_jax.data.loader import BatchSampler, eval_batches, load_split, open_tokens
-from megatrain_jax.data.pipeline import check_data_config, load_data
+from megatrain_jax.data.documents import DocumentFormat, document_format
+from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, eval_batches, load_split,
+                                       open_tokens)
+from megatrain_jax.data.pipeline import check_data_config, load_data, prepare_summary
 from megatrain_jax.data.prepare import DatasetInfo, prepare_dataset, read_dataset_info
+from megatrain_jax.data.shards import TokenStream
 from megatrain_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
+    'Batch',
     'BatchSampler',
     'ByteTokenizer',
     'DatasetInfo',
+    'DocumentFormat',
     'HFTokenizer',
     'Tokenizer',
     'check_data_config',
     'default_corpus_text',
+    'document_format',
     'eval_batches',
     'load_data',
     'load_split',
     'load_tokenizer',
+    'MixtureSplit',
     'open_tokens',
     'prepare_dataset',
+    'prepare_summary',
     'read_dataset_info',
+    'TokenStream',
 ]

@@ -7,43 +7,74 @@ the batches an uninterrupted run would have seen.
 
 import operator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from megatrain_jax.data.mixture import MIXTURE_STREAM, MixtureSchedule
 from megatrain_jax.data.prepare import DatasetInfo, read_dataset_info
+from megatrain_jax.data.shards import TokenStream, memmap
 from megatrain_jax.errors import ConfigError
 
 SPLITS = ('train', 'val')
 
 
+class Batch(NamedTuple):
+  """A batch of a dataset with a loss mask (instruction or chat data).
+
+  Attributes:
+    tokens: int32 [..., seq_len + 1], exactly the array a dataset without a mask yields.
+    loss_mask: uint8 [..., seq_len], aligned to the targets `tokens[..., 1:]`: loss_mask[..., j]
+      is 1 when target tokens[..., j + 1] is learned, 0 when it is not (a prompt or a
+      non-assistant turn).
+  """
+  tokens: np.ndarray
+  loss_mask: np.ndarray
+
+
 def open_tokens(path: str | Path) -> np.ndarray:
-  """Opens a prepared `<split>.bin` read-only, with the dtype from the meta.json beside it."""
+  """Opens a prepared token file (a shard, or format 1's `<split>.bin`) read-only, with the dtype
+  from the meta.json beside it."""
   path = Path(path).expanduser().resolve()
-  return _memmap(path, read_dataset_info(path.parent).dtype)
+  return memmap(path, read_dataset_info(path.parent).dtype)
 
 
-def load_split(info_or_dir: DatasetInfo | str | Path, split: str) -> np.ndarray:
-  """Returns the tokens of one split of a prepared dataset as a read-only memmap.
+def _segments_stream(segments, dtype: str) -> np.ndarray | TokenStream:
+  """One segment without a mask as a plain read-only memmap (slicing views the file); anything
+  else as a TokenStream."""
+  if len(segments) == 1 and segments[0][1] is None:
+    file, _, start, count = segments[0]
+    return memmap(Path(file), dtype)[start:start + count]
+  return TokenStream(segments, dtype)
+
+
+def load_split(info_or_dir: DatasetInfo | str | Path, split: str):
+  """Returns the tokens of one split of a prepared dataset.
 
   Args:
-    info_or_dir: A DatasetInfo, or a prepared directory (its meta.json is read).
+    info_or_dir: A DatasetInfo (of a directory or a mixture), or a prepared directory.
     split: 'train' or 'val'.
+
+  Returns:
+    A read-only 1-D memmap when the split is one shard without a loss mask (as before shards
+    existed); a TokenStream (1-D array-like over the shards, with `.mask`) for several shards or
+    a mask; for the training split of a mixture, a MixtureSplit. BatchSampler and eval_batches
+    accept all three.
   """
   if split not in SPLITS:
     raise ValueError(f'split must be one of {SPLITS}, got {split!r}')
   info = (info_or_dir if isinstance(info_or_dir, DatasetInfo) else
           read_dataset_info(info_or_dir))
-  return _memmap(info.dir / f'{split}.bin', info.dtype)
+  if info.mixture and split == 'train':
+    return MixtureSplit(tuple(w for w, _ in info.mixture),
+                        tuple(load_split(source, 'train') for _, source in info.mixture))
+  return _segments_stream(info.splits[split], info.dtype)
 
 
-def _memmap(path: Path, dtype: str) -> np.ndarray:
-  stored = np.dtype(dtype).newbyteorder('<')
-  # mmap cannot map an empty file; an empty split is legal here and rejected by the samplers,
-  # which know which config field to blame.
-  if path.stat().st_size == 0:
-    return np.empty(0, dtype=stored)
-  return np.memmap(path, dtype=stored, mode='r')
+class MixtureSplit(NamedTuple):
+  """The training split of a mixture: each source's tokens and its weight."""
+  weights: tuple
+  sources: tuple
 
 
 def _check_int(field: str, value: Any, minimum: int) -> int:
@@ -79,28 +110,79 @@ def check_split_sizes(train_tokens: int, val_tokens: int, *, seq_len: int, batch
     raise _val_too_short(val_tokens, seq_len, batch_size)
 
 
-class BatchSampler:
-  """Deterministic training batches from a token stream.
+class _Windows:
+  """The windows of one token stream and their per-epoch permutations."""
 
-  The stream is cut into non-overlapping windows of `seq_len + 1` tokens (inputs plus the targets
+  def __init__(self, tokens, seq_len: int, seed: int, source: int | None):
+    self.tokens = tokens
+    self.has_mask = bool(getattr(tokens, 'has_mask', False))
+    self.window = seq_len + 1
+    self.n_windows = len(tokens) // self.window
+    if self.n_windows < 1:
+      raise _train_too_short(len(tokens), seq_len)
+    # A lone stream keeps the seeding it always had; mixture sources each get their own.
+    self._key = [seed] if source is None else [seed, MIXTURE_STREAM, source]
+    # Permutations of the epochs the latest batch touched: consecutive steps hit the cache, and
+    # at most one step's worth of epochs is ever held.
+    self._perms: dict[int, np.ndarray] = {}
+
+  def starts(self, samples: np.ndarray) -> np.ndarray:
+    """Stream offsets of the windows of these sample indices (of this stream)."""
+    epochs = samples // self.n_windows
+    perms = {}
+    for epoch in np.unique(epochs):
+      epoch = int(epoch)
+      perms[epoch] = self._perms.get(epoch)
+      if perms[epoch] is None:
+        perms[epoch] = np.random.default_rng(self._key[:1] + [epoch] + self._key[1:]).permutation(
+            self.n_windows)
+    self._perms = perms
+    windows = np.empty_like(samples)
+    for epoch, perm in perms.items():
+      in_epoch = epochs == epoch
+      windows[in_epoch] = perm[samples[in_epoch] % self.n_windows]
+    return windows * self.window
+
+  def gather(self, starts: np.ndarray, with_mask: bool):
+    """(tokens [n, window] int32, mask [n, window - 1] uint8 of the targets, or None)."""
+    index = starts[:, None] + np.arange(self.window)
+    # np.array (not asarray) so the result is a plain in-memory ndarray, not a memmap view.
+    tokens = np.array(self.tokens[index], dtype=np.int32)
+    if not with_mask:
+      return tokens, None
+    if not self.has_mask:
+      return tokens, np.ones((len(starts), self.window - 1), dtype=np.uint8)
+    return tokens, self.tokens.mask(index[:, 1:])
+
+
+class BatchSampler:
+  """Deterministic training batches from a token stream, or a mixture of several.
+
+  One stream is cut into non-overlapping windows of `seq_len + 1` tokens (inputs plus the targets
   shifted by one); a trailing remainder shorter than a window is never used. Every epoch visits
   all windows once, in the order of a permutation drawn from `np.random.default_rng([seed,
   epoch])`. Global sample `i` is window `perm[i // n_windows][i % n_windows]`.
+
+  A mixture (MixtureSplit) first assigns global sample `i` to a source and an index within that
+  source (mixture.MixtureSchedule, a pure function of `i`), then takes that source's window as
+  above, with its own permutations (`default_rng([seed, epoch, MIXTURE_STREAM, source])`).
+
+  `batch(position)` depends on nothing but `position` (and the constructor's arguments): resuming
+  from the `data_position` a checkpoint stores replays the batches exactly, mixture included.
   """
 
-  def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, microbatches: int,
-               seed: int):
+  def __init__(self, tokens, *, seq_len: int, batch_size: int, microbatches: int, seed: int):
     """Creates the sampler.
 
     Args:
-      tokens: 1-D token ids (typically `load_split(info, 'train')`).
+      tokens: A split from `load_split`: 1-D token ids, a TokenStream, or a MixtureSplit.
       seq_len: Model sequence length; each sample holds `seq_len + 1` tokens.
       batch_size: Sequences per microbatch.
       microbatches: Microbatches per step (gradient accumulation).
       seed: Shuffle seed, >= 0.
 
     Raises:
-      ConfigError: If an argument is out of range, or (naming `train.seq_len`) if `tokens` is too
+      ConfigError: If an argument is out of range, or (naming `train.seq_len`) if a stream is too
         short to hold a single window.
     """
     self._seq_len = _check_int('train.seq_len', seq_len, 1)
@@ -108,69 +190,83 @@ class BatchSampler:
     self._microbatches = _check_int('train.microbatches', microbatches, 1)
     # SeedSequence rejects negative entropy; say so in config terms instead.
     self._seed = _check_int('train.seed', seed, 0)
-    self._tokens = tokens
-    window = self._seq_len + 1
-    self._n_windows = len(tokens) // window
-    if self._n_windows < 1:
-      raise _train_too_short(len(tokens), self._seq_len)
-    self._offsets = np.arange(window)
-    # Permutations of the epochs the latest batch touched: consecutive steps hit the cache, and at
-    # most one step's worth of epochs is ever held.
-    self._perms: dict[int, np.ndarray] = {}
+    if isinstance(tokens, MixtureSplit):
+      self._streams = [_Windows(t, self._seq_len, self._seed, s)
+                       for s, t in enumerate(tokens.sources)]
+      self._mixture = MixtureSchedule(list(tokens.weights), self._seed)
+    else:
+      self._streams = [_Windows(tokens, self._seq_len, self._seed, None)]
+      self._mixture = None
+    self.has_mask = any(stream.has_mask for stream in self._streams)
 
   @property
   def n_windows(self) -> int:
-    """Number of distinct training windows (samples per epoch)."""
-    return self._n_windows
+    """Number of distinct training windows (samples per epoch; a mixture: of all sources)."""
+    return sum(stream.n_windows for stream in self._streams)
 
   @property
   def samples_per_step(self) -> int:
     """Samples one `batch` call consumes; advance `position` by this much per step."""
     return self._microbatches * self._batch_size
 
-  def _permutation(self, epoch: int) -> np.ndarray:
-    perm = self._perms.get(epoch)
-    if perm is None:
-      perm = np.random.default_rng([self._seed, epoch]).permutation(self._n_windows)
-    return perm
-
-  def window_starts(self, position: int) -> np.ndarray:
-    """Returns the stream offsets of the windows of batch `position`, [microbatches, batch_size]."""
+  def _locate(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+    """(source, window start within it) of each sample of batch `position`, flat."""
     position = operator.index(position)
     if position < 0:
       raise ValueError(f'position must be >= 0, got {position}')
     samples = position + np.arange(self.samples_per_step, dtype=np.int64)
-    epochs = samples // self._n_windows
-    perms = {int(epoch): self._permutation(int(epoch)) for epoch in np.unique(epochs)}
-    self._perms = perms
-    windows = np.empty_like(samples)
-    for epoch, perm in perms.items():
-      in_epoch = epochs == epoch
-      windows[in_epoch] = perm[samples[in_epoch] % self._n_windows]
-    starts = windows * (self._seq_len + 1)
-    return starts.reshape(self._microbatches, self._batch_size)
+    if self._mixture is None:
+      return np.zeros_like(samples), self._streams[0].starts(samples)
+    sources, local = self._mixture.assign(samples)
+    starts = np.empty_like(samples)
+    for source in np.unique(sources):
+      sel = sources == source
+      starts[sel] = self._streams[int(source)].starts(local[sel])
+    return sources, starts
 
-  def batch(self, position: int) -> np.ndarray:
+  def window_starts(self, position: int) -> np.ndarray:
+    """Returns the stream offsets of the windows of batch `position`, [microbatches, batch_size]
+    (for a mixture, offsets within each sample's source: see `window_sources`)."""
+    return self._locate(position)[1].reshape(self._microbatches, self._batch_size)
+
+  def window_sources(self, position: int) -> np.ndarray:
+    """The source index of each sample of batch `position`, [microbatches, batch_size]."""
+    return self._locate(position)[0].reshape(self._microbatches, self._batch_size)
+
+  def batch(self, position: int):
     """Returns samples `position .. position + samples_per_step - 1`, microbatch-major.
 
     Returns:
-      int32 array [microbatches, batch_size, seq_len + 1]; `[..., :-1]` are the inputs and
-      `[..., 1:]` the targets.
+      Without a loss mask (`has_mask` False): int32 array [microbatches, batch_size,
+      seq_len + 1]; `[..., :-1]` are the inputs and `[..., 1:]` the targets. With one: a Batch
+      (tokens as above, loss_mask uint8 [microbatches, batch_size, seq_len] aligned to the
+      targets).
     """
-    index = self.window_starts(position)[..., None] + self._offsets
-    # np.array (not asarray) so the result is a plain in-memory ndarray, not a memmap view.
-    return np.array(self._tokens[index], dtype=np.int32)
+    sources, starts = self._locate(position)
+    window = self._seq_len + 1
+    tokens = np.empty((len(starts), window), dtype=np.int32)
+    mask = np.empty((len(starts), window - 1), dtype=np.uint8) if self.has_mask else None
+    for source in np.unique(sources):
+      sel = sources == source
+      tokens[sel], source_mask = self._streams[int(source)].gather(starts[sel], self.has_mask)
+      if mask is not None:
+        mask[sel] = source_mask
+    shape = (self._microbatches, self._batch_size)
+    tokens = tokens.reshape(*shape, window)
+    if mask is None:
+      return tokens
+    return Batch(tokens, mask.reshape(*shape, window - 1))
 
 
-def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int,
-                 num_batches: int) -> list[np.ndarray]:
+def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int) -> list:
   """Returns deterministic validation batches taken in order from the start of `tokens`.
 
   Windows of `seq_len + 1` tokens do not overlap. Fewer than `num_batches` batches are returned if
   the split runs out; only full batches are returned so that every batch has the same shape.
 
   Returns:
-    A list of int32 arrays [batch_size, seq_len + 1].
+    A list of int32 arrays [batch_size, seq_len + 1]; for a split with a loss mask, of Batch
+    (tokens as above, loss_mask uint8 [batch_size, seq_len] aligned to the targets).
 
   Raises:
     ConfigError: If an argument is out of range, or (naming `data.val_path`, `data.val_fraction`
@@ -183,7 +279,13 @@ def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int,
   available = len(tokens) // batch_tokens
   if available < 1:
     raise _val_too_short(len(tokens), seq_len, batch_size)
-  return [
-      np.array(tokens[i * batch_tokens:(i + 1) * batch_tokens], dtype=np.int32).reshape(
-          batch_size, seq_len + 1) for i in range(min(num_batches, available))
-  ]
+  has_mask = bool(getattr(tokens, 'has_mask', False))
+  out = []
+  for i in range(min(num_batches, available)):
+    span = slice(i * batch_tokens, (i + 1) * batch_tokens)
+    batch = np.array(tokens[span], dtype=np.int32).reshape(batch_size, seq_len + 1)
+    if has_mask:
+      mask = tokens.mask(span).reshape(batch_size, seq_len + 1)[:, 1:]
+      batch = Batch(batch, np.ascontiguousarray(mask))
+    out.append(batch)
+  return out

@@ -1,31 +1,49 @@
 """Resolving the `data` config section into a prepared dataset and its tokenizer.
 
-Fields of the section:
-  path: '' for the embedded default corpus, a text file, a directory of text files, or a directory
-    already holding a prepared dataset (meta.json), which is then used as is.
-  val_path: '' to split validation off the end of `path`, else a text file or directory.
+Fields of the section (configs/default.py documents each):
+  path: '' for the embedded default corpus; a file, directory or glob pattern of .txt, .jsonl,
+    .jsonl.zst, .jsonl.gz, .parquet (formats.py); or a directory already holding a prepared
+    dataset (meta.json), which is then used as is.
+  val_path: '' to split validation off the end of `path`, else like `path`.
   val_fraction: Share of the training stream held out when `val_path` is ''.
-  tokenizer: 'byte', or a local Hugging Face tokenizer.json (or a directory containing one).
+  tokenizer: 'byte', or a local Hugging Face tokenizer.json (or a directory containing one, and
+    its tokenizer_config.json: EOS, BOS, chat template).
   cache_dir: Where prepared files go; '' means `<workdir>/data`.
+  text_field, prompt_field, completion_field, eos_token, skip_bad_records: how records become
+    documents (documents.py).
+  mixture: '' or 'WEIGHT:SOURCE,...' (mixture.py); exclusive with `path`.
+  num_workers: tokenizing processes of the prepare step (0 = every core).
+  shard_tokens: the most tokens per shard file.
 """
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
+from megatrain_jax.data import formats
 from megatrain_jax.data.corpus import default_corpus_text
+from megatrain_jax.data.documents import DocumentFormat, document_format
 from megatrain_jax.data.loader import check_split_sizes
-from megatrain_jax.data.prepare import (META_FILE, DatasetInfo, check_text_head, check_val_fraction,
-                                        expand_sources, prepare_dataset, read_dataset_info)
+from megatrain_jax.data.mixture import block_counts, parse_mixture
+from megatrain_jax.data.prepare import (DEFAULT_SHARD_TOKENS, META_FILE, DatasetInfo,
+                                        check_shard_tokens, check_sources, check_val_fraction,
+                                        needs_documents, prepare_dataset, read_dataset_info)
 from megatrain_jax.data.tokenizer import Tokenizer, check_tokenizer_spec, load_tokenizer
 from megatrain_jax.errors import ConfigError
 
 _STR_FIELDS = ('path', 'val_path', 'tokenizer', 'cache_dir')
+# Fields added with the record formats: a data section written before them gets these defaults.
+_DEFAULTS = {'text_field': 'text', 'prompt_field': 'prompt', 'completion_field': 'completion',
+             'eos_token': '', 'mixture': '', 'num_workers': 0,
+             'shard_tokens': DEFAULT_SHARD_TOKENS, 'skip_bad_records': False}
 
 
 def _field(data_config: Any, name: str) -> Any:
   try:
     return data_config[name]
   except KeyError as e:
+    if name in _DEFAULTS:
+      return _DEFAULTS[name]
     raise ConfigError(f'data.{name}: missing from the config; add it to the data section.') from e
 
 
@@ -45,19 +63,51 @@ def _check_cache_dir(cache_dir: Path, path: str) -> None:
                       "files); set data.cache_dir to another directory or to ''.")
 
 
-def _check_texts(source: str, field: str) -> list[Path]:
-  """Expands `source` (naming `field`) and sniffs every file; returns the files.
+def _check_fields(data_config: Any) -> None:
+  for name in _STR_FIELDS + ('text_field', 'prompt_field', 'completion_field', 'eos_token',
+                             'mixture'):
+    value = _field(data_config, name)
+    if not isinstance(value, str):
+      raise ConfigError(f'data.{name}: got {value!r}; it must be a string.')
+  for name in ('text_field', 'prompt_field', 'completion_field'):
+    if not _field(data_config, name):
+      raise ConfigError(f'data.{name}: must name a record field, got an empty string.')
+  workers = _field(data_config, 'num_workers')
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+    raise ConfigError(f'data.num_workers: got {workers!r}; it must be an integer >= 0 '
+                      '(0 = every core).')
+  check_shard_tokens(_field(data_config, 'shard_tokens'))
+  if not isinstance(_field(data_config, 'skip_bad_records'), bool):
+    raise ConfigError('data.skip_bad_records: must be True or False.')
 
-  Raises:
-    ConfigError: for a missing source, a binary or non-UTF-8 file, or no text at all (0 bytes).
-  """
-  files = expand_sources([source], field)
-  for file in files:
-    check_text_head(file, field)
-  if not sum(file.stat().st_size for file in files):
-    raise ConfigError(f'{field}: {source} is empty (0 bytes of text); point {field} at a file or '
-                      'directory that holds text.')
-  return files
+
+def _document_format(data_config: Any, tokenizer: Tokenizer) -> DocumentFormat:
+  return document_format(
+      tokenizer, eos_token=_field(data_config, 'eos_token'),
+      text_field=_field(data_config, 'text_field'),
+      prompt_field=_field(data_config, 'prompt_field'),
+      completion_field=_field(data_config, 'completion_field'),
+      skip_bad_records=_field(data_config, 'skip_bad_records'))
+
+
+class _Sources:
+  """The files of each source of the config, checked (heads read), lazily with the tokenizer."""
+
+  def __init__(self, data_config: Any):
+    self._config = data_config
+    self._fmt = None
+
+  def fmt(self) -> DocumentFormat:
+    if self._fmt is None:
+      self._fmt = _document_format(self._config, load_tokenizer(_field(self._config,
+                                                                        'tokenizer')))
+    return self._fmt
+
+  def check(self, source: str, field: str) -> list[Path]:
+    """Expands `source` (naming `field`) and checks every file's head; returns the files."""
+    files = formats.expand_sources([source], field)
+    check_sources(files, self.fmt() if needs_documents(files) else None, field)
+    return files
 
 
 def _check_prepared_tokenizer(prepared: DatasetInfo, tokenizer: Tokenizer) -> None:
@@ -72,10 +122,12 @@ def _check_prepared_tokenizer(prepared: DatasetInfo, tokenizer: Tokenizer) -> No
 def _check_sizes(data_config: Any, train_config: Any, prepared: DatasetInfo | None,
                  train_files: list[Path] | None, val_files: list[Path] | None) -> None:
   """Refuses splits too short for one training sequence or one eval batch, when the token counts
-  are known without tokenizing: a prepared directory, or the byte tokenizer (a token per byte)."""
+  are known without tokenizing: a prepared directory, or the byte tokenizer over text files (a
+  token per byte)."""
   if prepared is not None:
     train_tokens, val_tokens = prepared.train_tokens, prepared.val_tokens
-  elif _field(data_config, 'tokenizer') == 'byte':
+  elif (_field(data_config, 'tokenizer') == 'byte' and
+        not needs_documents((train_files or []) + (val_files or []))):
     if train_files is None:
       total = len(default_corpus_text().encode('utf-8'))
     else:
@@ -86,22 +138,36 @@ def _check_sizes(data_config: Any, train_config: Any, prepared: DatasetInfo | No
       val_tokens = int(total * _field(data_config, 'val_fraction'))
       train_tokens = total - val_tokens
   else:
-    return  # another tokenizer: the counts are known after the prepare step
+    return  # records, or another tokenizer: the counts are known after the prepare step
   check_split_sizes(train_tokens, val_tokens, seq_len=train_config.seq_len,
                     batch_size=train_config.batch_size)
 
 
+def _check_mixture(data_config: Any, sources: _Sources) -> list[tuple[float, str]]:
+  mixture = parse_mixture(_field(data_config, 'mixture'))
+  if mixture and _field(data_config, 'path'):
+    raise ConfigError("data.mixture: set either data.path or data.mixture, not both (set "
+                      "data.path to '').")
+  if mixture:
+    block_counts([w for w, _ in mixture])
+  for _, source in mixture:
+    if _is_prepared(Path(source).expanduser()):
+      raise ConfigError(f'data.mixture: {source} is a prepared directory; mixture sources must '
+                        'be data files (they are prepared into data.cache_dir).')
+    sources.check(source, 'data.mixture')
+  return mixture
+
+
 def _validate(data_config: Any, train_config: Any = None) -> DatasetInfo | None:
   """Checks the data config without writing; returns the DatasetInfo if `path` is prepared."""
-  for name in _STR_FIELDS:
-    value = _field(data_config, name)
-    if not isinstance(value, str):
-      raise ConfigError(f'data.{name}: got {value!r}; it must be a string.')
+  _check_fields(data_config)
   path, val_path = _field(data_config, 'path'), _field(data_config, 'val_path')
   check_val_fraction(_field(data_config, 'val_fraction'))
   check_tokenizer_spec(_field(data_config, 'tokenizer'))
   if _field(data_config, 'cache_dir'):
     _check_cache_dir(Path(_field(data_config, 'cache_dir')), path)
+  sources = _Sources(data_config)
+  mixture = _check_mixture(data_config, sources)
 
   prepared = train_files = val_files = None
   if path and _is_prepared(Path(path).expanduser()):
@@ -112,10 +178,10 @@ def _validate(data_config: Any, train_config: Any = None) -> DatasetInfo | None:
     # Reads tokenizer.json (as the trainer does next anyway); writes nothing.
     _check_prepared_tokenizer(prepared, load_tokenizer(_field(data_config, 'tokenizer')))
   elif path:
-    train_files = _check_texts(path, 'data.path')
+    train_files = sources.check(path, 'data.path')
   if val_path:
-    val_files = _check_texts(val_path, 'data.val_path')
-  if train_config is not None:
+    val_files = sources.check(val_path, 'data.val_path')
+  if train_config is not None and not mixture:
     _check_sizes(data_config, train_config, prepared, train_files, val_files)
   return prepared
 
@@ -123,11 +189,14 @@ def _validate(data_config: Any, train_config: Any = None) -> DatasetInfo | None:
 def check_data_config(data_config: Any, train_config: Any = None) -> None:
   """Checks every path and value of the data config, writing nothing.
 
+  Reads the head of every source file (formats.check_head): malformed records, missing fields
+  and unreadable files found there are refused here; the rest when the prepare step reaches them.
+
   Args:
     data_config: The `data` section (ml_collections.ConfigDict or mapping).
     train_config: The `train` section, optional. With it, splits too short for one sequence of
       `train.seq_len + 1` tokens or one eval batch are refused here too, where the token counts
-      are known without tokenizing (a prepared directory, or the byte tokenizer).
+      are known without tokenizing (a prepared directory, or the byte tokenizer over text).
 
   Raises:
     ConfigError: Naming the offending `data.*` (or `train.*`) field.
@@ -135,16 +204,67 @@ def check_data_config(data_config: Any, train_config: Any = None) -> None:
   _validate(data_config, train_config)
 
 
-def load_data(data_config: Any, workdir: str | Path) -> tuple[DatasetInfo, Tokenizer]:
+def _prepare(data_config: Any, tokenizer: Tokenizer, out_dir: Path, train: list, val: list,
+             val_fraction: float | None, progress: bool | None) -> DatasetInfo:
+  fmt = (_document_format(data_config, tokenizer)
+         if needs_documents(formats.expand_sources(train, 'data.path') +
+                            formats.expand_sources(val, 'data.val_path')) else None)
+  return prepare_dataset(out_dir, tokenizer, train_sources=train, val_sources=val,
+                         val_fraction=val_fraction, doc_format=fmt,
+                         shard_tokens=_field(data_config, 'shard_tokens'),
+                         num_workers=_field(data_config, 'num_workers'), progress=progress)
+
+
+def _load_mixture(data_config: Any, tokenizer: Tokenizer, cache_dir: Path,
+                  progress: bool | None) -> DatasetInfo:
+  """Prepares each source into `<cache_dir>/mixture-<hash of the source>`; validation is
+  data.val_path, else each source's held-out tail, one after the other."""
+  val_path = _field(data_config, 'val_path')
+  val_fraction = None if val_path else _field(data_config, 'val_fraction')
+  parts = []
+  for weight, source in parse_mixture(_field(data_config, 'mixture')):
+    digest = hashlib.sha256(source.encode('utf-8')).hexdigest()[:12]
+    parts.append((weight, _prepare(data_config, tokenizer, cache_dir / f'mixture-{digest}',
+                                   [source], [], val_fraction, progress)))
+  if val_path:
+    val = _prepare(data_config, tokenizer, cache_dir / 'mixture-val', [val_path], [], None,
+                   progress)
+    val_segments, val_tokens = val.splits['train'], val.train_tokens
+  else:
+    val_segments = tuple(seg for _, info in parts for seg in info.splits['val'])
+    val_tokens = sum(info.val_tokens for _, info in parts)
+  first = parts[0][1]
+  return DatasetInfo(
+      dir=cache_dir.expanduser().resolve(), dtype=first.dtype, vocab_size=first.vocab_size,
+      train_tokens=sum(info.train_tokens for _, info in parts), val_tokens=val_tokens,
+      tokenizer=first.tokenizer, splits={'train': (), 'val': val_segments},
+      has_mask=any(info.has_mask for _, info in parts), mixture=tuple(parts),
+      stats=_sum_stats([info.stats for _, info in parts]))
+
+
+def _sum_stats(stats: list[dict]) -> dict:
+  out: dict = {}
+  for one in stats:
+    for key, value in one.items():
+      if isinstance(value, (int, float)):
+        out[key] = out.get(key, 0) + value
+  return out
+
+
+def load_data(data_config: Any, workdir: str | Path,
+              progress: bool | None = None) -> tuple[DatasetInfo, Tokenizer]:
   """Returns the prepared dataset and tokenizer for `data_config`, preparing it if needed.
 
   Args:
     data_config: The `data` section (ml_collections.ConfigDict or mapping).
     workdir: The run directory; prepared files go to `<workdir>/data` unless `data.cache_dir` is
       set.
+    progress: The prepare step's progress bar (None: shown on a terminal only).
 
   Raises:
-    ConfigError: Naming the offending `data.*` field, before anything is written.
+    ConfigError: Naming the offending `data.*` field: before anything is written for what the
+      config and the head of each file show, else when the prepare step reaches a bad record (its
+      partial output removed).
   """
   prepared = _validate(data_config)
   tokenizer = load_tokenizer(_field(data_config, 'tokenizer'))
@@ -155,8 +275,30 @@ def load_data(data_config: Any, workdir: str | Path) -> tuple[DatasetInfo, Token
   path, val_path = _field(data_config, 'path'), _field(data_config, 'val_path')
   cache_dir = Path(_field(data_config, 'cache_dir') or Path(workdir) / 'data')
   _check_cache_dir(cache_dir, path)
-  info = prepare_dataset(cache_dir, tokenizer,
-                         train_sources=[path] if path else [],
-                         val_sources=[val_path] if val_path else [],
-                         val_fraction=_field(data_config, 'val_fraction'))
+  if _field(data_config, 'mixture'):
+    return _load_mixture(data_config, tokenizer, cache_dir, progress), tokenizer
+  info = _prepare(data_config, tokenizer, cache_dir, [path] if path else [],
+                  [val_path] if val_path else [], _field(data_config, 'val_fraction'), progress)
   return info, tokenizer
+
+
+def prepare_summary(info: DatasetInfo) -> str:
+  """What `launch.py --prepare` prints: token counts, documents and the throughput."""
+  stats = info.stats
+  lines = [f'prepared {info.dir}: {info.train_tokens:,} train tokens, {info.val_tokens:,} '
+           f'validation tokens ({info.dtype}, tokenizer {info.tokenizer}, vocab '
+           f'{info.vocab_size:,}){", with loss masks" if info.has_mask else ""}']
+  if info.mixture:
+    for weight, part in info.mixture:
+      lines.append(f'  source weight {weight:g}: {part.train_tokens:,} train tokens in {part.dir}')
+  if stats.get('documents') or stats.get('skipped_records'):
+    lines.append(f'  {stats.get("documents", 0):,} documents, '
+                 f'{stats.get("skipped_records", 0):,} bad records skipped')
+  seconds = stats.get('seconds')
+  if seconds:
+    mb = stats.get('input_bytes', 0) / 1e6
+    lines.append(f'  read {mb:,.1f} MB in {seconds:,.1f} s: {mb / seconds:,.2f} MB/s '
+                 f'({(info.train_tokens + info.val_tokens) / seconds:,.0f} tokens/s)')
+  else:
+    lines.append('  (already prepared: nothing to do)')
+  return '\n'.join(lines)

@@ -1,57 +1,82 @@
-"""Prepare step: tokenize text once into memory-mapped token files.
+"""Prepare step: tokenize sources once into memory-mapped token shards.
 
 A prepared directory holds
 
-  train.bin  raw little-endian token ids of the training split,
-  val.bin    the same for the validation split,
-  meta.json  dtype, vocab size, tokenizer, token counts, sources and a fingerprint.
+  train-00000.bin ...  raw little-endian token ids of the `data.path` stream, in source order,
+                       at most `shard_tokens` per shard (formats.py: what a source is);
+  train-00000.mask     for a shard holding tokens that are not learned (instruction data), one
+                       uint8 per token, 1 = learned (documents.py: the rule);
+  val-00000.bin ...    the same for `data.val_path`, when set;
+  meta.json            dtype, vocab size, tokenizer, token counts, the shards of each split in
+                       order, sources and a fingerprint.
 
-`meta.json` is the commit marker: it is removed before the token files are replaced and written
-last, so a directory whose `meta.json` matches the requested fingerprint is always complete. Every
-file is written atomically (temp file in the same directory, fsync, `os.replace`).
+Without `data.val_path`, the validation split is the last `val_fraction` of the train stream's
+tokens (contiguous, so no window straddles both): `meta.json` lists each split as segments
+(file, mask, first token, count). `meta.json` is the commit marker, written last; while a prepare
+runs, `prepare.json` records each committed shard, so an interrupted prepare resumes (shards.py).
+A directory of the older layout (train.bin, val.bin, format 1) still loads as a prepared dataset.
+
+The work is cut into tasks (formats.py) tokenized by `num_workers` processes (1: in this process),
+with a bounded number in flight, so memory stays bounded whatever the corpus size.
 """
 
-import codecs
+import collections
+from concurrent import futures
 import dataclasses
 import hashlib
 import json
+import logging
+import multiprocessing
 import numbers
 import os
-import shutil
+import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
+import tqdm
 
 from megatrain_jax import fs
+from megatrain_jax.data import formats, shards
 from megatrain_jax.data.corpus import DEFAULT_CORPUS_NAME, default_corpus_text
+from megatrain_jax.data.documents import DocumentFormat, document_format
 from megatrain_jax.data.tokenizer import Tokenizer
 from megatrain_jax.errors import ConfigError
 
+# Re-exported: older callers import these from here.
+from megatrain_jax.data.formats import check_text_head, expand_sources  # pylint: disable=unused-import
+
 META_FILE = 'meta.json'
 # Bumped whenever the on-disk layout or the tokenization procedure changes, so old caches are
-# re-prepared instead of being misread.
-_FORMAT_VERSION = 1
-# Text is tokenized in chunks of about this many characters (whole lines) so memory stays bounded
-# on multi-GB corpora; a chunk boundary always falls after a newline.
+# re-prepared instead of being misread. 1: train.bin/val.bin. 2: shards, documents, masks.
+_FORMAT_VERSION = 2
+# Text files are tokenized in chunks of about this many characters (whole lines).
 _CHUNK_CHARS = 8 << 20
-_COPY_BUFFER_BYTES = 8 << 20
-# Bytes of each source file read during validation (before anything is written), so that a binary
-# file is refused up front; the prepare step still checks every byte.
-_SNIFF_BYTES = 64 << 10
+DEFAULT_SHARD_TOKENS = 1 << 27
+# Inputs below this many bytes are tokenized in this process: starting workers costs more.
+_POOL_MIN_BYTES = 32 << 20
+_LOG = logging.getLogger(__name__)
+_OUR_FILES = ('train-*.bin', 'train-*.mask', 'val-*.bin', 'val-*.mask', 'train.bin', 'val.bin',
+              '.train-*.tmp', '.val-*.tmp', '.train.bin.*.tmp', '.val.bin.*.tmp',
+              shards.PROGRESS_FILE)
 
 
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
-  """Describes a prepared dataset directory.
+  """Describes a prepared dataset (a directory, or a mixture of them).
 
   Attributes:
-    dir: The directory holding train.bin, val.bin and meta.json.
+    dir: The directory holding the shards and meta.json (a mixture: its cache root).
     dtype: numpy dtype name of the stored ids ('uint16' or 'uint32').
     vocab_size: Vocabulary size of the tokenizer that produced the ids.
-    train_tokens: Number of tokens in train.bin.
-    val_tokens: Number of tokens in val.bin.
+    train_tokens: Number of tokens in the training split.
+    val_tokens: Number of tokens in the validation split.
     tokenizer: The tokenizer's `name` (its identity).
+    splits: {'train': segments, 'val': segments}, each (token file, mask file or None, first
+      token, count) with absolute paths, in stream order.
+    has_mask: Whether some token is not learned (a loss mask is stored).
+    mixture: For a mixture, ((weight, DatasetInfo of the source), ...); else ().
+    stats: What the prepare run that produced it measured (not compared).
   """
   dir: Path
   dtype: str
@@ -59,6 +84,10 @@ class DatasetInfo:
   train_tokens: int
   val_tokens: int
   tokenizer: str
+  splits: dict = dataclasses.field(default_factory=dict, hash=False)
+  has_mask: bool = False
+  mixture: tuple = ()
+  stats: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -76,71 +105,33 @@ def check_val_fraction(val_fraction: Any) -> None:
                       '(e.g. 0.05).')
 
 
-def expand_sources(sources: Iterable[str | Path], field: str) -> list[Path]:
-  """Resolves text sources to a sorted, absolute list of files, without reading them.
-
-  Args:
-    sources: Files, or directories meaning every non-hidden regular file directly inside them.
-    field: The config field the sources came from, for error messages.
-
-  Returns:
-    The absolute file paths, directories expanded in sorted order.
-
-  Raises:
-    ConfigError: (naming `field`) if a source does not exist or is a directory with no files.
-  """
-  files = []
-  for source in sources:
-    path = Path(source).expanduser()
-    if not path.exists():
-      raise ConfigError(f'{field}: {path} does not exist; set {field} to an existing text file or '
-                        'a directory of text files.')
-    if path.is_dir():
-      children = sorted(child for child in path.iterdir()
-                        if child.is_file() and not child.name.startswith('.'))
-      if not children:
-        raise ConfigError(f'{field}: directory {path} contains no (non-hidden) files; put text '
-                          f'files in it or point {field} at a text file.')
-      files.extend(child.resolve() for child in children)
-    else:
-      files.append(path.resolve())
-  return files
+def check_shard_tokens(shard_tokens: Any) -> None:
+  if (isinstance(shard_tokens, bool) or not isinstance(shard_tokens, numbers.Integral) or
+      shard_tokens < 1):
+    raise ConfigError(f'data.shard_tokens: got {shard_tokens!r}; it must be an integer >= 1 '
+                      f'(tokens per shard file, e.g. {DEFAULT_SHARD_TOKENS}).')
 
 
-def _binary_error(path: Path, field: str, offset: int) -> ConfigError:
-  return ConfigError(f'{field}: {path} looks like a binary file, not text (a NUL character at '
-                     f'offset {offset}); point {field} at UTF-8 text (convert UTF-16 text to '
-                     f'UTF-8), or remove the file from {field}.')
+def needs_documents(files: Sequence[Path]) -> bool:
+  """Whether any file holds records (so EOS must be known)."""
+  return any(formats.source_format(f) != formats.TEXT for f in files)
 
 
-def _not_utf8_error(path: Path, field: str, error: UnicodeDecodeError) -> ConfigError:
-  return ConfigError(f'{field}: {path} is not UTF-8 text ({error}); convert it to UTF-8 or '
-                     f'remove it from {field}.')
-
-
-def check_text_head(path: Path, field: str) -> None:
-  """Refuses `path` if its first `_SNIFF_BYTES` are not UTF-8 text or hold a NUL, writing nothing.
+def check_sources(files: Sequence[Path], fmt: DocumentFormat | None, field: str) -> None:
+  """Checks each file's head (formats.check_head) and refuses a source known to be empty.
 
   Raises:
-    ConfigError: (naming `field`) for a binary or non-UTF-8 file.
+    ConfigError: (naming `field` and the file) for bad input found, or no data at all.
   """
-  with open(path, 'rb') as f:
-    head = f.read(_SNIFF_BYTES)
-  if b'\0' in head:
-    raise _binary_error(path, field, head.index(b'\0'))
-  try:
-    # final=False: the sniffed prefix may end inside a multi-byte character.
-    codecs.getincrementaldecoder('utf-8')().decode(head, final=len(head) < _SNIFF_BYTES)
-  except UnicodeDecodeError as e:
-    raise _not_utf8_error(path, field, e) from e
+  counts = [formats.check_head(path, fmt, field) for path in files]
+  if files and all(count == 0 for count in counts):
+    raise ConfigError(f'{field}: {", ".join(str(f) for f in files[:3])} is empty (0 bytes of '
+                      f'text), or holds no records; point {field} at a file or directory with '
+                      'data.')
 
 
 def read_dataset_info(directory: str | Path, field: str = 'data.path') -> DatasetInfo:
   """Reads the DatasetInfo of a prepared directory and checks its token files are complete.
-
-  Args:
-    directory: A directory written by `prepare_dataset`.
-    field: The config field that named the directory, for error messages.
 
   Raises:
     ConfigError: (naming `field`) if meta.json is missing or malformed, or a token file is
@@ -150,7 +141,7 @@ def read_dataset_info(directory: str | Path, field: str = 'data.path') -> Datase
   meta = _read_meta(directory)
   if meta is None:
     raise ConfigError(f'{field}: {directory} has no readable {META_FILE}, so it is not a prepared '
-                      'dataset; point it at a text file or a directory written by the prepare '
+                      'dataset; point it at data files or a directory written by the prepare '
                       'step.')
   if not _token_files_complete(directory, meta):
     raise ConfigError(f'{field}: the token files in {directory} do not match its {META_FILE} '
@@ -158,117 +149,118 @@ def read_dataset_info(directory: str | Path, field: str = 'data.path') -> Datase
   return _info_from_meta(directory, meta)
 
 
+@dataclasses.dataclass
+class _Job:
+  """One prepare: what to read and how."""
+  out_dir: Path
+  tokenizer: Tokenizer
+  fmt: DocumentFormat | None
+  dtype: str
+  streams: dict  # name -> list of files ([] with default_text: the embedded corpus)
+  default_text: str | None
+  val_fraction: float | None
+  shard_tokens: int
+  num_workers: int
+  progress: bool | None
+
+
 def prepare_dataset(out_dir: str | Path,
                     tokenizer: Tokenizer,
                     *,
                     train_sources: Sequence[str | Path],
                     val_sources: Sequence[str | Path] = (),
-                    val_fraction: float = 0.05) -> DatasetInfo:
-  """Tokenizes text sources into `out_dir`, or reuses what is there if nothing changed.
+                    val_fraction: float | None = 0.05,
+                    doc_format: DocumentFormat | None = None,
+                    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                    num_workers: int = 1,
+                    progress: bool | None = False) -> DatasetInfo:
+  """Tokenizes sources into `out_dir`, reuses what is there if nothing changed, or resumes an
+  interrupted prepare of the same sources.
 
   Args:
-    out_dir: Directory for train.bin, val.bin and meta.json (created if missing).
+    out_dir: Directory for the shards and meta.json (created if missing).
     tokenizer: Turns text into ids.
-    train_sources: Text files or directories of text files (see `expand_sources`), concatenated in
-      order; empty means the embedded default corpus.
+    train_sources: Files, directories or glob patterns (formats.py), read in order; empty means
+      the embedded default corpus.
     val_sources: Like `train_sources`, for a separate validation split. Empty means the validation
-      split is the last `val_fraction` of the tokenized training stream (contiguous, so no window
-      straddles both splits).
+      split is the last `val_fraction` of the tokenized training stream.
     val_fraction: Share of the training stream held out when `val_sources` is empty; in (0, 0.5].
-
-  Returns:
-    The DatasetInfo of the prepared directory.
+      None: no validation split (a mixture source whose validation comes from data.val_path).
+    doc_format: EOS/BOS and record fields; None resolves the tokenizer's defaults when a source
+      holds records.
+    shard_tokens: The most tokens per shard file.
+    num_workers: Tokenizing processes; 0 = every core; 1 = this process.
+    progress: Progress bar on stderr (None: only on a terminal).
 
   Raises:
-    ConfigError: For a bad val_fraction, a missing source (naming `data.path` or
-      `data.val_path`), a source that is not UTF-8 text, or an `out_dir` that is a file.
+    ConfigError: For bad arguments, a missing or unreadable source, or a bad record (naming the
+      file and line or row), found before anything is written where the head of each file
+      shows it, else when the prepare reaches it (and the partial output is removed).
   """
-  check_val_fraction(val_fraction)
+  job = _plan(out_dir, tokenizer, train_sources, val_sources, val_fraction, doc_format,
+              shard_tokens, num_workers, progress)
+  identity = _source_identity(job)
+  fingerprint = _fingerprint(identity)
+  meta = _read_meta(job.out_dir)
+  if (meta is not None and meta.get('fingerprint') == fingerprint and
+      _token_files_complete(job.out_dir, meta)):
+    return _info_from_meta(job.out_dir, meta)
+  job.out_dir.mkdir(parents=True, exist_ok=True)
+  started = time.monotonic()
+  meta = _run(job, {**identity, 'fingerprint': fingerprint})
+  info = _info_from_meta(job.out_dir, meta)
+  seconds = time.monotonic() - started
+  return dataclasses.replace(info, stats={**meta['stats'], 'seconds': seconds})
+
+
+def _plan(out_dir, tokenizer, train_sources, val_sources, val_fraction, doc_format,
+          shard_tokens, num_workers, progress) -> _Job:
+  """Checks every argument and the head of every source; writes nothing."""
+  if val_fraction is not None:
+    check_val_fraction(val_fraction)
+  check_shard_tokens(shard_tokens)
   train_files = expand_sources(train_sources, 'data.path')
   val_files = expand_sources(val_sources, 'data.val_path')
   out_dir = Path(out_dir).expanduser().resolve()
   if out_dir.exists() and not out_dir.is_dir():
     raise ConfigError(f'data.cache_dir: {out_dir} is a file; point data.cache_dir at a directory '
                       '(it is created if missing).')
-
-  default_text = None if train_files else default_corpus_text()
-  identity = _source_identity(train_files, val_files, default_text, tokenizer, val_fraction)
-  dtype = token_dtype(tokenizer.vocab_size)
-  fingerprint = _fingerprint(identity)
-
-  meta = _read_meta(out_dir)
-  if (meta is not None and meta.get('fingerprint') == fingerprint and
-      _token_files_complete(out_dir, meta)):
-    return _info_from_meta(out_dir, meta)
-
-  out_dir.mkdir(parents=True, exist_ok=True)
-  train_texts = ([default_text] if default_text is not None else
-                 (chunk for path in train_files for chunk in _text_chunks(path, 'data.path')))
-  val_texts = ((chunk for path in val_files for chunk in _text_chunks(path, 'data.val_path'))
-               if val_files else None)
-  meta = _write_dataset(out_dir, train_texts, val_texts, tokenizer, dtype, val_fraction,
-                        {**identity, 'fingerprint': fingerprint})
-  return _info_from_meta(out_dir, meta)
+  if doc_format is None and needs_documents(train_files + val_files):
+    doc_format = document_format(tokenizer)
+  check_sources(train_files, doc_format, 'data.path')
+  check_sources(val_files, doc_format, 'data.val_path')
+  streams = {'train': train_files}
+  if val_files:
+    streams['val'] = val_files
+  workers = num_workers if num_workers > 0 else (os.cpu_count() or 1)
+  total = sum(f.stat().st_size for f in train_files + val_files)
+  if total < _POOL_MIN_BYTES:
+    workers = 1
+  return _Job(out_dir, tokenizer, doc_format, token_dtype(tokenizer.vocab_size), streams,
+              None if train_files else default_corpus_text(),
+              None if val_files else val_fraction, shard_tokens, workers, progress)
 
 
-def _source_identity(train_files: Sequence[Path], val_files: Sequence[Path],
-                     default_text: str | None, tokenizer: Tokenizer,
-                     val_fraction: float) -> dict[str, Any]:
-  """What decides the prepared files' contents (its hash is the fingerprint): the format, each
-  source's version, the tokenizer and, when the split is carved from the training stream, the
-  share held out."""
-  if default_text is None:
-    train_desc = _describe_files(train_files)
+def _source_identity(job: _Job) -> dict[str, Any]:
+  """What decides the prepared files' contents (its hash is the fingerprint)."""
+  if job.default_text is None:
+    train_desc = _describe_files(job.streams['train'])
   else:
-    encoded = default_text.encode('utf-8')
+    encoded = job.default_text.encode('utf-8')
     # Content-addressed: the embedded corpus changes with the Python version.
     train_desc = [{'path': DEFAULT_CORPUS_NAME, 'size': len(encoded),
                    'sha256': hashlib.sha256(encoded).hexdigest()}]
   return {
       'format': _FORMAT_VERSION,
       'train_sources': train_desc,
-      'val_sources': _describe_files(val_files),
-      'tokenizer': tokenizer.name,
-      'vocab_size': tokenizer.vocab_size,
+      'val_sources': _describe_files(job.streams.get('val', [])),
+      'tokenizer': job.tokenizer.name,
+      'vocab_size': job.tokenizer.vocab_size,
+      'documents': None if job.fmt is None else job.fmt.identity(),
+      'shard_tokens': job.shard_tokens,
       # Only meaningful when the split is carved from the training stream.
-      'val_fraction': None if val_files else float(val_fraction),
+      'val_fraction': None if job.val_fraction is None else float(job.val_fraction),
   }
-
-
-def _write_dataset(out_dir: Path, train_texts: Iterable[str], val_texts: Iterable[str] | None,
-                   tokenizer: Tokenizer, dtype: str, val_fraction: float,
-                   identity: dict[str, Any]) -> dict[str, Any]:
-  """Tokenizes into temp files beside the final ones, then commits them; returns the meta.json
-  written. `val_texts` None: the validation split is the last `val_fraction` of the training
-  stream. Partial output is removed after an error."""
-  train_tmp = fs.new_temp(out_dir, 'train.bin')
-  val_tmp = fs.new_temp(out_dir, 'val.bin')
-  try:
-    train_tokens = _tokenize_to_file(train_texts, tokenizer, dtype, train_tmp)
-    if val_texts is not None:
-      val_tokens = _tokenize_to_file(val_texts, tokenizer, dtype, val_tmp)
-    else:
-      val_tokens = int(train_tokens * val_fraction)
-      train_tokens -= val_tokens
-      _move_tail(train_tmp, val_tmp, train_tokens * np.dtype(dtype).itemsize)
-    meta = {**identity, 'dtype': dtype, 'train_tokens': train_tokens, 'val_tokens': val_tokens}
-    _commit(out_dir, train_tmp, val_tmp, meta)
-  finally:
-    # No-ops after a successful replace; removes partial output after an error.
-    train_tmp.unlink(missing_ok=True)
-    val_tmp.unlink(missing_ok=True)
-  return meta
-
-
-def _commit(out_dir: Path, train_tmp: Path, val_tmp: Path, meta: dict[str, Any]) -> None:
-  """Moves the token files into place and writes meta.json, the commit marker, last."""
-  # Drop the commit marker first: a crash between the two replaces below must not leave an old
-  # meta.json vouching for a mix of old and new token files.
-  (out_dir / META_FILE).unlink(missing_ok=True)
-  fs.fsync(out_dir, directory=True)
-  os.replace(train_tmp, out_dir / 'train.bin')
-  os.replace(val_tmp, out_dir / 'val.bin')
-  fs.write_json_atomic(out_dir / META_FILE, meta)
 
 
 def _describe_files(files: Sequence[Path]) -> list[dict[str, Any]]:
@@ -284,6 +276,234 @@ def _fingerprint(identity: dict[str, Any]) -> str:
   return hashlib.sha256(json.dumps(identity, sort_keys=True).encode('utf-8')).hexdigest()
 
 
+# --- running a prepare ---------------------------------------------------------------------------
+
+
+def _remove_ours(out_dir: Path, keep_progress: bool) -> None:
+  """Removes this step's files (never anything else in the directory), meta.json first."""
+  (out_dir / META_FILE).unlink(missing_ok=True)
+  for pattern in _OUR_FILES:
+    for path in out_dir.glob(pattern):
+      if keep_progress and path.name == shards.PROGRESS_FILE:
+        continue
+      path.unlink(missing_ok=True)
+  fs.fsync(out_dir, directory=True)
+
+
+def _run(job: _Job, identity: dict[str, Any]) -> dict[str, Any]:
+  """Tokenizes every stream (resuming recorded shards), then commits meta.json."""
+  progress = shards.read_progress(job.out_dir, identity['fingerprint'])
+  kept = {s['file'] for st in progress.get('streams', {}).values() for s in st['shards']}
+  kept |= {s['mask'] for st in progress.get('streams', {}).values() for s in st['shards']}
+  (job.out_dir / META_FILE).unlink(missing_ok=True)
+  for pattern in _OUR_FILES:  # stale shards of another prepare, or beyond the recorded ones
+    for path in job.out_dir.glob(pattern):
+      if path.name not in kept and path.name != shards.PROGRESS_FILE:
+        path.unlink(missing_ok=True)
+  progress = {'fingerprint': identity['fingerprint'], 'dtype': job.dtype,
+              'streams': progress.get('streams', {})}
+  try:
+    stats = _tokenize_streams(job, progress)
+  except ConfigError:
+    _remove_ours(job.out_dir, keep_progress=False)  # bad input: nothing to resume
+    raise
+  # Only what the data decides goes to meta.json (a resumed prepare writes the same bytes).
+  meta = {**identity, 'dtype': job.dtype, **_splits(job, progress),
+          'stats': {k: stats[k] for k in ('input_bytes', 'documents', 'skipped_records')}}
+  fs.write_json_atomic(job.out_dir / META_FILE, meta)
+  (job.out_dir / shards.PROGRESS_FILE).unlink(missing_ok=True)
+  return {**meta, 'stats': stats}
+
+
+def _tokenize_streams(job: _Job, progress: dict[str, Any]) -> dict[str, Any]:
+  total = sum(f.stat().st_size for files in job.streams.values() for f in files)
+  if job.default_text is not None:
+    total += len(job.default_text.encode('utf-8'))
+  bar = tqdm.tqdm(total=total, unit='B', unit_scale=True, desc='prepare', dynamic_ncols=True,
+                  disable=(None if job.progress is None else not job.progress), leave=True,
+                  smoothing=0.1)
+  executor = _Executor(job)
+  stats = {'input_bytes': total, 'text_bytes': 0, 'documents': 0, 'skipped_records': 0}
+  try:
+    for name, files in job.streams.items():
+      state = progress['streams'].setdefault(name, {'shards': [], 'done': False})
+      stream_stats = _tokenize_stream(job, name, files, state, progress, executor, bar)
+      for key, value in stream_stats.items():
+        stats[key] += value
+  finally:
+    executor.close()
+    bar.close()
+  if stats['skipped_records']:
+    _LOG.warning('prepare: skipped %d bad records (data.skip_bad_records=True)',
+                 stats['skipped_records'])
+  return stats
+
+
+def _stream_tasks(job: _Job, name: str, files: Sequence[Path]) -> Iterator[tuple[Any, int]]:
+  """(task, input bytes it accounts for) of one stream, in order."""
+  field = 'data.path' if name == 'train' else 'data.val_path'
+  if not files and job.default_text is not None:
+    yield formats.TextTask(job.default_text), len(job.default_text.encode('utf-8'))
+    return
+  for path in files:
+    kind, done = formats.source_format(path), 0
+    if kind == formats.TEXT:
+      tasks = formats.text_tasks(path, field, _CHUNK_CHARS)
+    elif kind == formats.JSONL:
+      tasks = formats.jsonl_tasks(path, field)
+    else:
+      tasks = _parquet_progress(path, job.fmt, field)
+    for task, position in tasks:
+      yield task, position - done
+      done = position
+    yield None, path.stat().st_size - done  # the rest of the file (compression framing)
+
+
+def _parquet_progress(path: Path, fmt, field: str) -> Iterator[tuple[Any, int]]:
+  """Parquet tasks with progress scaled to the file's size on disk."""
+  size = path.stat().st_size
+  tasks = list(formats.parquet_tasks(path, fmt, field))
+  uncompressed = max(tasks[-1][1], 1) if tasks else 1
+  for task, done in tasks:
+    yield task, min(size, done * size // uncompressed)
+
+
+def _tokenize_stream(job: _Job, name: str, files: Sequence[Path], state: dict[str, Any],
+                     progress: dict[str, Any], executor: '_Executor', bar) -> dict[str, int]:
+  """Tokenizes one stream into its shards, from the recorded resume point."""
+  field = 'data.path' if name == 'train' else 'data.val_path'
+
+  def record():
+    state['shards'] = writer.shards
+    fs.write_json_atomic(job.out_dir / shards.PROGRESS_FILE, progress)
+
+  writer = shards.ShardWriter(job.out_dir, name, job.dtype, job.shard_tokens, state, record)
+  text_bytes = 0
+  if state.get('done'):
+    bar.update(sum(f.stat().st_size for f in files) if files else bar.total)
+    return {'text_bytes': 0, 'documents': writer.documents, 'skipped_records': writer.skipped}
+  resume_task, resume_skip = writer.resume
+  try:
+    index = 0
+    for task, size, result in executor.map(_resumed(_stream_tasks(job, name, files), resume_task)):
+      bar.update(size)
+      if result is None:
+        continue
+      if result.bad and not (job.fmt and job.fmt.skip_bad_records):
+        raise formats.bad_records_error(result.bad, result.skipped, field)
+      skip = resume_skip if task == resume_task else 0
+      writer.write(result.tokens, result.mask, task, skip, result.documents, result.skipped)
+      text_bytes += result.text_bytes
+      index = task + 1
+    writer.finish(max(index, resume_task))
+  except BaseException:
+    writer.abort()
+    raise
+  _check_not_empty(writer, files, field)
+  state['done'] = True
+  record()
+  return {'text_bytes': text_bytes, 'documents': writer.documents,
+          'skipped_records': writer.skipped}
+
+
+def _resumed(tasks: Iterable[tuple[Any, int]], resume_task: int) -> Iterator[tuple[int, Any, int]]:
+  """(task index, task or None to skip, bytes): tasks before the resume point are not run."""
+  index = 0
+  for task, size in tasks:
+    if task is None:
+      yield -1, None, size
+      continue
+    yield index, (task if index >= resume_task else None), size
+    index += 1
+
+
+def _check_not_empty(writer: shards.ShardWriter, files: Sequence[Path], field: str) -> None:
+  if writer.tokens == 0:
+    skipped = f' ({writer.skipped} bad records skipped)' if writer.skipped else ''
+    raise ConfigError(f'{field}: {", ".join(str(f) for f in files[:3])} holds no tokens after '
+                      f'reading every record{skipped}: the dataset is empty; point {field} at '
+                      'data.')
+
+
+def _splits(job: _Job, progress: dict[str, Any]) -> dict[str, Any]:
+  """meta.json's token counts and split segments (validation carved from the train tail)."""
+  streams = progress['streams']
+  train_shards = streams['train']['shards']
+  total = sum(s['tokens'] for s in train_shards)
+  if 'val' in streams:
+    val_shards = streams['val']['shards']
+    val_tokens = sum(s['tokens'] for s in val_shards)
+    splits = {'train': shards.split_segments(train_shards, 0, total),
+              'val': shards.split_segments(val_shards, 0, val_tokens)}
+    train_tokens = total
+  else:
+    val_tokens = int(total * (job.val_fraction or 0))
+    train_tokens = total - val_tokens
+    splits = {'train': shards.split_segments(train_shards, 0, train_tokens),
+              'val': shards.split_segments(train_shards, train_tokens, total)}
+  has_mask = any(s['mask'] for st in streams.values() for s in st['shards'])
+  return {'train_tokens': train_tokens, 'val_tokens': val_tokens,
+          'splits': {k: [list(seg) for seg in v] for k, v in splits.items()},
+          'has_mask': bool(has_mask)}
+
+
+# --- workers -------------------------------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: Tokenizer, fmt: DocumentFormat | None, dtype: str) -> None:
+  # One thread per worker: the workers are the parallelism (no oversubscribed Rayon pools).
+  os.environ['TOKENIZERS_PARALLELISM'] = 'false'
+  _WORKER.update(tokenizer=tokenizer, fmt=fmt, dtype=np.dtype(dtype))
+
+
+def _work(task: Any) -> formats.TaskResult:
+  return formats.run_task(task, _WORKER['tokenizer'], _WORKER['fmt'], _WORKER['dtype'])
+
+
+class _Executor:
+  """Runs tasks in order, in this process (1 worker) or a pool, with a bounded number in flight
+  (Pool.imap would read the whole input ahead)."""
+
+  def __init__(self, job: _Job):
+    self._job = job
+    self._pool = None
+    if job.num_workers > 1:
+      # spawn: no fork of a threaded (JAX, Rayon) parent. A ProcessPoolExecutor, not a Pool: a
+      # worker that dies (OOM kill) fails the prepare (BrokenProcessPool) instead of hanging it.
+      self._pool = futures.ProcessPoolExecutor(
+          job.num_workers, mp_context=multiprocessing.get_context('spawn'),
+          initializer=_init_worker, initargs=(job.tokenizer, job.fmt, job.dtype))
+    self._window = 2 * job.num_workers + 1
+
+  def map(self, items: Iterable[tuple[int, Any, int]]) -> Iterator[tuple[int, int, Any]]:
+    """(task index, bytes, TaskResult or None) for each item, in order."""
+    dtype = np.dtype(self._job.dtype)
+    if self._pool is None:
+      for index, task, size in items:
+        result = None if task is None else formats.run_task(task, self._job.tokenizer,
+                                                            self._job.fmt, dtype)
+        yield index, size, result
+      return
+    pending = collections.deque()
+    for index, task, size in items:
+      pending.append((index, size, None if task is None else self._pool.submit(_work, task)))
+      while len(pending) > self._window:
+        index_, size_, handle = pending.popleft()
+        yield index_, size_, handle if handle is None else handle.result()
+    while pending:
+      index_, size_, handle = pending.popleft()
+      yield index_, size_, handle if handle is None else handle.result()
+
+  def close(self) -> None:
+    if self._pool is not None:
+      self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+# --- meta.json -----------------------------------------------------------------------------------
+
+
 def _read_meta(directory: Path) -> dict[str, Any] | None:
   """Returns the parsed meta.json of `directory`, or None if it is absent or unreadable."""
   try:
@@ -294,70 +514,39 @@ def _read_meta(directory: Path) -> dict[str, Any] | None:
   return meta if isinstance(meta, dict) else None
 
 
+def _meta_splits(meta: dict[str, Any]) -> dict[str, list]:
+  """Split segments of meta.json; format 1 (train.bin, val.bin) as one segment each."""
+  if 'splits' in meta:
+    return meta['splits']
+  return {'train': [['train.bin', None, 0, meta['train_tokens']]],
+          'val': [['val.bin', None, 0, meta['val_tokens']]]}
+
+
 def _token_files_complete(directory: Path, meta: dict[str, Any]) -> bool:
-  """Whether meta.json has every DatasetInfo field and the token files have the promised sizes."""
-  required = [field.name for field in dataclasses.fields(DatasetInfo) if field.name != 'dir']
+  """Whether meta.json has every field and the token files hold the segments it lists."""
+  required = ('dtype', 'vocab_size', 'train_tokens', 'val_tokens', 'tokenizer')
   if not all(name in meta for name in required):
     return False
   try:
     itemsize = np.dtype(meta['dtype']).itemsize
-    expected = {'train.bin': meta['train_tokens'] * itemsize,
-                'val.bin': meta['val_tokens'] * itemsize}
-    return all((directory / name).stat().st_size == size for name, size in expected.items())
-  except (KeyError, TypeError, OSError):
+    for name, segments in _meta_splits(meta).items():
+      if sum(seg[3] for seg in segments) != meta[f'{name}_tokens']:
+        return False
+      for file, mask, start, count in segments:
+        if (directory / file).stat().st_size < (start + count) * itemsize:
+          return False
+        if mask is not None and (directory / mask).stat().st_size < start + count:
+          return False
+    return True
+  except (KeyError, TypeError, ValueError, OSError):
     return False
 
 
 def _info_from_meta(directory: Path, meta: dict[str, Any]) -> DatasetInfo:
+  splits = {name: tuple((str(directory / f), None if m is None else str(directory / m), s, n)
+                        for f, m, s, n in segments)
+            for name, segments in _meta_splits(meta).items()}
   return DatasetInfo(dir=directory, dtype=meta['dtype'], vocab_size=meta['vocab_size'],
                      train_tokens=meta['train_tokens'], val_tokens=meta['val_tokens'],
-                     tokenizer=meta['tokenizer'])
-
-
-def _text_chunks(path: Path, field: str) -> Iterator[str]:
-  """Yields the text of `path` in chunks of whole lines of about `_CHUNK_CHARS` characters."""
-  # newline='' keeps '\r\n' as is, so a byte tokenizer stores the file's exact bytes.
-  offset = 0
-  with open(path, encoding='utf-8', newline='') as f:
-    while True:
-      try:
-        lines = f.readlines(_CHUNK_CHARS)
-      except UnicodeDecodeError as e:
-        raise _not_utf8_error(path, field, e) from e
-      if not lines:
-        return
-      text = ''.join(lines)
-      if '\0' in text:
-        raise _binary_error(path, field, offset + text.index('\0'))
-      offset += len(text)
-      yield text
-
-
-def _tokenize_to_file(texts: Iterable[str], tokenizer: Tokenizer, dtype: str, path: Path) -> int:
-  """Appends the tokens of every text to `path` as little-endian `dtype`; returns their count."""
-  stored = np.dtype(dtype).newbyteorder('<')
-  count = 0
-  with open(path, 'wb') as f:
-    for text in texts:
-      ids = np.asarray(tokenizer.encode(text))
-      # Out-of-range ids would wrap silently in the narrow stored dtype.
-      if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
-        raise ValueError(f'tokenizer {tokenizer.name!r} returned ids in [{ids.min()}, '
-                         f'{ids.max()}], outside its vocab_size {tokenizer.vocab_size}')
-      f.write(ids.astype(stored).tobytes())
-      count += ids.size
-    f.flush()
-    os.fsync(f.fileno())
-  return count
-
-
-def _move_tail(src: Path, dst: Path, offset: int) -> None:
-  """Moves the bytes of `src` from `offset` on into `dst` (overwriting it), truncating `src`."""
-  with open(src, 'r+b') as fsrc, open(dst, 'wb') as fdst:
-    fsrc.seek(offset)
-    shutil.copyfileobj(fsrc, fdst, _COPY_BUFFER_BYTES)
-    fdst.flush()
-    os.fsync(fdst.fileno())
-    fsrc.truncate(offset)
-    fsrc.flush()
-    os.fsync(fsrc.fileno())
+                     tokenizer=meta['tokenizer'], splits=splits,
+                     has_mask=bool(meta.get('has_mask', False)), stats=meta.get('stats', {}))

@@ -35,6 +35,15 @@ class Tokenizer(Protocol):
     """Returns the text of `ids`."""
 
 
+def encode_batch(tokenizer: Tokenizer, texts: Sequence[str]) -> list[Sequence[int]]:
+  """The ids of each text: the tokenizer's own `encode_batch` where it has one (one call into
+  the Rust tokenizer for the whole batch), else `encode` text by text."""
+  batch = getattr(tokenizer, 'encode_batch', None)
+  if batch is not None:
+    return batch(texts)
+  return [tokenizer.encode(text) for text in texts]
+
+
 class ByteTokenizer:
   """Maps text to its UTF-8 bytes: 256 ids, no vocabulary file, lossless on any text."""
 
@@ -48,6 +57,10 @@ class ByteTokenizer:
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(_ID_DTYPE)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[bytes]:
+    # bytes are a sequence of ints in [0, 255]: exactly the ids.
+    return [text.encode('utf-8') for text in texts]
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -99,6 +112,24 @@ class HFTokenizer:
     # Pretraining streams are concatenations of chunks; a BOS/EOS per chunk would be noise.
     ids = self._tokenizer.encode(text, add_special_tokens=False).ids
     return np.asarray(ids, dtype=_ID_DTYPE)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    # encode_batch_fast skips the character offsets, which the prepare step never uses.
+    return [e.ids for e in self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+  def token_id(self, token: str) -> int | None:
+    """The id of `token` (a vocabulary entry or added token such as '</s>'), or None."""
+    return self._tokenizer.token_to_id(token)
+
+  def added_prefix(self) -> list[int]:
+    """The ids the tokenizer's post-processor puts before a text when special tokens are added
+    (Llama 3's <|begin_of_text|>); [] if none."""
+    plain = self._tokenizer.encode('a', add_special_tokens=False).ids
+    full = self._tokenizer.encode('a', add_special_tokens=True).ids
+    for i in range(len(full) - len(plain) + 1):
+      if full[i:i + len(plain)] == plain:
+        return full[:i]
+    return []
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     ids = [int(i) for i in np.asarray(ids).reshape(-1)]

@@ -6,6 +6,10 @@ weights {'head': {'lm_head': ...}} or, tied, the embed piece.
 
 Arithmetic mirrors engine/resident.py (sum of microbatch gradients, / M, then * clip scale, then
 the same optax update), so both engines train to the same numbers within float32 rounding.
+
+A batch with a loss mask (data.Batch) is learned through per-token weights (`step_inputs`,
+model.token_weights): each microbatch's loss is Σ w·nll with w = mask·M / (learned tokens of the
+whole step), so the same mean over microbatches gives the full batch's masked mean.
 """
 
 import functools
@@ -13,6 +17,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.experimental import compute_on as compute_on_lib
 
@@ -31,6 +36,19 @@ def _on_host():
   if 'compute_type' in inspect.signature(compute_on_lib.compute_on).parameters:
     return compute_on_lib.compute_on(compute_type='device_host')
   return compute_on_lib.compute_on('device_host')
+
+
+def step_inputs(batch) -> tuple[np.ndarray, np.ndarray | None]:
+  """(tokens [..., S+1] int32, per-token loss weights [..., S] float32 or None) of a batch.
+
+  `batch` is a token array (every target learned: weights None, the engines' plain mean) or a
+  data.Batch (tokens, loss_mask): weights = model.token_weights(loss_mask), the same host
+  numbers for every engine. A leading microbatch axis M (train steps) spreads the normalisation
+  over the whole step; an eval batch [B, S+1] is one batch of its own."""
+  mask = getattr(batch, 'loss_mask', None)
+  if mask is None:
+    return batch, None
+  return batch.tokens, model_lib.token_weights(mask)
 
 
 def tree_add(a, b):
@@ -98,9 +116,12 @@ def _lse_update(cfg, piece, normed, targets, start, carry):
   return head_chunks.lse_update(cfg, normed, _weight(cfg, piece), targets, start, carry)
 
 
-def _head_chunk_backward(cfg, piece, normed, targets, start, lse, grad_sum, d_normed):
-  """Adds one microbatch's gradients from one vocabulary chunk: (piece grad, d normed)."""
-  d_n, d_w = head_chunks.chunk_backward(cfg, normed, _weight(cfg, piece), targets, start, lse)
+def _head_chunk_backward(cfg, piece, normed, targets, start, lse, grad_sum, d_normed,
+                         weights=None):
+  """Adds one microbatch's gradients from one vocabulary chunk: (piece grad, d normed); `weights`
+  [B, S] the microbatch's per-token loss weights (None: the mean)."""
+  d_n, d_w = head_chunks.chunk_backward(cfg, normed, _weight(cfg, piece), targets, start, lse,
+                                        weights)
   grad = (jax.tree.map(jnp.zeros_like, piece) if grad_sum is None else grad_sum)
   leaf = ['embed', 'embedding'] if cfg.tie_embeddings else ['head', 'lm_head', 'kernel']
   grad = jax.tree_util.tree_map_with_path(
@@ -135,5 +156,5 @@ def _group_backward(cfg, group_params, x, dy, positions, grad_sum):
 
 
 def _host_update(tx, grad_sum, opt_state, params, scale, num_micro):
-  with _on_host():
-    return adamw_update(tx, grad_sum, opt_state, params, scale, num_micro)
+  with _on_host():  # adamw_update's arithmetic in one pass over each leaf (optim.apply_adamw)
+    return optim.apply_adamw(tx, grad_sum, opt_state, params, num_micro, scale)

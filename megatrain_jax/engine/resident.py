@@ -17,6 +17,7 @@ import optax
 from megatrain_jax import faults
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
+from megatrain_jax.engine.functions import step_inputs
 from megatrain_jax.model import ModelConfig
 
 
@@ -33,35 +34,41 @@ def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, see
   return jax.eval_shape(functools.partial(init_state, model_cfg, tx), seed)
 
 
-def accumulate_gradients(loss_and_grad, params, batch):
+def accumulate_gradients(loss_and_grad, params, batch, weights=None):
   """Mean loss and gradient over the microbatches of `batch` [M, B, S+1].
 
   Gradients are summed in float32 over microbatches (a scan, so one microbatch's activations
   are live at a time) and divided by M: for equal-sized microbatches this is the gradient of the
-  mean loss over the whole M*B batch.
+  mean loss over the whole M*B batch. With `weights` [M, B, S] (model.token_weights of a loss
+  mask, normalised over the whole step) each microbatch's loss is Σ w·nll and the same mean is
+  the whole step's masked mean.
   """
   num_micro = batch.shape[0]
   if num_micro == 1:
-    return loss_and_grad(params, batch[0])
+    if weights is None:
+      return loss_and_grad(params, batch[0])
+    return loss_and_grad(params, batch[0], weights[0])
 
   def add_microbatch(carry, microbatch):
     loss_sum, grad_sum = carry
-    loss, grads = loss_and_grad(params, microbatch)
+    loss, grads = loss_and_grad(params, *microbatch)
     return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
   zeros = jax.tree.map(jnp.zeros_like, params)
-  (loss_sum, grad_sum), _ = jax.lax.scan(add_microbatch, (jnp.zeros((), jnp.float32), zeros), batch)
+  xs = (batch,) if weights is None else (batch, weights)
+  (loss_sum, grad_sum), _ = jax.lax.scan(add_microbatch, (jnp.zeros((), jnp.float32), zeros), xs)
   return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grad_sum)
 
 
 def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, grad_clip: float,
                     schedule: optax.Schedule):
-  """Returns jitted `step(state, batch[M, B, S+1] int32) -> (state, metrics)`; donates `state`."""
+  """Returns jitted `step(state, batch[M, B, S+1] int32, weights[M, B, S] float32 or None) ->
+  (state, metrics)`; donates `state`. `weights`: engine/functions.step_inputs of a masked batch."""
   loss_and_grad = jax.value_and_grad(functools.partial(model_lib.loss_fn, model_cfg))
 
-  def train_step(state, batch):
+  def train_step(state, batch, weights=None):
     params = state['params']
-    loss, grads = accumulate_gradients(loss_and_grad, params, batch)
+    loss, grads = accumulate_gradients(loss_and_grad, params, batch, weights)
     grads, grad_norm = optim.clip_by_global_norm(grads, grad_clip)
     updates, opt_state = tx.update(grads, state['opt_state'], params)
     new_state = {'step': state['step'] + 1, 'params': optax.apply_updates(params, updates),
@@ -74,7 +81,7 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, gr
 
 
 def make_eval_step(model_cfg: ModelConfig):
-  """Returns jitted `eval_step(params, batch[B, S+1]) -> mean loss`."""
+  """Returns jitted `eval_step(params, batch[B, S+1], weights[B, S] or None) -> mean loss`."""
   return jax.jit(functools.partial(model_lib.loss_fn, model_cfg))
 
 
@@ -93,14 +100,24 @@ class ResidentEngine:
     self._eval_step = make_eval_step(model_cfg)
 
   def train_step(self, batch) -> dict:
+    """One step on `batch`: int32 [M, B, S+1], or a data.Batch with its loss mask."""
+    tokens, weights = step_inputs(batch)
     faults.point('forward')
-    self.state, metrics = self._train_step(self.state, jnp.asarray(batch))
+    self.state, metrics = self._train_step(self.state, jnp.asarray(tokens),
+                                           None if weights is None else jnp.asarray(weights))
     faults.point('backward')  # the step is in flight: old state donated, new one not yet ready
     self.step += 1
     return metrics
 
   def eval_losses(self, batches) -> list[float]:
-    return [float(self._eval_step(self.state['params'], jnp.asarray(b))) for b in batches]
+    """Loss of each batch ([B, S+1], or a data.Batch: the mean over its learned targets, 0 if
+    none)."""
+    out = []
+    for batch in batches:
+      tokens, weights = step_inputs(batch)
+      out.append(float(self._eval_step(self.state['params'], jnp.asarray(tokens),
+                                       None if weights is None else jnp.asarray(weights))))
+    return out
 
   def export_state(self) -> dict:
     return self.state

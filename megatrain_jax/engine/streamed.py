@@ -29,7 +29,7 @@ from megatrain_jax import faults
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax import partition
-from megatrain_jax.engine.functions import StageFunctions
+from megatrain_jax.engine.functions import StageFunctions, step_inputs
 from megatrain_jax.engine.updates import PieceStores, PieceUpdater, update_parked, update_policy
 from megatrain_jax.layout import Layout
 from megatrain_jax.model import ModelConfig
@@ -37,7 +37,7 @@ from megatrain_jax.placement import Placement
 from megatrain_jax.prefetch import Prefetcher
 from megatrain_jax.schedule import StepSchedule, outer_host_optimizer, piece_kinds
 from megatrain_jax.tiers import TransferStats, make_store
-from megatrain_jax.tiers.base import resolve
+from megatrain_jax.tiers.base import WriteBudget, resolve
 from megatrain_jax.tiers.nvme import NvmeStore
 
 _GB = 1e9
@@ -51,6 +51,9 @@ class _Step:
   targets: jax.Array  # [M, B, S] int32
   positions: jax.Array  # [B, S] int32
   norm: dict  # the final norm's params, on the device
+  # [M, B, S] float32 per-token loss weights of a masked batch (functions.step_inputs), or None:
+  # every target learned, each microbatch's loss its mean.
+  weights: jax.Array | None = None
   norm_grad: dict = None
   squares: list = dataclasses.field(default_factory=list)  # per piece: sum of squares of the mean grad
   fetch_wait_s: float = 0.0
@@ -83,11 +86,13 @@ class StreamedEngine:
     self.placement = placement
     self.layout = layout or Layout.single_device()
     self.slices = placement.group_slices(model_cfg.num_layers)
-    self.vocab = partition.vocab_slices(model_cfg.vocab_size, model_cfg.d_model, placement.shard_mb)
+    self.vocab = placement.vocab_slices(model_cfg)
     self.kinds = piece_kinds(model_cfg.tie_embeddings)
     self.kind_slices = {'layers': self.slices, 'embed': self.vocab, 'head': self.vocab,
                         'final_norm': [(0, 0)]}
     self.stats = TransferStats()
+    # One write-behind budget for every NVMe store (layers, vocabulary chunks, parked gradients).
+    self.write_budget = WriteBudget(placement.write_budget_bytes(model_cfg))
     self.fn = StageFunctions(model_cfg, tx, self.layout)
     self.stores = {kind: self._make_stores(kind) for kind in self.kinds}
     # With exact clipping, finished group gradients wait in `grads` (in the weights' tier, so
@@ -127,7 +132,8 @@ class StreamedEngine:
                      level=self.placement.codec_level, shard_mb=self.placement.shard_mb,
                      max_pending_writes=self.placement.max_pending_writes(self.cfg),
                      read_threads=max(2, self.placement.prefetch_depth),
-                     axis_of=None if kind == 'layers' else partition.split_axis)
+                     axis_of=None if kind == 'layers' else partition.split_axis,
+                     write_budget=self.write_budget)
 
   def close(self) -> None:
     """Waits for pending writes and stops the stores' I/O threads."""
@@ -158,13 +164,13 @@ class StreamedEngine:
     init_key, rng = jax.random.split(jax.random.key(seed))
     layers_key = model_lib.param_keys(init_key)[1]
     init_opt = jax.jit(self.tx.init)
-    outer = jax.jit(model_lib.init_outer, static_argnums=0)(self.cfg, init_key)
+    # Vocabulary chunks drawn one at a time (never the whole embedding): see layers.vocab_normal.
+    init_piece = jax.jit(model_lib.init_outer_piece, static_argnums=(0, 2, 3, 4))
     for kind in self.kinds[1:]:
       for key, (start, stop) in enumerate(self.kind_slices[kind]):
-        piece = partition.piece_of(outer, kind, start, stop)
+        piece = init_piece(self.cfg, init_key, kind, start, stop)
         self.stores[kind].params.put(key, piece)
         self.stores[kind].opt_state.put(key, init_opt(piece))
-    del outer
     init_layers = jax.jit(model_lib.init_layers, static_argnums=(0, 3))
     for g, (start, stop) in enumerate(self.slices):
       group = {'layers': init_layers(self.cfg, layers_key, start, stop - start)}
@@ -241,8 +247,10 @@ class StreamedEngine:
   # The step: the stages of schedule.py, in order.
   # --------------------------------------------------------------------------------------------
 
-  def train_step(self, batch: np.ndarray) -> dict:
-    """One optimizer step on batch [M, B, S+1] int32. Returns the step's metrics."""
+  def train_step(self, batch) -> dict:
+    """One optimizer step on batch [M, B, S+1] int32, or a data.Batch (tokens, loss_mask [M, B,
+    S]): then the loss is the mean over the learned targets of the whole step. Returns the
+    step's metrics."""
     step = self._begin(batch)
     hidden = self._embed(step.tokens, step)
     hidden, saved, wait_s = self._forward(hidden, step.positions, keep_inputs=True)
@@ -261,14 +269,17 @@ class StreamedEngine:
     jax.block_until_ready((loss, [u.last for u in self.updaters.values()]))
     return self._metrics(step, loss, grad_norm)
 
-  def _begin(self, batch: np.ndarray) -> _Step:
-    """Starts a step: the batch's tokens on the device and the final norm fetched."""
+  def _begin(self, batch) -> _Step:
+    """Starts a step: the batch's tokens (and loss weights) on the device and the final norm
+    fetched."""
     self.stats.reset()
+    batch, weights = step_inputs(batch)
     batch = jnp.asarray(batch)
     tokens, targets = batch[:, :, :-1], batch[:, :, 1:]
     schedule = StepSchedule(self.placement, self.cfg, batch.shape[0], self.grad_clip > 0)
     return _Step(schedule, tokens, targets, model_lib.default_positions(tokens[0]),
-                 norm=resolve(self.stores['final_norm'].params.fetch(0)))
+                 norm=resolve(self.stores['final_norm'].params.fetch(0)),
+                 weights=None if weights is None else jnp.asarray(weights))
 
   def _chunks(self, store, order=None) -> Prefetcher:
     """The vocabulary chunks of `store` in `order`, read ahead like layer groups."""
@@ -301,14 +312,16 @@ class StreamedEngine:
       jax.block_until_ready(hidden)
     return hidden, saved, groups.wait_s
 
-  def _head_losses(self, normed: list, targets) -> tuple[list, list]:
-    """The head's forward over its vocabulary chunks: ([mean loss], [logsumexp [B, S]]) per
-    microbatch, from an online logsumexp (the logits of one chunk exist at a time)."""
+  def _head_losses(self, normed: list, targets, weights=None) -> tuple[list, list]:
+    """The head's forward over its vocabulary chunks: ([loss], [logsumexp [B, S]]) per
+    microbatch, from an online logsumexp (the logits of one chunk exist at a time). The loss is
+    the mean, or Σ w·nll with `weights` (per microbatch [B, S] or None; None: all None)."""
     carry = [self.fn.lse_init(t) for t in targets]
     for c, piece in self._chunks(self.stores[self._head_kind].params):
       start = jnp.int32(self.vocab[c][0])
       carry = [self.fn.lse_update(piece, n, t, start, k) for n, t, k in zip(normed, targets, carry)]
-    finished = [self.fn.lse_finish(k) for k in carry]
+    weights = [None] * len(carry) if weights is None else weights
+    finished = [self.fn.lse_finish(k, w) for k, w in zip(carry, weights)]
     return [loss for loss, _ in finished], [lse for _, lse in finished]
 
   @property
@@ -320,13 +333,14 @@ class StreamedEngine:
     head chunk is fetched twice (forward, backward) and its gradient parked until the update.
     Returns (mean loss, [d hidden])."""
     normed = [self.fn.final_norm(step.norm, x) for x in hidden]
-    losses, lses = self._head_losses(normed, step.targets)
+    losses, lses = self._head_losses(normed, step.targets, step.weights)
     stores, d_normed = self.stores[self._head_kind], [None] * step.num_micro
     for c, piece in self._chunks(stores.params):
       start, grad = jnp.int32(self.vocab[c][0]), None
       for m in range(step.num_micro):
+        weights = None if step.weights is None else step.weights[m]
         grad, d_normed[m] = self.fn.head_chunk_backward(piece, normed[m], step.targets[m], start,
-                                                        lses[m], grad, d_normed[m])
+                                                        lses[m], grad, d_normed[m], weights)
       if not self.cfg.tie_embeddings:  # complete: the tied embedding's waits for its backward
         step.squares.append(self.fn.sum_of_squares(grad, step.num_micro))
       stores.grads.put(c, grad)
@@ -423,12 +437,15 @@ class StreamedEngine:
           'io/compression_ratio': disk['write_bytes'] / max(disk['stored_bytes'], 1)})
     return metrics
 
-  def eval_losses(self, batches: list[np.ndarray]) -> list[float]:
-    """Mean loss of each [B, S+1] batch; layer-major, so each piece is fetched once for all."""
-    tokens = [jnp.asarray(b[:, :-1]) for b in batches]
+  def eval_losses(self, batches: list) -> list[float]:
+    """Mean loss of each [B, S+1] batch (a data.Batch: over its learned targets, 0 if none);
+    layer-major, so each piece is fetched once for all."""
+    inputs = [step_inputs(b) for b in batches]
+    tokens = [jnp.asarray(b[:, :-1]) for b, _ in inputs]
+    weights = [None if w is None else jnp.asarray(w) for _, w in inputs]
     norm = resolve(self.stores['final_norm'].params.fetch(0))
     hidden, _, _ = self._forward(self._embed(tokens), model_lib.default_positions(tokens[0]),
                                  keep_inputs=False)
     losses, _ = self._head_losses([self.fn.final_norm(norm, h) for h in hidden],
-                                  [jnp.asarray(b[:, 1:]) for b in batches])
+                                  [jnp.asarray(b[:, 1:]) for b, _ in inputs], weights)
     return [float(loss) for loss in losses]

@@ -49,7 +49,10 @@ class PieceUpdater:
     self.layout = layout
     self.stats = stats
     self.host_optimizer = host_optimizer  # the update runs where the weights and Adam state live
-    self.last = None  # the newest update's outputs, to wait on at the end of a step
+    # One output leaf of the newest update, to wait on at the end of a step: every output of one
+    # jitted call is ready together, and holding the whole outputs would keep a piece's new
+    # weights and Adam state in memory after their write-behind has landed.
+    self.last = None
 
   def request_inputs(self, key, parked: bool, refetch_weights: bool):
     """Starts reading what piece `key`'s update needs: (Adam state, weights or None, parked
@@ -77,7 +80,7 @@ class PieceUpdater:
     self.params.put(key, params)
     faults.point('optimizer')  # the piece's new weights are queued, its Adam state not yet
     self.opt_state.put(key, opt)
-    self.last = (params, opt)
+    self.last = jax.tree.leaves(params)[:1]
 
   def _to_host(self, tree):
     """A device gradient to pinned host memory for the host optimizer, counting the bytes."""

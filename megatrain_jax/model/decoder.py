@@ -86,6 +86,25 @@ def init_outer(cfg: ModelConfig, key) -> dict:
           'head': _pure(layers_lib.Head(cfg, nnx.Rngs(k_head)))}
 
 
+def init_outer_piece(cfg: ModelConfig, key, kind: str, start: int = 0, stop: int = 0) -> dict:
+  """partition.piece_of(init_outer(cfg, key), kind, start, stop) computing only that piece: the
+  vocabulary rows [start, stop) of the embedding ('embed') or of the untied head ('head'), drawn
+  alone (layers.vocab_normal), or the final norm ('final_norm'). Same keys as init_outer."""
+  k_embed, _, k_head = param_keys(key)
+  if kind == 'embed':
+    rows = layers_lib.vocab_normal(nnx.Rngs(k_embed).params(), cfg.init_std, cfg.d_model, start,
+                                   stop, cfg.vocab_size)
+    return {'embed': {'embedding': rows}}
+  if kind == 'head':
+    columns = layers_lib.vocab_normal(nnx.Rngs(k_head).params(), cfg.init_std, cfg.d_model,
+                                      start, stop, cfg.vocab_size, head=True)
+    return {'head': {'lm_head': {'kernel': columns}}}
+  if kind == 'final_norm':
+    norm = layers_lib.RMSNorm(cfg.d_model, cfg.norm_eps, layers_lib.compute_dtype(cfg))
+    return {'head': {'final_norm': _pure(norm)}}
+  raise ValueError(f'no outer piece of kind {kind!r}')
+
+
 def init_params(cfg: ModelConfig, key) -> dict:
   return {**init_outer(cfg, key), 'layers': init_layers(cfg, param_keys(key)[1], 0, cfg.num_layers)}
 
@@ -177,13 +196,14 @@ def logits(cfg: ModelConfig, params, normed):
   return layers_lib.untied_logits(cfg, normed, params['head']['lm_head']['kernel'])
 
 
-def logits_loss(cfg: ModelConfig, params, normed, targets, mask=None):
+def logits_loss(cfg: ModelConfig, params, normed, targets, mask=None, weights=None):
   """Mean cross-entropy of the LM head applied to the final norm's output [B, S, D].
 
   Computed over vocabulary blocks of `cfg.resolved_vocab_chunk` columns (model/vocab.py): equals
   `cross_entropy(logits(...), targets)` to float32 rounding without the [B, S, V] logits or their
   gradient. Needs params['head']['lm_head'] or, with tied embeddings, params['embed']. `mask`
-  [B, S] (1 = the token counts) makes it the mean over the masked-in tokens.
+  [B, S] (1 = the token counts) makes it the mean over the masked-in tokens; `weights` [B, S]
+  float32 (vocab.token_weights) makes it Σ weights·nll (the engines' masked loss).
   """
   if cfg.tie_embeddings:
     weight = params['embed']['embedding']
@@ -191,7 +211,7 @@ def logits_loss(cfg: ModelConfig, params, normed, targets, mask=None):
     weight = params['head']['lm_head']['kernel']
   return chunked_logits_loss(normed, weight, targets, tied=cfg.tie_embeddings,
                              chunk=cfg.resolved_vocab_chunk, precision=cfg.matmul_precision,
-                             mask=mask)
+                             mask=mask, weights=weights)
 
 
 def cross_entropy(logits, targets):
@@ -201,9 +221,9 @@ def cross_entropy(logits, targets):
   return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-def head_loss(cfg: ModelConfig, params, x, targets, mask=None):
+def head_loss(cfg: ModelConfig, params, x, targets, mask=None, weights=None):
   """Mean cross-entropy of `head` on hidden x [B, S, D]: final norm, then the chunked loss."""
-  return logits_loss(cfg, params, final_norm(cfg, params, x), targets, mask)
+  return logits_loss(cfg, params, final_norm(cfg, params, x), targets, mask, weights)
 
 
 def forward(cfg: ModelConfig, params, tokens, positions=None):
@@ -214,13 +234,14 @@ def forward(cfg: ModelConfig, params, tokens, positions=None):
   return head(cfg, params, x)
 
 
-def loss_fn(cfg: ModelConfig, params, batch):
+def loss_fn(cfg: ModelConfig, params, batch, weights=None):
   """batch [B, S + 1] int tokens -> mean next-token cross-entropy (inputs [:, :-1], targets [:, 1:]).
 
   The same stages as `forward`, but the head and loss run over vocabulary blocks (`logits_loss`),
-  so the [B, S, V] logits are never materialised.
+  so the [B, S, V] logits are never materialised. `weights` [B, S] float32 (per target; from
+  vocab.token_weights of a loss mask): the loss is Σ weights·nll instead of the mean.
   """
   tokens, targets = batch[:, :-1], batch[:, 1:]
   x = embed(cfg, params, tokens)
   x = apply_group(cfg, params['layers'], x, default_positions(tokens))
-  return head_loss(cfg, params, x, targets)
+  return head_loss(cfg, params, x, targets, weights=weights)

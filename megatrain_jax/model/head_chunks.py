@@ -9,9 +9,11 @@ the streamed engine and the resident one agree to float32 rounding.
 Forward, chunk after chunk, an online logsumexp per token (float32):
     m' = max(m, max_v logits)      s' = s·exp(m - m') + Σ_v exp(logits - m')
     t' = t + logits[target]        (the target falls in exactly one chunk)
-    loss = mean(m + log s - t)
+    loss = mean(m + log s - t)        (with per-token weights w: Σ w·(m + log s - t))
 Backward, chunk after chunk again (its logits recomputed): p = exp(logits - lse),
-    d logits = (p - onehot(target)) / N,  d normed += d logits · Wᵀ,  d W = normedᵀ · d logits.
+    d logits = (p - onehot(target)) / N  (or · w),  d normed += d logits · Wᵀ,
+    d W = normedᵀ · d logits.
+The weights w [B, S] are vocab.token_weights of a loss mask (the engines' masked loss).
 The same numbers as `jax.grad` of the full-logits cross-entropy within float32 rounding; no
 [B, S, V] array ever exists.
 """
@@ -51,20 +53,28 @@ def lse_update(cfg: ModelConfig, normed, weight, targets, start, carry):
   return vocab.lse_step(carry, logits, targets.reshape(-1), start, start)
 
 
-def lse_finish(carry):
-  """(mean loss, per-token logsumexp [N]) once every chunk has been seen (model/vocab.py's
-  arithmetic: the loss is Σ nll / N, the logsumexp nll + target logit)."""
+def _weights(n: int, weights):
+  """Per-token weights [N] float32: `weights` [B, S] flattened, or 1/N (the mean) if None."""
+  if weights is None:
+    return jnp.full((n,), 1.0 / n, jnp.float32)
+  return weights.reshape(-1).astype(jnp.float32)
+
+
+def lse_finish(carry, weights=None):
+  """(loss, per-token logsumexp [N]) once every chunk has been seen (model/vocab.py's
+  arithmetic: the loss is Σ nll / N, or Σ weights·nll with `weights` [B, S]; the logsumexp
+  nll + target logit)."""
   running_max, running_sum, target_logit = carry
   nll = running_max + jnp.log(running_sum) - target_logit
-  weights = jnp.full(nll.shape, 1.0 / nll.shape[0], jnp.float32)
-  return jnp.sum(weights * nll), nll + target_logit
+  return jnp.sum(_weights(nll.shape[0], weights) * nll), nll + target_logit
 
 
-def chunk_backward(cfg: ModelConfig, normed, weight, targets, start, lse):
-  """(d normed [B, S, D] float32, d weight) of the mean loss from one chunk (d loss = 1)."""
+def chunk_backward(cfg: ModelConfig, normed, weight, targets, start, lse, weights=None):
+  """(d normed [B, S, D] float32, d weight) of the loss from one chunk (d loss = 1): the mean,
+  or Σ weights·nll with `weights` [B, S] (as lse_finish)."""
   x = _flat(normed)
   flat = targets.reshape(-1)
-  scale = jnp.full((flat.shape[0], 1), 1.0 / flat.shape[0], jnp.float32)
+  scale = _weights(flat.shape[0], weights)[:, None]
   d_x, d_w = vocab.block_grads(x, weight.astype(x.dtype), chunk_logits(cfg, normed, weight), flat,
                                start, lse, scale, tied=cfg.tie_embeddings,
                                precision=cfg.matmul_precision)

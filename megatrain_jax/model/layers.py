@@ -158,13 +158,37 @@ class DecoderLayer(nnx.Module):
     return h + self.mlp(self.mlp_norm(h))
 
 
+# Rows of the embedding [V, D] (and columns of an untied head [D, V]) are drawn in independently
+# seeded blocks of this many vocabulary rows, so any row range can be drawn alone with the values
+# the whole matrix has: the streamed engine initialises a 128k-vocabulary embedding chunk by chunk
+# instead of holding the whole matrix (1 GB for Llama-3.2-1B) and XLA's RNG temporaries at once.
+VOCAB_INIT_BLOCK = 8192
+
+
+def vocab_normal(key, std: float, d: int, start: int, stop: int, vocab: int, head: bool = False):
+  """Vocabulary rows [start, stop) of a float32 normal(0, std) embedding [vocab, d] ([d, vocab]
+  columns of a head kernel with `head`). A vocabulary of at most VOCAB_INIT_BLOCK rows is drawn
+  at once, exactly as nnx's normal initializer draws the whole matrix; a larger one in blocks of
+  VOCAB_INIT_BLOCK rows, block b from fold_in(key, b). Either way a slice equals the whole
+  matrix's slice, for any split."""
+  block = VOCAB_INIT_BLOCK
+  if vocab <= block:
+    full = jax.random.normal(key, (d, vocab) if head else (vocab, d), jnp.float32)
+    full = full * jnp.float32(std)
+    return full[:, start:stop] if head else full[start:stop]
+  first, last = start // block, -(-stop // block)
+  rows = jnp.concatenate([jax.random.normal(jax.random.fold_in(key, b), (block, d), jnp.float32)
+                          for b in range(first, last)])
+  rows = rows[start - first * block:stop - first * block] * jnp.float32(std)
+  return rows.T if head else rows
+
+
 class Embedder(nnx.Module):
   """Token embedding [V, D]."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.embedding = nnx.Param(
-        nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.vocab_size, cfg.d_model),
-                                              jnp.float32))
+    self.embedding = nnx.Param(vocab_normal(rngs.params(), cfg.init_std, cfg.d_model, 0,
+                                            cfg.vocab_size, cfg.vocab_size))
     self.dtype = compute_dtype(cfg)
 
   def __call__(self, tokens):  # [B, S] int -> [B, S, D]
@@ -177,7 +201,11 @@ class Head(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, compute_dtype(cfg))
-    self.lm_head = None if cfg.tie_embeddings else _linear(cfg, cfg.d_model, cfg.vocab_size, rngs)
+    self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
+        cfg.d_model, cfg.vocab_size, use_bias=False, dtype=compute_dtype(cfg),
+        param_dtype=jnp.float32, precision=cfg.matmul_precision, rngs=rngs,
+        kernel_init=lambda key, shape, dtype: vocab_normal(key, cfg.init_std, shape[0], 0,
+                                                           shape[1], shape[1], head=True))
 
   def __call__(self, x, embedding=None):  # x [B, S, D] -> logits [B, S, V] float32
     x = self.final_norm(x)

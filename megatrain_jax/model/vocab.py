@@ -23,12 +23,31 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _AXES = {True: ((1,), (1,)), False: ((1,), (0,))}  # contract D: tied [c, D], untied [D, c]
 
 
+def token_weights(mask) -> np.ndarray:
+  """Per-token loss weights of one step from its loss mask (host numpy; both engines use it).
+
+  mask  [M, B, S] (M microbatches) or [B, S] (one batch, M = 1), 1 = the target is learned.
+
+  Returns float32 weights w = mask * M / T, T = the number of learned tokens of the whole step
+  (all M microbatches). The engines average their M microbatch losses Σ w·nll (and gradients),
+  so the step's loss is Σ_all mask·nll / T: the full batch's masked mean, not a mean of the
+  microbatches' means (they differ when microbatches hold different numbers of learned tokens).
+  A step with no learned token (T = 0) gets all-zero weights: loss 0 and zero gradients, never
+  NaN. An all-ones mask gives w = M / (M·N) = 1/N rounded once, the unmasked path's weight.
+  """
+  mask = np.asarray(mask)
+  num_micro = mask.shape[0] if mask.ndim == 3 else 1
+  total = np.float32(max(int(np.count_nonzero(mask)), 1))
+  return (mask != 0).astype(np.float32) * (np.float32(num_micro) / total)
+
+
 def chunked_logits_loss(normed, weight, targets, *, tied: bool, chunk: int, precision,
-                        mask=None):
+                        mask=None, weights=None):
   """Mean cross-entropy of the LM head over the (unmasked) tokens, as a float32 scalar.
 
   normed  [B, S, D] in the compute dtype (the final norm's output).
@@ -38,6 +57,8 @@ def chunked_logits_loss(normed, weight, targets, *, tied: bool, chunk: int, prec
   precision  the matmul precision (ModelConfig.matmul_precision).
   mask    optional [B, S], 1 = the token counts: the loss is the mean over masked-in tokens
           (0 if none is). Default: every token counts (= jnp.mean, as decoder.cross_entropy).
+  weights optional [B, S] float32 per-token weights (`token_weights`): the loss is
+          Σ weights·nll. Overrides `mask`.
   """
   vocab = weight.shape[0] if tied else weight.shape[1]
   if not isinstance(chunk, int) or chunk <= 0:
@@ -45,12 +66,14 @@ def chunked_logits_loss(normed, weight, targets, *, tied: bool, chunk: int, prec
   chunk = min(chunk, vocab)
   x = normed.reshape(-1, normed.shape[-1])
   flat_targets = targets.reshape(-1).astype(jnp.int32)
-  if mask is None:
-    token_weights = jnp.full(flat_targets.shape, 1.0 / flat_targets.shape[0], jnp.float32)
+  if weights is not None:
+    per_token = weights.reshape(-1).astype(jnp.float32)
+  elif mask is None:
+    per_token = jnp.full(flat_targets.shape, 1.0 / flat_targets.shape[0], jnp.float32)
   else:
     m = mask.reshape(-1).astype(jnp.float32)
-    token_weights = m / jnp.maximum(jnp.sum(m), 1.0)
-  return _weighted_nll(tied, chunk, precision, x, weight, flat_targets, token_weights)
+    per_token = m / jnp.maximum(jnp.sum(m), 1.0)
+  return _weighted_nll(tied, chunk, precision, x, weight, flat_targets, per_token)
 
 
 def _block(x, weight, index, *, tied: bool, chunk: int, vocab: int, precision):

@@ -61,6 +61,36 @@ class TransferStats:
                                                       'read_busy_s', 'write_busy_s')}
 
 
+class WriteBudget:
+  """Bytes of write-behind that every NVMe store of one engine may hold queued, together.
+
+  A store's queued write keeps its leaves in host memory until they land on disk; one budget
+  shared by the layer, vocabulary and gradient stores bounds that memory as a whole (a per-store
+  count would let each store queue its own pieces). A write larger than the whole budget waits
+  until nothing else is queued, then goes alone."""
+
+  def __init__(self, capacity_bytes: int):
+    self.capacity = max(int(capacity_bytes), 1)
+    self.used = 0
+    self.peak = 0
+    self._cond = threading.Condition()
+
+  def acquire(self, nbytes: int) -> int:
+    """Blocks until `nbytes` fit; returns what was taken (to hand back to `release`)."""
+    taken = min(int(nbytes), self.capacity)
+    with self._cond:
+      while self.used and self.used + taken > self.capacity:
+        self._cond.wait()
+      self.used += taken
+      self.peak = max(self.peak, self.used)
+    return taken
+
+  def release(self, taken: int) -> None:
+    with self._cond:
+      self.used -= taken
+      self._cond.notify_all()
+
+
 class BusyTimer:
   """Accumulates the wall time during which at least one operation is in flight (thread-safe)."""
 

@@ -30,7 +30,7 @@ from megatrain_jax.layout import Layout
 from megatrain_jax.partition import LAYERS
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.tiers import codecs
-from megatrain_jax.tiers.base import BusyTimer, Store, TransferStats
+from megatrain_jax.tiers.base import BusyTimer, Store, TransferStats, WriteBudget
 
 class NvmeStore(Store):
   """Named trees of layer-group leaves on disk; `key` g covers layers slices[g]."""
@@ -40,7 +40,7 @@ class NvmeStore(Store):
   def __init__(self, name: str, stats: TransferStats, layout: Layout | None = None, *,
                directory: str, slices: list[tuple[int, int]], codec: str = 'none', level: int = 1,
                shard_mb: float = 512, max_pending_writes: int = 2, read_threads: int = 2,
-               axis_of=None):
+               axis_of=None, write_budget: WriteBudget | None = None):
     super().__init__(name, stats, layout)
     self._axis_of = axis_of or layer_axis
     # One file per layer; a vocabulary store one per chunk (all chunks but the last are equal).
@@ -59,6 +59,8 @@ class NvmeStore(Store):
     self._small = {}  # key -> {path: small in-memory leaf}
     self._pending: dict = {}  # key -> Future of the newest write
     self._write_slots = threading.BoundedSemaphore(max_pending_writes)
+    # Bytes queued across all stores of the engine (shared): bounds write-behind memory as a whole.
+    self._write_budget = write_budget
     self._readers = concurrent.futures.ThreadPoolExecutor(read_threads, f'{name}-read')
     self._writers = concurrent.futures.ThreadPoolExecutor(1, f'{name}-write')
     self._read_timer = BusyTimer(stats, 'read_busy_s')
@@ -85,12 +87,22 @@ class NvmeStore(Store):
     previous = self._pending.get(key)
     self._raise_failed(previous)
     self._write_slots.acquire()
+    budget = self._write_budget
+    taken = budget.acquire(sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+                               for p, x in zip(paths, leaves) if self._axis_of(p) is not None)
+                           ) if budget is not None else 0
     self._structure[key] = (treedef, paths)
     # Counted here, not when the writer thread copies: the copy belongs to this step's traffic.
     self.stats.add(d2h_bytes=sum(x.nbytes for x in leaves if isinstance(x, jax.Array)
                                  and x.sharding.memory_kind == 'device'))
     future = self._writers.submit(self._write, key, paths, leaves, previous)
-    future.add_done_callback(lambda _: self._write_slots.release())
+
+    def written(_):
+      self._write_slots.release()
+      if budget is not None:
+        budget.release(taken)
+
+    future.add_done_callback(written)
     self._pending[key] = future
 
   def _write(self, key, paths, leaves, previous) -> None:
@@ -144,8 +156,8 @@ class NvmeStore(Store):
     start, stop = self.slices[key]
     small = self._small[key]
     with self._read_timer:
-      reads = {p: self._arrays[p][_index(self._axis_of(p), start, stop)].read() for p in paths
-               if self._axis_of(p) is not None}
+      reads = {p: _read_aligned(self._arrays[p][_index(self._axis_of(p), start, stop)])
+               for p in paths if self._axis_of(p) is not None}
       leaves = []
       for path in paths:
         if path in reads:
@@ -156,8 +168,10 @@ class NvmeStore(Store):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
   def _result(self, path, read, start, stop) -> np.ndarray:
+    out, future = read
     try:
-      return read.result()
+      future.result()
+      return out
     except ValueError as error:  # TensorStore reports DATA_LOSS / NOT_FOUND as ValueError
       array, axis = self._arrays[path], self._axis_of(path)
       for first in range(start, stop, self._file_rows):  # name the first bad file
@@ -239,6 +253,23 @@ class NvmeStore(Store):
     return [codecs.chunk_file(str(self.directory / leaf_name(path)), i // self._file_rows, ndim,
                               self._axis_of(path))
             for i in range(start, stop, self._file_rows)]
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+  """An uninitialised numpy array whose data is 64-byte aligned. XLA:CPU adopts such a buffer
+  without copying (`jax.device_put` aliases it), where TensorStore's own read results (16-byte
+  aligned) are copied: on a CPU run every piece read from disk would briefly exist twice."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape)) * dtype.itemsize
+  raw = np.empty(nbytes + 64, np.uint8)
+  offset = (-raw.ctypes.data) % 64
+  return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def _read_aligned(view: ts.TensorStore):
+  """(numpy array, Future): the read of `view` into an aligned array (see aligned_empty)."""
+  out = aligned_empty(view.shape, view.dtype.numpy_dtype)
+  return out, ts.array(out, copy=False, write=True).write(view)
 
 
 def layer_axis(path: str) -> int | None:

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints: Llama, Qwen2 and Mistral safetensors <-> `ModelConfig` + params.
+"""The Hugging Face checkpoint format: Llama, Qwen2 and Mistral safetensors <-> `ModelConfig`.
 
 `load_hf` reads a local directory as written by transformers' `save_pretrained`: `config.json` and
 either `model.safetensors` or `model.safetensors.index.json` with its shards. Nothing is
@@ -110,6 +110,18 @@ def _tensor_map(cfg: ModelConfig) -> list[_Tensor]:
     tensors += [_Tensor(f'model.layers.{i}.{name}', ('layers',) + path, shape, transpose, i)
                 for name, path, shape, transpose in per_layer]
   return tensors
+
+
+def tensor_map(cfg: ModelConfig) -> list[_Tensor]:
+  """Every tensor a checkpoint of `cfg` holds (name, params path, torch shape, transposed?,
+  layer), in the order save_pretrained writes them: the embedding, the final norm, the head, then
+  the layers."""
+  return _tensor_map(cfg)
+
+
+def our_shape(t: _Tensor) -> tuple[int, ...]:
+  """The shape of tensor `t` in our layout (one layer's slice for stacked leaves)."""
+  return _our_shape(t)
 
 
 def _is_ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -446,8 +458,52 @@ def _get_leaf(tree: dict, path: tuple[str, ...]):
   return tree
 
 
+@dataclasses.dataclass(frozen=True)
+class HfCheckpoint:
+  """A local Hugging Face checkpoint whose config.json, file list, tensor names, shapes and
+  dtypes have been checked (`inspect_checkpoint`); no tensor data has been read.
+
+  Attributes:
+    directory: The model directory.
+    hf_config: Its parsed config.json.
+    cfg: The ModelConfig it describes (tied when the weights have no separate LM head).
+    tensors: Every tensor the model needs (`_tensor_map(cfg)`).
+    files: Tensor name -> the safetensors file holding it.
+  """
+  directory: Path
+  hf_config: dict
+  cfg: ModelConfig
+  tensors: tuple
+  files: dict
+
+
+def inspect_checkpoint(path: str | Path) -> HfCheckpoint:
+  """Checks a local Hugging Face Llama / Qwen2 / Mistral checkpoint without reading its weights.
+
+  Reads config.json, the shard index and every safetensors header (safe_open also checks that
+  each file is as long as its header says, so a truncated shard is found here).
+
+  Raises:
+    UnsupportedModelError: for an architecture or feature the model does not implement.
+    ConfigError: for a missing path or file, or weights that do not match config.json (missing,
+      unexpected or wrongly shaped tensors and truncated or corrupt files are named).
+  """
+  directory = Path(path)
+  hf_config = read_hf_config(directory)
+  cfg = model_config_from_hf(hf_config)
+  files = _weight_files(directory)
+  if 'lm_head.weight' not in files and not cfg.tie_embeddings:
+    # Some exporters drop a head that equals the embedding without setting tie_word_embeddings.
+    cfg = cfg.replace(tie_embeddings=True)
+  tensors = _tensor_map(cfg)
+  _check_names(directory, cfg, tensors, files)
+  _check_headers(cfg, tensors, files)
+  return HfCheckpoint(directory, hf_config, cfg, tuple(tensors), files)
+
+
 def load_hf(path: str | Path) -> tuple[ModelConfig, dict]:
-  """Loads a local Hugging Face Llama / Qwen2 / Mistral checkpoint.
+  """Loads a local Hugging Face Llama / Qwen2 / Mistral checkpoint whole (for tests and small
+  models; training imports piece by piece with `hf.HfReader`).
 
   Args:
     path: A directory with config.json and model.safetensors (or model.safetensors.index.json
@@ -462,16 +518,8 @@ def load_hf(path: str | Path) -> tuple[ModelConfig, dict]:
     ConfigError: for a missing path or file, or weights that do not match config.json (missing,
       unexpected or wrongly shaped tensors are named).
   """
-  directory = Path(path)
-  hf_config = read_hf_config(directory)
-  cfg = model_config_from_hf(hf_config)
-  files = _weight_files(directory)
-  if 'lm_head.weight' not in files and not cfg.tie_embeddings:
-    # Some exporters drop a head that equals the embedding without setting tie_word_embeddings.
-    cfg = cfg.replace(tie_embeddings=True)
-  tensors = _tensor_map(cfg)
-  _check_names(directory, cfg, tensors, files)
-  _check_headers(cfg, tensors, files)
+  checkpoint = inspect_checkpoint(path)
+  cfg, tensors, files = checkpoint.cfg, list(checkpoint.tensors), checkpoint.files
 
   # Stacked layer leaves are filled slice by slice: one layer's tensors may span several shards.
   arrays: dict[tuple[str, ...], np.ndarray] = {}

@@ -1,0 +1,293 @@
+"""Documents: how a record becomes tokens and a loss mask.
+
+Every record of a `.jsonl(.zst|.gz)` or `.parquet` source is one document, stored as
+
+  [BOS] tokens(document) EOS
+
+BOS only where the tokenizer's config adds one (`add_bos_token: true` in tokenizer_config.json, or a
+post-processor that prepends a token, as Llama 3's does). EOS is `data.eos_token` if set, else the
+`eos_token` of the `tokenizer_config.json` beside `tokenizer.json`.
+
+The byte tokenizer's rule: it has no spare ids (all 256 are bytes), so EOS is byte 0 (NUL), which
+never occurs in text (the prepare step refuses a NUL in a text file, and a record whose text holds
+one is a bad record); it adds no BOS. `data.eos_token` may name another single-byte character.
+
+A record is read as (first match wins):
+  instruction  it holds `data.prompt_field` and `data.completion_field` (strings): the prompt is
+               not learned (mask 0), the completion and the EOS after it are (mask 1);
+  chat         it holds `messages` (a list of {role, content}) and the tokenizer directory has a
+               chat template: the conversation is rendered with it (jinja2 sandbox) and only the
+               assistant turns (and the EOS) are learned;
+  text         it holds `data.text_field` (a string): every token is learned.
+In instruction and chat documents BOS is not learned; plain text documents learn every token
+(no mask is stored for them). Plain .txt sources are not records: their bytes are one continuous stream,
+tokenized as is (no BOS/EOS), as before this format existed.
+
+The loss mask stored beside the tokens says, for each token, whether it is learned as a target
+(1) or not (0).
+"""
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from megatrain_jax.data.tokenizer import ByteTokenizer, Tokenizer, encode_batch
+from megatrain_jax.errors import ConfigError
+
+MESSAGES_FIELD = 'messages'
+_TOKENIZER_CONFIG = 'tokenizer_config.json'
+
+
+class BadRecord(ValueError):
+  """A record that cannot become a document; the message says why (the caller adds file:line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentFormat:
+  """What the prepare step needs to turn records into tokens (picklable: sent to workers).
+
+  Attributes:
+    eos: The id stored after every document.
+    bos: The id stored before every document, or None.
+    text_field, prompt_field, completion_field: Record fields (config `data.*`).
+    chat_template: The tokenizer's chat template (jinja2 source), or None.
+    bos_text, eos_text: The special tokens' strings, for the chat template.
+    skip_bad_records: Skip (and count) bad records instead of failing.
+    refuse_nul: The byte tokenizer's EOS is NUL: a text holding NUL is a bad record.
+  """
+  eos: int
+  bos: int | None = None
+  text_field: str = 'text'
+  prompt_field: str = 'prompt'
+  completion_field: str = 'completion'
+  chat_template: str | None = None
+  bos_text: str = ''
+  eos_text: str = ''
+  skip_bad_records: bool = False
+  refuse_nul: bool = False
+
+  def identity(self) -> dict[str, Any]:
+    """What decides the prepared tokens (part of the prepared data's fingerprint)."""
+    out = dataclasses.asdict(self)
+    template = out.pop('chat_template')
+    out['chat_template_sha256'] = (hashlib.sha256(template.encode()).hexdigest()
+                                   if template else None)
+    return out
+
+
+def _token_text(value: Any) -> str | None:
+  """A special token from tokenizer_config.json: a string or {'content': ...}."""
+  if isinstance(value, dict):
+    value = value.get('content')
+  return value if isinstance(value, str) and value else None
+
+
+def read_tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
+  """The tokenizer_config.json beside the tokenizer's tokenizer.json ({} if none)."""
+  path = getattr(tokenizer, 'path', None)
+  if path is None:
+    return {}
+  config_path = Path(path).parent / _TOKENIZER_CONFIG
+  if not config_path.is_file():
+    return {}
+  try:
+    config = json.loads(config_path.read_text(encoding='utf-8'))
+  except (OSError, ValueError) as e:
+    raise ConfigError(f'data.tokenizer: {config_path} is not valid JSON ({e}); fix or remove '
+                      'it.') from e
+  return config if isinstance(config, dict) else {}
+
+
+def _chat_template(config: dict[str, Any]) -> str | None:
+  template = config.get('chat_template')
+  if isinstance(template, list):  # [{'name': 'default', 'template': ...}, ...]
+    named = {t.get('name'): t.get('template') for t in template if isinstance(t, dict)}
+    template = named.get('default')
+  return template if isinstance(template, str) and template else None
+
+
+def _byte_format(eos_token: str, fields: dict[str, Any]) -> DocumentFormat:
+  eos_text = eos_token or '\0'
+  encoded = eos_text.encode('utf-8')
+  if len(encoded) != 1:
+    raise ConfigError(f'data.eos_token: got {eos_token!r}; with the byte tokenizer it must be a '
+                      "single-byte character (or '' for the default, NUL).")
+  return DocumentFormat(eos=encoded[0], eos_text=eos_text, refuse_nul=encoded[0] == 0, **fields)
+
+
+def document_format(tokenizer: Tokenizer, *, eos_token: str = '', text_field: str = 'text',
+                    prompt_field: str = 'prompt', completion_field: str = 'completion',
+                    skip_bad_records: bool = False) -> DocumentFormat:
+  """Resolves EOS, BOS and the chat template of `tokenizer` (see the module docstring).
+
+  Raises:
+    ConfigError: (naming `data.eos_token`) if no EOS can be found, or it is not one token.
+  """
+  fields = dict(text_field=text_field, prompt_field=prompt_field,
+                completion_field=completion_field, skip_bad_records=skip_bad_records)
+  if isinstance(tokenizer, ByteTokenizer):
+    return _byte_format(eos_token, fields)
+  config = read_tokenizer_config(tokenizer)
+  token_id = getattr(tokenizer, 'token_id', lambda _: None)
+  eos_text = eos_token or _token_text(config.get('eos_token'))
+  eos = token_id(eos_text) if eos_text else None
+  if eos is None:
+    where = (f'{eos_token!r} is not a token of data.tokenizer' if eos_token else
+             f'no eos_token in a {_TOKENIZER_CONFIG} beside the tokenizer')
+    raise ConfigError(f'data.eos_token: {where}; documents are separated by EOS. Set '
+                      "data.eos_token to the tokenizer's end-of-text token (e.g. '</s>', "
+                      "'<|endoftext|>').")
+  bos_text = _token_text(config.get('bos_token')) or ''
+  bos = None
+  if config.get('add_bos_token') is True and bos_text:
+    bos = token_id(bos_text)
+  elif 'add_bos_token' not in config and hasattr(tokenizer, 'added_prefix'):
+    prefix = tokenizer.added_prefix()
+    bos = prefix[0] if len(prefix) == 1 else None
+  return DocumentFormat(eos=eos, bos=bos, chat_template=_chat_template(config),
+                        bos_text=bos_text, eos_text=eos_text, **fields)
+
+
+# --- records -> parts ----------------------------------------------------------------------------
+
+# A document as parts: (text, learned). Plain text is one learned part.
+Parts = list[tuple[str, bool]]
+
+
+def _string(record: dict, field: str, fmt: DocumentFormat) -> str:
+  value = record[field]
+  if not isinstance(value, str):
+    raise BadRecord(f'field {field!r} is {type(value).__name__}, not a string')
+  if fmt.refuse_nul and '\0' in value:
+    raise BadRecord(f'field {field!r} holds a NUL character, which the byte tokenizer uses as '
+                    'EOS')
+  return value
+
+
+def record_parts(record: Any, fmt: DocumentFormat) -> Parts:
+  """The parts of one record (module docstring). Raises BadRecord."""
+  if not isinstance(record, dict):
+    raise BadRecord(f'a record must be a JSON object, got {type(record).__name__}')
+  if fmt.prompt_field in record and fmt.completion_field in record:
+    return [(_string(record, fmt.prompt_field, fmt), False),
+            (_string(record, fmt.completion_field, fmt), True)]
+  if fmt.text_field in record:
+    return [(_string(record, fmt.text_field, fmt), True)]
+  if MESSAGES_FIELD in record:
+    if fmt.chat_template is None:
+      raise BadRecord(f'record holds {MESSAGES_FIELD!r} but data.tokenizer has no chat_template '
+                      f'in its {_TOKENIZER_CONFIG}')
+    return chat_parts(record[MESSAGES_FIELD], fmt)
+  keys = ', '.join(repr(k) for k in list(record)[:8])
+  raise BadRecord(f'record without the text field {fmt.text_field!r} (nor '
+                  f'{fmt.prompt_field!r}+{fmt.completion_field!r}, nor {MESSAGES_FIELD!r}); its '
+                  f'fields: {keys}; set data.text_field')
+
+
+_TEMPLATES: dict[str, Any] = {}
+
+
+def _compiled(template: str):
+  """The chat template compiled in jinja2's immutable sandbox (as transformers does)."""
+  compiled = _TEMPLATES.get(template)
+  if compiled is None:
+    from jinja2 import sandbox  # pylint: disable=g-import-not-at-top  (only chat data needs it)
+
+    def raise_exception(message):
+      raise BadRecord(f'chat template: {message}')
+
+    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals['raise_exception'] = raise_exception
+    env.filters['tojson'] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
+                                                              indent=indent)
+    compiled = _TEMPLATES[template] = env.from_string(template)
+  return compiled
+
+
+def _render(messages: list, fmt: DocumentFormat, generation_prompt: bool) -> str:
+  try:
+    return _compiled(fmt.chat_template).render(
+        messages=messages, add_generation_prompt=generation_prompt, bos_token=fmt.bos_text,
+        eos_token=fmt.eos_text)
+  except BadRecord:
+    raise
+  except Exception as e:  # jinja2 raises many kinds (UndefinedError, SecurityError, ...)
+    raise BadRecord(f'chat template failed on this record: {type(e).__name__}: {e}') from e
+
+
+def chat_parts(messages: Any, fmt: DocumentFormat) -> Parts:
+  """The rendered conversation cut into parts: each assistant turn's text (from the end of the
+  rendering of the turns before it with the generation prompt, to the end of the rendering that
+  includes it) is learned, the rest is not."""
+  if not (isinstance(messages, list) and messages and all(
+      isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
+      for m in messages)):
+    raise BadRecord(f'{MESSAGES_FIELD!r} must be a non-empty list of {{"role": str, "content": '
+                    'str}} objects')
+  full = _render(messages, fmt, generation_prompt=False)
+  parts, done = [], 0
+  for i, message in enumerate(messages):
+    if message['role'] != 'assistant':
+      continue
+    start = len(_render(messages[:i], fmt, generation_prompt=True))
+    end = len(_render(messages[:i + 1], fmt, generation_prompt=False))
+    if not done <= start <= end <= len(full):
+      raise BadRecord('the chat template does not render conversations prefix by prefix, so '
+                      'the assistant turns cannot be located')
+    parts += [(full[done:start], False), (full[start:end], True)]
+    done = end
+  parts.append((full[done:], False))
+  if fmt.eos_text and full.endswith(fmt.eos_text):
+    # The template ends the conversation with EOS itself; the EOS we append replaces it.
+    text, learned = parts[-1]
+    parts[-1] = (text[:-len(fmt.eos_text)], learned)
+  if fmt.refuse_nul and '\0' in full:
+    raise BadRecord('the conversation holds a NUL character, which the byte tokenizer uses as EOS')
+  return [(text, learned) for text, learned in parts if text]
+
+
+# --- parts -> tokens ---------------------------------------------------------------------------
+
+
+def encode_documents(documents: Sequence[Parts], tokenizer: Tokenizer, fmt: DocumentFormat,
+                     dtype: np.dtype) -> tuple[np.ndarray, np.ndarray | None]:
+  """Tokens of the documents, each as [BOS] parts EOS, and their loss mask (None when every
+  token is learned, as for plain text)."""
+  texts = [text for parts in documents for text, _ in parts]
+  ids = encode_batch(tokenizer, texts)
+  prefix = [] if fmt.bos is None else [fmt.bos]
+  flat: list[int] = []
+  learned_flags = []
+  masked = any(not learned for parts in documents for _, learned in parts)
+  k = 0
+  for parts in documents:
+    flat.extend(prefix)
+    if masked:
+      learned_flags.append((len(prefix), 0))
+    for _, learned in parts:
+      flat.extend(ids[k])
+      if masked:
+        learned_flags.append((len(ids[k]), int(learned)))
+      k += 1
+    flat.append(fmt.eos)
+    if masked:
+      learned_flags.append((1, 1))
+  tokens = np.array(flat, dtype=dtype)
+  if not masked:
+    return tokens, None
+  counts, values = zip(*learned_flags) if learned_flags else ((), ())
+  mask = np.repeat(np.array(values, dtype=np.uint8), np.array(counts, dtype=np.int64))
+  if mask.all():
+    return tokens, None
+  return tokens, mask
+
+
+def check_ids(tokens: np.ndarray, tokenizer: Tokenizer) -> None:
+  """Out-of-range ids would wrap silently in the narrow stored dtype."""
+  if tokens.size and (tokens.min() < 0 or tokens.max() >= tokenizer.vocab_size):
+    raise ValueError(f'tokenizer {tokenizer.name!r} returned ids in [{tokens.min()}, '
+                     f'{tokens.max()}], outside its vocab_size {tokenizer.vocab_size}')

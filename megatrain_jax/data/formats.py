@@ -1,0 +1,395 @@
+"""Source formats of `data.path` / `data.val_path` and how they are read, in bounded memory.
+
+A source is a file, a directory (its non-hidden files, sorted) or a glob pattern (`*`, `?`, `[`;
+`**` recurses), expanded to a sorted list of files. Each file's format comes from its name:
+
+  *.jsonl, *.jsonl.zst, *.jsonl.gz   one JSON record per line (zstd / gzip streams decompressed
+                                     on the fly; a truncated stream is an error)
+  *.parquet                          one record per row, read a row group at a time (pyarrow)
+  anything else                      UTF-8 text, a continuous stream (no documents)
+
+Reading is cut into *tasks* (about `CHUNK_BYTES` of lines, or one Parquet row group), in a fixed
+order that depends only on the files: the prepare step tokenizes tasks in parallel and resumes
+from a task index. `run_task` (the worker side) turns a task into tokens and a loss mask.
+"""
+
+import codecs
+import dataclasses
+import glob
+import gzip
+import io
+import json
+import zlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import zstandard
+
+from megatrain_jax.data import documents
+from megatrain_jax.data.documents import BadRecord, DocumentFormat
+from megatrain_jax.data.tokenizer import Tokenizer
+from megatrain_jax.errors import ConfigError
+
+TEXT, JSONL, PARQUET = 'text', 'jsonl', 'parquet'
+_JSONL_SUFFIXES = ('.jsonl', '.jsonl.zst', '.jsonl.zstd', '.jsonl.gz')
+# Bytes of input per task: large enough that a task amortises its trip to a worker, small enough
+# that (workers x in-flight tasks) of them stay well within the memory bound.
+CHUNK_BYTES = 4 << 20
+# Bytes of each source read during validation (before anything is written).
+SNIFF_BYTES = 64 << 10
+# Rows per Arrow batch inside a Parquet row group.
+_PARQUET_BATCH_ROWS = 4096
+# Bad records quoted in an error or a skip report.
+MAX_BAD_QUOTED = 3
+
+
+def source_format(path: Path) -> str:
+  name = path.name.lower()
+  if name.endswith('.parquet'):
+    return PARQUET
+  if name.endswith(_JSONL_SUFFIXES):
+    return JSONL
+  return TEXT
+
+
+def _has_glob(text: str) -> bool:
+  return any(c in text for c in '*?[')
+
+
+def expand_sources(sources, field: str) -> list[Path]:
+  """Resolves sources (files, directories, glob patterns) to absolute files, without reading.
+
+  Directories mean their non-hidden regular files, sorted; a pattern its matches, sorted.
+
+  Raises:
+    ConfigError: (naming `field`) if a source does not exist, or a directory or pattern has no
+      files.
+  """
+  files = []
+  for source in sources:
+    path = Path(source).expanduser()
+    if _has_glob(str(source)) and not path.exists():
+      matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
+      matches = [p for p in matches if p.is_file() and not p.name.startswith('.')]
+      if not matches:
+        raise ConfigError(f'{field}: the pattern {source} matches no files; fix the pattern or '
+                          f'point {field} at a file or directory.')
+      files.extend(p.resolve() for p in matches)
+    elif not path.exists():
+      raise ConfigError(f'{field}: {path} does not exist; set {field} to an existing file '
+                        '(.txt, .jsonl, .jsonl.zst, .jsonl.gz, .parquet), a directory or a glob '
+                        'pattern.')
+    elif path.is_dir():
+      children = sorted(child for child in path.iterdir()
+                        if child.is_file() and not child.name.startswith('.'))
+      if not children:
+        raise ConfigError(f'{field}: directory {path} contains no (non-hidden) files; put data '
+                          f'files in it or point {field} at a file.')
+      files.extend(child.resolve() for child in children)
+    else:
+      files.append(path.resolve())
+  return files
+
+
+# --- text --------------------------------------------------------------------------------------
+
+
+def binary_error(path: Path, field: str, offset: int) -> ConfigError:
+  return ConfigError(f'{field}: {path} looks like a binary file, not text (a NUL character at '
+                     f'offset {offset}); point {field} at UTF-8 text (convert UTF-16 text to '
+                     f'UTF-8), or remove the file from {field}.')
+
+
+def not_utf8_error(path: Path, field: str, error: UnicodeDecodeError) -> ConfigError:
+  return ConfigError(f'{field}: {path} is not UTF-8 text ({error}); convert it to UTF-8 or '
+                     f'remove it from {field}.')
+
+
+def check_text_head(path: Path, field: str) -> None:
+  """Refuses `path` if its first `SNIFF_BYTES` are not UTF-8 text or hold a NUL."""
+  with open(path, 'rb') as f:
+    head = f.read(SNIFF_BYTES)
+  if b'\0' in head:
+    raise binary_error(path, field, head.index(b'\0'))
+  try:
+    # final=False: the sniffed prefix may end inside a multi-byte character.
+    codecs.getincrementaldecoder('utf-8')().decode(head, final=len(head) < SNIFF_BYTES)
+  except UnicodeDecodeError as e:
+    raise not_utf8_error(path, field, e) from e
+
+
+@dataclasses.dataclass(frozen=True)
+class TextTask:
+  """A chunk of whole lines of a text file, already decoded (the reader checks UTF-8 and NUL)."""
+  text: str
+
+
+def text_tasks(path: Path, field: str, chunk_chars: int) -> Iterator[tuple[TextTask, int]]:
+  """(task, bytes of the file read so far) for chunks of whole lines of about `chunk_chars`."""
+  offset = 0
+  # newline='' keeps '\r\n' as is, so a byte tokenizer stores the file's exact bytes.
+  with open(path, encoding='utf-8', newline='') as f:
+    while True:
+      try:
+        lines = f.readlines(chunk_chars)
+      except UnicodeDecodeError as e:
+        raise not_utf8_error(path, field, e) from e
+      if not lines:
+        return
+      text = ''.join(lines)
+      if '\0' in text:
+        raise binary_error(path, field, offset + text.index('\0'))
+      offset += len(text)
+      yield TextTask(text), f.buffer.tell()
+
+
+# --- JSONL -------------------------------------------------------------------------------------
+
+
+class TruncatedError(ValueError):
+  """A compressed stream ended before its end marker."""
+
+
+class _ZstdReader(io.RawIOBase):
+  """A zstd stream decompressed on the fly (multi-frame files included); unlike
+  zstandard's stream_reader it raises TruncatedError when the input ends inside a frame."""
+
+  def __init__(self, raw):
+    super().__init__()
+    self._raw = raw
+    self._dobj = zstandard.ZstdDecompressor().decompressobj()
+    self._pending = b''
+    self._in_frame = False
+
+  def readable(self) -> bool:
+    return True
+
+  def readinto(self, buffer) -> int:
+    while not self._pending:
+      block = self._raw.read(1 << 20)
+      if not block:
+        if self._in_frame:
+          raise TruncatedError('the zstd stream ends inside a frame (truncated file)')
+        return 0
+      self._feed(block)
+    n = min(len(buffer), len(self._pending))
+    buffer[:n] = self._pending[:n]
+    self._pending = self._pending[n:]
+    return n
+
+  def _feed(self, block: bytes) -> None:
+    out = []
+    while block:
+      self._in_frame = True
+      out.append(self._dobj.decompress(block))
+      if not self._dobj.eof:
+        break
+      self._in_frame = False
+      block = self._dobj.unused_data
+      self._dobj = zstandard.ZstdDecompressor().decompressobj()
+    self._pending += b''.join(out)
+
+
+def open_decompressed(path: Path, raw) -> io.BufferedReader:
+  """The decompressed byte stream of `raw` (an open file of `path`), by extension."""
+  name = path.name.lower()
+  if name.endswith(('.zst', '.zstd')):
+    return io.BufferedReader(_ZstdReader(raw), 1 << 20)
+  if name.endswith('.gz'):
+    return io.BufferedReader(gzip.GzipFile(fileobj=raw, mode='rb'), 1 << 20)
+  return io.BufferedReader(raw, 1 << 20) if not isinstance(raw, io.BufferedReader) else raw
+
+
+_STREAM_ERRORS = (TruncatedError, EOFError, OSError, zlib.error, zstandard.ZstdError)
+
+
+def stream_error(path: Path, field: str, line: int, error: Exception) -> ConfigError:
+  return ConfigError(f'{field}: {path}: cannot read past line {line} ({type(error).__name__}: '
+                     f'{error}); the file is truncated or corrupt: download or compress it again, '
+                     f'or remove it from {field}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonlTask:
+  """Whole lines of a JSONL file: `data` (bytes, decompressed), its first line number (1-based)."""
+  file: str
+  first_line: int
+  data: bytes
+
+
+def jsonl_tasks(path: Path, field: str,
+                chunk_bytes: int | None = None) -> Iterator[tuple[JsonlTask, int]]:
+  """(task, compressed bytes read so far): whole lines, about `chunk_bytes` (default
+  CHUNK_BYTES) per task."""
+  chunk_bytes = chunk_bytes or CHUNK_BYTES
+  line = 1
+  with open(path, 'rb') as raw:
+    stream = open_decompressed(path, raw)
+    while True:
+      try:
+        lines = stream.readlines(chunk_bytes)
+      except _STREAM_ERRORS as e:
+        raise stream_error(path, field, line - 1, e) from e
+      if not lines:
+        return
+      yield JsonlTask(str(path), line, b''.join(lines)), raw.tell()
+      line += len(lines)
+
+
+def _jsonl_documents(task: JsonlTask, fmt: DocumentFormat, bad: list) -> list:
+  docs = []
+  for number, raw_line in enumerate(task.data.splitlines(), task.first_line):
+    if not raw_line.strip():
+      continue
+    try:
+      try:
+        record = json.loads(raw_line)
+      except ValueError as e:
+        raise BadRecord(f'malformed JSON ({e})') from e
+      docs.append(documents.record_parts(record, fmt))
+    except BadRecord as e:
+      bad.append(f'{task.file}:{number}: {e}')
+  return docs
+
+
+# --- Parquet -----------------------------------------------------------------------------------
+
+
+def parquet_columns(path: Path, fmt: DocumentFormat, field: str) -> list[str]:
+  """The columns a Parquet file's records are read from, by the same rule as JSON records.
+
+  Raises:
+    ConfigError: (naming `field` and the file) if it is not Parquet or has none of them.
+  """
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top  (only Parquet needs it)
+  try:
+    names = pq.ParquetFile(path).schema_arrow.names
+  except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...
+    raise ConfigError(f'{field}: {path} is not a readable Parquet file ({e}).') from e
+  if fmt.prompt_field in names and fmt.completion_field in names:
+    return [fmt.prompt_field, fmt.completion_field]
+  for column in (fmt.text_field, documents.MESSAGES_FIELD):
+    if column in names:
+      return [column]
+  raise ConfigError(f'{field}: {path} has no column {fmt.text_field!r} (nor '
+                    f'{fmt.prompt_field!r}+{fmt.completion_field!r}, nor '
+                    f'{documents.MESSAGES_FIELD!r}); its columns: {", ".join(names[:12])}. Set '
+                    'data.text_field to the column holding the text.')
+
+
+@dataclasses.dataclass(frozen=True)
+class ParquetTask:
+  """One row group of a Parquet file; `first_row` is its first row's index in the file."""
+  file: str
+  row_group: int
+  first_row: int
+  columns: tuple[str, ...]
+
+
+def parquet_tasks(path: Path, fmt: DocumentFormat,
+                  field: str) -> Iterator[tuple[ParquetTask, int]]:
+  """(task, compressed bytes of the row groups so far), one task per row group."""
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  columns = tuple(parquet_columns(path, fmt, field))
+  metadata = pq.ParquetFile(path).metadata
+  row, done = 0, 0
+  for group in range(metadata.num_row_groups):
+    info = metadata.row_group(group)
+    done += info.total_byte_size
+    yield ParquetTask(str(path), group, row, columns), done
+    row += info.num_rows
+
+
+def _parquet_documents(task: ParquetTask, fmt: DocumentFormat, bad: list) -> list:
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  docs = []
+  row = task.first_row
+  batches = pq.ParquetFile(task.file).iter_batches(
+      batch_size=_PARQUET_BATCH_ROWS, row_groups=[task.row_group], columns=list(task.columns))
+  for batch in batches:
+    values = [batch.column(name).to_pylist() for name in task.columns]
+    for record_values in zip(*values):
+      try:
+        docs.append(documents.record_parts(dict(zip(task.columns, record_values)), fmt))
+      except BadRecord as e:
+        bad.append(f'{task.file}: row {row}: {e}')
+      row += 1
+  return docs
+
+
+# --- the worker side -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TaskResult:
+  tokens: np.ndarray
+  mask: np.ndarray | None  # None: every token is learned
+  documents: int
+  skipped: int
+  bad: list[str]  # the first few bad records, 'file:line: why'
+  text_bytes: int
+
+
+def run_task(task: Any, tokenizer: Tokenizer, fmt: DocumentFormat | None,
+             dtype: np.dtype) -> TaskResult:
+  """Tokens (and mask) of one task. Bad records are counted and quoted, never raised: the
+  caller decides (fail or skip)."""
+  if isinstance(task, TextTask):
+    tokens = np.asarray(tokenizer.encode(task.text)).astype(dtype)
+    documents.check_ids(tokens, tokenizer)
+    return TaskResult(tokens, None, 0, 0, [], len(task.text))
+  bad: list[str] = []
+  if isinstance(task, JsonlTask):
+    docs, size = _jsonl_documents(task, fmt, bad), len(task.data)
+  else:
+    docs = _parquet_documents(task, fmt, bad)
+    size = sum(len(text) for parts in docs for text, _ in parts)
+  tokens, mask = documents.encode_documents(docs, tokenizer, fmt, dtype)
+  documents.check_ids(tokens, tokenizer)
+  return TaskResult(tokens, mask, len(docs), len(bad), bad[:MAX_BAD_QUOTED], size)
+
+
+# --- validation before anything is written ----------------------------------------------------
+
+
+def _check_jsonl_head(path: Path, fmt: DocumentFormat, field: str) -> int:
+  """Parses the records in the first `SNIFF_BYTES` (the whole file if smaller, which also
+  finds a truncated small file); returns how many were read, or -1 if the file is longer."""
+  with open(path, 'rb') as raw:
+    stream = open_decompressed(path, raw)
+    try:
+      head = stream.read(SNIFF_BYTES + 1)
+    except _STREAM_ERRORS as e:
+      raise stream_error(path, field, 0, e) from e
+  complete = len(head) <= SNIFF_BYTES
+  if not complete:
+    head = head[:head.rfind(b'\n') + 1]
+  bad: list[str] = []
+  docs = _jsonl_documents(JsonlTask(str(path), 1, head), fmt, bad)
+  if bad and not fmt.skip_bad_records:
+    raise bad_records_error(bad, len(bad), field)
+  return len(docs) if complete else -1
+
+
+def check_head(path: Path, fmt: DocumentFormat | None, field: str) -> int:
+  """Checks what can be checked cheaply before writing: text is UTF-8, the first JSON records
+  parse and hold the fields, a Parquet file has the column. Returns the file's record count when
+  known (a small JSONL file, any Parquet file; the byte size for text), else -1."""
+  kind = source_format(path)
+  if kind == TEXT:
+    check_text_head(path, field)
+    return path.stat().st_size
+  if fmt is None:
+    raise ValueError('a document format is needed for record sources')
+  if kind == JSONL:
+    return _check_jsonl_head(path, fmt, field)
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  parquet_columns(path, fmt, field)
+  return pq.ParquetFile(path).metadata.num_rows
+
+
+def bad_records_error(bad: list[str], count: int, field: str) -> ConfigError:
+  more = f' (and {count - len(bad)} more)' if count > len(bad) else ''
+  return ConfigError(f'{field}: bad record {bad[0]}{more}. Fix the data, or set '
+                     'data.skip_bad_records=True to skip (and count) bad records.')

@@ -1,0 +1,303 @@
+"""Perplexity of a model on a token stream, with sliding windows (`launch.py --eval`).
+
+The definition (the one of Hugging Face's perplexity guide, with the window's first token as
+context rather than lost): the text is tokenized as one stream t[0..N). Window w starts at token
+b = w·stride and feeds the model inputs t[b : b + max_len] (positions 0..max_len-1), predicting
+t[b+1 : b+max_len+1]. Every token from position 1 on is scored exactly once, in the first window
+that predicts it, given that window's tokens before it; so with stride = max_len the windows do not
+overlap and each token is scored with 0..max_len-1 tokens of context, and a smaller stride scores
+each token (after the first window) with at least max_len - stride of them.
+    loss = (1/T) Σ_scored -log p(t_i | context),  perplexity = exp(loss),  T = N - 1.
+
+eval.path takes what data.path takes (data/formats.py): a file, a directory (its non-hidden files,
+sorted) or a glob pattern of .txt (or any other text), .jsonl, .jsonl.zst, .jsonl.gz and .parquet.
+The files are read in order into one stream. A text file is tokenized whole, as is (no EOS: the
+perplexity guide's definition, and what eval.path always meant). Record files are read by the data
+package's readers, each record one document stored as training stores it ([BOS] tokens EOS,
+data/documents.py, with data.text_field / prompt_field / completion_field / eos_token). Where
+records carry a loss mask (prompt/completion or chat records), only the targets training learns
+are scored: T counts those, and the other targets are context only.
+
+Forward only, whatever the placement: the weights come straight from a reader (the run's
+checkpoint, `checkpoint.CheckpointReader`, or a Hugging Face directory, `hf.HfReader`), one layer
+group or vocabulary chunk at a time, read ahead on a thread; Adam state is never read. Windows are
+batched and run layer-major in passes (each pass reads the weights once for all its batches, as
+the streamed engine's evaluation does); the LM head runs chunk by chunk with the online logsumexp
+of model/head_chunks.py, so no [B, S, V] logits exist. The arithmetic is the engines' (the same
+model functions), so the loss equals what training's eval/loss would give for the same tokens.
+"""
+
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+from megatrain_jax import model as model_lib
+from megatrain_jax import partition
+from megatrain_jax.data import document_format
+from megatrain_jax.data import formats
+from megatrain_jax.errors import ConfigError
+from megatrain_jax.model import head_chunks
+from megatrain_jax.prefetch import Prefetcher
+
+PASS_BYTES = 1 << 30  # activations of the windows in one pass (compute dtype, [B, S, D] each)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """Inputs t[begin : begin + max_len]; the targets scored here are t[first : end]."""
+  begin: int
+  first: int
+  end: int
+
+
+def windows(num_tokens: int, max_len: int, stride: int) -> list[Window]:
+  """The windows over a stream of `num_tokens` tokens (see the module docstring)."""
+  if not 0 < stride <= max_len:
+    raise ValueError(f'stride={stride} must be in [1, max_len={max_len}]')
+  out, scored, begin = [], 1, 0
+  while scored < num_tokens:
+    end = min(begin + max_len + 1, num_tokens)
+    out.append(Window(begin, scored, end))
+    scored, begin = end, begin + stride
+  return out
+
+
+_FIELD = 'eval.path'
+
+
+def _text_tokens(file: Path, tokenizer) -> np.ndarray:
+  """A text file's tokens: its whole text tokenized at once (as the perplexity guide does)."""
+  try:
+    with open(file, encoding='utf-8', newline='') as f:
+      text = f.read()
+  except UnicodeDecodeError as e:
+    raise formats.not_utf8_error(file, _FIELD, e) from e
+  return np.asarray(tokenizer.encode(text), np.int32)
+
+
+def _record_tokens(file: Path, tokenizer, fmt) -> tuple[np.ndarray, np.ndarray | None]:
+  """A JSONL(.zst/.gz) or Parquet file's documents as training stores them: (tokens, loss mask
+  or None when every token is learned). Bad records are errors naming file and line/row, or
+  skipped with data.skip_bad_records."""
+  tasks = (formats.jsonl_tasks(file, _FIELD) if formats.source_format(file) == formats.JSONL else
+           formats.parquet_tasks(file, fmt, _FIELD))
+  tokens, masks, skipped = [], [], 0
+  for task, _ in tasks:
+    result = formats.run_task(task, tokenizer, fmt, np.dtype(np.int32))
+    if result.bad and not fmt.skip_bad_records:
+      raise formats.bad_records_error(result.bad, result.skipped, _FIELD)
+    skipped += result.skipped
+    tokens.append(result.tokens)
+    masks.append(result.mask)
+  if skipped:
+    print(f'{_FIELD}: {file}: skipped {skipped} bad records (data.skip_bad_records=True)',
+          flush=True)
+  if not tokens:
+    return np.zeros(0, np.int32), None
+  mask = None
+  if any(m is not None for m in masks):
+    mask = np.concatenate([np.ones(t.size, np.uint8) if m is None else m
+                           for t, m in zip(tokens, masks)])
+  return np.concatenate(tokens), mask
+
+
+def read_tokens(path: str, tokenizer, data_config=None) -> np.ndarray:
+  """The token stream of `path` (eval.path); see `read_eval_data`, of which it keeps only the
+  tokens."""
+  return read_eval_data(path, tokenizer, data_config)[0]
+
+
+def read_eval_data(path: str, tokenizer, data_config=None) -> tuple[np.ndarray, np.ndarray | None]:
+  """(tokens int32 [N], mask uint8 [N] or None) of eval.path: its files in order (module
+  docstring) as one stream; mask[i] = 1 when token i is scored as a target (None: all are).
+
+  `data_config` (config.data) gives the record fields and EOS of record files (text_field,
+  prompt_field, completion_field, eos_token, skip_bad_records); None: their defaults.
+
+  Raises:
+    ConfigError: naming eval.path: it is empty or does not exist, a file is not UTF-8 text, a
+      record is bad, or the stream has fewer than 2 tokens.
+  """
+  if not path:
+    raise ConfigError('eval.path is empty: set it to the text to evaluate on (a text file, a '
+                      '.jsonl, .jsonl.zst, .jsonl.gz or .parquet file, a directory or a glob '
+                      'pattern).')
+  files = formats.expand_sources([path], _FIELD)
+  fmt = None
+  pieces = []
+  for file in files:
+    if formats.source_format(file) == formats.TEXT:
+      pieces.append((_text_tokens(file, tokenizer), None))
+      continue
+    if fmt is None:
+      fmt = _document_format(tokenizer, data_config)
+    pieces.append(_record_tokens(file, tokenizer, fmt))
+  tokens = np.concatenate([t for t, _ in pieces])
+  mask = None
+  if any(m is not None for _, m in pieces):
+    mask = np.concatenate([np.ones(t.size, np.uint8) if m is None else m for t, m in pieces])
+  if tokens.size < 2:
+    raise ConfigError(f'eval.path: {path} has {tokens.size} token(s); perplexity needs at least 2.')
+  if mask is not None and not mask[1:].any():
+    raise ConfigError(f'eval.path: {path} has no learned token to score (every record is all '
+                      'prompt); evaluate on records with completions or assistant turns.')
+  return tokens, mask
+
+
+def _document_format(tokenizer, data_config):
+  """data/documents.py's DocumentFormat of the config's data section (EOS, BOS, fields)."""
+  if data_config is None:
+    return document_format(tokenizer)
+  get = lambda name, default: data_config.get(name, default)  # noqa: E731
+  return document_format(
+      tokenizer, eos_token=get('eos_token', ''), text_field=get('text_field', 'text'),
+      prompt_field=get('prompt_field', 'prompt'),
+      completion_field=get('completion_field', 'completion'),
+      skip_bad_records=get('skip_bad_records', False))
+
+
+def batch_windows(tokens: np.ndarray, chosen: list[Window], max_len: int, batch_size: int,
+                  token_mask: np.ndarray | None = None):
+  """([B, max_len + 1] int32 tokens, [B, max_len] float32 mask of the targets scored) for up to
+  `batch_size` windows; missing rows and the tail of a short window are padding, masked out.
+  `token_mask` [N] (read_eval_data): targets whose token has mask 0 are not scored either."""
+  batch = np.zeros((batch_size, max_len + 1), np.int32)
+  mask = np.zeros((batch_size, max_len), np.float32)
+  for row, w in enumerate(chosen):
+    stop = min(w.begin + max_len + 1, tokens.size)
+    batch[row, :stop - w.begin] = tokens[w.begin:stop]
+    scored = slice(w.first - w.begin - 1, w.end - w.begin - 1)
+    mask[row, scored] = 1.0 if token_mask is None else token_mask[w.first:w.end]
+  return batch, mask
+
+
+def _read_piece(reader, abstract_params, kind: str, start: int, stop: int) -> dict:
+  """The params of piece [start, stop) of `kind` (partition.py) from a checkpoint reader."""
+  template = jax.eval_shape(lambda p: partition.piece_of(p, kind, start, stop), abstract_params)
+
+  def leaf(path, _):
+    key = "['params']" + jax.tree_util.keystr(path)
+    axis = partition.split_axis(key)
+    return reader.read(key) if axis is None else reader.read(key, start, stop, axis=axis)
+
+  return jax.tree_util.tree_map_with_path(leaf, template)
+
+
+class _Functions:
+  """The jitted stages of a forward pass (the model functions the engines use)."""
+
+  def __init__(self, cfg: model_lib.ModelConfig):
+    self.embed = jax.jit(functools.partial(head_chunks.embed_chunk, cfg))
+    self.embed_add = jax.jit(lambda rows, tokens, start, x: x + head_chunks.embed_chunk(
+        cfg, rows, tokens, start), donate_argnums=3)
+    self.group = jax.jit(lambda layers, x, positions: model_lib.apply_group(cfg, layers, x,
+                                                                            positions))
+    self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg))
+    self.lse_init = jax.jit(head_chunks.lse_init)
+    self.lse_update = jax.jit(lambda weight, normed, targets, start, carry: head_chunks.lse_update(
+        cfg, normed, weight, targets, start, carry))
+    self.nll_sum = jax.jit(_nll_sum)
+
+
+def _nll_sum(carry, mask):
+  running_max, running_sum, target_logit = carry
+  nll = running_max + jnp.log(running_sum) - target_logit
+  return jnp.sum(nll * mask.reshape(-1))
+
+
+class Evaluator:
+  """Scores batches of windows, layer-major in passes, from `reader` (see the module docstring).
+
+  Args:
+    reader: `read(full-state path, start, stop, axis=)` of the model's params.
+    cfg: The model.
+    group_slices: Layer groups [(start, stop)] read at a time.
+    vocab_slices: Vocabulary chunks [(start, stop)] of the embedding and the LM head.
+    prefetch_depth: Pieces read ahead of the compute.
+  """
+
+  def __init__(self, reader, cfg: model_lib.ModelConfig, group_slices, vocab_slices,
+               prefetch_depth: int = 1):
+    self.reader, self.cfg = reader, cfg
+    self.groups, self.vocab = list(group_slices), list(vocab_slices)
+    self.depth = max(1, prefetch_depth)
+    self.abstract = model_lib.abstract_params(cfg)
+    self.fn = _Functions(cfg)
+    self._io = concurrent.futures.ThreadPoolExecutor(1, 'eval-read')  # one reader: in order
+    self.read_s = 0.0
+
+  def close(self) -> None:
+    self._io.shutdown(wait=True)
+
+  def _fetch(self, kind: str):
+    slices = self.groups if kind == 'layers' else self.vocab
+
+    def fetch(key):
+      def read():
+        started = time.perf_counter()
+        piece = jax.device_put(_read_piece(self.reader, self.abstract, kind, *slices[key]))
+        self.read_s += time.perf_counter() - started
+        return piece
+      return self._io.submit(read)
+    return fetch
+
+  def _pieces(self, kind: str, count: int) -> Prefetcher:
+    return Prefetcher(self._fetch(kind), range(count), self.depth)
+
+  def nll_sums(self, batches: list[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+    """Σ of the masked-in tokens' negative log-likelihood, per ([B, S+1] tokens, [B, S] mask)."""
+    inputs = [jnp.asarray(b[:, :-1]) for b, _ in batches]
+    targets = [jnp.asarray(b[:, 1:]) for b, _ in batches]
+    positions = model_lib.default_positions(inputs[0])
+    hidden = None
+    for c, piece in self._pieces('embed', len(self.vocab)):
+      start, rows = jnp.int32(self.vocab[c][0]), piece['embed']['embedding']
+      hidden = ([self.fn.embed(rows, t, start) for t in inputs] if hidden is None else
+                [self.fn.embed_add(rows, t, start, h) for t, h in zip(inputs, hidden)])
+    for _, group in self._pieces('layers', len(self.groups)):
+      hidden = [self.fn.group(group['layers'], h, positions) for h in hidden]
+    norm = jax.device_put(_read_piece(self.reader, self.abstract, 'final_norm', 0, 0))
+    normed = [self.fn.final_norm(norm, h) for h in hidden]
+    del hidden
+    carry = [self.fn.lse_init(t) for t in targets]
+    head = 'embed' if self.cfg.tie_embeddings else 'head'
+    for c, piece in self._pieces(head, len(self.vocab)):
+      start = jnp.int32(self.vocab[c][0])
+      weight = (piece['embed']['embedding'] if self.cfg.tie_embeddings else
+                piece['head']['lm_head']['kernel'])
+      carry = [self.fn.lse_update(weight, n, t, start, k)
+               for n, t, k in zip(normed, targets, carry)]
+    return [float(self.fn.nll_sum(k, jnp.asarray(m))) for k, (_, m) in zip(carry, batches)]
+
+
+def perplexity(evaluator: Evaluator, tokens: np.ndarray, max_len: int, stride: int,
+               batch_size: int, progress: bool = True, mask: np.ndarray | None = None) -> dict:
+  """eval/loss, eval/perplexity, eval/tokens (and the windows, timing) of `tokens`; with `mask`
+  [N] (read_eval_data) only the targets it marks are scored (eval/tokens counts them)."""
+  chosen = windows(int(tokens.size), max_len, stride)
+  d = evaluator.cfg.d_model
+  per_pass = max(1, PASS_BYTES // (batch_size * max_len * d * 4))
+  started, total, count = time.perf_counter(), 0.0, 0
+  bar = tqdm.tqdm(total=len(chosen), unit='window', desc='eval', disable=not progress,
+                  dynamic_ncols=True)
+  with bar:
+    for first in range(0, len(chosen), per_pass * batch_size):
+      part = chosen[first:first + per_pass * batch_size]
+      groups = [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
+      batches = [batch_windows(tokens, g, max_len, batch_size, mask) for g in groups]
+      total += sum(evaluator.nll_sums(batches))
+      count += int(sum(m.sum() for _, m in batches))
+      bar.update(len(part))
+  seconds = time.perf_counter() - started
+  loss = total / count
+  return {'eval/loss': loss, 'eval/perplexity': math.exp(min(loss, 80.0)), 'eval/tokens': count,
+          'eval/windows': len(chosen), 'eval/max_len': max_len, 'eval/stride': stride,
+          'eval/seconds': seconds, 'eval/seconds_per_1k_tokens': 1000.0 * seconds / count}

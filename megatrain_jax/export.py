@@ -1,0 +1,160 @@
+"""A run's checkpoint as a Hugging Face checkpoint (`launch.py --export_hf=<dir> --workdir=<run>`).
+
+Writes what transformers' `AutoModelForCausalLM.from_pretrained(<dir>)` loads: the weights as
+safetensors files of at most `export.max_shard_gb` each (`model.safetensors`, or
+`model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` when there are several),
+`config.json` in the transformers 5 layout (hf.hf_config_from_model_config: Llama, Qwen2 with q/k/v
+biases, Mistral with a window) and, when the run used a Hugging Face tokenizer, its tokenizer files.
+
+Bounded memory whatever the placement the run trained under: every shard's header is known from
+the shapes alone, so each file is written front to back, one tensor at a time (the embedding and
+an untied head in vocabulary-row slices of at most PIECE_BYTES), each read from the checkpoint
+(`checkpoint.CheckpointReader.read` with ranges: a layer of a stacked leaf, rows of the
+embedding, columns of the head kernel), transposed to torch's [out, in], cast to `export.dtype`
+and written before the next is read. The safetensors layout (an 8-byte little-endian header
+length, a JSON header padded with spaces to 8 bytes, then the tensors back to back in header order)
+is the one `safetensors` itself writes.
+"""
+
+import dataclasses
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import ml_dtypes
+import numpy as np
+
+from megatrain_jax import hf
+from megatrain_jax.errors import ConfigError
+from megatrain_jax.hf.format import tensor_map
+from megatrain_jax.model import ModelConfig
+
+PIECE_BYTES = 256 * 2**20  # largest slice of one tensor held at a time
+_DTYPES = {'float32': (np.dtype(np.float32), 'F32'),
+           'bfloat16': (np.dtype(ml_dtypes.bfloat16), 'BF16')}
+_SINGLE_FILE = 'model.safetensors'
+_INDEX_FILE = 'model.safetensors.index.json'
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+  """One tensor of the export: its HF name and shape, and where it comes from."""
+  name: str
+  shape: tuple
+  path: str  # full-state path of our leaf
+  layer: int | None
+  transpose: bool
+
+  def nbytes(self, itemsize: int) -> int:
+    return math.prod(self.shape) * itemsize
+
+
+def check_destination(out_dir: str) -> Path:
+  """The export directory, refused (before anything is written) if it holds anything."""
+  if not out_dir:
+    raise ConfigError('--export_hf is empty: give the directory to write the checkpoint to.')
+  path = Path(out_dir).expanduser().absolute()
+  if path.exists() and not path.is_dir():
+    raise ConfigError(f'--export_hf={out_dir}: {path} is a file. Give a new or empty directory.')
+  if path.is_dir() and any(path.iterdir()):
+    raise ConfigError(f'--export_hf={out_dir}: {path} is not empty; exporting there would mix '
+                      'two checkpoints. Give a new or empty directory.')
+  return path
+
+
+def _entries(cfg: ModelConfig) -> list[_Entry]:
+  return [_Entry(t.hf_name, t.hf_shape, "['params']" + ''.join(f"['{k}']" for k in t.path),
+                 t.layer, t.transpose) for t in tensor_map(cfg)]
+
+
+def _shards(entries: list[_Entry], itemsize: int, max_bytes: int) -> list[list[_Entry]]:
+  """Consecutive tensors packed into files of at most `max_bytes` (a larger tensor alone)."""
+  shards, size = [[]], 0
+  for e in entries:
+    n = e.nbytes(itemsize)
+    if shards[-1] and size + n > max_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(e)
+    size += n
+  return shards
+
+
+def _header(entries: list[_Entry], tag: str, itemsize: int) -> bytes:
+  header, offset = {'__metadata__': {'format': 'pt'}}, 0
+  for e in entries:
+    header[e.name] = {'dtype': tag, 'shape': list(e.shape),
+                      'data_offsets': [offset, offset + e.nbytes(itemsize)]}
+    offset += e.nbytes(itemsize)
+  text = json.dumps(header, separators=(',', ':')).encode()
+  text += b' ' * (-len(text) % 8)
+  return struct.pack('<Q', len(text)) + text
+
+
+def _pieces(reader, e: _Entry) -> Iterator[np.ndarray]:
+  """Tensor `e` in torch layout, as consecutive slices of its rows (float32)."""
+  if e.layer is not None:  # one layer of a stacked leaf
+    value = reader.read(e.path, e.layer, e.layer + 1)[0]
+    yield value.T if e.transpose else value
+    return
+  rows = e.shape[0]
+  row_bytes = 4 * math.prod(e.shape[1:])
+  step = max(1, min(rows, PIECE_BYTES // max(row_bytes, 1)))
+  if len(e.shape) == 1:
+    step = rows
+  for start in range(0, rows, step):
+    stop = min(rows, start + step)
+    if e.transpose:  # the head kernel [D, V]: HF rows are our columns
+      yield reader.read(e.path, start, stop, axis=1).T
+    elif len(e.shape) == 1:
+      yield reader.read(e.path)
+    else:
+      yield reader.read(e.path, start, stop)
+
+
+def _write_shard(reader, file: Path, entries: list[_Entry], dtype: np.dtype, tag: str) -> None:
+  with open(file, 'wb') as f:
+    f.write(_header(entries, tag, dtype.itemsize))
+    for e in entries:
+      for piece in _pieces(reader, e):
+        f.write(np.ascontiguousarray(piece, dtype=dtype).tobytes())
+        del piece
+
+
+def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
+           max_shard_bytes: int = 5 * 10**9, tokenizer: str = 'byte') -> list[Path]:
+  """Writes the params of `reader` (a checkpoint reader of a run of `cfg`) as a Hugging Face
+  checkpoint in `out_dir` (new or empty); returns the files written.
+
+  Args:
+    reader: `read(full-state path, start, stop, axis=)`, e.g. checkpoint.CheckpointReader.
+    cfg: The model.
+    out_dir: The directory (created).
+    dtype: 'float32' or 'bfloat16'.
+    max_shard_bytes: Largest safetensors file.
+    tokenizer: The run's data.tokenizer: its tokenizer files are copied unless it is 'byte'.
+  """
+  np_dtype, tag = _DTYPES[dtype]
+  shards = _shards(_entries(cfg), np_dtype.itemsize, max_shard_bytes)
+  names = ([_SINGLE_FILE] if len(shards) == 1 else
+           [f'model-{k + 1:05d}-of-{len(shards):05d}.safetensors' for k in range(len(shards))])
+  out_dir.mkdir(parents=True, exist_ok=True)
+  written = []
+  for name, entries in zip(names, shards):
+    _write_shard(reader, out_dir / name, entries, np_dtype, tag)
+    written.append(out_dir / name)
+  if len(shards) > 1:
+    index = {'metadata': {'total_size': sum(e.nbytes(np_dtype.itemsize) for s in shards
+                                            for e in s)},
+             'weight_map': {e.name: name for name, s in zip(names, shards) for e in s}}
+    (out_dir / _INDEX_FILE).write_text(json.dumps(index, indent=2) + '\n')
+    written.append(out_dir / _INDEX_FILE)
+  config = hf.hf_config_from_model_config(cfg) | {'dtype': dtype}
+  (out_dir / 'config.json').write_text(json.dumps(config, indent=2) + '\n')
+  written.append(out_dir / 'config.json')
+  if tokenizer != 'byte':
+    written += hf.copy_tokenizer(Path(tokenizer), out_dir)
+  return written
+

@@ -1,0 +1,255 @@
+"""Starting a run from a Hugging Face checkpoint (`init.from_hf`): its config.json becomes the
+model section of the config, and its weights go into the engines' stores piece by piece.
+
+`config_from_checkpoint` writes the checkpoint's shape fields (`MODEL_FIELDS`) into a copy of the
+config; runtime fields (remat, dtype, matmul_precision, attention_chunk, vocab_chunk, scan_layers)
+stay the config's. A shape field the user set that disagrees with config.json is a ConfigError.
+
+`HfReader` reads the checkpoint the way `checkpoint.CheckpointReader` reads a run's checkpoint:
+`read(full-state path, start, stop, axis=)` returns a slice of one leaf of the full train state
+(partition.py's layout: layer leaves stacked [L, ...], the head kernel [D, V]), so the engines fill
+their stores from it exactly as they restore a checkpoint (`train.make_engine(restore_from=...)`):
+the streamed engine piece by piece (a layer group, a vocabulary chunk) straight into its tier, the
+resident engine leaf by leaf onto the device. Each read opens the safetensors files it needs,
+memory-maps them, copies the slices it wants (`safe_open(...).get_slice`, cast to float32 and
+transposed from torch's [out, in] in the same copy) and unmaps them again, so the process holds
+at most one piece of the model (plus the mapped pages of the tensors that piece is cut from).
+Adam state and step counts read as zeros (what AdamW's `init` gives), the rng as a fresh run's.
+"""
+
+import contextlib
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from megatrain_jax import config as config_lib
+from megatrain_jax.errors import ConfigError
+from megatrain_jax.hf.format import HfCheckpoint, _open_safetensors
+from megatrain_jax.layout import Layout
+from megatrain_jax.model.config import ModelConfig
+
+# ModelConfig field -> its config key: what a Hugging Face checkpoint's config.json decides.
+MODEL_FIELDS = {
+    'vocab_size': 'model.vocab_size', 'd_model': 'model.d_model',
+    'num_layers': 'model.num_layers', 'num_heads': 'model.num_heads',
+    'num_kv_heads': 'model.num_kv_heads', 'd_ff': 'model.d_ff', 'head_dim': 'model.head_dim',
+    'max_seq_len': 'model.max_seq_len', 'rope_theta': 'model.rope_theta',
+    'rope_scaling_type': 'model.rope_scaling.type',
+    'rope_scaling_factor': 'model.rope_scaling.factor',
+    'rope_low_freq_factor': 'model.rope_scaling.low_freq_factor',
+    'rope_high_freq_factor': 'model.rope_scaling.high_freq_factor',
+    'rope_original_max_len': 'model.rope_scaling.original_max_len',
+    'qkv_bias': 'model.qkv_bias', 'tie_embeddings': 'model.tie_embeddings',
+    'norm_eps': 'model.norm_eps', 'sliding_window': 'model.sliding_window',
+    'init_std': 'model.init_std',
+}
+TOKENIZER_KEY = 'data.tokenizer'
+# Tokenizer files copied with a checkpoint (into a run, and by export); tokenizer.json is the one
+# the data pipeline reads, the others let transformers' AutoTokenizer load the export.
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
+                   'added_tokens.json', 'generation_config.json')
+
+
+# ----------------------------------------------------------------------------------------------
+# The config.
+# ----------------------------------------------------------------------------------------------
+
+def _get(config, key: str):
+  node = config
+  for part in key.split('.'):
+    node = node[part]
+  return node
+
+
+def set_fields(config, explicit: Iterable[str] | None) -> set[str]:
+  """The config keys the user set: `explicit` (launch.py passes the --config.* overrides), or,
+  when None (a config built in Python), every key whose value differs from configs/default.py."""
+  if explicit is not None:
+    return set(explicit)
+  default = config_lib.load_config('default')
+  keys = [*MODEL_FIELDS.values(), TOKENIZER_KEY]
+  return {key for key in keys if _get(config, key) != _get(default, key)}
+
+
+def _agrees(key: str, given, value) -> bool:
+  if key == 'model.head_dim' and given == 0:  # 0 = d_model // num_heads, resolved from the rest
+    return True
+  return given == value
+
+
+def apply_fields(config: ml_collections.ConfigDict, fields: dict[str, Any], source: str,
+                 explicit: Iterable[str] | None = None,
+                 tokenizer: str | None = None) -> ml_collections.ConfigDict:
+  """A copy of `config` with `fields` ({config key: value}) set, and data.tokenizer set to
+  `tokenizer` unless the user chose one.
+
+  Raises:
+    ConfigError: if a field the user set (`set_fields`) disagrees with `source`'s value.
+  """
+  chosen = set_fields(config, explicit)
+  for key, value in fields.items():
+    given = _get(config, key)
+    if key in chosen and not _agrees(key, given, value):
+      raise ConfigError(
+          f'{key}={given!r} disagrees with {source}, which gives {value!r}: with init.from_hf the '
+          f'model shape comes from the checkpoint. Drop the {key} override (or set it to '
+          f'{value!r}); runtime fields such as model.remat or model.dtype may still be set.')
+  out = ml_collections.ConfigDict(config.to_dict())
+  for key, value in fields.items():
+    config_lib.set_field(out, key, value)
+  if tokenizer is not None and TOKENIZER_KEY not in chosen:
+    config_lib.set_field(out, TOKENIZER_KEY, tokenizer)
+  return out
+
+
+def model_fields(cfg: ModelConfig | dict) -> dict[str, Any]:
+  """{config key: value} of the shape fields of `cfg` (a ModelConfig, or its dataclasses.asdict
+  as a checkpoint's meta.json records it)."""
+  values = cfg if isinstance(cfg, dict) else {f: getattr(cfg, f) for f in MODEL_FIELDS}
+  return {key: values[field] for field, key in MODEL_FIELDS.items()}
+
+
+def tokenizer_file(directory: Path) -> Path | None:
+  """The checkpoint directory's tokenizer.json, if it has one."""
+  path = Path(directory) / TOKENIZER_FILES[0]
+  return path if path.is_file() else None
+
+
+def config_from_checkpoint(config: ml_collections.ConfigDict, checkpoint: HfCheckpoint,
+                           explicit: Iterable[str] | None = None) -> ml_collections.ConfigDict:
+  """`config` with the model shape of `checkpoint` and, unless the user chose one, its
+  tokenizer.json as data.tokenizer."""
+  found = tokenizer_file(checkpoint.directory)
+  return apply_fields(config, model_fields(checkpoint.cfg),
+                      f'{checkpoint.directory}/config.json', explicit,
+                      str(found) if found else None)
+
+
+def copy_tokenizer(source: Path, dest: Path) -> list[Path]:
+  """Copies the tokenizer files (TOKENIZER_FILES) found beside `source` (a tokenizer.json or a
+  directory holding one) into directory `dest`; returns the copies."""
+  source = Path(source)
+  directory = source if source.is_dir() else source.parent
+  dest.mkdir(parents=True, exist_ok=True)
+  copied = []
+  for name in TOKENIZER_FILES:
+    file = source if name == TOKENIZER_FILES[0] and source.is_file() else directory / name
+    if file.is_file():
+      shutil.copyfile(file, dest / name)
+      copied.append(dest / name)
+  return copied
+
+
+# ----------------------------------------------------------------------------------------------
+# The weights.
+# ----------------------------------------------------------------------------------------------
+
+def _full_path(keys: tuple[str, ...]) -> str:
+  return "['params']" + ''.join(f"['{k}']" for k in keys)
+
+
+class HfReader:
+  """A Hugging Face checkpoint read as a fresh run's full train state, one slice at a time: the
+  reader interface of checkpoint.CheckpointReader (`read`, `snapshot_dir`, `device_state`,
+  `meta`) that `train.make_engine(restore_from=...)` fills the engines from.
+
+  Args:
+    checkpoint: The inspected checkpoint (`inspect_checkpoint`).
+    abstract_state: ShapeDtypeStructs of the full train state (resident.abstract_state).
+    seed: train.seed: the rng a fresh run of this seed would carry.
+  """
+
+  def __init__(self, checkpoint: HfCheckpoint, abstract_state, seed: int = 0):
+    self.checkpoint = checkpoint
+    self.meta = {'step': 0, 'data_position': 0}
+    self.bytes_read = 0  # of tensor data, in the checkpoint's dtype
+    self._leaves = {jax.tree_util.keystr(p): x
+                    for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+    self._tensors: dict[str, list] = {}
+    for t in checkpoint.tensors:
+      self._tensors.setdefault(_full_path(t.path), []).append(t)
+    for tensors in self._tensors.values():
+      tensors.sort(key=lambda t: -1 if t.layer is None else t.layer)
+    _, rng = jax.random.split(jax.random.key(seed))
+    self._rng = np.asarray(jax.random.key_data(rng))
+
+  def snapshot_dir(self, path: str) -> None:
+    """No leaf is an NVMe snapshot: the stores are written, never linked."""
+    del path
+
+  def shape(self, path: str) -> tuple:
+    return tuple(self._leaf(path).shape)
+
+  def _leaf(self, path: str):
+    if path not in self._leaves:
+      raise ConfigError(f'{self.checkpoint.directory}: the train state has no leaf {path}.')
+    return self._leaves[path]
+
+  def read(self, path: str, start: int | None = None, stop: int | None = None, *,
+           axis: int = 0) -> np.ndarray:
+    """Leaf `path` of the full state as host numpy: indices [start:stop] along `axis` (layers of
+    a stacked leaf; vocabulary rows of the embedding, axis 0; columns of the head kernel, axis 1),
+    the whole leaf if start is None. Params come from the safetensors files as float32, optimizer
+    state and step counts are zero."""
+    leaf = self._leaf(path)
+    shape = tuple(leaf.shape)
+    if start is not None:
+      shape = shape[:axis] + (stop - start,) + shape[axis + 1:]
+    if path == "['rng']":
+      return self._rng.copy()
+    if path not in self._tensors:  # AdamW's mu, nu and counts start at zero (optax init)
+      return np.zeros(shape, leaf.dtype)
+    return self._read_params(self._tensors[path], shape, start or 0, axis)
+
+  def _read_params(self, tensors: list, shape: tuple, start: int, axis: int) -> np.ndarray:
+    out = np.empty(shape, np.float32)
+    with contextlib.ExitStack() as stack:
+      handles = {}
+
+      def opened(t):
+        file = self.checkpoint.files[t.hf_name]
+        if file not in handles:
+          handles[file] = stack.enter_context(_open_safetensors(file))
+        return handles[file]
+
+      if tensors[0].layer is None:
+        t = tensors[0]
+        out[...] = self._slice(opened(t), t, axis, start, start + shape[axis])
+      else:
+        if axis != 0:
+          raise ValueError(f'layer leaves are cut along axis 0 (layers), not {axis}')
+        for i in range(shape[0]):
+          t = tensors[start + i]
+          out[i] = self._slice(opened(t), t, None, 0, 0)
+    return out
+
+  def _slice(self, f, t, axis: int | None, start: int, stop: int) -> np.ndarray:
+    """Tensor `t` (indices [start:stop] along our `axis`; all if axis is None) in our layout."""
+    tensor = f.get_slice(t.hf_name)
+    if axis is None:
+      value = tensor[:]
+    else:
+      hf_axis = len(t.hf_shape) - 1 - axis if t.transpose else axis
+      value = tensor[(slice(None),) * hf_axis + (slice(start, stop),)]
+    self.bytes_read += value.nbytes
+    return value.T if t.transpose else value
+
+  def device_state(self, abstract_state, layout: Layout | None = None,
+                   memory_kind: str = 'device'):
+    """The whole state on the device(s) of `layout`, leaf by leaf (one host copy of one leaf at a
+    time); optimizer state and step counts are made as zeros on the device."""
+    layout = layout or Layout.single_device()
+
+    def leaf(key_path, abstract):
+      path = jax.tree_util.keystr(key_path)
+      sharding = layout.sharding(memory_kind, tuple(abstract.shape))
+      if path in self._tensors or path == "['rng']":
+        return jax.device_put(self.read(path), sharding)
+      return jnp.zeros(abstract.shape, abstract.dtype, device=sharding)
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract_state)

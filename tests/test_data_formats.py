@@ -1,0 +1,465 @@
+"""Tests for the record formats of the data pipeline (issue 12): JSONL(.zst/.gz) and Parquet
+documents with EOS, prompt/completion and chat loss masks, mixtures, the resumable sharded
+prepare, and bad input.
+
+Everything is written under pytest's tmp_path; the tokenizers are trained here (no download).
+"""
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_collections
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import tokenizers
+import zstandard
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from megatrain_jax.data import (Batch, BatchSampler, ByteTokenizer, MixtureSplit, TokenStream,
+                                check_data_config, document_format, eval_batches, load_data,
+                                load_split, load_tokenizer, prepare_dataset, read_dataset_info)
+from megatrain_jax.data import formats
+from megatrain_jax.data import prepare as prepare_module
+from megatrain_jax.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / 'shared' / 'data'
+WIKITEXT_VALID = SHARED_DATA / 'wikitext-2' / 'valid.txt'
+EOS = '<|endoftext|>'
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+
+
+def _data_config(**overrides) -> ml_collections.ConfigDict:
+  fields = dict(path='', val_path='', val_fraction=0.05, tokenizer='byte', cache_dir='',
+                text_field='text', prompt_field='prompt', completion_field='completion',
+                eos_token='', mixture='', num_workers=1, shard_tokens=1 << 27,
+                skip_bad_records=False)
+  fields.update(overrides)
+  return ml_collections.ConfigDict(fields)
+
+
+@pytest.fixture(scope='module')
+def documents() -> list[str]:
+  """~400 documents: wikitext-2 articles (split at their ' = Title = ' headings)."""
+  text = WIKITEXT_VALID.read_text(encoding='utf-8')
+  docs, current = [], []
+  for line in text.splitlines(keepends=True):
+    if line.startswith(' = ') and not line.startswith(' = = ') and current:
+      docs.append(''.join(current))
+      current = []
+    current.append(line)
+  docs.append(''.join(current))
+  # Also split long articles by paragraph, for more (and shorter) documents.
+  out = [p for d in docs for p in d.split('\n \n') if p.strip()]
+  return out[:400]
+
+
+@pytest.fixture(scope='module')
+def tokenizer_dir(tmp_path_factory, documents) -> Path:
+  """A byte-level BPE with an EOS token, a tokenizer_config.json naming it, a chat template."""
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=[EOS, '<s>', '<|im_start|>',
+                                                                '<|im_end|>'],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(documents[:200], trainer=trainer)
+  directory = tmp_path_factory.mktemp('tokenizer')
+  tok.save(str(directory / 'tokenizer.json'))
+  (directory / 'tokenizer_config.json').write_text(json.dumps(
+      {'eos_token': EOS, 'bos_token': '<s>', 'chat_template': CHAT_TEMPLATE}))
+  return directory
+
+
+def _write_jsonl(path: Path, records, compress: str = '') -> Path:
+  data = b''.join(json.dumps(r).encode('utf-8') + b'\n' for r in records)
+  if compress == 'zst':
+    # Two frames, as pzstd and concatenated shards write them.
+    half = len(data) // 2
+    data = (zstandard.ZstdCompressor().compress(data[:half]) +
+            zstandard.ZstdCompressor().compress(data[half:]))
+  elif compress == 'gz':
+    data = gzip.compress(data)
+  path.write_bytes(data)
+  return path
+
+
+def _write_parquet(path: Path, columns: dict, row_group_size: int = 64) -> Path:
+  pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+  return path
+
+
+def _stream(info, split=None) -> np.ndarray:
+  if split is None:
+    return np.concatenate([_stream(info, 'train'), _stream(info, 'val')])
+  return np.asarray(load_split(info, split)).astype(np.int64)
+
+
+# --- formats and documents ----------------------------------------------------------------------
+
+
+def test_jsonl_zst_and_parquet_token_counts(tmp_path, documents, tokenizer_dir):
+  reference = tokenizers.Tokenizer.from_file(str(tokenizer_dir / 'tokenizer.json'))
+  eos = reference.token_to_id(EOS)
+  expected = np.concatenate([
+      np.array(reference.encode(doc, add_special_tokens=False).ids + [eos]) for doc in documents])
+  assert len(expected) == sum(
+      len(reference.encode(d, add_special_tokens=False).ids) + 1 for d in documents)
+  tok = load_tokenizer(str(tokenizer_dir))
+  sources = {
+      'zst': _write_jsonl(tmp_path / 'docs.jsonl.zst', [{'text': d, 'meta': {}} for d in documents],
+                          'zst'),
+      'gz': _write_jsonl(tmp_path / 'docs.jsonl.gz', [{'text': d} for d in documents], 'gz'),
+      'parquet': _write_parquet(tmp_path / 'docs.parquet', {'text': documents, 'id': list(
+          range(len(documents)))}),
+  }
+  for name, source in sources.items():
+    # Small shards: the stream spans several, the validation tail crosses a shard boundary.
+    info = prepare_dataset(tmp_path / name, tok, train_sources=[source], shard_tokens=7000)
+    assert info.train_tokens + info.val_tokens == len(expected), name
+    np.testing.assert_array_equal(_stream(info), expected)
+    assert len(info.splits['train']) > 1 and info.stats['documents'] == len(documents)
+    assert not info.has_mask and isinstance(load_split(info, 'train'), TokenStream)
+
+
+def test_parallel_prepare_equals_single_process(tmp_path, documents, tokenizer_dir, monkeypatch):
+  monkeypatch.setattr(prepare_module, '_POOL_MIN_BYTES', 0)
+  monkeypatch.setattr(formats, 'CHUNK_BYTES', 20_000)  # many tasks (read at call time)
+  source = _write_jsonl(tmp_path / 'docs.jsonl', [{'text': d} for d in documents])
+  tok = load_tokenizer(str(tokenizer_dir))
+  one = prepare_dataset(tmp_path / 'one', tok, train_sources=[source], shard_tokens=9000)
+  two = prepare_dataset(tmp_path / 'two', tok, train_sources=[source], shard_tokens=9000,
+                        num_workers=2)
+  names = sorted(p.name for p in (tmp_path / 'one').iterdir())
+  assert names == sorted(p.name for p in (tmp_path / 'two').iterdir())
+  for name in names:
+    assert (tmp_path / 'one' / name).read_bytes() == (tmp_path / 'two' / name).read_bytes(), name
+  assert one.train_tokens == two.train_tokens
+
+
+def test_text_files_stay_a_raw_stream_and_globs(tmp_path):
+  (tmp_path / 'a.txt').write_text('first\n')
+  (tmp_path / 'b.txt').write_text('second\n')
+  _write_jsonl(tmp_path / 'c.jsonl', [{'text': 'third'}])
+  info = prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[tmp_path / '*.*'],
+                         val_sources=[tmp_path / 'a.txt'])
+  # .txt bytes as they are; each record + EOS (the byte tokenizer's EOS is NUL).
+  assert bytes(_stream(info, 'train').astype(np.uint8)) == b'first\nsecond\nthird\0'
+  with pytest.raises(ConfigError, match='matches no files'):
+    prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[tmp_path / '*.parquet'])
+
+
+def test_bos_from_tokenizer_config_and_eos_override(tmp_path, tokenizer_dir):
+  bos_dir = tmp_path / 'tok'
+  bos_dir.mkdir()
+  (bos_dir / 'tokenizer.json').write_bytes((tokenizer_dir / 'tokenizer.json').read_bytes())
+  (bos_dir / 'tokenizer_config.json').write_text(json.dumps(
+      {'eos_token': {'content': EOS}, 'bos_token': '<s>', 'add_bos_token': True}))
+  tok = load_tokenizer(str(bos_dir))
+  fmt = document_format(tok)
+  assert (fmt.bos, fmt.eos) == (tok.token_id('<s>'), tok.token_id(EOS))
+  assert document_format(tok, eos_token='<|im_end|>').eos == tok.token_id('<|im_end|>')
+  with pytest.raises(ConfigError, match='data.eos_token'):
+    document_format(tok, eos_token='not-a-token')
+  (bos_dir / 'tokenizer_config.json').unlink()
+  with pytest.raises(ConfigError, match='data.eos_token'):
+    document_format(load_tokenizer(str(bos_dir)))
+  source = _write_jsonl(tmp_path / 'd.jsonl', [{'text': 'ab'}, {'text': 'c'}])
+  info = prepare_dataset(tmp_path / 'out', tok, train_sources=[source], doc_format=fmt)
+  ids = list(_stream(info))
+  assert ids[0] == fmt.bos and ids.count(fmt.bos) == 2 and ids.count(fmt.eos) == 2
+  assert ids[-1] == fmt.eos and not info.has_mask  # plain text: every token learned
+
+
+# --- loss masks -----------------------------------------------------------------------------------
+
+
+def test_prompt_completion_mask_matches_hand_computed(tmp_path):
+  records = [{'prompt': 'Q:2+2?', 'completion': ' 4'}, {'text': 'xy'},
+             {'prompt': 'Hi', 'completion': '!'}]
+  source = _write_jsonl(tmp_path / 'sft.jsonl', records * 40)
+  info = prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[source],
+                         shard_tokens=100)
+  assert info.has_mask
+  # By hand, bytes: prompt (not learned), completion (learned), EOS=0 (learned); text all learned.
+  one = (list(b'Q:2+2?') + list(b' 4') + [0] + list(b'xy') + [0] + list(b'Hi') + list(b'!') +
+         [0])
+  one_mask = [0] * 6 + [1] * 2 + [1] + [1, 1, 1] + [0, 0] + [1] + [1]
+  stream = load_split(info, 'train')
+  n = len(stream)
+  whole = TokenStream(info.splits['train'] + info.splits['val'], info.dtype)
+  np.testing.assert_array_equal(whole[:], np.array(one * 40))
+  np.testing.assert_array_equal(whole.mask(slice(0, len(whole))), np.array(one_mask * 40))
+
+  sampler = BatchSampler(stream, seq_len=8, batch_size=3, microbatches=2, seed=1)
+  batch = sampler.batch(5)
+  assert isinstance(batch, Batch) and batch.tokens.shape == (2, 3, 9)
+  assert batch.loss_mask.shape == (2, 3, 8) and batch.loss_mask.dtype == np.uint8
+  starts = sampler.window_starts(5)
+  full_mask = np.array(one_mask * 40)
+  for m in range(2):
+    for b in range(3):
+      s = starts[m, b]
+      assert s + 9 <= n
+      np.testing.assert_array_equal(batch.tokens[m, b], np.array(one * 40)[s:s + 9])
+      # The mask is aligned to the targets tokens[..., 1:].
+      np.testing.assert_array_equal(batch.loss_mask[m, b], full_mask[s + 1:s + 9])
+  evals = eval_batches(load_split(info, 'val'), seq_len=4, batch_size=2, num_batches=2)
+  assert all(isinstance(e, Batch) and e.loss_mask.shape == (2, 4) for e in evals)
+  val_start = info.train_tokens
+  np.testing.assert_array_equal(evals[0].loss_mask[0], full_mask[val_start + 1:val_start + 5])
+
+
+def test_prompt_completion_with_bos_and_bpe(tmp_path, tokenizer_dir):
+  tok = load_tokenizer(str(tokenizer_dir))
+  fmt = document_format(tok)
+  fmt = type(fmt)(**{**fmt.__dict__, 'bos': tok.token_id('<s>')})
+  source = _write_jsonl(tmp_path / 'sft.jsonl', [{'prompt': 'The cat', 'completion': ' sat.'}])
+  info = prepare_dataset(tmp_path / 'out', tok, train_sources=[source], doc_format=fmt,
+                         val_fraction=0.5)
+  whole = TokenStream(info.splits['train'] + info.splits['val'], info.dtype)
+  prompt, completion = tok.encode('The cat'), tok.encode(' sat.')
+  np.testing.assert_array_equal(
+      whole[:], [fmt.bos, *prompt, *completion, fmt.eos])
+  np.testing.assert_array_equal(whole.mask(slice(0, len(whole))),
+                                [0] + [0] * len(prompt) + [1] * len(completion) + [1])
+
+
+def test_chat_template_learns_only_assistant_turns(tmp_path, tokenizer_dir):
+  tok = load_tokenizer(str(tokenizer_dir))
+  conversation = [{'role': 'system', 'content': 'Be brief.'},
+                  {'role': 'user', 'content': 'Capital of France?'},
+                  {'role': 'assistant', 'content': 'Paris.'},
+                  {'role': 'user', 'content': 'And Italy?'},
+                  {'role': 'assistant', 'content': 'Rome.'}]
+  source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': conversation}])
+  info = prepare_dataset(tmp_path / 'out', tok, train_sources=[source], val_fraction=0.5)
+  whole = TokenStream(info.splits['train'] + info.splits['val'], info.dtype)
+  tokens, mask = whole[:], whole.mask(slice(0, len(whole)))
+  learned = tok.decode(tokens[mask == 1])
+  # Each assistant turn as the template renders it after the generation prompt, then EOS.
+  assert learned == 'Paris.<|im_end|>\nRome.<|im_end|>\n' + EOS
+  assert tok.decode(tokens).startswith('<|im_start|>system\nBe brief.')
+  # Without a chat template, messages records are bad records.
+  plain = tmp_path / 'plain'
+  plain.mkdir()
+  (plain / 'tokenizer.json').write_bytes((tokenizer_dir / 'tokenizer.json').read_bytes())
+  (plain / 'tokenizer_config.json').write_text(json.dumps({'eos_token': EOS}))
+  with pytest.raises(ConfigError, match='chat_template'):
+    prepare_dataset(tmp_path / 'out2', load_tokenizer(str(plain)), train_sources=[source])
+
+
+# --- mixtures -----------------------------------------------------------------------------------
+
+
+def test_mixture_proportions_and_resume():
+  sources = tuple(np.full(window * 64, value, dtype=np.uint16)
+                  for value, window in ((1, 9), (2, 9), (3, 9)))
+  weights = (0.6, 0.3, 0.1)
+  sampler = BatchSampler(MixtureSplit(weights, sources), seq_len=8, batch_size=50,
+                         microbatches=2, seed=7)
+  draws = np.concatenate([sampler.batch(p)[..., 0].reshape(-1)
+                          for p in range(0, 10_000, sampler.samples_per_step)])
+  assert len(draws) == 10_000
+  for value, weight in zip((1, 2, 3), weights):
+    assert abs(np.mean(draws == value) - weight) < 0.01
+  # Stateless in the position: a fresh sampler (a resumed run) gives the same batches.
+  again = BatchSampler(MixtureSplit(weights, sources), seq_len=8, batch_size=50,
+                       microbatches=2, seed=7)
+  for position in (0, 4321, 9_900, 123_456):
+    np.testing.assert_array_equal(again.batch(position), sampler.batch(position))
+    np.testing.assert_array_equal(again.window_sources(position),
+                                  sampler.window_sources(position))
+  # Each source's samples walk its own epochs: 64 windows of source 0 are each used once first.
+  sources_of = np.concatenate([sampler.window_sources(p).reshape(-1) for p in range(0, 300, 100)])
+  starts_of = np.concatenate([sampler.window_starts(p).reshape(-1) for p in range(0, 300, 100)])
+  first = starts_of[sources_of == 0][:64]
+  assert sorted(first // 9) == list(range(64))
+
+
+def test_mixture_from_config(tmp_path, documents):
+  a = _write_jsonl(tmp_path / 'a.jsonl', [{'text': d} for d in documents[:100]])
+  b = _write_parquet(tmp_path / 'b.parquet', {'text': documents[100:200]})
+  config = _data_config(mixture=f'3:{a},1:{b}', cache_dir=str(tmp_path / 'cache'))
+  check_data_config(config)
+  info, _ = load_data(config, tmp_path)
+  assert [w for w, _ in info.mixture] == [3.0, 1.0]
+  assert info.train_tokens == sum(p.train_tokens for _, p in info.mixture)
+  train = load_split(info, 'train')
+  assert isinstance(train, MixtureSplit)
+  val = load_split(info, 'val')
+  assert len(val) == info.val_tokens == sum(p.val_tokens for _, p in info.mixture)
+  sampler = BatchSampler(train, seq_len=32, batch_size=4, microbatches=1, seed=0)
+  assert sampler.batch(0).shape == (1, 4, 33)
+  # Reused, not re-prepared, on the next load.
+  assert load_data(config, tmp_path)[0] == info
+  # With data.val_path, validation is that file and the sources hold nothing out.
+  val_config = _data_config(mixture=f'3:{a},1:{b}', cache_dir=str(tmp_path / 'cache2'),
+                            val_path=str(WIKITEXT_VALID))
+  with_val, _ = load_data(val_config, tmp_path)
+  assert all(p.val_tokens == 0 for _, p in with_val.mixture)
+  assert with_val.val_tokens == WIKITEXT_VALID.stat().st_size  # a .txt: one token per byte
+  for spec, message in (('0:' + str(a), 'weight'), ('-1:' + str(a), 'weight'),
+                        ('x:' + str(a), 'WEIGHT:SOURCE'), (f'1:{a},nan:{b}', 'weight')):
+    with pytest.raises(ConfigError, match='data.mixture.*' + message):
+      check_data_config(_data_config(mixture=spec))
+  with pytest.raises(ConfigError, match='data.mixture'):
+    check_data_config(_data_config(mixture=f'1:{a}', path=str(a)))
+
+
+# --- resumable prepare --------------------------------------------------------------------------
+
+_KILLER = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from megatrain_jax.data import ByteTokenizer, formats, prepare_dataset, shards
+formats.CHUNK_BYTES = 3000
+commit = shards.ShardWriter._commit
+count = [0]
+def dying_commit(self, *args):
+  commit(self, *args)
+  count[0] += 1
+  if count[0] == {kill_after}:
+    os.kill(os.getpid(), signal.SIGKILL)
+shards.ShardWriter._commit = dying_commit
+prepare_dataset({out!r}, ByteTokenizer(), train_sources=[{source!r}], val_sources=[{val!r}],
+                shard_tokens=2500)
+"""
+
+
+def test_prepare_killed_midway_resumes_to_identical_files(tmp_path, documents, monkeypatch):
+  monkeypatch.setattr(formats, 'CHUNK_BYTES', 3000)
+  records = [{'prompt': d[:40], 'completion': d[40:200]} if i % 3 == 0 else {'text': d}
+             for i, d in enumerate(documents[:150])]
+  source = _write_jsonl(tmp_path / 'src.jsonl.zst', records, 'zst')
+  val = _write_parquet(tmp_path / 'val.parquet', {'text': documents[150:200]}, 10)
+  clean = tmp_path / 'clean'
+  prepare_dataset(clean, ByteTokenizer(), train_sources=[source], val_sources=[val],
+                  shard_tokens=2500)
+  resumed = tmp_path / 'resumed'
+  script = _KILLER.format(repo=str(REPO), out=str(resumed), source=str(source), val=str(val),
+                          kill_after=5)
+  run = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True)
+  assert run.returncode == -signal.SIGKILL, run.stderr
+  progress = json.loads((resumed / 'prepare.json').read_text())
+  assert len(progress['streams']['train']['shards']) == 5
+  assert not (resumed / 'meta.json').exists()
+  # Resume: the recorded shards are kept (not rewritten), the rest is written.
+  kept = {p.name: p.stat().st_mtime_ns for p in resumed.glob('train-0000[0-4].*')}
+  prepare_dataset(resumed, ByteTokenizer(), train_sources=[source], val_sources=[val],
+                  shard_tokens=2500)
+  assert {p.name: p.stat().st_mtime_ns for p in resumed.glob('train-0000[0-4].*')} == kept
+  names = sorted(p.name for p in clean.iterdir())
+  assert names == sorted(p.name for p in resumed.iterdir())
+  assert any(name.endswith('.mask') for name in names)
+  for name in names:
+    assert (clean / name).read_bytes() == (resumed / name).read_bytes(), name
+  assert read_dataset_info(resumed).splits['train'][0][0].endswith('train-00000.bin')
+
+
+def test_format_1_directory_still_loads(tmp_path):
+  out = tmp_path / 'old'
+  out.mkdir()
+  np.arange(100, dtype='<u2').tofile(out / 'train.bin')
+  np.arange(20, dtype='<u2').tofile(out / 'val.bin')
+  (out / 'meta.json').write_text(json.dumps(
+      {'format': 1, 'dtype': 'uint16', 'vocab_size': 256, 'train_tokens': 100,
+       'val_tokens': 20, 'tokenizer': 'byte', 'fingerprint': 'x'}))
+  info, _ = load_data(_data_config(path=str(out)), tmp_path)
+  np.testing.assert_array_equal(load_split(info, 'train'), np.arange(100))
+  np.testing.assert_array_equal(load_split(info, 'val'), np.arange(20))
+  # As a cache of another dataset, it is replaced (old files removed) by the new layout.
+  text = tmp_path / 't.txt'
+  text.write_text('hello world\n' * 10)
+  info = prepare_dataset(out, ByteTokenizer(), train_sources=[text])
+  assert sorted(p.name for p in out.iterdir()) == ['meta.json', 'train-00000.bin']
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def _bad_cases(tmp_path):
+  ok = json.dumps({'text': 'fine'})
+  zst = zstandard.ZstdCompressor().compress((ok + '\n').encode() * 500)
+  gz = gzip.compress((ok + '\n').encode() * 500)
+
+  def write(name, data):
+    (tmp_path / name).write_bytes(data)
+    return tmp_path / name
+
+  return {
+      'malformed JSON': (write('a.jsonl', f'{ok}\n{{"text": "x"\n'.encode()), 'a.jsonl:2:',
+                         'malformed JSON'),
+      'no text field': (write('b.jsonl', f'{ok}\n{ok}\n{{"body": "x"}}\n'.encode()), 'b.jsonl:3:',
+                        "without the text field 'text'"),
+      'non-string': (write('c.jsonl', b'{"text": 5}\n'), 'c.jsonl:1:', 'int, not a string'),
+      'truncated zst': (write('d.jsonl.zst', zst[:len(zst) // 2]), 'd.jsonl.zst', 'truncated'),
+      'truncated gz': (write('e.jsonl.gz', gz[:len(gz) // 2]), 'e.jsonl.gz', 'truncated'),
+      'parquet column': (_write_parquet(tmp_path / 'f.parquet', {'body': ['x']}), 'f.parquet',
+                         "no column 'text'"),
+      'empty jsonl': (write('g.jsonl', b'\n\n'), 'g.jsonl', 'is empty'),
+      'empty parquet': (_write_parquet(tmp_path / 'h.parquet', {'text': pa.array([], pa.string())}),
+                        'h.parquet', 'is empty'),
+      'NUL with byte EOS': (write('i.jsonl', b'{"text": "a\\u0000b"}\n'), 'i.jsonl:1:', 'NUL'),
+  }
+
+
+def test_bad_input_is_refused_before_writing(tmp_path):
+  for name, (source, where, what) in _bad_cases(tmp_path).items():
+    out = tmp_path / f'out-{name.replace(" ", "_")}'
+    config = _data_config(path=str(source), cache_dir=str(out))
+    with pytest.raises(ConfigError, match='data.path') as err:
+      check_data_config(config)
+    assert where in str(err.value) and what in str(err.value), (name, str(err.value))
+    with pytest.raises(ConfigError) as err:
+      load_data(config, tmp_path)
+    assert where in str(err.value) and what in str(err.value), (name, str(err.value))
+    assert not out.exists(), name
+
+
+def test_bad_record_deep_in_a_file_removes_partial_output(tmp_path, monkeypatch):
+  monkeypatch.setattr(formats, 'CHUNK_BYTES', 2000)
+  lines = [json.dumps({'text': f'record {i} ' * 20}) for i in range(600)]
+  lines[550] = '{"text": broken'
+  source = tmp_path / 'deep.jsonl'
+  source.write_text('\n'.join(lines) + '\n')
+  assert source.stat().st_size > formats.SNIFF_BYTES  # beyond what validation reads
+  with pytest.raises(ConfigError, match='deep.jsonl:551: malformed JSON'):
+    prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[source], shard_tokens=5000)
+  assert not list((tmp_path / 'out').iterdir())  # no shards, no progress record
+  info, _ = load_data(_data_config(path=str(source), cache_dir=str(tmp_path / 'out'),
+                                   skip_bad_records=True), tmp_path)
+  assert info.stats['skipped_records'] == 1 and info.stats['documents'] == 599
+
+
+def test_skip_bad_records_counts_them(tmp_path):
+  source = tmp_path / 'mixed.jsonl'
+  source.write_text('{"text": "good"}\n{"text": 1}\nnot json\n{"other": "x"}\n{"text": "also"}\n')
+  config = _data_config(path=str(source), cache_dir=str(tmp_path / 'out'), skip_bad_records=True,
+                        val_fraction=0.5)
+  check_data_config(config)
+  info, _ = load_data(config, tmp_path)
+  assert info.stats['skipped_records'] == 3 and info.stats['documents'] == 2
+  assert bytes(_stream(info).astype(np.uint8)) == b'good\0also\0'
+
+
+def test_launch_prepare_prints_counts_and_throughput(tmp_path, documents):
+  source = _write_jsonl(tmp_path / 'docs.jsonl.zst', [{'text': d} for d in documents], 'zst')
+  run = subprocess.run(
+      [sys.executable, str(REPO / 'launch.py'), '--prepare', f'--workdir={tmp_path / "run"}',
+       f'--config.data.path={source}', '--config.data.num_workers=1'],
+      capture_output=True, text=True, cwd=REPO, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert 'train tokens' in run.stdout and 'MB/s' in run.stdout, run.stdout
+  assert (tmp_path / 'run' / 'data' / 'meta.json').is_file()
+  assert not (tmp_path / 'run' / 'checkpoints').exists()

@@ -1,0 +1,146 @@
+"""eval.path takes every format data.path takes (issue 12): text, JSONL (plain, zstd, gzip),
+Parquet, directories and globs, read by the data package's readers; record files become
+documents as training stores them ([BOS] tokens EOS), and prompt/completion records score only
+their completions. A .jsonl eval file gives the eval/loss of the equivalent token stream."""
+
+import gzip
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from megatrain_jax import config as config_lib
+from megatrain_jax import evaluate as evaluate_lib
+from megatrain_jax import partition
+from megatrain_jax import train
+from megatrain_jax.checkpoint import Checkpointer
+from megatrain_jax.data import ByteTokenizer
+from megatrain_jax.errors import ConfigError
+
+from helpers import small_config
+
+DOCS = ['The first document.', 'A second one, a little longer than the first.',
+        'Third: unicode é ü 東京.', 'and the last']
+EOS = 0  # the byte tokenizer's EOS (NUL)
+
+
+def _stream(docs) -> np.ndarray:
+  """Each document's bytes then EOS: the token stream training would store."""
+  return np.array([t for d in docs for t in list(d.encode('utf-8')) + [EOS]], np.int32)
+
+
+def _jsonl(records) -> bytes:
+  return ''.join(json.dumps(r) + '\n' for r in records).encode()
+
+
+def _write_formats(directory):
+  """The same documents as .jsonl, .jsonl.gz, .jsonl.zst and .parquet."""
+  directory.mkdir(parents=True, exist_ok=True)
+  data = _jsonl([{'text': d} for d in DOCS])
+  (directory / 'a.jsonl').write_bytes(data)
+  (directory / 'b.jsonl.gz').write_bytes(gzip.compress(data))
+  (directory / 'c.jsonl.zst').write_bytes(zstandard.ZstdCompressor().compress(data))
+  pq.write_table(pa.table({'text': DOCS}), directory / 'd.parquet', row_group_size=3)
+  return directory
+
+
+def test_every_format_reads_as_the_documents_stream(tmp_path):
+  files = _write_formats(tmp_path / 'src')
+  tok = ByteTokenizer()
+  want = _stream(DOCS)
+  for name in ('a.jsonl', 'b.jsonl.gz', 'c.jsonl.zst', 'd.parquet'):
+    tokens, mask = evaluate_lib.read_eval_data(str(files / name), tok)
+    np.testing.assert_array_equal(tokens, want)
+    assert mask is None
+  # A directory and a glob: the files in sorted order, one stream.
+  tokens, _ = evaluate_lib.read_eval_data(str(files), tok)
+  np.testing.assert_array_equal(tokens, np.tile(want, 4))
+  tokens, _ = evaluate_lib.read_eval_data(str(files / '*.jsonl*'), tok)
+  np.testing.assert_array_equal(tokens, np.tile(want, 3))
+  # A text file stays one stream tokenized whole, no EOS (as before).
+  (tmp_path / 'plain.txt').write_text('hello\nworld\n')
+  tokens, mask = evaluate_lib.read_eval_data(str(tmp_path / 'plain.txt'), tok)
+  np.testing.assert_array_equal(tokens, np.frombuffer(b'hello\nworld\n', np.uint8))
+  assert mask is None
+
+
+def test_prompt_completion_records_score_only_completions(tmp_path):
+  path = tmp_path / 'sft.jsonl'
+  path.write_bytes(_jsonl([{'prompt': 'Q: 2+2?', 'completion': ' 4'}, {'text': 'xy'},
+                           {'prompt': 'Hi', 'completion': '!'}]))
+  tokens, mask = evaluate_lib.read_eval_data(str(path), ByteTokenizer())
+  np.testing.assert_array_equal(tokens, _stream(['Q: 2+2? 4', 'xy', 'Hi!']))
+  np.testing.assert_array_equal(mask, [0] * 7 + [1, 1, 1] + [1, 1, 1] + [0, 0, 1, 1])
+  # Only the marked targets are scored (and a window's first token is context, never a target).
+  chosen = evaluate_lib.windows(tokens.size, 6, 6)
+  _, scored = evaluate_lib.batch_windows(tokens, chosen[:2], 6, 2, mask)
+  np.testing.assert_array_equal(scored[0], mask[1:7])
+  np.testing.assert_array_equal(scored[1], mask[7:13])
+
+
+@pytest.mark.parametrize('path, error', [
+    ('missing.jsonl', 'eval.path: .*missing.jsonl does not exist'),
+    ('bad.jsonl', r'eval.path: bad record .*bad.jsonl:2: malformed JSON'),
+    ('empty.jsonl', 'eval.path: .*empty.jsonl has 0 token'),
+])
+def test_bad_eval_files(tmp_path, path, error):
+  (tmp_path / 'bad.jsonl').write_text('{"text": "ok"}\n{"text": \n')
+  (tmp_path / 'empty.jsonl').write_text('\n')
+  with pytest.raises(ConfigError, match=error):
+    evaluate_lib.read_eval_data(str(tmp_path / path), ByteTokenizer())
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+  """A workdir with a checkpoint of a small byte model (one step on the embedded corpus)."""
+  workdir = tmp_path_factory.mktemp('run')
+  config = small_config('', train__steps=1, checkpoint__every=1, train__eval_every=0,
+                        train__batch_size=2, train__seq_len=32)
+  train.train_and_evaluate(config, str(workdir))
+  return config, workdir
+
+
+def _direct_perplexity(config, workdir, tokens, mask=None):
+  """perplexity() of a token stream straight from the run's checkpoint (no eval.path)."""
+  model_cfg = config_lib.validate(config)
+  reader = Checkpointer(workdir, keep=2).restore(model_cfg)
+  evaluator = evaluate_lib.Evaluator(
+      reader, model_cfg, [(0, model_cfg.num_layers)],
+      partition.vocab_slices(model_cfg.vocab_size, model_cfg.d_model, config.offload.shard_mb))
+  try:
+    return evaluate_lib.perplexity(evaluator, tokens, 16, 8, 3, progress=False, mask=mask)
+  finally:
+    evaluator.close()
+
+
+def test_jsonl_eval_equals_the_token_stream(trained, tmp_path):
+  config, workdir = trained
+  files = _write_formats(tmp_path / 'src')
+  want = _direct_perplexity(config, workdir, _stream(DOCS))
+  for name in ('a.jsonl', 'c.jsonl.zst', 'd.parquet'):
+    config.eval.path, config.eval.max_len, config.eval.stride = str(files / name), 16, 8
+    config.eval.batch_size = 3
+    got = train.evaluate(config, str(workdir))
+    assert got['eval/tokens'] == want['eval/tokens'] == _stream(DOCS).size - 1
+    assert got['eval/loss'] == pytest.approx(want['eval/loss'], rel=1e-6), name
+
+
+def test_prompt_completion_eval_scores_the_completions(trained, tmp_path):
+  config, workdir = trained
+  path = tmp_path / 'sft.jsonl'
+  records = [{'prompt': f'Question {i}?', 'completion': f' answer {i * 7}.'} for i in range(6)]
+  path.write_bytes(_jsonl(records))
+  config.eval.path, config.eval.max_len, config.eval.stride, config.eval.batch_size = (
+      str(path), 16, 8, 3)
+  got = train.evaluate(config, str(workdir))
+  tokens = _stream([r['prompt'] + r['completion'] for r in records])
+  mask = np.concatenate([[0] * len(r['prompt']) + [1] * (len(r['completion']) + 1)
+                         for r in records]).astype(np.uint8)
+  assert got['eval/tokens'] == int(mask[1:].sum())
+  want = _direct_perplexity(config, workdir, tokens, mask)
+  assert got['eval/loss'] == pytest.approx(want['eval/loss'], rel=1e-6)
+  everything = _direct_perplexity(config, workdir, tokens)
+  assert everything['eval/tokens'] == tokens.size - 1 > got['eval/tokens']

@@ -1,0 +1,371 @@
+"""Issue 11: fine-tune from a Hugging Face checkpoint, export back, sliding-window perplexity.
+
+Tiny random Llama, Qwen2 and Mistral checkpoints are made by transformers on CPU (nothing is
+downloaded), with a byte-level BPE tokenizer trained here on tinyshakespeare. Checked:
+- `init.from_hf` fills every engine (resident, host, NVMe) with exactly the checkpoint's weights
+  and zero Adam state, piece by piece, and takes the model shape and tokenizer from the directory;
+- `--eval` equals transformers' own loss (`labels=`) under the same window definition, for each
+  architecture, with overlapping and non-overlapping windows, from the HF directory and from a
+  run's checkpoint;
+- the acceptance chain: fine-tune with params and Adam state on NVMe, resume after the HF
+  directory is deleted (it is not read again), export, reload with transformers: logits equal
+  ours, and `--eval` of the run equals transformers' perplexity of the export;
+- bad input: each a clear error before anything is written.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from helpers import JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, read_rows
+from megatrain_jax import config as config_lib
+from megatrain_jax import evaluate as evaluate_lib
+from megatrain_jax import hf
+from megatrain_jax import model as model_lib
+from megatrain_jax import optim
+from megatrain_jax import train
+from megatrain_jax.checkpoint import Checkpointer
+from megatrain_jax.engine import resident
+from megatrain_jax.errors import ConfigError, UnsupportedModelError
+from megatrain_jax.placement import Placement
+
+VOCAB, TOKENIZER_VOCAB = 320, 300
+TEXT = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
+ARCHS = {
+    'llama': (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+              dict(tie_word_embeddings=False)),
+    'qwen2': (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(tie_word_embeddings=True)),
+    'mistral': (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(tie_word_embeddings=False, sliding_window=12)),
+}
+TOL = 1e-4
+
+
+def _tokenizer(directory):
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator([TEXT.read_text()[:100_000]], trainers.BpeTrainer(
+      vocab_size=TOKENIZER_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False))
+  tok.save(str(directory / 'tokenizer.json'))
+
+
+def _hf_model(arch: str, **extra):
+  config_cls, model_cls, overrides = ARCHS[arch]
+  config = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, initializer_range=0.1,
+                      attn_implementation='eager', **(overrides | extra))
+  torch.manual_seed(0)
+  model = model_cls(config).float().eval()
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      if name.endswith('norm.weight'):
+        param.copy_(1.0 + 0.3 * torch.randn_like(param))
+      elif name.endswith('bias'):
+        torch.nn.init.normal_(param, std=0.2)
+  return model
+
+
+@pytest.fixture(scope='module')
+def checkpoints(tmp_path_factory):
+  """{arch: directory}: llama sharded in 7 files, qwen2 tied single-file, mistral in bfloat16."""
+  root = tmp_path_factory.mktemp('hf')
+  _tokenizer(root)
+  out = {}
+  for arch in ARCHS:
+    model = _hf_model(arch)
+    if arch == 'mistral':
+      model = model.to(torch.bfloat16)
+    model.save_pretrained(root / arch, max_shard_size='20KB' if arch == 'llama' else '5GB')
+    shutil.copy(root / 'tokenizer.json', root / arch / 'tokenizer.json')
+    out[arch] = root / arch
+  return out
+
+
+@pytest.fixture(scope='module')
+def eval_text(tmp_path_factory):
+  path = tmp_path_factory.mktemp('text') / 'eval.txt'
+  path.write_text(TEXT.read_text()[200_000:202_000])
+  return path
+
+
+def _config(**overrides):
+  fields = dict(data__path=str(TEXT), train__seq_len=32, train__batch_size=4, train__steps=2,
+                train__warmup_steps=1, train__log_every=1, train__eval_every=0,
+                train__eval_batches=1, train__progress_bar=False, checkpoint__every=2,
+                jax_cache_dir='')
+  return config_lib.load_config('tiny', **(fields | overrides))
+
+
+def _torch_perplexity(model, tokens: np.ndarray, max_len: int, stride: int) -> tuple[float, int]:
+  """The definition with transformers' own shifted loss: window inputs t[b : b + max_len + 1]
+  fed whole, labels masked (-100) up to the first token not scored yet."""
+  ids, total, count, scored = torch.from_numpy(tokens.astype(np.int64)), 0.0, 0, 1
+  model = model.float()
+  for begin in range(0, tokens.size, stride):
+    end = min(begin + max_len + 1, tokens.size)
+    window = ids[begin:end]
+    labels = window.clone()
+    labels[:scored - begin] = -100
+    with torch.no_grad():
+      # transformers shifts the labels: position j predicts labels[j + 1]; the last position of
+      # the max_len + 1 tokens fed predicts nothing (causal: it changes no earlier logit).
+      loss = model(window[None], labels=labels[None]).loss
+    n = int((labels[1:] != -100).sum())
+    total, count, scored = total + float(loss) * n, count + n, end
+    if end == tokens.size:
+      break
+  return total / count, count
+
+
+# ------------------------------------------------------------------------------------------------
+# Import: the engines hold exactly the checkpoint's weights.
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('placement', [
+    dict(), dict(params='host', opt_state='host', embed_head='host'),
+    dict(params='nvme', opt_state='nvme', embed_head='nvme', shard_mb=0.004)])
+def test_import_fills_every_tier_with_the_checkpoint(placement, checkpoints, tmp_path):
+  checkpoint = hf.inspect_checkpoint(checkpoints['llama'])
+  cfg = checkpoint.cfg
+  train_cfg = _config().train
+  tx = optim.make_optimizer(train_cfg)
+  reader = hf.HfReader(checkpoint, resident.abstract_state(cfg, tx), seed=0)
+  placement = Placement(**(dict(dir=str(tmp_path)) | placement))
+  engine = train.make_engine(cfg, tx, optim.lr_schedule(train_cfg), train_cfg, placement,
+                             restore_from=reader)
+  try:
+    state = jax.tree.map(np.asarray, engine.export_state())
+  finally:
+    engine.close()
+  _, want = hf.load_hf(checkpoints['llama'])
+  jax.tree.map(np.testing.assert_array_equal, state['params'], jax.tree.map(np.asarray, want))
+  zeros = jax.tree.map(np.asarray, tx.init(want))
+  jax.tree.map(np.testing.assert_array_equal, state['opt_state'], zeros)
+  fresh = jax.jit(resident.init_state, static_argnums=(0, 1))(cfg, tx, 0)
+  np.testing.assert_array_equal(state['rng'], fresh['rng'])  # a fresh run's, seed 0
+  assert int(state['step']) == 0
+  if placement.params == 'nvme':  # vocabulary chunks of 32 rows: read as slices, not whole
+    assert len(engine.vocab) > 1
+
+
+def test_config_comes_from_the_checkpoint(checkpoints, tmp_path):
+  config, found = train.resolve_init(_config(**{'init__from_hf': str(checkpoints['qwen2']),
+                                                'model__remat': 'none'}), str(tmp_path / 'w'))
+  assert found.cfg.qkv_bias and found.cfg.tie_embeddings
+  model_cfg = config_lib.validate(config)
+  assert (model_cfg.vocab_size, model_cfg.d_model, model_cfg.num_layers, model_cfg.d_ff) == (
+      VOCAB, 32, 2, 64)
+  assert model_cfg.qkv_bias and model_cfg.tie_embeddings and model_cfg.remat == 'none'
+  assert config.data.tokenizer == str(checkpoints['qwen2'] / 'tokenizer.json')
+  # A value the user gives that agrees is fine; one set on the command line but equal to the
+  # default is still checked.
+  train.resolve_init(_config(init__from_hf=str(checkpoints['qwen2']), model__d_model=32),
+                     str(tmp_path / 'w'))
+  with pytest.raises(ConfigError, match=r'model.num_layers=4 disagrees with .*config.json'):
+    train.resolve_init(_config(init__from_hf=str(checkpoints['qwen2'])), str(tmp_path / 'w'),
+                       overrides=['model.num_layers'])
+  assert not (tmp_path / 'w').exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# --eval equals transformers.
+# ------------------------------------------------------------------------------------------------
+
+def test_windows_score_every_token_once():
+  for n, max_len, stride in [(2, 4, 4), (10, 4, 4), (11, 4, 2), (9, 3, 1), (100, 16, 5)]:
+    scored = []
+    for w in evaluate_lib.windows(n, max_len, stride):
+      assert w.begin + 1 <= w.first and w.end <= w.begin + max_len + 1
+      scored += range(w.first, w.end)
+    assert scored == list(range(1, n))
+
+
+# llama: a streamed placement, so the evaluator reads 2 layer groups and 10 vocabulary chunks.
+STREAMED = dict(offload__params='host', offload__opt_state='host', offload__embed_head='host',
+                offload__layers_per_group=1, offload__shard_mb=0.004)
+
+
+@pytest.mark.parametrize('arch, stride, placement', [
+    ('llama', 16, STREAMED), ('qwen2', 32, {}), ('mistral', 10, {})])
+def test_eval_equals_transformers(arch, stride, placement, checkpoints, eval_text, tmp_path):
+  config = _config(init__from_hf=str(checkpoints[arch]), eval__path=str(eval_text),
+                   eval__max_len=32, eval__stride=stride, eval__batch_size=3, **placement)
+  result = train.evaluate(config, str(tmp_path / 'w'))
+  if placement:
+    resolved, _ = train.resolve_init(config, str(tmp_path / 'x'))
+    groups, vocab, _ = train._eval_pieces(resolved, config_lib.validate(resolved), tmp_path)
+    assert (len(groups), len(vocab)) == (2, 10)
+  tokenizer = Tokenizer.from_file(str(checkpoints[arch] / 'tokenizer.json'))
+  ids = np.asarray(tokenizer.encode(eval_text.read_text(), add_special_tokens=False).ids)
+  model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.float32)
+  want, count = _torch_perplexity(model.eval(), ids, 32, stride)
+  assert result['eval/tokens'] == count == ids.size - 1
+  assert abs(result['eval/loss'] - want) <= TOL * want, (result['eval/loss'], want)
+  assert json.loads((tmp_path / 'w' / 'eval.json').read_text())['eval/loss'] == result['eval/loss']
+
+
+# ------------------------------------------------------------------------------------------------
+# Acceptance: fine-tune on NVMe, resume without the HF directory, export, reload.
+# ------------------------------------------------------------------------------------------------
+
+def test_finetune_on_nvme_resume_export_reload(checkpoints, eval_text, tmp_path):
+  source = tmp_path / 'llama'
+  shutil.copytree(checkpoints['llama'], source)
+  workdir, out = tmp_path / 'run', tmp_path / 'export'
+  nvme = dict(init__from_hf=str(source), offload__params='nvme', offload__opt_state='nvme',
+              offload__embed_head='host', offload__layers_per_group=1)
+  train.train_and_evaluate(_config(**nvme), str(workdir))
+  first = read_rows(workdir)
+  assert first[0]['step'] == 0 and abs(first[0]['eval/loss'] - np.log(VOCAB)) < 1.0
+  shutil.rmtree(source)  # the resumed run must not read it
+  source.mkdir()
+  (source / 'config.json').write_text('not json')
+  train.train_and_evaluate(_config(**nvme, train__steps=4), str(workdir))
+  assert read_rows(workdir)[-1]['step'] == 4
+  assert (workdir / 'hf_tokenizer' / 'tokenizer.json').is_file()
+
+  # Export (three shards + index, the run's tokenizer) and reload with transformers.
+  train.export_hf(_config(export__max_shard_gb=3e-5), str(workdir), str(out))
+  names = sorted(p.name for p in out.iterdir())
+  assert 'model.safetensors.index.json' in names and 'tokenizer.json' in names
+  assert sum(n.endswith('.safetensors') for n in names) > 1
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  cfg = model_lib.ModelConfig(**json.loads(
+      (workdir / 'checkpoints' / '4' / 'meta.json').read_text())['model_config'])
+  reader = Checkpointer(workdir, keep=3).restore(cfg)
+  params = reader.full_state(resident.abstract_state(cfg, optim.make_optimizer(
+      _config().train)))['params']
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+  ours = np.asarray(jax.jit(model_lib.forward, static_argnums=0)(cfg, params, tokens))
+  with torch.no_grad():
+    theirs = model(torch.from_numpy(tokens)).logits.numpy()
+  assert np.max(np.abs(ours - theirs)) <= TOL
+
+  # --eval of the run (its checkpoint, its tokenizer) = transformers' perplexity of the export.
+  result = train.evaluate(_config(eval__path=str(eval_text), eval__max_len=24, eval__stride=12),
+                          str(workdir))
+  tokenizer = Tokenizer.from_file(str(out / 'tokenizer.json'))
+  ids = np.asarray(tokenizer.encode(eval_text.read_text(), add_special_tokens=False).ids)
+  want, _ = _torch_perplexity(model, ids, 24, 12)
+  assert abs(result['eval/perplexity'] - np.exp(want)) <= TOL * np.exp(want)
+  assert 'checkpoints/4' in result['eval/source']
+
+  # bfloat16 export: transformers reads bfloat16 tensors, the logits move by bf16 rounding only.
+  train.export_hf(_config(export__dtype='bfloat16'), str(workdir), str(tmp_path / 'bf16'))
+  bf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'bf16').eval()
+  assert next(bf16.parameters()).dtype == torch.bfloat16
+  with torch.no_grad():
+    rounded = bf16.float()(torch.from_numpy(tokens)).logits.numpy()
+  assert 0 < np.max(np.abs(rounded - theirs)) <= 0.05 * np.max(np.abs(theirs))
+
+
+def test_launch_eval_of_a_hugging_face_checkpoint(checkpoints, eval_text, tmp_path):
+  """The command line: --eval of init.from_hf prints the result and writes eval.json."""
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  result = subprocess.run(
+      [sys.executable, 'launch.py', '--eval', f'--workdir={tmp_path / "w"}',
+       f'--config.init.from_hf={checkpoints["qwen2"]}', f'--config.eval.path={eval_text}',
+       '--config.train.progress_bar=false', f'--config.jax_cache_dir={JAX_CACHE_DIR}'],
+      cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'eval/perplexity' in result.stdout and (tmp_path / 'w' / 'eval.json').is_file()
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: a clear error, nothing written.
+# ------------------------------------------------------------------------------------------------
+
+def _broken(checkpoints, tmp_path, edit, arch='llama'):
+  copy = tmp_path / 'broken'
+  shutil.copytree(checkpoints[arch], copy)
+  edit(copy)
+  return copy
+
+
+def _truncate(path):
+  data = path.read_bytes()
+  path.write_bytes(data[:len(data) // 2])
+
+
+def _corrupt_header(path):
+  data = bytearray(path.read_bytes())
+  data[8:16] = b'\xff' * 8
+  path.write_bytes(bytes(data))
+
+
+def _bigger_tokenizer(path):
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.train_from_iterator([TEXT.read_text()[:50_000]], trainers.BpeTrainer(
+      vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+  tok.save(str(path / 'tokenizer.json'))
+
+
+def _edit_json(name, change):
+  def edit(path):
+    data = json.loads((path / name).read_text())
+    change(data)
+    (path / name).write_text(json.dumps(data))
+  return edit
+
+
+BAD_DIRECTORIES = {
+    'no config.json': (lambda p: (p / 'config.json').unlink(), ConfigError, 'has no config.json'),
+    'unsupported architecture': (_edit_json('config.json', lambda c: c.update(
+        architectures=['GPT2LMHeadModel'], model_type='gpt2')), UnsupportedModelError,
+                                 'GPT2LMHeadModel is not supported'),
+    'missing shard': (lambda p: (p / 'model-00003-of-00007.safetensors').unlink(), ConfigError,
+                      'missing from the directory: .*model-00003-of-00007.safetensors'),
+    'truncated shard': (lambda p: _truncate(p / 'model-00002-of-00007.safetensors'), ConfigError,
+                        'model-00002-of-00007.safetensors is not a complete safetensors file'),
+    'corrupt shard': (lambda p: _corrupt_header(p / 'model-00005-of-00007.safetensors'),
+                      ConfigError, 'model-00005-of-00007.safetensors is not a complete'),
+    'shapes disagree with config.json': (_edit_json('config.json', lambda c: c.update(
+        intermediate_size=48)), ConfigError, r'has shape \[64, 32\], but config.json implies'),
+    'tokenizer vocab > model vocab': (_bigger_tokenizer, ConfigError,
+                                      'model.vocab_size=320 is smaller than the tokenizer'),
+}
+
+
+@pytest.mark.parametrize('case', list(BAD_DIRECTORIES))
+def test_bad_checkpoint_directory(case, checkpoints, tmp_path):
+  edit, error, match = BAD_DIRECTORIES[case]
+  directory = _broken(checkpoints, tmp_path, edit)
+  workdir = tmp_path / 'w'
+  with pytest.raises(error, match=match):
+    train.train_and_evaluate(_config(init__from_hf=str(directory)), str(workdir))
+  with pytest.raises(error, match=match):
+    train.evaluate(_config(init__from_hf=str(directory), eval__path=str(TEXT)), str(workdir))
+  assert not workdir.exists()
+
+
+def test_eval_without_a_model_and_export_into_a_non_empty_directory(tmp_path):
+  workdir = tmp_path / 'w'
+  with pytest.raises(ConfigError, match='holds no checkpoint and init.from_hf is not set'):
+    train.evaluate(_config(eval__path=str(TEXT)), str(workdir))
+  assert not workdir.exists()
+  out = tmp_path / 'out'
+  out.mkdir()
+  (out / 'keep.txt').write_text('mine')
+  result = subprocess.run(
+      [sys.executable, 'launch.py', f'--export_hf={out}', f'--workdir={workdir}'],
+      cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True,
+      timeout=120)
+  assert result.returncode == 1 and 'is not empty' in result.stderr, result.stderr[-2000:]
+  assert sorted(p.name for p in out.iterdir()) == ['keep.txt'] and not workdir.exists()
+  with pytest.raises(ConfigError, match='holds no checkpoint to export'):
+    train.export_hf(_config(), str(workdir), str(tmp_path / 'new'))
+  assert not (tmp_path / 'new').exists()

@@ -1,0 +1,78 @@
+"""runtime.py: the tuned allocator keeps large freed buffers for reuse; 'system' leaves glibc be."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatrain_jax import runtime
+from megatrain_jax.errors import ConfigError
+
+# Allocates and frees a 64 MiB buffer 8 times, from the main thread and from a worker thread (whose
+# allocations would go to a per-thread arena), touching every page; prints minor page faults per
+# round. `then` is applied with configure_allocator after the import-time setting.
+_PROBE = '''
+import json, resource, sys, threading
+import numpy as np
+from megatrain_jax import runtime
+np._core.multiarray._set_madvise_hugepage(False)  # 4 KiB pages: one fault per page touched
+if sys.argv[1] != '-':
+  runtime.configure_allocator(sys.argv[1])
+def churn():
+  for _ in range(8):
+    a = np.ones(16 << 20, np.float32)
+    del a
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+churn()
+worker = threading.Thread(target=churn)
+worker.start(); worker.join()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({'faults_per_round': faults / 16, 'applied': runtime.applied()}))
+'''
+PAGES = (64 << 20) // 4096
+
+
+def _probe(env_allocator: str, then: str = '-') -> dict:
+  env = dict(os.environ, MEGATRAIN_JAX_ALLOCATOR=env_allocator)
+  out = subprocess.run([sys.executable, '-c', _PROBE, then], env=env, capture_output=True,
+                       text=True, check=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(runtime._glibc() is None, reason='mallopt is glibc only')
+def test_tuned_reuses_freed_buffers_and_system_does_not():
+  tuned, system = _probe('tuned'), _probe('system')
+  assert tuned['applied'] == 'tuned' and system['applied'] is None  # glibc untouched
+  assert system['faults_per_round'] > PAGES / 2  # every round faults its buffer in again
+  assert tuned['faults_per_round'] < PAGES / 10  # the first round only, amortised
+  restored = _probe('tuned', then='system')  # the config's 'system' after the import default
+  assert restored['applied'] == 'system' and restored['faults_per_round'] > PAGES / 2
+
+
+def test_rejects_unknown_allocator():
+  with pytest.raises(ConfigError, match='runtime.allocator'):
+    runtime.configure_allocator('jemalloc')
+
+
+def test_configure_reads_the_config_section():
+  from configs import default  # pylint: disable=import-outside-toplevel
+  config = default.get_config()
+  assert config.runtime.allocator == 'auto'
+  assert runtime.resolve('auto', uses_nvme=True) == 'bounded'
+  assert runtime.resolve('auto', uses_nvme=False) == 'tuned'
+  runtime.configure(config)
+  assert runtime.applied() in ('tuned', None)  # None where there is no glibc
+
+
+def test_multi_output_fusion_flag_is_opt_in():
+  code = 'import os, megatrain_jax; print(os.environ.get("XLA_FLAGS", ""))'
+  base = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', runtime.MOF_ENV)}
+  run = lambda **env: subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                                     check=True, env={**base, **env}).stdout.strip()
+  assert run() == ''
+  assert run(MEGATRAIN_JAX_XLA_CPU_MOF='1', XLA_FLAGS='--xla_dump_to=/x') == (
+      '--xla_dump_to=/x ' + runtime.MOF_FLAG)
+  assert run(MEGATRAIN_JAX_XLA_CPU_MOF='1', XLA_FLAGS='--xla_backend_extra_options=foo') == (
+      '--xla_backend_extra_options=foo')
