@@ -299,14 +299,6 @@ def _inner_boxes(array: ts.TensorStore):
     yield tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(cell, chunk, shape))
 
 
-def _aligned_empty(shape: tuple, dtype: np.dtype, alignment: int = 64) -> np.ndarray:
-  """np.empty(shape, dtype) starting on an `alignment`-byte boundary."""
-  nbytes = math.prod(shape) * dtype.itemsize
-  raw = np.empty(nbytes + alignment, np.uint8)
-  offset = -raw.ctypes.data % alignment
-  return raw[offset:offset + nbytes].view(dtype).reshape(shape)
-
-
 def _host_is_device(sharding) -> bool:
   """Whether `sharding`'s memory is host memory (the CPU platform): no copy needed to get there."""
   return {d.platform for d in sharding.device_set} == {'cpu'} and sharding.memory_kind == 'device'
@@ -549,7 +541,7 @@ class CheckpointReader:
     if _host_is_device(sharding):
       # Device memory is host memory: fill the leaf's own buffer file by file and hand it to
       # jax without a copy (may_alias needs 64-byte alignment).
-      out = self._read_into(path, _aligned_empty(shape, dtype), 0)
+      out = self._read_into(path, fs.aligned_empty(shape, dtype), 0)
       return jax.device_put(out, sharding, may_alias=True)
     rows = self.file_indices(path)
     if rows >= shape[0]:

@@ -4,6 +4,8 @@ checks: names for tree paths on disk, atomic writes, fsync, crc32, hard-link tre
 import errno
 import json
 import os
+
+import numpy as np
 import pathlib
 import re
 import shutil
@@ -130,3 +132,14 @@ def cached_bytes(paths) -> int | None:
   if out.returncode != 0:
     return None
   return sum(int(line) for line in out.stdout.split())
+
+
+def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
+  """np.empty(shape, dtype) starting on an `alignment`-byte boundary. XLA:CPU adopts such a buffer
+  without copying (`jax.device_put` aliases it); a less aligned one (TensorStore's read results
+  are 16-byte aligned) is copied, so every piece read from disk would briefly exist twice."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape)) * dtype.itemsize
+  raw = np.empty(nbytes + alignment, np.uint8)
+  offset = -raw.ctypes.data % alignment
+  return raw[offset:offset + nbytes].view(dtype).reshape(shape)

@@ -25,7 +25,8 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from megatrain_jax.fs import human_bytes, is_disk_full, leaf_name, link_tree, nearest_existing
+from megatrain_jax.fs import (aligned_empty, human_bytes, is_disk_full, leaf_name, link_tree,
+                              nearest_existing)
 from megatrain_jax.layout import Layout
 from megatrain_jax.partition import LAYERS
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
@@ -255,19 +256,8 @@ class NvmeStore(Store):
             for i in range(start, stop, self._file_rows)]
 
 
-def aligned_empty(shape, dtype) -> np.ndarray:
-  """An uninitialised numpy array whose data is 64-byte aligned. XLA:CPU adopts such a buffer
-  without copying (`jax.device_put` aliases it), where TensorStore's own read results (16-byte
-  aligned) are copied: on a CPU run every piece read from disk would briefly exist twice."""
-  dtype = np.dtype(dtype)
-  nbytes = int(np.prod(shape)) * dtype.itemsize
-  raw = np.empty(nbytes + 64, np.uint8)
-  offset = (-raw.ctypes.data) % 64
-  return raw[offset:offset + nbytes].view(dtype).reshape(shape)
-
-
 def _read_aligned(view: ts.TensorStore):
-  """(numpy array, Future): the read of `view` into an aligned array (see aligned_empty)."""
+  """(numpy array, Future): the read of `view` into an aligned array (fs.aligned_empty)."""
   out = aligned_empty(view.shape, view.dtype.numpy_dtype)
   return out, ts.array(out, copy=False, write=True).write(view)
 
