@@ -17,7 +17,7 @@ checkpoint (rerun the same command to resume); 1 on an error (`error: ...`: bad 
 or offload.dir in use by another run, divergence, corruption, a full disk); killed by SIGINT (the
 shell shows 130) when SIGINT came before training started or a second SIGINT cut a stop short
 (the newest committed checkpoint is intact); killed by SIGTERM (143) when SIGTERM came before
-training started (nothing trained yet). README: Preemptible machines and SLURM.
+training started (nothing trained yet). docs/preemption.md.
 """
 
 import signal

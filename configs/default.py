@@ -111,7 +111,7 @@ def get_config() -> ml_collections.ConfigDict:
   checkpoint.every_minutes = 0.0  # Also checkpoint once this many minutes have passed since the
   #                                 last checkpoint (wall clock; checked after each step); 0 = off.
   #                                 Bounds the work lost to a crash when steps are slow. SIGTERM
-  #                                 and SIGINT always save the step in flight (README: Preemptible
+  #                                 and SIGINT always save the step in flight (docs/preemption.md: Preemptible
   #                                 machines and SLURM).
   checkpoint.keep = 3  # Newest checkpoints kept on disk. NVMe runs: each kept checkpoint pins one
   #                      full copy of the NVMe state on disk (hard links to the stores' files).

@@ -1,10 +1,10 @@
-"""The bad-input table of README.md, one test (or parametrized case) per row.
+"""The bad-input table of docs/bad-input.md, one test (or parametrized case) per row.
 
 Every case runs in process (config_lib / train.train_and_evaluate / hf.load_hf) and asserts the
 exception type, the words of the message that name the problem and the fix, and that nothing was
 written: the workdir is not created and the tree of the test's directory is unchanged. A few
 launch.py subprocess tests show that the command line prints `error: ...` without a traceback.
-Rows covered by other test files are referenced from the README table instead of repeated here.
+Rows covered by other test files are referenced from that table instead of repeated here.
 """
 
 import json
