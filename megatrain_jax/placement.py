@@ -1,8 +1,9 @@
 """`Placement`: where each part of the train state lives, validated from `config.offload`.
 
 Tiers: 'device' (accelerator memory), 'host' (pinned host RAM, JAX memory kind `pinned_host`)
-and, for layer weights and Adam state, 'nvme' (TensorStore arrays on local disk, tiers/nvme.py). If every part is on the device the resident engine runs; otherwise the streamed
-engine (engine/streamed.py) runs the model group by group.
+and, for layer weights and Adam state, 'nvme' (TensorStore arrays on local disk, tiers/nvme.py).
+If every part is on the device the resident engine runs; otherwise the streamed engine
+(engine/streamed.py) runs the model group by group.
 """
 
 import dataclasses
@@ -20,6 +21,11 @@ OPTIMIZER_PLACES = ('device', 'host')
 HOST_MEMORY_KIND = 'pinned_host'
 AUTO = 'auto'  # a field the planner (planner.py) chooses
 _GB = 1e9
+# Weights per band of a deferred host-optimizer update (engine/updates.py), and the largest
+# vocabulary chunk. 64 MiB keeps one jitted AdamW call long (tens of ms at host memory bandwidth)
+# against its dispatch (~0.1 ms), while the update's host memory stays (prefetch_depth + 1) bands
+# of p, g, m, v plus the write-behind, whatever the layer size (a larger single leaf is a band).
+UPDATE_BAND_MB = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +62,17 @@ class Placement:
     return per_param * self.layers_per_group * model_cfg.params_per_layer
 
   def vocab_slices(self, model_cfg: ModelConfig) -> list[tuple[int, int]]:
-    """The embedding / head vocabulary chunks: at most `shard_mb` each and no heavier than one
-    layer group's weights, so a chunk in flight costs what a group does (the staging, write-behind
-    and update memory are sized per piece). Llama-3.2-1B, K=1: 5 chunks of 25.7k rows (210 MB)."""
+    """The embedding / head vocabulary chunks: at most `shard_mb` each, no heavier than one layer
+    group's weights (a chunk in flight costs no more than a group does) and no heavier than one
+    update band (a chunk is one leaf: its update cannot be cut smaller). Llama-3.2-1B: 16 chunks
+    of 8,192 rows (64 MiB)."""
     group_mb = self.layers_per_group * model_cfg.params_per_layer * 4 / 2**20
     return partition.vocab_slices(model_cfg.vocab_size, model_cfg.d_model,
-                                  min(self.shard_mb, max(group_mb, 1.0)))
+                                  min(self.shard_mb, UPDATE_BAND_MB, max(group_mb, 1.0)))
+
+  def update_band_bytes(self) -> int:
+    """Weights per band of a host-optimizer update (engine/updates.py)."""
+    return int(min(self.shard_mb, UPDATE_BAND_MB) * 2**20)
 
   def staging_bytes(self, model_cfg: ModelConfig, groups_in_flight: int) -> int:
     """Host staging of the NVMe pipeline: `groups_in_flight` groups of the disk-resident leaves."""

@@ -76,6 +76,7 @@ one that offloads the fewest bytes, then the smallest M, group and depth (less m
 same speed).
 """
 
+import collections
 import dataclasses
 import functools
 import math
@@ -93,8 +94,9 @@ from megatrain_jax.errors import ConfigError
 from megatrain_jax.hardware import HardwareProfile
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.placement import AUTO, MEMORY_TIERS, TIERS, Placement
-from megatrain_jax.schedule import (STAGING_ROW, Row, StateSizes, StepSchedule, Traffic,
-                                    hidden_bytes, layer_internal_bytes, logits_bytes)
+from megatrain_jax.schedule import (FORWARD_TO_BACKWARD, STAGING_ROW, STATE, Row, StateSizes,
+                                    StepSchedule, Traffic, hidden_bytes, layer_internal_bytes,
+                                    logits_bytes)
 
 RUNTIME_ROW = 'runtime (Python, JAX/XLA, compiled code)'
 
@@ -168,6 +170,7 @@ class Plan:
   bottleneck: str
   flops_per_step: float
   peak_tflops: float
+  write_behind_bytes: float = 0.0  # NVMe writes queued at most (placement.write_budget_bytes)
 
   @property
   def tokens_per_step(self) -> int:
@@ -187,9 +190,22 @@ class Plan:
 
   @property
   def host_peak_bytes(self) -> float:
-    """Peak resident memory of the process: every host row (the runtime included), and on a
-    unified-memory machine (CPU) the device rows too, which live in the same RAM."""
-    return self.used('host') + (self.used('device') if self.budgets.get('_unified') else 0.0)
+    """Peak resident memory of the process (on a unified-memory machine, CPU, the device rows
+    live in the same RAM and count too): what stays between steps (state rows, the runtime), plus
+    the NVMe write-behind (queued writes land during any stage), plus the heaviest stage: the
+    forward and backward (weights in flight, accumulator, activations), the head, or the
+    updates. The tier budgets (`over_budget`) add every row instead: a safe bound, not a peak."""
+    tiers = ('host', 'device') if self.budgets.get('_unified') else ('host',)
+    held = [r for r in self.rows if r.tier in tiers and r.item != STAGING_ROW]
+    per_stage = collections.Counter()
+    for r in held:
+      if r.stage != STATE:  # the forward's weights in flight are the backward's too
+        per_stage['layers' if r.stage in ('forward', 'backward') else r.stage] += r.bytes
+    carried = per_stage.pop(FORWARD_TO_BACKWARD, 0.0)  # boundary activations
+    for phase in ('layers', 'head'):
+      per_stage[phase] += carried
+    return (sum(r.bytes for r in held if r.stage == STATE) + self.write_behind_bytes
+            + max(per_stage.values(), default=0.0))
 
   def over_budget(self) -> dict:
     """{tier: (needed, available)} for every tier whose budget the plan exceeds."""
@@ -337,7 +353,8 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
   peak = hw.peak(cfg.dtype, cfg.matmul_precision, cfg.d_model)
   return Plan(placement=p, microbatches=micro, batch_size=batch, seq_len=seq, rows=rows,
               budgets=budgets, traffic=moved, times=times, step_time_s=step,
-              bottleneck=bottleneck, flops_per_step=model_flops, peak_tflops=peak)
+              bottleneck=bottleneck, flops_per_step=model_flops, peak_tflops=peak,
+              write_behind_bytes=p.write_budget_bytes(cfg) if p.uses_nvme else 0.0)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from megatrain_jax import partition
 
 STAGES = ('embed', 'forward', 'head', 'backward', 'update', 'embed_backward', 'outer_update')
 STATE = 'state'  # what stays in its tiers between steps (not a stage)
+FORWARD_TO_BACKWARD = 'forward..backward'  # held from the forward through the head to the backward
 
 
 STAGING_ROW = 'NVMe staging buffer'
@@ -259,12 +260,18 @@ class StepSchedule:
     add('backward', 'device', 'group backward working set',
         internals if k == 1 else k * hidden + internals,
         "one layer's internals" if k == 1 else "K·B·S·D·c + one layer's internals")
-    add('forward', p.activations, f'boundary activations ({G} groups × {M} mb)', G * M * hidden,
+    add(FORWARD_TO_BACKWARD, p.activations, f'boundary activations ({G} groups × {M} mb)', G * M * hidden,
         'G·M·B·S·D·c')
     rows += self._outer_rows(cfg, sizes, batch, seq)
     rows += self._state_rows(sizes)
     if self.host_optimizer:
-      add('update', 'host', 'host optimizer staging (2 groups)', 2 * gw, '2·K·P_l·4')
+      if self.deferred_updates:  # band by band (engine/updates.py): p, g, m, v of each band
+        band = min(gw, p.update_band_bytes())
+        add('update', 'host', f'host optimizer inputs ({p.prefetch_depth + 1} bands)',
+            (p.prefetch_depth + 1) * 4 * band, '(prefetch_depth + 1)·4·min(K·P_l·4, band)')
+      else:  # right after each backward: the weights and Adam state of the group
+        add('update', 'host', f'host optimizer inputs ({p.prefetch_depth + 1} groups)',
+            (p.prefetch_depth + 1) * (gw + go), '(prefetch_depth + 1)·K·P_l·12')
     return rows + self._nvme_rows(rows, checkpoint_copies)
 
   def _state_rows(self, sizes: StateSizes) -> list:
@@ -316,6 +323,10 @@ class StepSchedule:
     if p.embed_head != 'device':
       add('head', 'device', f'vocabulary chunks in flight ({p.prefetch_depth + 1})',
           (p.prefetch_depth + 1) * chunk, '(prefetch_depth + 1)·4·V_c·D')
+    if p.embed_head != 'device':  # each chunk's weights, gradient and Adam moments, read ahead
+      add('outer_update', 'host' if outer_host_optimizer(p) else 'device',
+          f'embedding/head update inputs ({p.prefetch_depth + 1} chunks)',
+          (p.prefetch_depth + 1) * 4 * chunk, '(prefetch_depth + 1)·4·4·V_c·D')
     add('head', 'device', 'head working set (one vocabulary chunk)',
         chunk + 3 * 4 * batch * seq * chunk_rows + 2 * M * hidden_bytes(cfg, batch, seq)
         + 3 * 4 * M * batch * seq, "4·V_c·D grads + 3·B·S·V_c·4 logits + 2·M·B·S·D·c + lse")

@@ -49,6 +49,22 @@ def test_nvme_with_host_optimizer_and_without_clipping(tmp_path, optimizer_on, g
   assert_states_match(state, want_state)
 
 
+@pytest.mark.parametrize('tier', ['nvme', 'host'])
+def test_host_optimizer_updates_band_by_band(tmp_path, tier):
+  """Deferred host-optimizer updates cut into bands of one leaf each (a tiny shard_mb) equal the
+  resident step: every band of a piece updates at the same step count, written once."""
+  want_losses, want_state = resident_run(4, 1.0)
+  engine, losses, state = streamed_run(4, 1.0, params=tier, opt_state=tier, embed_head=tier,
+                                       layers_per_group=2, optimizer_on='host',
+                                       dir=str(tmp_path), shard_mb=0.004)
+  engine.close()
+  layer_leaves = len(jax.tree.leaves(engine.params.get(0)))
+  assert len(engine.updater.bands(0)) == layer_leaves > 1
+  assert len(engine.updaters['embed'].bands(0)) == 1  # a vocabulary chunk is one leaf
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+  assert_states_match(state, want_state)
+
+
 # ------------------------------------------------------------------------------------------------
 # The store on its own.
 # ------------------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax import partition
 from megatrain_jax.engine.functions import StageFunctions, step_inputs
-from megatrain_jax.engine.updates import PieceStores, PieceUpdater, update_parked, update_policy
+from megatrain_jax.engine.updates import (PieceStores, PieceUpdater, piece_bands, update_parked,
+                                          update_policy)
 from megatrain_jax.layout import Layout
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.placement import Placement
@@ -102,7 +103,8 @@ class StreamedEngine:
                       'final_norm': False}  # D floats: on the device
     self.updaters = {
         kind: PieceUpdater(stores, self.fn, self.layout, self.stats,
-                           host_optimizer=host_optimizer.get(kind, outer_host_optimizer(placement)))
+                           host_optimizer=host_optimizer.get(kind, outer_host_optimizer(placement)),
+                           bands=self._bands_of(kind))
         for kind, stores in self.stores.items()}
     self.updater = self.updaters['layers']
     self._disk_seen = {}
@@ -112,6 +114,21 @@ class StreamedEngine:
       self.init_state(seed)
     else:
       self.load_state(state)
+
+  def _bands_of(self, kind: str):
+    """key -> the update bands of piece `key` of `kind` (engine/updates.py), per piece length."""
+    abstract = model_lib.abstract_params(self.cfg)
+    band_bytes = self.placement.update_band_bytes()
+    cache = {}
+
+    def bands(key):
+      start, stop = self.kind_slices[kind][key]
+      if stop - start not in cache:
+        template = partition.piece_template(self.tx, abstract, kind, start, stop)
+        cache[stop - start] = piece_bands(template, band_bytes)
+      return cache[stop - start]
+
+    return bands
 
   def _make_stores(self, kind: str) -> PieceStores:
     p = self.placement

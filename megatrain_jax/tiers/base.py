@@ -19,6 +19,20 @@ def tree_nbytes(tree: PyTree) -> int:
   return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
 
 
+def keep_leaves(tree: PyTree, keep) -> PyTree:
+  """`tree` with the leaves whose path (jax keystr) is not in `keep` replaced by None (an empty
+  subtree to jax): the part of a piece one update band reads or writes."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: x if jax.tree_util.keystr(path) in keep else None, tree)
+
+
+def merge_leaves(tree: PyTree, part: PyTree) -> PyTree:
+  """`tree` with the leaves `part` holds (a keep_leaves tree of the same structure) replaced."""
+  new = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(part)[0]}
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: new.get(jax.tree_util.keystr(path), x), tree)
+
+
 @dataclasses.dataclass
 class TransferStats:
   """Bytes moved between tiers, and fetch counts per (store, key), since the last `reset`.
@@ -130,17 +144,20 @@ class Store(abc.ABC):
     return self._trees[key]
 
   @abc.abstractmethod
-  def put(self, key: Hashable, tree: PyTree) -> None:
-    """Takes `tree` (device or host arrays) into this tier under `key`."""
+  def put(self, key: Hashable, tree: PyTree, partial: bool = False) -> None:
+    """Takes `tree` (device or host arrays) into this tier under `key`. `partial`: `tree` holds
+    some of key's leaves (None for the others, as `keep_leaves` makes) and replaces only those."""
 
   @abc.abstractmethod
   def fetch(self, key: Hashable) -> PyTree:
     """A device-resident copy of the tree under `key` (or a Future of one); asynchronous."""
 
-  def get_async(self, key: Hashable) -> concurrent.futures.Future:
-    """`get(key)` as a Future: tiers that must read from disk start the read now."""
+  def get_async(self, key: Hashable, keep=None) -> concurrent.futures.Future:
+    """`get(key)` as a Future: tiers that must read from disk start the read now. With `keep` (a
+    set of leaf paths) only those leaves are read, None in place of the others."""
     future = concurrent.futures.Future()
-    future.set_result(self.get(key))
+    tree = self.get(key)
+    future.set_result(tree if keep is None else keep_leaves(tree, keep))
     return future
 
   def flush(self) -> None:

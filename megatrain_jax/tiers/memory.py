@@ -7,7 +7,7 @@ are the same RAM, so CPU runs prove the numbers and the placement types, not the
 """
 
 from megatrain_jax.layout import Layout, memory_kind
-from megatrain_jax.tiers.base import Store, TransferStats, tree_nbytes
+from megatrain_jax.tiers.base import Store, TransferStats, merge_leaves, tree_nbytes
 
 
 class DeviceStore(Store):
@@ -15,7 +15,8 @@ class DeviceStore(Store):
 
   tier = 'device'
 
-  def put(self, key, tree):
+  def put(self, key, tree, partial=False):
+    tree = merge_leaves(self._trees[key], tree) if partial else tree
     if memory_kind(tree) != 'device':
       self.stats.add(h2d_bytes=tree_nbytes(tree))
       tree = self.layout.put(tree, 'device')
@@ -31,7 +32,8 @@ class HostStore(Store):
 
   tier = 'host'
 
-  def put(self, key, tree):
+  def put(self, key, tree, partial=False):
+    tree = merge_leaves(self._trees[key], tree) if partial else tree
     if memory_kind(tree) != 'pinned_host':
       self.stats.add(d2h_bytes=tree_nbytes(tree))
       tree = self.layout.put(tree, 'pinned_host')

@@ -5,7 +5,10 @@ device), so the prefetcher keeps `prefetch_depth` groups in flight. Writes are w
 `put` queues the updated leaves (still device arrays: the copy to host happens on the writer
 thread, so the main thread never waits for the update to finish) and returns; at most
 `max_pending_writes` groups may be queued, after which `put` blocks (back-pressure, bounded RAM).
-A read of key k first waits for the pending write of k, so step n+1 always reads step n's values.
+A read of key k first waits for the pending writes of the leaves it reads, so step n+1 always
+reads step n's values. `put(key, part, partial=True)` rewrites only the leaves `part` holds (the
+others None): the host optimizer updates a piece band by band (engine/updates.py), and a band's
+read ahead never waits on the previous band's write-behind.
 
 Which leaves go to disk, and along which axis a key slices them, is the store's `axis_of(path)`:
 by default leaves whose tree path goes through 'layers' ([num_layers, ...], one file per layer, key
@@ -58,7 +61,7 @@ class NvmeStore(Store):
     self._arrays: dict[str, ts.TensorStore] = {}  # tree path -> array [L, ...]
     self._structure = {}  # key -> (treedef, [paths])
     self._small = {}  # key -> {path: small in-memory leaf}
-    self._pending: dict = {}  # key -> Future of the newest write
+    self._pending: dict = {}  # key -> {leaf path: Future of the newest write of that leaf}
     self._write_slots = threading.BoundedSemaphore(max_pending_writes)
     # Bytes queued across all stores of the engine (shared): bounds write-behind memory as a whole.
     self._write_budget = write_budget
@@ -80,23 +83,29 @@ class NvmeStore(Store):
                                    context=self._context).result()
     return self._arrays[path]
 
-  def put(self, key, tree) -> None:
-    """Queues `tree` for writing; blocks only while max_pending_writes writes are queued."""
+  def put(self, key, tree, partial: bool = False) -> None:
+    """Queues `tree` for writing; blocks only while max_pending_writes writes are queued.
+    `partial`: `tree` holds some of key's leaves (None elsewhere) and only those are rewritten."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
     leaves = [x for _, x in flat]
-    previous = self._pending.get(key)
-    self._raise_failed(previous)
+    if partial and key not in self._structure:
+      raise KeyError(f'{self.name}: a partial write of {key!r} before its first full write')
+    pending = self._pending.setdefault(key, {})
+    for path in paths:
+      self._raise_failed(pending.get(path))
     self._write_slots.acquire()
     budget = self._write_budget
     taken = budget.acquire(sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
                                for p, x in zip(paths, leaves) if self._axis_of(p) is not None)
                            ) if budget is not None else 0
-    self._structure[key] = (treedef, paths)
+    if not partial:
+      self._structure[key] = (treedef, paths)
     # Counted here, not when the writer thread copies: the copy belongs to this step's traffic.
     self.stats.add(d2h_bytes=sum(x.nbytes for x in leaves if isinstance(x, jax.Array)
                                  and x.sharding.memory_kind == 'device'))
-    future = self._writers.submit(self._write, key, paths, leaves, previous)
+    # One writer thread: writes land in the order they were queued (a key's too).
+    future = self._writers.submit(self._write, key, paths, leaves)
 
     def written(_):
       self._write_slots.release()
@@ -104,11 +113,9 @@ class NvmeStore(Store):
         budget.release(taken)
 
     future.add_done_callback(written)
-    self._pending[key] = future
+    pending.update(dict.fromkeys(paths, future))
 
-  def _write(self, key, paths, leaves, previous) -> None:
-    if previous is not None:
-      previous.result()  # writes of one key land in order
+  def _write(self, key, paths, leaves) -> None:
     start, stop = self.slices[key]
     small, writes, nbytes, files = {}, [], 0, []
     with self._write_timer:
@@ -136,7 +143,7 @@ class NvmeStore(Store):
             f'{human_bytes(shutil.disk_usage(self.directory).free)} free). Training stops; the '
             'last checkpoint is intact: free space there or point offload.dir at a larger disk, '
             'then rerun with the same --workdir to resume from it.') from error
-    self._small[key] = small
+    self._small.setdefault(key, {}).update(small)
     self.stats.add(write_bytes=nbytes, stored_bytes=sum(os.path.getsize(f) for f in files))
 
   def _raise_failed(self, future) -> None:
@@ -144,27 +151,35 @@ class NvmeStore(Store):
       raise future.exception()
 
   def flush(self) -> None:
-    for future in list(self._pending.values()):
+    for pending in list(self._pending.values()):
+      for future in set(pending.values()):
+        future.result()
+
+  def _wait_written(self, key, paths) -> None:
+    """Read-after-write: waits for the queued writes of `paths` of `key`."""
+    pending = self._pending.get(key, {})
+    for future in {pending[p] for p in paths if p in pending}:
       future.result()
 
   # --- reading ---------------------------------------------------------------------------------
 
-  def _read(self, key):
-    pending = self._pending.get(key)
-    if pending is not None:
-      pending.result()  # read-after-write: see the newest values of this key
+  def _read(self, key, keep=None):
+    """Key's tree as host arrays; with `keep` (a set of leaf paths) only those leaves, None for
+    the others."""
     treedef, paths = self._structure[key]
+    wanted = [p for p in paths if keep is None or p in keep]
+    self._wait_written(key, wanted)
     start, stop = self.slices[key]
     small = self._small[key]
     with self._read_timer:
       reads = {p: _read_aligned(self._arrays[p][_index(self._axis_of(p), start, stop)])
-               for p in paths if self._axis_of(p) is not None}
+               for p in wanted if self._axis_of(p) is not None}
       leaves = []
       for path in paths:
         if path in reads:
           leaves.append(self._result(path, reads[path], start, stop))
         else:
-          leaves.append(small[path])
+          leaves.append(small[path] if path in wanted else None)
     self.stats.add(read_bytes=sum(x.nbytes for p, x in zip(paths, leaves) if p in reads))
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -191,8 +206,8 @@ class NvmeStore(Store):
     """The tree as host numpy arrays (a disk read)."""
     return self._read(key)
 
-  def get_async(self, key) -> concurrent.futures.Future:
-    return self._readers.submit(self._read, key)
+  def get_async(self, key, keep=None) -> concurrent.futures.Future:
+    return self._readers.submit(self._read, key, keep)
 
   def fetch(self, key) -> concurrent.futures.Future:
     """Disk -> host -> device on a reader thread; returns a Future of the device tree."""
@@ -244,9 +259,7 @@ class NvmeStore(Store):
   def small_leaves(self, key) -> dict:
     """{piece path: leaf} of the small in-memory leaves of `key` (e.g. optax step counts), once
     its pending write has landed: no disk read."""
-    pending = self._pending.get(key)
-    if pending is not None:
-      pending.result()
+    self._wait_written(key, self._structure[key][1])
     return dict(self._small[key])
 
   def _files(self, path: str, start: int, stop: int, ndim: int) -> list[str]:
