@@ -8,6 +8,7 @@
   python launch.py --config.init.from_hf=/models/llama --workdir runs/ft   # fine-tune an HF model
   python launch.py --eval --workdir runs/ft --config.eval.path=test.txt   # sliding-window perplexity
   python launch.py --export_hf=/tmp/ft-hf --workdir runs/ft               # newest checkpoint -> HF
+  python launch.py --config.parallel.devices=4                             # 4 local devices
 
 A bare config name resolves to configs/<name>.py. Every config field can be overridden with
 --config.<section>.<field>=value.
@@ -56,6 +57,12 @@ _EXPORT_HF = flags.DEFINE_string('export_hf', '',
 _PREPARE = flags.DEFINE_bool('prepare', False,
                              'Tokenize config.data into its cache (data.num_workers processes, '
                              'resumable), print token counts and MB/s, then exit.')
+_COORDINATOR = flags.DEFINE_string('coordinator_address', '',
+                                   'host:port of process 0 of a multi-process run '
+                                   '(jax.distributed); with --num_processes and --process_id.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', 0,
+                                      'Processes of a multi-process run (0 = single process).')
+_PROCESS_ID = flags.DEFINE_integer('process_id', -1, 'This process\'s rank, 0..num_processes-1.')
 _PROFILE_OUT = flags.DEFINE_string('profile_out', '',
                                    'Where --calibrate writes the profile; default '
                                    '~/.cache/megatrain_jax/hardware.json (used when '
@@ -108,6 +115,9 @@ def main(argv):
   del argv
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  if _NUM_PROCESSES.value > 1 or _COORDINATOR.value:  # before anything touches a device
+    from megatrain_jax import distributed  # pylint: disable=g-import-not-at-top
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from megatrain_jax import train  # imported after flag parsing: `--help` stays fast
   try:
     if _PREPARE.value:

@@ -13,6 +13,7 @@ Then it works out, from the same formulas, what "1-2 iterations per second for 1
 would require.
 
   python bench/projection.py > projection.md     # ~1 min, no accelerator needed
+  python bench/projection.py 405b                # only the named models
 """
 
 import dataclasses
@@ -94,11 +95,12 @@ def requirements_for_101b(rates=(1.0, 2.0)) -> list:
 
 def main():
   started = time.perf_counter()
+  models = tuple(sys.argv[1:]) or MODELS
   print('| model | GPU | host RAM | NVMe drives | placement (W params, A Adam, act activations, '
         'opt optimizer on, K layers/group) | M | step (s) | tokens/s | MFU | bottleneck | '
         'days per 1B tokens |')
   print('|---|---|---|---|---|---|---|---|---|---|---|')
-  for model in MODELS:
+  for model in models:
     for gpu in GPUS:
       for ram in RAM_GB:
         for drives in DRIVES:
@@ -116,7 +118,7 @@ def main():
           print('| ' + ' | '.join(cells) + ' |', flush=True)
   print()
   print('\n'.join(requirements_for_101b()))
-  print(f'\n({len(MODELS) * len(GPUS) * len(RAM_GB) * len(DRIVES)} plans in '
+  print(f'\n({len(models) * len(GPUS) * len(RAM_GB) * len(DRIVES)} plans in '
         f'{time.perf_counter() - started:.0f} s)')
 
 

@@ -149,6 +149,19 @@ def get_config() -> ml_collections.ConfigDict:
   #                               ((prefetch_depth + 3) groups of the disk-resident state).
 
   # ---------------------------------------------------------------------------------------------
+  # Devices (megatrain_jax/distributed.py). One mesh axis: the batch is split across the devices
+  # (data parallel) and every leaf of the train state is split across the same devices in
+  # whichever tier it lives (ZeRO-3 / FSDP: each device keeps 1/N of the weights and Adam state);
+  # XLA inserts the all-gathers and reduce-scatters. train.batch_size and train.microbatches
+  # stay the global batch, so a run means the same on any device count.
+  # ---------------------------------------------------------------------------------------------
+  config.parallel = parallel = ml_collections.ConfigDict()
+  parallel.devices = 0  # Devices the run uses: 0 = every visible device, else the first N of
+  #                       jax.devices(). train.batch_size must be a multiple of it. On CPU,
+  #                       XLA_FLAGS=--xla_force_host_platform_device_count=N (set before the
+  #                       process starts) makes N devices.
+
+  # ---------------------------------------------------------------------------------------------
   # Initial weights (megatrain_jax/hf/importer.py).
   # ---------------------------------------------------------------------------------------------
   config.init = init = ml_collections.ConfigDict()
@@ -192,7 +205,7 @@ def get_config() -> ml_collections.ConfigDict:
   # ---------------------------------------------------------------------------------------------
   config.runtime = runtime = ml_collections.ConfigDict()
   runtime.allocator = 'auto'  # Host allocator (megatrain_jax/runtime.py): 'auto' = 'tuned', or
-  #                              'bounded' when the plan keeps state on NVMe (memory-bound: buffers
+  #                              'bounded' when the plan streams (state on host/NVMe: buffers
   #                              >= 128 KiB are returned to the OS when freed, so RSS tracks live
   #                              memory; 'tuned' keeps the heap's high-water mark); 'tuned' = glibc keeps
   #                              freed large buffers for reuse (one arena, no mmap'd chunks, no

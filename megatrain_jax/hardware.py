@@ -70,8 +70,10 @@ class HardwareProfile:
   # flushes them at disk_write_gbps in the background) run at this rate while RAM holds them.
   disk_write_cached_gbps: float = 0.0
   # Host RAM the process holds before any train state: Python, the JAX/XLA runtime, compiled
-  # programs, the data loader. CPU: measured (tiny config, whole-process peak RSS 0.80 GB with
-  # allocator 'system', 0.95 GB 'tuned'). GPU presets: not measured here (the CUDA client maps
+  # programs, the data loader. CPU: 0.8, from bench/memory_accuracy.py (whole-process peak RSS
+  # less the planned state and working set: 0.56-0.63 GB on the tiny config at batch 1 x 256,
+  # 0.57-1.3 GB on 125m, 0.78 GB on 1b, 0.90 GB on a 131k-vocabulary d_model 256 model; it varies
+  # run to run by +-0.2 GB with the same config, so no constant fits every run within 20%). GPU presets: not measured here (the CUDA client maps
   # more host memory): 2 GB, a guess until a GPU run measures it.
   runtime_host_gb: float = 2.0
   host_cores: int = 0  # CPU cores (0 = this machine's, filled when loaded)
@@ -154,7 +156,7 @@ PRESETS = {
         h2d_gbps=2.5, d2h_gbps=2.5, disk_read_gbps=1.0, disk_write_gbps=0.54, disks=1,
         device_adam_gparams=1.47, host_adam_gparams=1.47, dispatch_s=8e-6, overlap=False,
         unified_memory=True, disk_read_cached_gbps=1.24, disk_write_cached_gbps=0.59,
-        runtime_host_gb=0.95, source='preset (`--calibrate` on a 2-core CI VM, 2026-12-03; run it on this machine)'),
+        runtime_host_gb=0.8, source='preset (`--calibrate` on a 2-core CI VM, 2026-12-03; run it on this machine)'),
 }
 ALIASES = {'h100-80gb': 'h100', 'h200-141gb': 'h200', 'a100-80gb': 'a100', '4090': 'rtx4090',
            'rtx-4090': 'rtx4090'}

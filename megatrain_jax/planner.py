@@ -94,9 +94,9 @@ from megatrain_jax.errors import ConfigError
 from megatrain_jax.hardware import HardwareProfile
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.placement import AUTO, MEMORY_TIERS, TIERS, Placement
-from megatrain_jax.schedule import (FORWARD_TO_BACKWARD, STAGING_ROW, STATE, Row, StateSizes,
-                                    StepSchedule, Traffic, hidden_bytes, layer_internal_bytes,
-                                    logits_bytes)
+from megatrain_jax.schedule import (BACKWARD_TO_UPDATE, FORWARD_TO_BACKWARD, STAGING_ROW, STATE,
+                                    Row, StateSizes, StepSchedule, Traffic, hidden_bytes,
+                                    layer_internal_bytes, logits_bytes)
 
 RUNTIME_ROW = 'runtime (Python, JAX/XLA, compiled code)'
 
@@ -201,9 +201,11 @@ class Plan:
     for r in held:
       if r.stage != STATE:  # the forward's weights in flight are the backward's too
         per_stage['layers' if r.stage in ('forward', 'backward') else r.stage] += r.bytes
-    carried = per_stage.pop(FORWARD_TO_BACKWARD, 0.0)  # boundary activations
-    for phase in ('layers', 'head'):
-      per_stage[phase] += carried
+    for span, phases in ((FORWARD_TO_BACKWARD, ('layers', 'head')),  # boundary activations
+                         (BACKWARD_TO_UPDATE, ('layers', 'update', 'outer_update'))):  # parked
+      held_across = per_stage.pop(span, 0.0)
+      for phase in phases:
+        per_stage[phase] += held_across
     return (sum(r.bytes for r in held if r.stage == STATE) + self.write_behind_bytes
             + max(per_stage.values(), default=0.0))
 

@@ -112,10 +112,12 @@ class _Output:
   """Reads a process's output on a thread, noting when the training loop starts (the 'model:'
   line) and when the last step's console line comes."""
 
-  def __init__(self, process: subprocess.Popen):
+  def __init__(self, process: subprocess.Popen, kill_at_step: tuple[int, float] | None = None):
+    """`kill_at_step` (step, seconds): SIGKILL the process that long after it logs that step."""
     self.lines, self.loop_start, self.last_step = [], [], []
     self.loop_started = threading.Event()
     self._process = process
+    self._kill_at_step = kill_at_step
     self._thread = threading.Thread(target=self._read, daemon=True)
     self._thread.start()
 
@@ -125,6 +127,8 @@ class _Output:
       if line.startswith('model:') and not self.loop_started.is_set():
         self.loop_start.append(time.monotonic())
         self.loop_started.set()
+      if self._kill_at_step and line.startswith(f'step {self._kill_at_step[0]}/{STEPS} '):
+        faults.kill_after(self._process, self._kill_at_step[1])
       if line.startswith(f'step {STEPS}/{STEPS} '):
         self.last_step.append(time.monotonic())
 
@@ -140,13 +144,15 @@ class _Output:
 
 
 def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: float | None = None,
-           kill_from_start: bool = False, at_loop_start=None, timeout: float = 300) -> Run:
+           kill_from_start: bool = False, kill_at_step: tuple[int, float] | None = None,
+           at_loop_start=None, timeout: float = 300) -> Run:
   """Runs `python launch.py --config=tiny` with `fields` as overrides in `workdir`, on the CPU.
 
   SIGKILLed at fault point `fault` ('phase:n', see megatrain_jax/faults.py), or from outside
   `kill_after_s` seconds after the training loop starts (after the process starts with
-  `kill_from_start`). `at_loop_start()` is called once the training loop starts (to fill the
-  disk, say). A run still going after `timeout` seconds is killed.
+  `kill_from_start`), or `kill_at_step` = (step, seconds) after it logs that step. `at_loop_start()`
+  is called once the training loop starts (to fill the disk, say). A run still going after
+  `timeout` seconds is killed.
   """
   args = [f'--config.{k.replace("__", ".")}={v}' for k, v in fields.items()]
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
@@ -159,7 +165,7 @@ def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: flo
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   if kill_after_s is not None and kill_from_start:
     faults.kill_after(process, kill_after_s)
-  output = _Output(process)
+  output = _Output(process, kill_at_step)
   from_loop = kill_after_s is not None and not kill_from_start
   if (from_loop or at_loop_start) and output.loop_started.wait(timeout):
     if at_loop_start:
@@ -296,7 +302,7 @@ def known_committed(last_logged: int, start: int) -> int:
 class Kill:
   """One killed run of a chain, and what it left."""
   kind: str  # a fault phase, or one of EXTERNAL
-  fault: str  # 'phase:n' or 'external after 1.23 s'
+  fault: str  # 'phase:n' or 'external {launch() arguments}'
   returncode: int
   start: int  # step the killed run resumed at
   last_logged: int  # newest metrics row it wrote
@@ -309,21 +315,32 @@ class Kill:
 def external_delay(rng: random.Random, start: int, train_seconds: float) -> float:
   """A random time within the training of a run resumed at `start`: the uninterrupted run took
   `train_seconds` from the loop's start to its last step; a resumed run trains fewer steps, so
-  scale by its share of them (an underestimate: the first step's compile is a fixed cost), and
-  stop well short of the end (a run may be faster than the reference was), where a kill would
-  find nothing left to train."""
+  scale by its share of them, and stop well short of the end (bench/reliability.py's SIGTERMs;
+  the tests' kills use `external_kill`, which follows the run's progress)."""
   return rng.uniform(0.0, 0.6 * train_seconds * (STEPS - start) / STEPS)
+
+
+def external_kill(rng: random.Random, start: int, train_seconds: float) -> dict:
+  """launch() arguments for a kill at a random time within the training of a run resumed at
+  `start`, tied to its progress rather than to the clock alone (a loaded machine makes one run
+  slower than another): a random fraction of a step (the uninterrupted run's `train_seconds` /
+  STEPS) after it logs a step drawn from those it trains but the last, so there is always
+  training left to interrupt; a run with one step left, that fraction after its loop starts."""
+  delay = rng.uniform(0.0, 0.5 * train_seconds / STEPS)
+  if start + 1 >= STEPS:
+    return dict(kill_after_s=delay)
+  return dict(kill_at_step=(rng.randint(start + 1, STEPS - 1), delay))
 
 
 def run_killed(workdir, placement: str, kind: str, rng: random.Random, start: int,
                reference: Run) -> tuple[str, Run]:
   """One run of the chain (resuming at `start`), killed by `kind`: a fault point or EXTERNAL;
   `reference` (an uninterrupted run) sets the range of the outside kills' delays. Returns the
-  fault as words ('phase:n', 'external after 1.23 s') and the run."""
+  fault as words ('phase:n', 'external {launch() arguments}') and the run."""
   fields = placement_fields(placement)
   if kind == 'external':
-    delay = external_delay(rng, start, reference.train_seconds)
-    return f'external after {delay:.2f} s', launch(workdir, fields, kill_after_s=delay)
+    when = external_kill(rng, start, reference.train_seconds)
+    return f'external {when}', launch(workdir, fields, **when)
   if kind == 'startup':
     delay = rng.uniform(0.0, reference.startup_seconds)
     return f'startup after {delay:.2f} s', launch(workdir, fields, kill_after_s=delay,

@@ -38,6 +38,7 @@ from megatrain_jax import partition
 STAGES = ('embed', 'forward', 'head', 'backward', 'update', 'embed_backward', 'outer_update')
 STATE = 'state'  # what stays in its tiers between steps (not a stage)
 FORWARD_TO_BACKWARD = 'forward..backward'  # held from the forward through the head to the backward
+BACKWARD_TO_UPDATE = 'backward..update'  # parked gradients: from the backward to their update
 
 
 STAGING_ROW = 'NVMe staging buffer'
@@ -285,7 +286,7 @@ class StepSchedule:
     if p.opt_state != 'nvme':
       add(STATE, p.opt_state, 'layer Adam m, v', A, '8·L·P_l')
     if self.deferred_updates:
-      add('update', p.params, 'parked gradients (exact clipping)', W, '4·L·P_l')
+      add(BACKWARD_TO_UPDATE, p.params, 'parked gradients (exact clipping)', W, '4·L·P_l')
     if p.params == 'nvme':
       add(STATE, 'nvme', 'layer params', L * sizes.layer_params, '4·L·P_l')
     if p.opt_state == 'nvme':
@@ -319,7 +320,8 @@ class StepSchedule:
         E + H + sizes.piece_opt(E, chunks) + (sizes.piece_opt(H, chunks) if H else 0),
         f'(4 + 8)·P_embed/head ({chunks} chunks)')
     add(STATE, self.norm_tier, 'final norm params + Adam', N + sizes.piece_opt(N, 1), '(4 + 8)·D')
-    add('update', p.embed_head, 'parked embedding/head gradients', E + H, '4·P_embed/head')
+    add(BACKWARD_TO_UPDATE, p.embed_head, 'parked embedding/head gradients', E + H,
+        '4·P_embed/head')
     if p.embed_head != 'device':
       add('head', 'device', f'vocabulary chunks in flight ({p.prefetch_depth + 1})',
           (p.prefetch_depth + 1) * chunk, '(prefetch_depth + 1)·4·V_c·D')

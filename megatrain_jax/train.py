@@ -32,6 +32,7 @@ import numpy as np
 from megatrain_jax import calibrate as calibrate_lib
 from megatrain_jax import config as config_lib
 from megatrain_jax import data as data_lib
+from megatrain_jax import distributed
 from megatrain_jax import evaluate as evaluate_lib
 from megatrain_jax import export as export_lib
 from megatrain_jax import fs
@@ -83,6 +84,7 @@ def dry_run(config: ml_collections.ConfigDict, workdir: str | None = None,
                                        overrides)
   model_cfg = config_lib.validate(config)
   Placement.from_config(config.offload, model_cfg, allow_auto=True)
+  distributed.check_fields(config)  # not the devices: a dry run may plan for another machine
   sizes = state_bytes(model_cfg)
   gib = 1024 ** 3
   print(f'params: {sizes["params"]}')
@@ -236,9 +238,10 @@ def _adopt_tokenizer(config, checkpoint, workdir: pathlib.Path):
   return config
 
 
-def _build_engine(model_cfg, config, plan, restored, checkpoint):
-  """The engine, filled from the run's checkpoint (`restored`), else from the Hugging Face
-  checkpoint (`checkpoint`, piece by piece into the planned tiers), else a fresh init."""
+def _build_engine(model_cfg, config, plan, restored, checkpoint, layout: Layout):
+  """The engine on `layout`'s devices, filled from the run's checkpoint (`restored`), else from
+  the Hugging Face checkpoint (`checkpoint`, piece by piece into the planned tiers), else a fresh
+  init."""
   train_cfg = config.train
   tx = optim.make_optimizer(train_cfg)
   source = restored
@@ -246,7 +249,7 @@ def _build_engine(model_cfg, config, plan, restored, checkpoint):
     source = hf.HfReader(checkpoint, resident.abstract_state(model_cfg, tx), seed=train_cfg.seed)
   started = time.perf_counter()
   engine = make_engine(model_cfg, tx, optim.lr_schedule(train_cfg), train_cfg, plan.placement,
-                       restore_from=source)
+                       restore_from=source, layout=layout)
   if source is not restored:
     for stores in getattr(engine, 'stores', {}).values():  # the NVMe tier's writes landed
       for store in stores.all():
@@ -258,19 +261,22 @@ def _build_engine(model_cfg, config, plan, restored, checkpoint):
   return engine
 
 
-def make_engine(model_cfg, tx, schedule, train_cfg, placement: Placement, restore_from=None):
+def make_engine(model_cfg, tx, schedule, train_cfg, placement: Placement, restore_from=None,
+                layout: Layout | None = None):
   """The resident engine when everything stays on the device, else the streamed engine; filled
-  from a checkpoint (`restore_from`, a CheckpointReader) or a fresh init."""
+  from a checkpoint (`restore_from`, a CheckpointReader) or a fresh init; on `layout`'s devices
+  (default: the first device)."""
+  layout = layout or Layout.single_device()
   if placement.streamed:
     return StreamedEngine(model_cfg, tx, schedule, train_cfg.grad_clip, placement,
-                          seed=train_cfg.seed, restore_from=restore_from)
+                          seed=train_cfg.seed, restore_from=restore_from, layout=layout)
   state = None
   if restore_from is not None:
-    # Leaf by leaf, file by file into device buffers: no whole host copy of the state.
-    state = restore_from.device_state(resident.abstract_state(model_cfg, tx),
-                                      Layout.single_device())
+    # Leaf by leaf, file by file into device buffers (each leaf into its shards): no whole host
+    # copy of the state.
+    state = restore_from.device_state(resident.abstract_state(model_cfg, tx), layout)
   return resident.ResidentEngine(model_cfg, tx, schedule, train_cfg.grad_clip, state,
-                                 seed=train_cfg.seed)
+                                 seed=train_cfg.seed, layout=layout)
 
 
 def _validate(config, workdir: str) -> tuple[model_lib.ModelConfig, pathlib.Path]:
@@ -278,6 +284,8 @@ def _validate(config, workdir: str) -> tuple[model_lib.ModelConfig, pathlib.Path
   and the directory of an NVMe tier the config names are checked. Allocates and writes nothing."""
   model_cfg = config_lib.validate(config)
   requested = Placement.from_config(config.offload, model_cfg, allow_auto=True)
+  distributed.check_single_process()
+  distributed.device_count(config)  # parallel.devices exist, train.batch_size splits over them
   data_lib.check_data_config(config.data, config.train)
   workdir = config_lib.check_workdir(workdir)
   if requested.uses_nvme:
@@ -313,9 +321,10 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int):
 
 
 def _open_run_log(config, model_cfg, hw, plan, workdir: pathlib.Path, samples_per_step: int,
-                  start_step: int, position: int, checkpointer) -> metrics_lib.RunLog:
+                  start_step: int, position: int, checkpointer,
+                  layout: Layout) -> metrics_lib.RunLog:
   """The run's log (metrics.jsonl, TensorBoard, console), once it has printed where the run
-  resumed from, the model and engine, and the plan's prediction."""
+  resumed from, the model, the devices and processes, the engine, and the plan's prediction."""
   train_cfg = config.train
   tokens_per_step = samples_per_step * train_cfg.seq_len
   log = metrics_lib.RunLog(
@@ -329,7 +338,7 @@ def _open_run_log(config, model_cfg, hw, plan, workdir: pathlib.Path, samples_pe
     log.print(f'resumed from {checkpointer.directory / str(start_step)} '
               f'(step {start_step}, data position {position})')
   log.print(f'model: {model_cfg.num_params:,} params, {tokens_per_step:,} tokens/step, '
-            f'on {layout_lib.device_kind()}, {plan.placement.describe(model_cfg.num_layers)}')
+            f'on {distributed.describe(layout)}, {plan.placement.describe(model_cfg.num_layers)}')
   log.print(f'plan ({hw.name}): predicted {plan.step_time_s:.3g} s/step, '
             f'{plan.tokens_per_s:,.0f} tokens/s, bottleneck {plan.bottleneck}; '
             f'device {plan.used("device") / 1e9:,.2f} GB, host {plan.used("host") / 1e9:,.2f}'
@@ -403,7 +412,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     locked.enter_context(locks.hold_workdir(workdir))  # before anything is written
     checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep)
     config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
-    runtime.configure(config, uses_nvme=plan.placement.uses_nvme)  # 'auto' knows the plan now
+    runtime.configure(config, streamed=plan.placement.streamed)  # 'auto' knows the plan now
     if plan.placement.uses_nvme:  # before the stores are written
       locked.enter_context(locks.hold_offload_dir(plan.placement.dir, workdir))
     train_cfg = config.train
@@ -411,7 +420,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     workdir.mkdir(parents=True, exist_ok=True)
     config = _adopt_tokenizer(config, checkpoint, workdir)
     sampler, eval_data = _open_data(config, workdir, plan.microbatches)
-    engine = _build_engine(model_cfg, config, plan, restored, checkpoint)
+    layout = distributed.run_layout(config)
+    engine = _build_engine(model_cfg, config, plan, restored, checkpoint, layout)
     start_step = engine.step
     position = restored.meta['data_position'] if restored is not None else 0
     del restored
@@ -419,7 +429,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     with preemption.StopSignals() as stop:
       try:
         with _open_run_log(config, model_cfg, hw, plan, workdir, sampler.samples_per_step,
-                           start_step, position, checkpointer) as log:
+                           start_step, position, checkpointer, layout) as log:
           if start_step == 0:  # the baseline every later eval is compared with
             log.write(0, _evaluate(engine, eval_data))
           _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log,

@@ -10,9 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from megatrain_jax import train
+from megatrain_jax import partition, train
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
+from megatrain_jax.partition import split_axis
 from megatrain_jax.tiers import codecs
 from megatrain_jax.tiers import nvme
 from megatrain_jax.tiers.nvme import NvmeStore
@@ -452,6 +453,31 @@ def test_save_and_restore_of_a_resident_state_add_at_most_a_piece_or_two(tmp_pat
   assert len(chunk_files(arrays / 'params.embed')) == 12  # 400 MB in 32 MB files
   restored = run_memory_script('restore', tmp_path)
   assert restored['added'] <= 2 * piece + 32 * 2**20, restored
+
+
+def test_streamed_in_memory_tiers_hand_over_their_own_pieces(tmp_path):
+  """A checkpoint of the host tier takes each layer group's and vocabulary chunk's leaves as the
+  stores hold them, one piece at a time: every piece handed over is the store's own array (no
+  copy, no concatenation of the whole leaf), and the pieces tile each full-state leaf."""
+  from helpers import streamed_run  # pylint: disable=g-import-not-at-top
+  engine, _, state = streamed_run(1, 1.0, params='host', opt_state='host', embed_head='host',
+                                  layers_per_group=3, shard_mb=0.004)  # 4 layers: groups of 3, 1
+  leaves, pieces, disk = engine.checkpoint_pieces(32 * 2**20)
+  assert not disk
+  stored = {id(x) for kind in engine.kinds for store in engine.stores[kind].all()[:2]
+            for key in range(len(engine.kind_slices[kind])) for x in jax.tree.leaves(store.get(key))}
+  covered = {}
+  for path, start, stop, piece in pieces:
+    layout = leaves[path]
+    if split_axis(path) is not None:  # a split leaf: one store piece, never the whole leaf
+      assert id(piece) in stored and piece.shape[layout.axis] == stop - start < layout.extent
+    covered.setdefault(path, []).append((start, stop))
+  full = {p: np.shape(x) for p, x in partition.by_path(state).items()}
+  for path, spans in covered.items():
+    layout = leaves[path]
+    assert tuple(layout.shape) == full[path], path
+    assert sorted(spans)[0][0] == 0 and sorted(spans)[-1][1] == layout.extent, (path, spans)
+  assert set(covered) == set(full)
 
 
 class PiecesEngine:

@@ -60,8 +60,8 @@ def test_configure_reads_the_config_section():
   from configs import default  # pylint: disable=import-outside-toplevel
   config = default.get_config()
   assert config.runtime.allocator == 'auto'
-  assert runtime.resolve('auto', uses_nvme=True) == 'bounded'
-  assert runtime.resolve('auto', uses_nvme=False) == 'tuned'
+  assert runtime.resolve('auto', streamed=True) == 'bounded'
+  assert runtime.resolve('auto', streamed=False) == 'tuned'
   runtime.configure(config)
   assert runtime.applied() in ('tuned', None)  # None where there is no glibc
 

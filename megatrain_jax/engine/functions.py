@@ -7,6 +7,12 @@ weights {'head': {'lm_head': ...}} or, tied, the embed piece.
 Arithmetic mirrors engine/resident.py (sum of microbatch gradients, / M, then * clip scale, then
 the same optax update), so both engines train to the same numbers within float32 rounding.
 
+On N devices (`Layout`) the inputs arrive sharded: weights, gradients and Adam state by the
+layout's per-leaf specs, tokens and activations along B. The functions that return train-state-
+shaped trees (gradient sums, updated weights and Adam state) hold them to those specs
+(`Layout.constrain`, or `out_shardings` for the host update), so what goes back to a store is
+already in its shards; XLA (GSPMD) adds the all-gathers and reduce-scatters in between.
+
 A batch with a loss mask (data.Batch) is learned through per-token weights (`step_inputs`,
 model.token_weights): each microbatch's loss is Σ w·nll with w = mask·M / (learned tokens of the
 whole step), so the same mean over microbatches gives the full batch's masked mean.
@@ -69,34 +75,70 @@ def adamw_update(tx, grad_sum, opt_state, params, scale, num_micro: int):
   return optax.apply_updates(params, updates), opt_state
 
 
+def _sharded_outputs(fn, state=(), batch=()):
+  """`fn` with its outputs at the indices in `state` (train-state-shaped trees) held to the
+  layout's per-leaf specs and those in `batch` (activations [B, S, ...]) split along B; `fn`
+  takes the layout as its first argument. Applied inside jit: sharding constraints."""
+  def constrained(layout, *args):
+    out = fn(*args)
+    single = not isinstance(out, tuple)
+    out = [out] if single else list(out)
+    for i in state:
+      out[i] = layout.constrain(out[i])
+    for i in batch:
+      out[i] = layout.constrain_batch(out[i])
+    return out[0] if single else tuple(out)
+  return constrained
+
+
 class StageFunctions:
   """One jitted function per stage step; see schedule.py for the order they run in."""
 
   def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, layout: Layout):
+    self.tx, self.layout = tx, layout
+    on = lambda fn, **where: functools.partial(_sharded_outputs(fn, **where), layout)
     # Vocabulary chunks: `start` (the chunk's first id) is traced, so chunks of one length share
     # one compiled function; pieces are trees at full-state paths (partition.py).
-    self.embed_chunk = jax.jit(functools.partial(_embed_chunk, cfg))
-    self.embed_chunk_add = jax.jit(functools.partial(_embed_chunk_add, cfg), donate_argnums=(3,))
+    self.embed_chunk = jax.jit(on(functools.partial(_embed_chunk, cfg), batch=[0]))
+    self.embed_chunk_add = jax.jit(on(functools.partial(_embed_chunk_add, cfg), batch=[0]),
+                                   donate_argnums=(3,))
     self.lse_init = jax.jit(head_chunks.lse_init)
     self.lse_update = jax.jit(functools.partial(_lse_update, cfg))
     self.lse_finish = jax.jit(head_chunks.lse_finish)
-    self.head_chunk_backward = jax.jit(functools.partial(_head_chunk_backward, cfg))
-    self.embed_chunk_backward = jax.jit(functools.partial(_embed_chunk_backward, cfg),
-                                        static_argnums=0)  # the chunk's shape
-    self.group_forward = jax.jit(
-        lambda group, x, positions: model_lib.apply_group(cfg, group['layers'], x, positions))
+    self.head_chunk_backward = jax.jit(on(functools.partial(_head_chunk_backward, cfg),
+                                          state=[0], batch=[1]))
+    self.embed_chunk_backward = jax.jit(on(functools.partial(_embed_chunk_backward, cfg),
+                                           state=[0]), static_argnums=0)  # the chunk's shape
+    self.group_forward = jax.jit(on(
+        lambda group, x, positions: model_lib.apply_group(cfg, group['layers'], x, positions),
+        batch=[0]))
     self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg))
-    self.final_norm_backward = jax.jit(functools.partial(_final_norm_backward, cfg))
-    self.group_backward = jax.jit(functools.partial(_group_backward, cfg), donate_argnums=(2, 4))
-    self.zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
-    self.add = jax.jit(tree_add, donate_argnums=(0,))
+    self.final_norm_backward = jax.jit(on(functools.partial(_final_norm_backward, cfg),
+                                          state=[0], batch=[1]))
+    self.group_backward = jax.jit(on(functools.partial(_group_backward, cfg), state=[0],
+                                     batch=[1]), donate_argnums=(2, 4))
+    self.zeros = jax.jit(on(lambda tree: jax.tree.map(jnp.zeros_like, tree), state=[0]))
+    self.add = jax.jit(on(tree_add, state=[0]), donate_argnums=(0,))
     self.sum_of_squares = jax.jit(mean_sum_of_squares, static_argnums=1)
     # Donates the Adam state and the weights (the new ones reuse their buffers); the gradient has
     # no output of its shape left to alias, so it is freed rather than donated.
-    self.device_update = jax.jit(functools.partial(adamw_update, tx), static_argnums=4,
-                                 donate_argnums=(1, 2))
-    self.host_update = jax.jit(functools.partial(_host_update, tx), static_argnums=4,
-                               out_shardings=layout.sharding('pinned_host'))
+    self.device_update = jax.jit(on(functools.partial(adamw_update, tx), state=[0, 1]),
+                                 static_argnums=4, donate_argnums=(1, 2))
+    self._host_updates = {}  # (tree structure, leaf shapes, M) -> jitted host update
+
+  def host_update(self, grad_sum, opt_state, params, scale, num_micro: int):
+    """AdamW on the host (compute_on 'device_host') of pinned-host trees: (new params, new Adam
+    state), each leaf back in pinned host memory in its own layout sharding (1/N of it per
+    device). The output shardings depend on the trees' structure (a whole piece or one update
+    band of it), so one jitted function is kept per structure."""
+    outputs = (params, opt_state)
+    key = (jax.tree.structure(outputs), tuple(np.shape(x) for x in jax.tree.leaves(outputs)),
+           num_micro)
+    if key not in self._host_updates:
+      self._host_updates[key] = jax.jit(
+          functools.partial(_host_update, self.tx), static_argnums=4,
+          out_shardings=self.layout.shardings(outputs, 'pinned_host'))
+    return self._host_updates[key](grad_sum, opt_state, params, scale, num_micro)
 
 
 def _weight(cfg, piece):

@@ -6,6 +6,13 @@ clipping, then the AdamW update, all in one jitted function over the plain state
 
     state = {'step': int32[], 'params': <model params>, 'opt_state': <optax AdamW state>,
              'rng': uint32[2]}   # rng: reserved for stochastic layers; carried and checkpointed
+
+On N devices (a `Layout` over them) every leaf of the state is split over the devices by the
+layout's `leaf_spec` (ZeRO-3 / FSDP: each device keeps 1/N of the weights, gradients and Adam
+moments) and the batch [M, B, S+1] along B. The step is jitted with those in/out shardings, and
+XLA's SPMD partitioner (GSPMD) adds the collectives: all-gathers of the weights where a
+computation needs them whole, and reduce-scatters that turn each device's gradient of its B/N
+sequences into its shard of the gradient of the whole batch.
 """
 
 import functools
@@ -18,6 +25,7 @@ from megatrain_jax import faults
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax.engine.functions import step_inputs
+from megatrain_jax.layout import Layout
 from megatrain_jax.model import ModelConfig
 
 
@@ -34,14 +42,15 @@ def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, see
   return jax.eval_shape(functools.partial(init_state, model_cfg, tx), seed)
 
 
-def accumulate_gradients(loss_and_grad, params, batch, weights=None):
+def accumulate_gradients(loss_and_grad, params, batch, weights=None, constrain=lambda t: t):
   """Mean loss and gradient over the microbatches of `batch` [M, B, S+1].
 
   Gradients are summed in float32 over microbatches (a scan, so one microbatch's activations
   are live at a time) and divided by M: for equal-sized microbatches this is the gradient of the
   mean loss over the whole M*B batch. With `weights` [M, B, S] (model.token_weights of a loss
   mask, normalised over the whole step) each microbatch's loss is Σ w·nll and the same mean is
-  the whole step's masked mean.
+  the whole step's masked mean. `constrain`: holds the gradient sum to the state's sharding
+  (Layout.constrain) so that on N devices each keeps 1/N of it through the scan.
   """
   num_micro = batch.shape[0]
   if num_micro == 1:
@@ -52,23 +61,26 @@ def accumulate_gradients(loss_and_grad, params, batch, weights=None):
   def add_microbatch(carry, microbatch):
     loss_sum, grad_sum = carry
     loss, grads = loss_and_grad(params, *microbatch)
-    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+    return (loss_sum + loss, constrain(jax.tree.map(jnp.add, grad_sum, grads))), None
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
+  zeros = constrain(jax.tree.map(jnp.zeros_like, params))
   xs = (batch,) if weights is None else (batch, weights)
   (loss_sum, grad_sum), _ = jax.lax.scan(add_microbatch, (jnp.zeros((), jnp.float32), zeros), xs)
   return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grad_sum)
 
 
 def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, grad_clip: float,
-                    schedule: optax.Schedule):
+                    schedule: optax.Schedule, layout: Layout | None = None):
   """Returns jitted `step(state, batch[M, B, S+1] int32, weights[M, B, S] float32 or None) ->
-  (state, metrics)`; donates `state`. `weights`: engine/functions.step_inputs of a masked batch."""
+  (state, metrics)`; donates `state`. `weights`: engine/functions.step_inputs of a masked batch.
+  With `layout`, the state goes in and comes out with its per-leaf shardings, the batch split
+  along B, the metrics whole on every device."""
   loss_and_grad = jax.value_and_grad(functools.partial(model_lib.loss_fn, model_cfg))
+  constrain = layout.constrain if layout is not None else (lambda t: t)
 
   def train_step(state, batch, weights=None):
     params = state['params']
-    loss, grads = accumulate_gradients(loss_and_grad, params, batch, weights)
+    loss, grads = accumulate_gradients(loss_and_grad, params, batch, weights, constrain)
     grads, grad_norm = optim.clip_by_global_norm(grads, grad_clip)
     updates, opt_state = tx.update(grads, state['opt_state'], params)
     new_state = {'step': state['step'] + 1, 'params': optax.apply_updates(params, updates),
@@ -77,12 +89,24 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, gr
                'learning/lr': schedule(state['step'])}
     return new_state, metrics
 
-  return jax.jit(train_step, donate_argnums=0)
+  if layout is None:
+    return jax.jit(train_step, donate_argnums=0)
+  state = layout.shardings(abstract_state(model_cfg, tx))
+  batch = layout.split_along(1)  # tokens [M, B, S+1], weights [M, B, S]: along B
+  return jax.jit(train_step, donate_argnums=0, in_shardings=(state, batch, batch),
+                 out_shardings=(state, layout.replicated()))
 
 
-def make_eval_step(model_cfg: ModelConfig):
-  """Returns jitted `eval_step(params, batch[B, S+1], weights[B, S] or None) -> mean loss`."""
-  return jax.jit(functools.partial(model_lib.loss_fn, model_cfg))
+def make_eval_step(model_cfg: ModelConfig, layout: Layout | None = None):
+  """Returns jitted `eval_step(params, batch[B, S+1], weights[B, S] or None) -> mean loss`;
+  with `layout`, params in their per-leaf shardings and the batch split along B."""
+  loss = functools.partial(model_lib.loss_fn, model_cfg)
+  if layout is None:
+    return jax.jit(loss)
+  abstract_params = model_lib.abstract_params(model_cfg)
+  batch = layout.split_along(0)  # tokens [B, S+1], weights [B, S]
+  return jax.jit(loss, in_shardings=(layout.shardings(abstract_params), batch, batch),
+                 out_shardings=layout.replicated())
 
 
 class ResidentEngine:
@@ -91,20 +115,25 @@ class ResidentEngine:
 
   def __init__(self, model_cfg: ModelConfig, tx: optax.GradientTransformation,
                schedule: optax.Schedule, grad_clip: float, state: dict | None = None,
-               seed: int = 0):
+               seed: int = 0, layout: Layout | None = None):
+    """`state`: a full train state (host or device arrays), placed on the layout's devices;
+    None: a fresh one from `seed`, initialised straight into its shards."""
+    self.layout = layout or Layout.single_device()
+    shardings = self.layout.shardings(abstract_state(model_cfg, tx, seed))
     if state is None:
-      state = jax.jit(init_state, static_argnums=(0, 1))(model_cfg, tx, seed)
-    self.state = state
-    self.step = int(state['step'])
-    self._train_step = make_train_step(model_cfg, tx, grad_clip, schedule)
-    self._eval_step = make_eval_step(model_cfg)
+      state = jax.jit(init_state, static_argnums=(0, 1), out_shardings=shardings)(
+          model_cfg, tx, seed)
+    self.state = jax.device_put(state, shardings)  # a no-op for leaves already in place
+    self.step = int(self.state['step'])
+    self._train_step = make_train_step(model_cfg, tx, grad_clip, schedule, self.layout)
+    self._eval_step = make_eval_step(model_cfg, self.layout)
 
   def train_step(self, batch) -> dict:
     """One step on `batch`: int32 [M, B, S+1], or a data.Batch with its loss mask."""
     tokens, weights = step_inputs(batch)
     faults.point('forward')
-    self.state, metrics = self._train_step(self.state, jnp.asarray(tokens),
-                                           None if weights is None else jnp.asarray(weights))
+    self.state, metrics = self._train_step(self.state, self.layout.put_batch(tokens),
+                                           self.layout.put_batch(weights))
     faults.point('backward')  # the step is in flight: old state donated, new one not yet ready
     self.step += 1
     return metrics
@@ -115,8 +144,8 @@ class ResidentEngine:
     out = []
     for batch in batches:
       tokens, weights = step_inputs(batch)
-      out.append(float(self._eval_step(self.state['params'], jnp.asarray(tokens),
-                                       None if weights is None else jnp.asarray(weights))))
+      out.append(float(self._eval_step(self.state['params'], self.layout.put_batch(tokens),
+                                       self.layout.put_batch(weights))))
     return out
 
   def export_state(self) -> dict:

@@ -15,6 +15,11 @@ Each group's weights cross to the device exactly twice per optimizer step, whate
 (MegaTrain: 3 times per microbatch); with exact clipping and the device optimizer, three times.
 The forward stage is shared with evaluation. Arithmetic mirrors engine/resident.py (see
 engine/functions.py), so both engines train to the same numbers within float32 rounding.
+
+On N devices (`layout`) every piece in every in-memory tier is split over the devices by the
+layout's per-leaf specs (each device's share of pinned host memory holds 1/N of a group), the
+batch along B; a fetched group is gathered on the devices inside the jitted group functions and
+its gradient reduce-scattered back to shards (engine/functions.py).
 """
 
 import dataclasses
@@ -29,6 +34,7 @@ from megatrain_jax import faults
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax import partition
+from megatrain_jax.checkpoint import LeafLayout, Parts, array_parts
 from megatrain_jax.engine.functions import StageFunctions, step_inputs
 from megatrain_jax.engine.updates import (PieceStores, PieceUpdater, piece_bands, update_parked,
                                           update_policy)
@@ -46,15 +52,17 @@ _GB = 1e9
 
 @dataclasses.dataclass
 class _Step:
-  """What the stages of one step share. M microbatches of [B, S] tokens."""
+  """What the stages of one step share. M microbatches of [B, S] tokens, each split along B over
+  the layout's devices (one array per microbatch: with several processes no process can slice
+  a global [M, B, S] array outside jit)."""
   schedule: StepSchedule
-  tokens: jax.Array  # [M, B, S] int32
-  targets: jax.Array  # [M, B, S] int32
+  tokens: list  # M x [B, S] int32
+  targets: list  # M x [B, S] int32
   positions: jax.Array  # [B, S] int32
   norm: dict  # the final norm's params, on the device
-  # [M, B, S] float32 per-token loss weights of a masked batch (functions.step_inputs), or None:
+  # M x [B, S] float32 per-token loss weights of a masked batch (functions.step_inputs), or None:
   # every target learned, each microbatch's loss its mean.
-  weights: jax.Array | None = None
+  weights: list | None = None
   norm_grad: dict = None
   squares: list = dataclasses.field(default_factory=list)  # per piece: sum of squares of the mean grad
   fetch_wait_s: float = 0.0
@@ -63,7 +71,7 @@ class _Step:
 
   @property
   def num_micro(self) -> int:
-    return self.tokens.shape[0]
+    return len(self.tokens)
 
 
 def _small_leaves_of(reader):
@@ -168,6 +176,7 @@ class StreamedEngine:
   def load_state(self, state: dict) -> None:
     for kind, pieces in partition.split_state(state, self.tx, self.kind_slices).items():
       for key, piece in enumerate(pieces):
+        piece = self.layout.conform(piece)  # device arrays of a resident state: into shards
         self.stores[kind].params.put(key, piece['params'])
         self.stores[kind].opt_state.put(key, piece['opt_state'])
     self.step = int(np.asarray(state['step']))
@@ -185,50 +194,65 @@ class StreamedEngine:
     init_piece = jax.jit(model_lib.init_outer_piece, static_argnums=(0, 2, 3, 4))
     for kind in self.kinds[1:]:
       for key, (start, stop) in enumerate(self.kind_slices[kind]):
-        piece = init_piece(self.cfg, init_key, kind, start, stop)
+        piece = self.layout.conform(init_piece(self.cfg, init_key, kind, start, stop))
         self.stores[kind].params.put(key, piece)
-        self.stores[kind].opt_state.put(key, init_opt(piece))
+        self.stores[kind].opt_state.put(key, self.layout.conform(init_opt(piece)))
     init_layers = jax.jit(model_lib.init_layers, static_argnums=(0, 3))
     for g, (start, stop) in enumerate(self.slices):
-      group = {'layers': init_layers(self.cfg, layers_key, start, stop - start)}
+      layers = init_layers(self.cfg, layers_key, start, stop - start)
+      group = self.layout.conform({'layers': layers})  # into its shards
       self.params.put(g, group)
-      self.opt_state.put(g, init_opt(group))
+      self.opt_state.put(g, self.layout.conform(init_opt(group)))
     self.step = 0
     self.rng = np.asarray(jax.random.key_data(rng))
 
   def export_state(self) -> dict:
     """The full train state as host numpy arrays (what the resident engine would hold).
 
-    Gathers every piece in host RAM (tests, export); checkpoints use `checkpoint_parts`, which
-    leaves the NVMe tier on disk.
+    Gathers every piece in host RAM (tests, export); checkpoints use `checkpoint_pieces`, which
+    hands over one piece at a time and leaves the NVMe tier on disk.
     """
     pieces = {kind: [{'params': self.stores[kind].params.get(key),
                       'opt_state': self.stores[kind].opt_state.get(key)} for key in self._keys(kind)]
               for kind in self.kinds}
     return partition.merge_state(pieces, self.tx, np.int32(self.step), self.rng)
 
-  def checkpoint_parts(self) -> tuple[dict, dict]:
-    """What a checkpoint needs, addressed by full-state tree path (checkpoint.py):
-    ({path: host numpy copy} of leaves in memory, {path: live zarr3 array dir} of leaves on NVMe).
-    NVMe leaves are not read: the checkpointer links their files once the writes have landed."""
-    memory = {"['step']": np.asarray(self.step, np.int32), "['rng']": np.array(self.rng)}
-    disk = {}
+  def checkpoint_pieces(self, piece_bytes: int) -> Parts:
+    """What a checkpoint needs (checkpoint.Parts), by full-state tree path: the in-memory tiers'
+    leaves piece by piece as the stores hold them (one store piece handed over at a time, so a save
+    adds one piece of host memory, never the whole state), the NVMe tiers' live array directories
+    (linked by the checkpointer, not read), and the small leaves (step counts, rng) whole."""
+    small = {"['step']": np.asarray(self.step, np.int32), "['rng']": np.array(self.rng)}
+    leaves, disk, in_memory = {}, {}, []
     for kind in self.kinds:
       for part, store in (('params', self.stores[kind].params),
                           ('opt_state', self.stores[kind].opt_state)):
+        prefix = f"['{part}']"
         if isinstance(store, NvmeStore):  # split leaves: linked by the checkpointer, not read
-          disk.update({f"['{part}']" + p: d for p, d in store.array_dirs().items()})
-          memory.update({f"['{part}']" + p: np.array(x, copy=True)
-                         for p, x in store.small_leaves(0).items()})
+          disk.update({prefix + p: d for p, d in store.array_dirs().items()})
+          small.update({prefix + p: np.array(x, copy=True)
+                        for p, x in store.small_leaves(0).items()})
           continue
-        pieces = [partition.by_path(store.get(key), f"['{part}']") for key in self._keys(kind)]
-        for path in pieces[0]:
+        in_memory.append((kind, store, prefix))
+        first, extent = self.kind_slices[kind][0], self.kind_slices[kind][-1][1]
+        for path, x in partition.by_path(store.get(0), prefix).items():
           axis = partition.split_axis(path)
           if axis is None:  # step counts sit at the same path in every piece: all equal
-            memory[path] = np.array(pieces[0][path], copy=True)
-          else:
-            memory[path] = np.concatenate([np.asarray(p[path]) for p in pieces], axis=axis)
-    return memory, disk
+            small[path] = np.array(x, copy=True)
+          else:  # [.., extent, ..] in files of one store piece each
+            shape = x.shape[:axis] + (extent,) + x.shape[axis + 1:]
+            leaves[path] = LeafLayout(shape, np.dtype(x.dtype), axis, first[1] - first[0])
+    small_leaves, small_pieces = array_parts(small, piece_bytes)
+
+    def pieces():
+      yield from small_pieces
+      for kind, store, prefix in in_memory:
+        for key, (start, stop) in enumerate(self.kind_slices[kind]):
+          for path, x in partition.by_path(store.get(key), prefix).items():
+            if path in leaves:
+              yield path, start, stop, x
+
+    return Parts({**leaves, **small_leaves}, pieces(), disk)
 
   def load_checkpoint(self, reader) -> None:
     """Fills the stores from a verified checkpoint, piece by piece (never the whole state in RAM).
@@ -291,12 +315,17 @@ class StreamedEngine:
     fetched."""
     self.stats.reset()
     batch, weights = step_inputs(batch)
-    batch = jnp.asarray(batch)
-    tokens, targets = batch[:, :, :-1], batch[:, :, 1:]
-    schedule = StepSchedule(self.placement, self.cfg, batch.shape[0], self.grad_clip > 0)
-    return _Step(schedule, tokens, targets, model_lib.default_positions(tokens[0]),
+    batch = np.asarray(batch)  # host [M, B, S+1]; weights host [M, B, S] or None
+    put = self.layout.put_batch  # each microbatch split along B over the devices
+    schedule = StepSchedule(self.placement, self.cfg, len(batch), self.grad_clip > 0)
+    return _Step(schedule, [put(b[:, :-1]) for b in batch], [put(b[:, 1:]) for b in batch],
+                 self._positions(batch[0, :, :-1]),
                  norm=resolve(self.stores['final_norm'].params.fetch(0)),
-                 weights=None if weights is None else jnp.asarray(weights))
+                 weights=None if weights is None else [put(w) for w in weights])
+
+  def _positions(self, tokens):
+    """[B, S] positions 0..S-1 of host [B, S] tokens, split along B like them."""
+    return self.layout.put_batch(np.asarray(model_lib.default_positions(tokens)))
 
   def _chunks(self, store, order=None) -> Prefetcher:
     """The vocabulary chunks of `store` in `order`, read ahead like layer groups."""
@@ -424,13 +453,13 @@ class StreamedEngine:
     if self.placement.activations != 'host':
       return x
     self.stats.add(d2h_bytes=x.nbytes)
-    return self.layout.put(x, 'pinned_host')
+    return self.layout.put_activation(x, 'pinned_host')
 
   def _unstash(self, x):
     if self.placement.activations != 'host':
       return x
     self.stats.add(h2d_bytes=x.nbytes)
-    return self.layout.put(x, 'device')
+    return self.layout.put_activation(x, 'device')
 
   def _metrics(self, step: _Step, loss, grad_norm) -> dict:
     finished = time.perf_counter()
@@ -458,11 +487,11 @@ class StreamedEngine:
     """Mean loss of each [B, S+1] batch (a data.Batch: over its learned targets, 0 if none);
     layer-major, so each piece is fetched once for all."""
     inputs = [step_inputs(b) for b in batches]
-    tokens = [jnp.asarray(b[:, :-1]) for b, _ in inputs]
-    weights = [None if w is None else jnp.asarray(w) for _, w in inputs]
+    tokens = [self.layout.put_batch(b[:, :-1]) for b, _ in inputs]  # [B, S], split along B
+    weights = [self.layout.put_batch(w) for _, w in inputs]
     norm = resolve(self.stores['final_norm'].params.fetch(0))
-    hidden, _, _ = self._forward(self._embed(tokens), model_lib.default_positions(tokens[0]),
-                                 keep_inputs=False)
+    first = np.asarray(inputs[0][0])[:, :-1]  # host [B, S]
+    hidden, _, _ = self._forward(self._embed(tokens), self._positions(first), keep_inputs=False)
     losses, _ = self._head_losses([self.fn.final_norm(norm, h) for h in hidden],
-                                  [jnp.asarray(b[:, 1:]) for b, _ in inputs], weights)
+                                  [self.layout.put_batch(b[:, 1:]) for b, _ in inputs], weights)
     return [float(loss) for loss in losses]

@@ -1,0 +1,188 @@
+"""The runs tests/test_distributed.py checks, in a process of their own with 4 forced CPU devices.
+
+XLA fixes the number of CPU devices when jax creates its backend, from
+XLA_FLAGS=--xla_force_host_platform_device_count=N; a pytest worker has created its backend with
+one device long before, so the test runs this script as a subprocess (its environment sets the
+flag) and reads back what it prints: one JSON object, on the last line.
+
+    python tests/distributed_runs.py OFFLOAD_DIR WORKDIR DATA_PATH
+    python tests/distributed_runs.py --process I COORDINATOR_ADDRESS     # I = 0, 1; see below
+
+Every run trains the parity harness's model (helpers.CFG) from the same initial state for
+helpers.STEPS steps of M = 2 microbatches of B = 4 sequences (B must split over the 4 devices:
+helpers.batches has B = 2), with exact clipping. The reference is the resident engine on one
+device (a one-device Layout in this same process; tests/test_streamed.py shows the streamed
+engine on one device equals it); the others run on a Layout over all 4 devices:
+
+    resident   the resident engine
+    host       streamed: layers, embedding/head and activations in pinned host memory, AdamW on
+               the host, two layers per group (the host update's per-leaf output shardings)
+    nvme       streamed: layers and embedding/head on NVMe, AdamW on the device
+    train      train.train_and_evaluate of a 2-step run with parallel.devices = 4 (the startup
+               line, a checkpoint of the sharded state)
+
+For each: its losses, the error of its final state against the reference
+(helpers.assert_states_match; None when it passes) and how a large leaf is split.
+
+With --process, this is process I of 2, each with 2 CPU devices, joined by jax.distributed
+(gloo): the resident and the host-placement streamed engines on a Layout over the 4 devices of
+both, each process feeding its 2 rows of every microbatch; it reports the losses (the final state
+is sharded across the processes: no one process can read it whole).
+"""
+
+import os
+import sys
+
+LOCAL_DEVICES = 2 if sys.argv[1:2] == ['--process'] else 4
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
+                           + f' --xla_force_host_platform_device_count={LOCAL_DEVICES}').strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+import contextlib  # noqa: E402 (after XLA_FLAGS: jax reads it when its backend starts)
+import io  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from helpers import (CFG, JAX_CACHE_DIR, STEPS, assert_states_match, initial_state,  # noqa: E402
+                     make_tx, small_config)
+from megatrain_jax import distributed, train  # noqa: E402
+from megatrain_jax.engine import resident  # noqa: E402
+from megatrain_jax.engine.streamed import StreamedEngine  # noqa: E402
+from megatrain_jax.errors import ConfigError  # noqa: E402
+from megatrain_jax.layout import Layout  # noqa: E402
+from megatrain_jax.placement import Placement  # noqa: E402
+from megatrain_jax.tiers.base import resolve  # noqa: E402
+
+MICRO, BATCH = 2, 4
+PLACEMENTS = {
+    'host': dict(params='host', opt_state='host', embed_head='host', activations='host',
+                 optimizer_on='host', layers_per_group=2),
+    'nvme': dict(params='nvme', opt_state='nvme', embed_head='nvme', optimizer_on='device'),
+}
+
+
+def batches() -> list[np.ndarray]:
+  """STEPS batches of token ids [M, B, S+1] = [2, 4, 17]."""
+  rng = np.random.default_rng(13)
+  return [rng.integers(0, CFG.vocab_size, (MICRO, BATCH, 17)).astype(np.int32)
+          for _ in range(STEPS)]
+
+
+def split(x) -> dict:
+  """How leaf `x` (a jax.Array) is split: its PartitionSpec, device count and memory kind."""
+  return {'spec': str(x.sharding.spec), 'devices': len(x.sharding.device_set),
+          'memory_kind': x.sharding.memory_kind, 'shape': list(x.shape)}
+
+
+def resident_run(layout: Layout, export: bool = True):
+  tx, schedule, clip = make_tx(1.0)
+  engine = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, initial_state()),
+                                   layout=layout)
+  losses = [float(engine.train_step(b)['learning/loss']) for b in batches()]
+  kernel = engine.state['params']['layers']['mlp']['gate_proj']['kernel']  # [L, D, F]
+  moment = engine.state['opt_state'][0].mu['layers']['mlp']['gate_proj']['kernel']
+  splits = {'params gate_proj': split(kernel), 'adam mu gate_proj': split(moment)}
+  return losses, jax.tree.map(np.asarray, engine.export_state()) if export else None, splits
+
+
+def streamed_run(layout: Layout, offload_dir: str, export: bool = True, **placement):
+  tx, schedule, clip = make_tx(1.0)
+  placement = Placement(**placement, dir=offload_dir)
+  placement.check(CFG)
+  engine = StreamedEngine(CFG, tx, schedule, clip, placement,
+                          jax.tree.map(np.copy, initial_state()), layout=layout)
+  try:
+    losses = [float(engine.train_step(b)['learning/loss']) for b in batches()]
+    group = resolve(engine.stores['layers'].params.fetch(0))  # [K, D, F] kernels, fetched
+    chunk = resolve(engine.stores['embed'].params.fetch(0))  # [Vc, D]
+    splits = {'fetched gate_proj': split(group['layers']['mlp']['gate_proj']['kernel']),
+              'fetched embedding chunk': split(chunk['embed']['embedding'])}
+    if placement.params == 'host':  # what the host tier keeps between uses
+      kept = engine.stores['layers'].params.get(0)['layers']['mlp']['gate_proj']['kernel']
+      splits['host-tier gate_proj'] = split(kept)
+    return losses, engine.export_state() if export else None, splits
+  finally:
+    engine.close()
+
+
+def train_run(workdir: str, data_path: str) -> dict:
+  """A 2-step train.train_and_evaluate on the 4 devices: its startup line and last metrics."""
+  config = small_config(data_path, train__steps=2, train__eval_every=2, checkpoint__every=2,
+                        parallel__devices=4)
+  console = io.StringIO()
+  with contextlib.redirect_stdout(console):
+    last = train.train_and_evaluate(config, workdir)
+  started = [line for line in console.getvalue().splitlines() if line.startswith('model:')]
+  return {'startup': started, 'loss': last.get('learning/loss'), 'eval': last.get('eval/loss')}
+
+
+def bad_batch(layout: Layout) -> str:
+  """The error of a batch of 6 sequences on 4 devices."""
+  try:
+    layout.put_batch(np.zeros((MICRO, 6, 17), np.int32))
+  except ConfigError as error:
+    return str(error)
+  return ''
+
+
+def state_error(got, want) -> str | None:
+  try:
+    assert_states_match(got, want)
+  except AssertionError as error:
+    return repr(error)
+  return None
+
+
+def main(offload_dir: str, workdir: str, data_path: str) -> dict:
+  jax.config.update('jax_compilation_cache_dir', JAX_CACHE_DIR)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+  four = Layout.for_devices(jax.devices())
+  assert four.num_devices == 4, jax.devices()
+  started = time.perf_counter()
+  ref_losses, ref_state, _ = resident_run(Layout.single_device())
+  out = {'reference': ref_losses, 'bad_batch': bad_batch(four), 'seconds': {}}
+  out['seconds']['reference'] = time.perf_counter() - started
+  runs = {'resident': lambda: resident_run(four)}
+  runs.update({name: lambda name=name, placement=placement: streamed_run(
+      four, str(pathlib.Path(offload_dir) / name), **placement)
+      for name, placement in PLACEMENTS.items()})
+  for name, run in runs.items():
+    started = time.perf_counter()
+    losses, state, splits = run()
+    out[name] = {'losses': losses, 'state_error': state_error(state, ref_state), 'splits': splits}
+    out['seconds'][name] = time.perf_counter() - started
+  started = time.perf_counter()
+  out['train'] = train_run(workdir, data_path)
+  out['seconds']['train'] = time.perf_counter() - started
+  return out
+
+
+def process_main(process_id: str, coordinator: str) -> dict:
+  """Process `process_id` of 2: the resident and host runs on the 4 devices of both."""
+  distributed.initialize(coordinator, 2, int(process_id))
+  jax.config.update('jax_compilation_cache_dir', JAX_CACHE_DIR)
+  layout = Layout.for_devices(jax.devices())
+  assert layout.num_devices == 4 and len(jax.local_devices()) == 2, jax.devices()
+  losses, _, splits = resident_run(layout, export=False)
+  out = {'process': jax.process_index(), 'resident': {'losses': losses, 'splits': splits}}
+  with tempfile.TemporaryDirectory() as offload:
+    losses, _, splits = streamed_run(layout, offload, export=False, **PLACEMENTS['host'])
+  out['host'] = {'losses': losses, 'splits': splits}
+  try:
+    distributed.check_single_process()
+    out['trainer_refusal'] = ''
+  except ConfigError as error:
+    out['trainer_refusal'] = str(error)
+  return out
+
+
+if __name__ == '__main__':
+  if sys.argv[1] == '--process':
+    print(json.dumps(process_main(*sys.argv[2:4])))
+  else:
+    print(json.dumps(main(*sys.argv[1:4])))
