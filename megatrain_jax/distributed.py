@@ -18,7 +18,7 @@ import jax
 import ml_collections
 
 from megatrain_jax.errors import ConfigError
-from megatrain_jax.layout import Layout
+from megatrain_jax.layout import Layout, platform
 
 
 def initialize(coordinator_address: str = '', num_processes: int = 0,
@@ -61,7 +61,7 @@ def device_count(config: ml_collections.ConfigDict, available: int | None = None
   if wanted > available:
     raise ConfigError(
         f'parallel.devices={wanted} asks for more devices than this process sees ({available}: '
-        f'{_platform_name()}). Lower parallel.devices (0 = all {available}); on CPU, '
+        f'{platform()}). Lower parallel.devices (0 = all {available}); on CPU, '
         f'XLA_FLAGS=--xla_force_host_platform_device_count={wanted} set before the process '
         'starts makes that many devices.')
   check_batch(config, wanted)
@@ -94,6 +94,3 @@ def describe(layout: Layout) -> str:
   return (f'{n} x {kind} device{"s" if n > 1 else ""}, '
           f'{processes} process{"es" if processes > 1 else ""}')
 
-
-def _platform_name() -> str:
-  return jax.devices()[0].platform
