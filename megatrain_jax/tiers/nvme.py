@@ -62,7 +62,10 @@ class NvmeStore(Store):
     self._structure = {}  # key -> (treedef, [paths])
     self._small = {}  # key -> {path: small in-memory leaf}
     self._pending: dict = {}  # key -> {leaf path: Future of the newest write of that leaf}
-    self._write_slots = threading.BoundedSemaphore(max_pending_writes)
+    # Queued writes are bounded by the engine's shared byte budget when there is one (a count of
+    # writes would serialize an update's band-sized writes); alone, by `max_pending_writes`.
+    self._write_slots = (threading.BoundedSemaphore(max_pending_writes) if write_budget is None
+                         else None)
     # Bytes queued across all stores of the engine (shared): bounds write-behind memory as a whole.
     self._write_budget = write_budget
     self._readers = concurrent.futures.ThreadPoolExecutor(read_threads, f'{name}-read')
@@ -94,7 +97,8 @@ class NvmeStore(Store):
     pending = self._pending.setdefault(key, {})
     for path in paths:
       self._raise_failed(pending.get(path))
-    self._write_slots.acquire()
+    if self._write_slots is not None:
+      self._write_slots.acquire()
     budget = self._write_budget
     taken = budget.acquire(sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
                                for p, x in zip(paths, leaves) if self._axis_of(p) is not None)
@@ -108,7 +112,8 @@ class NvmeStore(Store):
     future = self._writers.submit(self._write, key, paths, leaves)
 
     def written(_):
-      self._write_slots.release()
+      if self._write_slots is not None:
+        self._write_slots.release()
       if budget is not None:
         budget.release(taken)
 
