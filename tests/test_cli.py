@@ -22,6 +22,7 @@ def run_launch(*args, timeout=300):
                         env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize('name, target', [('101b', 101e9), ('405b.py', 405e9)])
 def test_dry_run_of_the_largest_presets_is_fast_and_exact(name, target):
   started = time.monotonic()

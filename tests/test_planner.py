@@ -334,6 +334,7 @@ def calibrated_profile(tmp_path_factory):
   return out
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize('placement', [
     {},
     dict(offload__params='host', offload__opt_state='host', offload__layers_per_group=1),
