@@ -21,6 +21,7 @@ shell shows 130) when SIGINT came before training started or a second SIGINT cut
 training started (nothing trained yet). docs/preemption.md.
 """
 
+import os
 import signal
 import sys
 
@@ -30,13 +31,22 @@ from absl import flags
 from ml_collections import config_flags
 
 from megatrain_jax import config as config_lib
-from megatrain_jax.errors import (ConfigError, DiskFullError, StoreCorruptionError,
-                                  TrainingDivergedError)
+from megatrain_jax.errors import (ConfigError, DiskFullError, ProcessLostError,
+                                  StoreCorruptionError, TrainingDivergedError)
 from megatrain_jax.preemption import TrainingStopped
 
-_CONFIG = config_flags.DEFINE_config_file(
-    'config', str(config_lib.CONFIGS_DIR / 'default.py'),
-    'Config file, or a bare name from configs/ (tiny, 7b, 101b, ...).', lock_config=True)
+# --config is defined in __main__, once _preprocess_argv has checked the override keys: without
+# --config on the command line, ml_collections loads the default file and applies the overrides
+# as the flag is defined, and an unknown key there is a traceback, not `error: ...`.
+_CONFIG = None
+
+
+def _define_config_flag():
+  return config_flags.DEFINE_config_file(
+      'config', str(config_lib.CONFIGS_DIR / 'default.py'),
+      'Config file, or a bare name from configs/ (tiny, 7b, 101b, ...).', lock_config=True)
+
+
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default',
                                'Directory for checkpoints, metrics and TensorBoard logs.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False,
@@ -63,6 +73,9 @@ _COORDINATOR = flags.DEFINE_string('coordinator_address', '',
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', 0,
                                       'Processes of a multi-process run (0 = single process).')
 _PROCESS_ID = flags.DEFINE_integer('process_id', -1, 'This process\'s rank, 0..num_processes-1.')
+_DISTRIBUTED = flags.DEFINE_bool('distributed', False,
+                                 'Join a multi-process run whose coordinator, process count and '
+                                 'rank JAX finds itself (cluster auto-detection: SLURM, ...).')
 _PROFILE_OUT = flags.DEFINE_string('profile_out', '',
                                    'Where --calibrate writes the profile; default '
                                    '~/.cache/megatrain_jax/hardware.json (used when '
@@ -115,7 +128,7 @@ def main(argv):
   del argv
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  if _NUM_PROCESSES.value > 1 or _COORDINATOR.value:  # before anything touches a device
+  if _NUM_PROCESSES.value > 1 or _COORDINATOR.value or _DISTRIBUTED.value:  # before any device
     from megatrain_jax import distributed  # pylint: disable=g-import-not-at-top
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from megatrain_jax import train  # imported after flag parsing: `--help` stays fast
@@ -136,6 +149,11 @@ def main(argv):
       _train(train)
   except (ConfigError, TrainingDivergedError, StoreCorruptionError, DiskFullError) as e:
     sys.exit(f'error: {e}')
+  except ProcessLostError as e:
+    print(f'error: {e}', file=sys.stderr, flush=True)
+    # Not sys.exit: jax.distributed's exit handler would wait at a shutdown barrier for the lost
+    # process and then abort the interpreter with a page of C++ log over this one line.
+    os._exit(1)  # pylint: disable=protected-access
 
 
 if __name__ == '__main__':
@@ -143,4 +161,8 @@ if __name__ == '__main__':
     resolved = _preprocess_argv(sys.argv)
   except ConfigError as e:
     sys.exit(f'error: {e}')
+  try:
+    _CONFIG = _define_config_flag()
+  except (flags.Error, KeyError, AttributeError) as e:  # what the checks above did not foresee
+    sys.exit('error: --config: ' + ' '.join(str(e).split()))  # one line, like the rest
   app.run(main, argv=resolved, flags_parser=_parse_flags)

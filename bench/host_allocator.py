@@ -1,6 +1,8 @@
-"""runtime.allocator 'tuned' against 'system' on whole launch.py runs, side by side.
+"""runtime.allocator 'tuned' against 'system' on whole launch.py runs, side by side; or, with
+`--vary remat`, model.remat=none against full (the default allocator).
 
   python bench/host_allocator.py                       # tiny config, model.remat=none, 100 steps
+  python bench/host_allocator.py --vary remat          # tiny config: remat none vs full
   python bench/host_allocator.py --rounds 3 --steps 100 -- --config.model.remat=full
   python bench/host_allocator.py --steps 2 --skip 0 -- --config 125m \
       --config.offload.params=nvme --config.offload.opt_state=nvme \
@@ -24,18 +26,24 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ALLOCATORS = ('system', 'tuned')
+# What a run varies: its name -> (launch.py flags, environment).
+VARIANTS = {
+    'allocator': {a: ([f'--config.runtime.allocator={a}'], {'MEGATRAIN_JAX_ALLOCATOR': a})
+                  for a in ('system', 'tuned')},
+    'remat': {r: ([f'--config.model.remat={r}'], {}) for r in ('full', 'none')},
+}
 
 
-def _run(allocator: str, steps: int, extra: list[str], skip: int) -> dict:
+def _run(variant: tuple, steps: int, extra: list[str], skip: int) -> dict:
+  flags, env = variant
   with tempfile.TemporaryDirectory(prefix='alloc_bench_') as workdir:
     cmd = ['/usr/bin/time', '-v', sys.executable, str(ROOT / 'launch.py'), *extra,  # --config first
            f'--workdir={workdir}/run', f'--config.train.steps={steps}',
-           '--config.checkpoint.every=-1', f'--config.runtime.allocator={allocator}']
-    env = dict(os.environ, MEGATRAIN_JAX_ALLOCATOR=allocator)
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+           '--config.checkpoint.every=-1', *flags]
+    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **env), capture_output=True,
+                         text=True)
     if out.returncode:
-      raise SystemExit(f'{allocator} run failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}')
+      raise SystemExit(f'{flags} run failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}')
     rows = [json.loads(line) for line in (pathlib.Path(workdir) / 'run' / 'metrics.jsonl').open()]
   times = [r['perf/step_time_s'] for r in rows if 'perf/step_time_s' in r][skip:]
   field = lambda name: float(re.search(rf'{name}: ([\d.:]+)', out.stderr).group(1).split(':')[-1])
@@ -51,23 +59,27 @@ def main() -> None:
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument('--steps', type=int, default=100)
   parser.add_argument('--skip', type=int, default=1, help='logged rows to drop (compilation)')
+  parser.add_argument('--vary', choices=sorted(VARIANTS), default='allocator')
   parser.add_argument('extra', nargs='*', help='more launch.py flags (after --)')
   args = parser.parse_args()
-  extra = args.extra or ['--config.model.remat=none']
-  results = {a: [] for a in ALLOCATORS}
+  extra = args.extra or (['--config.model.remat=none'] if args.vary == 'allocator' else [])
+  variants = VARIANTS[args.vary]
+  names = list(variants)
+  results = {name: [] for name in names}
   for r in range(args.rounds):
-    for allocator in (ALLOCATORS if r % 2 == 0 else ALLOCATORS[::-1]):
-      results[allocator].append(_run(allocator, args.steps, extra, args.skip))
-      print(f'round {r} {allocator}: {results[allocator][-1]}', flush=True)
+    for name in (names if r % 2 == 0 else names[::-1]):
+      results[name].append(_run(variants[name], args.steps, extra, args.skip))
+      print(f'round {r} {name}: {results[name][-1]}', flush=True)
   print(f'\nlaunch.py {" ".join(extra)} --config.train.steps={args.steps}, {args.rounds} rounds, medians:')
-  print('| allocator | s/step | user s | system s | wall s | max RSS MB |')
+  print(f'| {args.vary} | s/step | user s | system s | wall s | max RSS MB |')
   print('|---|---|---|---|---|---|')
   med = {a: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for a, rs in results.items()}
   for a, m in med.items():
     print(f'| {a} | {m["s_per_step"]:.4f} | {m["user_s"]:.1f} | {m["sys_s"]:.1f} | {m["wall_s"]:.1f} '
           f'| {m["max_rss_mb"]:.0f} |')
-  print(f'tuned / system: s/step {med["tuned"]["s_per_step"] / med["system"]["s_per_step"]:.3f}, '
-        f'max RSS {med["tuned"]["max_rss_mb"] / med["system"]["max_rss_mb"]:.3f}')
+  first, second = names
+  print(f'{second} / {first}: s/step {med[second]["s_per_step"] / med[first]["s_per_step"]:.3f}, '
+        f'max RSS {med[second]["max_rss_mb"] / med[first]["max_rss_mb"]:.3f}')
 
 
 if __name__ == '__main__':

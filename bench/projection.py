@@ -10,12 +10,18 @@ checkpoint.keep = 1 (each kept checkpoint pins one copy of the NVMe stores), and
 limit raised to the RAM (megatrain_jax does this unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB is set).
 
 Then it works out, from the same formulas, what "1-2 iterations per second for 101B on one H100"
-would require.
+would require, and what 405B takes on 1, 2, 4 and 8 H100s / H200s (issue 13: the state sharded
+over the GPUs ZeRO-3 style, one sequence per GPU per microbatch, collectives over NVLink at the
+presets' 80% of 450 GB/s per direction), either all in one machine (one process: the GPUs share its
+2 TB of RAM, its 4 drives and its CPU's host AdamW) or one GPU in each of N such machines (the
+collectives then cross a 400 Gb/s InfiniBand adapter per GPU, at 80%: 40 GB/s).
 
-  python bench/projection.py > projection.md     # ~1 min, no accelerator needed
+  python bench/projection.py > projection.md     # ~2 min, no accelerator needed
   python bench/projection.py 405b                # only the named models
+  python bench/projection.py --devices           # only 405B on 1-8 GPUs
 """
 
+import argparse
 import dataclasses
 import pathlib
 import sys
@@ -34,6 +40,9 @@ GPUS = ('h100', 'h200')
 RAM_GB = (512, 1024, 2048)
 DRIVES = (1, 2, 4)
 DRIVE_GB = 7680
+DEVICE_COUNTS = (1, 2, 4, 8)
+MACHINE_RAM_GB, MACHINE_DRIVES = 2048, 4  # each machine of the N-GPU rows
+NIC_GBPS = 50.0  # GB/s each way of a 400 Gb/s InfiniBand NDR adapter, one per GPU (as DGX H100)
 
 
 def short(plan: planner.Plan) -> str:
@@ -49,9 +58,50 @@ def project(model: str, gpu: str, ram: int, drives: int):
   hw = dataclasses.replace(hardware.load_profile(gpu), host_memory_gb=float(ram), disks=drives,
                            disk_gb=float(drives * DRIVE_GB))
   try:
-    return config, planner.plan_run(config, hw, disk_free_gb=hw.disk_gb)
+    return config, planner.plan_run(config, hw, disk_free_gb=hw.disk_gb,
+                                    devices=planner.Devices())  # one GPU, whatever is visible
   except planner.NoPlacementFits as refused:
     return config, refused
+
+
+def project_devices(gpu: str, n: int, one_machine: bool):
+  """405B on `n` GPUs: one machine (one process drives them all) or one GPU per machine."""
+  config = config_lib.load_config('405b', hardware=gpu, train__microbatches=0, checkpoint__keep=1,
+                                  parallel__devices=n, train__batch_size=n)
+  hw = dataclasses.replace(hardware.load_profile(gpu), host_memory_gb=float(MACHINE_RAM_GB),
+                           disks=MACHINE_DRIVES, disk_gb=float(MACHINE_DRIVES * DRIVE_GB))
+  if not one_machine:  # the collectives leave the machine: a 400 Gb/s NIC per GPU, at 80%
+    hw = dataclasses.replace(hw, interconnect_gbps=0.8 * NIC_GBPS,
+                             interconnect='InfiniBand NDR (400 Gb/s per GPU)')
+  devices = planner.Devices(n, n if one_machine else 1)
+  try:
+    return planner.plan_run(config, hw, disk_free_gb=hw.disk_gb, devices=devices)
+  except planner.NoPlacementFits as refused:
+    return refused
+
+
+def devices_table() -> list:
+  """Markdown rows: 405B on 1, 2, 4, 8 H100 / H200, one machine or one GPU per machine."""
+  lines = ['| GPUs | machines | placement | M | device GB per GPU | host GB per machine | NVMe GB '
+           'per machine | step (s) | tokens/s | MFU | collectives (s) | bottleneck | days per 1B '
+           'tokens |', '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+  for gpu in GPUS:
+    for n in DEVICE_COUNTS:
+      for one_machine in ((True,) if n == 1 else (True, False)):
+        plan = project_devices(gpu, n, one_machine)
+        cells = [f'{n} x {gpu.upper()}', '1' if one_machine else f'{n} (1 GPU each)']
+        if isinstance(plan, planner.NoPlacementFits):
+          over = ', '.join(f'{t} {a / 1e9:,.0f}/{b / 1e9:,.0f} GB'
+                           for t, (a, b) in plan.closest.over_budget().items())
+          cells += [f'fits nowhere (closest over: {over})'] + [''] * 10
+        else:
+          cells += [short(plan), str(plan.microbatches), f'{plan.used("device") / 1e9:,.1f}',
+                    f'{plan.used("host") / 1e9:,.0f}', f'{plan.used("nvme") / 1e9:,.0f}',
+                    f'{plan.step_time_s:,.1f}', f'{plan.tokens_per_s:,.1f}',
+                    f'{100 * plan.mfu:.0f}%', f'{plan.times.get("interconnect", 0.0):,.1f}',
+                    plan.bottleneck, f'{1e9 / plan.tokens_per_s / 86400:,.1f}']
+        lines.append('| ' + ' | '.join(cells) + ' |')
+  return lines
 
 
 def requirements_for_101b(rates=(1.0, 2.0)) -> list:
@@ -94,8 +144,21 @@ def requirements_for_101b(rates=(1.0, 2.0)) -> list:
 
 
 def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('models', nargs='*', help=f'model configs (default: {", ".join(MODELS)})')
+  parser.add_argument('--devices', action='store_true', help='only 405B on 1, 2, 4, 8 GPUs')
+  args = parser.parse_args()
   started = time.perf_counter()
-  models = tuple(sys.argv[1:]) or MODELS
+  if not args.devices:
+    one_gpu_table(tuple(args.models) or MODELS)
+    print()
+    print('\n'.join(requirements_for_101b()))
+    print()
+  print('\n'.join(devices_table()))
+  print(f'\n({time.perf_counter() - started:.0f} s)')
+
+
+def one_gpu_table(models: tuple) -> None:
   print('| model | GPU | host RAM | NVMe drives | placement (W params, A Adam, act activations, '
         'opt optimizer on, K layers/group) | M | step (s) | tokens/s | MFU | bottleneck | '
         'days per 1B tokens |')
@@ -116,10 +179,6 @@ def main():
                       f'{plan.tokens_per_s:,.0f}', f'{100 * plan.mfu:.0f}%', plan.bottleneck,
                       f'{days:,.1f}']
           print('| ' + ' | '.join(cells) + ' |', flush=True)
-  print()
-  print('\n'.join(requirements_for_101b()))
-  print(f'\n({len(models) * len(GPUS) * len(RAM_GB) * len(DRIVES)} plans in '
-        f'{time.perf_counter() - started:.0f} s)')
 
 
 if __name__ == '__main__':

@@ -5,10 +5,14 @@
 The same model, batch and optimizer run in the resident engine (everything in device memory) and
 in the streamed engine with layer weights and Adam state in pinned host memory, for a few
 placements. Engines take turns, round by round, so machine noise hits them alike; each figure is
-the median step time over all rounds (compilation and the first step excluded).
+the median step time over all rounds (compilation and the first step excluded). K = 2 runs with
+the layer inputs kept (offload.keep_layer_inputs, what the planner picks when they fit) and,
+for comparison, without them.
 
 On CPU both memory kinds are the same RAM: the ratio measures the engine's own overhead (group
-loop, extra dispatches, copies between memory kinds, the recompute schedule), not PCIe.
+loop, extra dispatches, copies between memory kinds, the recompute schedule), not PCIe. The CPU
+columns (the process's CPU time per step, all threads) are the work done: on a machine other
+processes load, wall time says more about them than about the engines.
 """
 
 import argparse
@@ -34,8 +38,12 @@ MICROBATCHES, BATCH, SEQ = 2, 4, 256
 PLACEMENTS = {
     'streamed K=1, optimizer on device': Placement(params='host', opt_state='host',
                                                    layers_per_group=1),
+    # K = 2 as the planner runs it (offload.keep_layer_inputs: each layer recomputed once in the
+    # backward), and without the layer inputs (the group recomputed first: a third forward).
     'streamed K=2, optimizer on device': Placement(params='host', opt_state='host',
-                                                   layers_per_group=2),
+                                                   layers_per_group=2, keep_layer_inputs=True),
+    'streamed K=2, group inputs only': Placement(params='host', opt_state='host',
+                                                 layers_per_group=2, keep_layer_inputs=False),
     'streamed K=1, optimizer on host': Placement(params='host', opt_state='host',
                                                  layers_per_group=1, optimizer_on='host'),
     'streamed K=1, activations on host': Placement(params='host', opt_state='host',
@@ -64,14 +72,17 @@ def main():
     float(engine.train_step(batch)['learning/loss'])
 
   times = {name: [] for name in engines}
+  cpu = {name: [] for name in engines}  # the process's CPU seconds (all threads) per step
   for _ in range(args.rounds):
     for name, engine in engines.items():
       for _ in range(args.steps):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         float(engine.train_step(batch)['learning/loss'])
         times[name].append(time.perf_counter() - started)
+        cpu[name].append(time.process_time() - cpu_started)
 
   base = statistics.median(times['resident'])
+  cpu_base = statistics.median(cpu['resident'])
   tokens = MICROBATCHES * BATCH * SEQ
   flops = MODEL.flops_per_token(SEQ) * tokens
   print(f'machine: {platform.node()} {platform.processor() or platform.machine()}, '
@@ -79,13 +90,16 @@ def main():
   print(f'model: {MODEL.num_params:,} params, {MODEL.num_layers} layers, d_model {MODEL.d_model}; '
         f'{MICROBATCHES} x {BATCH} x {SEQ} tokens/step; remat {MODEL.remat}; '
         f'{args.rounds} rounds x {args.steps} steps each')
-  print('| engine | median step (s) | ratio to resident | TFLOP/s |')
-  print('|---|---|---|---|')
+  print('| engine | median step (s) | ratio to resident | TFLOP/s | median CPU s | CPU ratio |')
+  print('|---|---|---|---|---|---|')
   rows = {}
   for name, samples in times.items():
-    median = statistics.median(samples)
-    rows[name] = {'median_s': median, 'ratio': median / base, 'samples': samples}
-    print(f'| {name} | {median:.3f} | {median / base:.3f} | {flops / median / 1e12:.3f} |')
+    median, cpu_median = statistics.median(samples), statistics.median(cpu[name])
+    rows[name] = {'median_s': median, 'ratio': median / base, 'samples': samples,
+                  'cpu_median_s': cpu_median, 'cpu_ratio': cpu_median / cpu_base,
+                  'cpu_samples': cpu[name]}
+    print(f'| {name} | {median:.3f} | {median / base:.3f} | {flops / median / 1e12:.3f} | '
+          f'{cpu_median:.3f} | {cpu_median / cpu_base:.3f} |')
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(rows, f, indent=2)

@@ -132,6 +132,11 @@ def get_config() -> ml_collections.ConfigDict:
   #                              in vocabulary chunks of at most shard_mb and streamed chunk by
   #                              chunk: 'device', 'host', 'nvme' or 'auto'.
   offload.layers_per_group = 0  # K: layers per streamed group (the last may be smaller); 0 = auto.
+  offload.keep_layer_inputs = 'auto'  # K > 1: 'true' keeps the K layer inputs of each group from
+  #                                     the forward (K x the boundary activations; the backward
+  #                                     recomputes each layer once, as with K = 1), 'false' only
+  #                                     the group's input (the backward recomputes the group: a
+  #                                     third forward per layer), 'auto' keeps them if they fit.
   offload.prefetch_depth = 0  # Groups whose weights are in flight ahead of the compute; 0 = auto.
   offload.optimizer_on = 'auto'  # Where a group's AdamW update runs: 'device' (its Adam state is
   #                                fetched in and written back), 'host' (needs params and

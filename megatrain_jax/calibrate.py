@@ -1,7 +1,8 @@
 """The calibration probe: measures this machine for the planner (`python launch.py --calibrate`).
 
 It times what the engines run (scanned decoder layers with remat, copies between memory kinds,
-AdamW on the device and on the host, TensorStore reads and writes, one jitted call) and returns a
+AdamW on the device and on the host, TensorStore reads and writes, one jitted call, and with more
+than one device visible the all-gather that gathers a sharded group) and returns a
 `hardware.HardwareProfile` whose figures the planner uses instead of a preset's.
 """
 
@@ -88,6 +89,23 @@ def _copy_gbps(src_kind: str, dst_kind: str, nbytes: int) -> float:
   return nbytes / _best_time(lambda: jax.block_until_ready(jax.device_put(src, dst)), 5, 2.0) / _GB
 
 
+def _interconnect_gbps(nbytes: int, devices=None) -> float | None:
+  """Bus bandwidth (GB/s per device and direction) of an all-gather over `devices` (default: this
+  process's), as the engines' jitted group functions run one: a float32 array of `nbytes` split
+  over the devices (Layout.split_along), gathered whole onto every device (GSPMD inserts the
+  all-gather). A ring moves (N - 1)/N of the bytes into each device, so that over the time is the
+  rate the planner divides by. None with one device: there is nothing to gather."""
+  devices = list(jax.local_devices() if devices is None else devices)
+  n = len(devices)
+  if n < 2:
+    return None
+  layout = layout_lib.Layout.for_devices(devices)
+  x = jax.device_put(jnp.ones((n * max(1, nbytes // 4 // n),), jnp.float32), layout.split_along(0))
+  gather = jax.jit(lambda a: a * 1.0, out_shardings=layout.replicated())  # [n·k] -> whole on all
+  seconds = _best_time(lambda: jax.block_until_ready(gather(x)), 5, 2.0)
+  return (n - 1) / n * x.nbytes / seconds / _GB
+
+
 def _dispatch_s() -> float:
   add = jax.jit(lambda a: a + 1)
   x = jnp.ones((8,), jnp.float32)
@@ -166,6 +184,10 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
         f'through the page cache: read {cached:.2f} GB/s, write {cached_write:.2f} GB/s')
     dispatch = _dispatch_s()
     log(f'  dispatch {dispatch * 1e6:.0f} us per jitted call')
+    interconnect = _interconnect_gbps(256 << 20)
+    log(f'  all-gather over {jax.local_device_count()} devices: {interconnect:.1f} GB/s per device'
+        if interconnect else '  interconnect: one device visible, not measured (the planner '
+        'assumes the host link for more)')
   finally:
     shutil.rmtree(probe_dir, ignore_errors=True)
   profile = HardwareProfile(
@@ -176,6 +198,8 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
       device_adam_gparams=device_adam, host_adam_gparams=host_adam, dispatch_s=dispatch,
       overlap=not cpu, unified_memory=cpu, disk_read_cached_gbps=cached,
       disk_write_cached_gbps=cached_write, host_cores=len(os.sched_getaffinity(0)),
+      interconnect_gbps=interconnect,
+      interconnect=f'all-gather over {jax.local_device_count()} devices' if interconnect else '',
       # MFU stays relative to the datasheet peak on known accelerators, not to the measured rate.
       peak_tflops=(dict(PRESETS[preset_for(device.device_kind)].peak_tflops)
                    if preset_for(device.device_kind) else {}),

@@ -64,6 +64,15 @@ damaged one is reported with a warning naming its step and the bad file, and the
 tried; if none is intact the error names the directory and the fix. `CheckpointReader.read` then
 serves slices of any leaf, `device_state` builds a resident state on the device piece by piece.
 
+Several processes (distributed.py) write one checkpoint together into the shared workdir. Each
+leaf's files are cut into one part per device shard as well (along the axis the layout splits it:
+layout.py), and each process writes the parts of its own shards (`Layout.owned_boxes`; a
+replicated leaf, process 0) and, of an NVMe leaf, links the chunk files of its own store. Process 0
+makes the directory first and, once every process has written its files (fsynced, as they are its
+own), writes meta.json and the manifest and commits; the processes meet at a barrier before and
+after the writing. A restore reads any box of any leaf, so a checkpoint written on N devices (or
+processes) resumes on M: each process reads its own devices' shards (`device_state`).
+
 Format 2 checkpoints (orbax `state/`, written before this version) still restore: their leaves are
 read with TensorStore straight from orbax's OCDBT files (a slice at a time, though orbax stored
 each leaf as one chunk, so a read decodes that whole leaf); their integrity is the manifest's
@@ -89,11 +98,12 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
+from megatrain_jax import distributed
 from megatrain_jax import faults
 from megatrain_jax import fs
 from megatrain_jax import partition
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
-from megatrain_jax.layout import Layout
+from megatrain_jax.layout import Layout, host_part, slices, spread
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.tiers import codecs
 
@@ -167,8 +177,11 @@ def array_parts(arrays: dict, piece_bytes: int) -> tuple[dict, Iterable]:
   """(leaves, pieces) of `Parts` for whole arrays {path: device or host array}: each cut along
   axis 0 into pieces of at most `piece_bytes`, sliced only when drawn (on the device for device
   arrays: only the piece crosses to host; a view on CPU, where device memory is host memory)."""
-  leaves = {path: LeafLayout(tuple(np.shape(x)), np.dtype(x.dtype), 0,
-                             piece_rows(np.shape(x), x.dtype, piece_bytes))
+  def rows(x):  # a leaf spread over several processes: whole, each process writing its shards
+    return np.shape(x)[0] if spread(x) and np.ndim(x) else piece_rows(np.shape(x), x.dtype,
+                                                                      piece_bytes)
+
+  leaves = {path: LeafLayout(tuple(np.shape(x)), np.dtype(x.dtype), 0, rows(x))
             for path, x in arrays.items()}
 
   def pieces():
@@ -233,13 +246,15 @@ def _context(sync: bool = True) -> ts.Context:
   return ts.Context({'cache_pool': {'total_bytes_limit': 0}, 'file_io_sync': sync})
 
 
-def _array_spec(directory: pathlib.Path, layout: LeafLayout) -> dict:
+def _array_spec(directory: pathlib.Path, layout: LeafLayout,
+                parts: tuple[int, int] | None = None) -> dict:
   """The NVMe tier's zarr3 layout (codecs.array_spec: one file per `chunk` indices along the
   axis), with inner chunks (the unit of crc32c and of parallel decoding) of at most INNER_MB:
   TensorStore decodes one inner chunk per thread, so a file of one 64 MB inner chunk reads at
   half the speed of the same file in 8 MB inner chunks (measured on 2 cores)."""
   spec = codecs.array_spec(str(directory), layout.stored_shape, dtype=np.dtype(layout.dtype).name,
-                           axis=layout.axis, chunk=layout.file_indices, shard_mb=INNER_MB)
+                           axis=layout.axis, chunk=layout.file_indices, shard_mb=INNER_MB,
+                           parts=parts)
   sharding = spec['metadata']['codecs'][0]['configuration']
   outer = spec['metadata']['chunk_grid']['configuration']['chunk_shape']
   if sharding['chunk_shape'] == outer and outer[layout.axis] > 1:  # one inner chunk per file
@@ -249,26 +264,51 @@ def _array_spec(directory: pathlib.Path, layout: LeafLayout) -> dict:
   return spec
 
 
-def _write_arrays(directory: pathlib.Path, parts: Parts, entries: dict) -> None:
+def _write_arrays(directory: pathlib.Path, parts: Parts, entries: dict,
+                  layout: Layout | None = None) -> None:
   """Writes every piece of `parts` into its leaf's array (entries[path]['dir'] under
-  `directory`), one piece on the host at a time; checks that the pieces tile every leaf."""
-  context = _context(sync=False)
-  arrays = {path: ts.open(_array_spec(directory / entries[path]['dir'], layout), create=True,
-                          delete_existing=True, context=context).result()
-            for path, layout in parts.leaves.items()}
+  `directory`), one piece on the host at a time; checks that the pieces tile every leaf. On
+  several devices (`layout`) each file is cut into one part per device shard; with several
+  processes this process writes only its own shards' parts (the others write theirs), into the
+  arrays process 0 created."""
+  layout = layout or Layout.single_device()
+  processes = jax.process_count()
+  split = {path: layout.parts(leaf.stored_shape, path) for path, leaf in parts.leaves.items()}
+  context = _context(sync=processes > 1)  # several: each process's files are durable on its own
+
+  def open_array(path, leaf, create):
+    spec = _array_spec(directory / entries[path]['dir'], leaf, split[path])
+    return ts.open(spec, create=create, delete_existing=create, open=not create,
+                   context=context).result()
+
+  if distributed.is_main():
+    arrays = {path: open_array(path, leaf, True) for path, leaf in parts.leaves.items()}
+  distributed.barrier(f'checkpoint arrays of {directory.name}')
+  if not distributed.is_main():
+    arrays = {path: open_array(path, leaf, False) for path, leaf in parts.leaves.items()}
   covered = {path: [] for path in parts.leaves}
   for path, start, stop, piece in parts.pieces:
-    layout = _check_piece(parts.leaves, covered, path, start, stop)
-    host = np.asarray(piece)  # a device piece crosses to host here; nothing else does
+    leaf = _check_piece(parts.leaves, covered, path, start, stop)
+    want = tuple(stop - start if d == leaf.axis else n for d, n in enumerate(leaf.stored_shape))
+    boxes = ([tuple((0, n) for n in want)] if processes == 1 or not leaf.shape
+             else layout.owned_boxes(want, path))
+    if processes > 1 and not leaf.shape and not distributed.is_main():
+      boxes = []  # a 0-d leaf: the same in every process, written by process 0
+    for box in boxes:
+      host = host_part(piece, box)  # a device piece crosses to host here; nothing else does
+      shape = tuple(b - a for a, b in box)
+      if host.dtype != np.dtype(leaf.dtype) or (host.shape != shape and leaf.shape):
+        raise ValueError(f'checkpoint piece {path}[{start}:{stop}] is {host.dtype}{host.shape}, '
+                         f'expected {np.dtype(leaf.dtype)}{shape}')
+      box = tuple((a + start, b + start) if d == leaf.axis else (a, b)
+                  for d, (a, b) in enumerate(box))
+      arrays[path][slices(box)].write(
+          host.reshape(shape), can_reference_source_data_indefinitely=True).result()
+      del host
+      _release_freed_memory()
     del piece
-    want = tuple(stop - start if d == layout.axis else n for d, n in enumerate(layout.stored_shape))
-    if host.dtype != np.dtype(layout.dtype) or (host.shape != want and layout.shape):
-      raise ValueError(f'checkpoint piece {path}[{start}:{stop}] is {host.dtype}{host.shape}, '
-                       f'expected {np.dtype(layout.dtype)}{want}')
-    arrays[path][_box(layout.axis, start, stop)].write(
-        host.reshape(want), can_reference_source_data_indefinitely=True).result()
-    del host
-    _release_freed_memory()
+  if processes > 1:
+    return  # each process covers its own shards: the union is checked by no one process
   for path, ranges in covered.items():
     ranges.sort()
     ends = [0] + [stop for _, stop in ranges]
@@ -530,7 +570,7 @@ class CheckpointReader:
         raise ConfigError(f'the checkpoint at {self.directory} holds {path} of shape '
                           f'{self.shape(path)}, the model wants {tuple(abstract.shape)}. Use the '
                           'config it was trained with, or a new --workdir to start fresh.')
-      return self._device_leaf(path, abstract, layout.sharding(memory_kind, abstract.shape))
+      return self._device_leaf(path, abstract, layout.sharding(memory_kind, abstract.shape, path))
 
     return jax.tree_util.tree_map_with_path(leaf, abstract_state)
 
@@ -538,6 +578,10 @@ class CheckpointReader:
     shape, dtype = tuple(abstract.shape), np.dtype(abstract.dtype)
     if not shape:
       return jax.device_put(self.read(path), sharding)
+    if jax.process_count() > 1:  # each process reads its own devices' shards, one at a time
+      array = self._open(path)
+      return jax.make_array_from_callback(
+          shape, sharding, lambda index: array[index].read().result())
     if _host_is_device(sharding):
       # Device memory is host memory: fill the leaf's own buffer file by file and hand it to
       # jax without a copy (may_alias needs 64-byte alignment).
@@ -566,7 +610,8 @@ class Checkpointer:
     self.piece_mb = piece_mb
     self._committer = concurrent.futures.ThreadPoolExecutor(1, 'checkpoint-commit')
     self._pending = None
-    if self.directory.is_dir():  # a save interrupted before its commit: never a checkpoint
+    # Several processes share the directory: process 0 cleans up and commits.
+    if self.directory.is_dir() and distributed.is_main():  # a save cut before its commit
       for leftover in self.directory.glob(_TMP_PREFIX + '*'):
         shutil.rmtree(leftover, ignore_errors=True)
 
@@ -601,8 +646,10 @@ class Checkpointer:
     if len(set(names)) != len(names):  # never expected: tree paths map to distinct names
       raise ValueError(f'two state leaves share a checkpoint file name: {sorted(names)}')
     tmp = self.directory / f'{_TMP_PREFIX}{step}'
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if distributed.is_main():
+      shutil.rmtree(tmp, ignore_errors=True)
+      tmp.mkdir(parents=True)
+    distributed.barrier(f'checkpoint {step}: begin')  # the previous one committed, tmp made
     meta = {'format': FORMAT, 'step': step, 'data_position': int(data_position), 'seed': seed,
             'model_config': dataclasses.asdict(model_cfg),
             'placement': dataclasses.asdict(placement) if placement is not None else None,
@@ -615,14 +662,21 @@ class Checkpointer:
     copies = {}  # staging snapshot on offload.dir's filesystem -> its place in the checkpoint
     try:
       self._snapshot(step, tmp, parts.disk, meta['disk'], copies)
-      _write_arrays(tmp, parts, meta['arrays'])
+      _write_arrays(tmp, parts, meta['arrays'], getattr(engine, 'layout', None))
+      if jax.process_count() > 1:  # every process's files in place before process 0 commits
+        for staging, dest in copies.items():
+          fs.link_tree(staging, dest, existing_ok=True)
+        _remove_staging(copies)
+        copies = {}
     except BaseException as error:
       shutil.rmtree(tmp, ignore_errors=True)
       _remove_staging(copies)
       self._raise_disk_full(step, error, needed + sum(_tree_bytes(d) for d in parts.disk.values()))
       raise
-    needed += sum(_tree_bytes(d) for d in copies)
-    self._pending = self._committer.submit(self._commit, step, tmp, meta, needed, copies)
+    distributed.barrier(f'checkpoint {step}: written')
+    if distributed.is_main():
+      needed += sum(_tree_bytes(d) for d in copies)
+      self._pending = self._committer.submit(self._commit, step, tmp, meta, needed, copies)
     faults.point('checkpoint')  # arrays written, the rest in the background, nothing committed
 
   def _snapshot(self, step: int, tmp: pathlib.Path, disk: dict, dirs: dict, copies: dict) -> None:
@@ -631,7 +685,8 @@ class Checkpointer:
     for path, live in disk.items():
       live = pathlib.Path(live)
       if os.stat(live).st_dev == os.stat(tmp).st_dev:
-        fs.link_tree(live, tmp / dirs[path])
+        # Several processes: each links its own store's chunk files; zarr.json is the same.
+        fs.link_tree(live, tmp / dirs[path], existing_ok=jax.process_count() > 1)
         continue
       staging = live.parent.parent / f'{_SNAPSHOT_PREFIX}{step}'
       if not copies:

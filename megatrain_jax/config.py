@@ -59,14 +59,11 @@ def load_config(name: str = 'default', **overrides) -> ml_collections.ConfigDict
 
 def set_field(config: ml_collections.ConfigDict, dotted: str, value) -> None:
   """Sets config['a.b.c'] = value, refusing keys the schema does not know."""
+  _check_known(dotted, _flatten(config))  # an unknown section too, not just an unknown leaf
   *parents, leaf = dotted.split('.')
   node = config
   for part in parents:
     node = node[part]
-  if leaf not in node:
-    raise ConfigError(_unknown_key_message(dotted, list(node.keys())))
-  if isinstance(node[leaf], ml_collections.ConfigDict):
-    raise ConfigError(_section_message(dotted, list(node[leaf].keys())))
   try:
     node[leaf] = value
   except TypeError as e:  # ml_collections refuses a value of another type than the default's
@@ -88,12 +85,28 @@ def _flatten(config, prefix=''):
   return out
 
 
+_DEFINE_IT = ('Every key must be defined in configs/default.py (which documents them all); fix '
+              'the spelling or add the field there.')
+
+
 def _unknown_key_message(name: str, known) -> str:
+  """`known`: the names beside `name`'s leaf (its section's fields and subsections)."""
   leaf = name.rsplit('.', 1)[-1]
-  close = difflib.get_close_matches(leaf, [k.rsplit('.', 1)[-1] for k in known], n=3)
+  names = sorted({k.rsplit('.', 1)[-1] for k in known})
+  close = difflib.get_close_matches(leaf, names, n=3)
+  if close:
+    hint = f' Did you mean {", ".join(repr(c) for c in close)}?'
+  else:  # nothing close: a newcomer still learns what the section holds
+    section = repr(name.rsplit('.', 1)[0]) if '.' in name else 'the top level'
+    hint = f' Keys in {section}: {", ".join(names)}.'
+  return f'unknown config key {name!r}.{hint} {_DEFINE_IT}'
+
+
+def _unknown_section_message(name: str, section: str, sections) -> str:
+  close = difflib.get_close_matches(section, sections, n=3)
   hint = f' Did you mean {", ".join(repr(c) for c in close)}?' if close else ''
-  return (f'unknown config key {name!r}.{hint} Every key must be defined in configs/default.py '
-          '(which documents them all); fix the spelling or add the field there.')
+  return (f'unknown config key {name!r}: there is no section {section!r}.{hint} Sections: '
+          f'{", ".join(sections)}. {_DEFINE_IT}')
 
 
 def _section_message(name: str, fields) -> str:
@@ -108,13 +121,32 @@ def _type_message(name: str, value, default) -> str:
 
 
 def _check_known(dotted: str, schema: dict) -> None:
-  if dotted not in schema:
-    section = [k[len(dotted) + 1:] for k in schema if k.startswith(dotted + '.')]
-    if section:
-      raise ConfigError(_section_message(dotted, section))
-    prefix = dotted.rsplit('.', 1)[0] + '.' if '.' in dotted else ''
-    siblings = [k for k in schema if k.startswith(prefix)] or list(schema)
+  """Refuses a key `schema` (flattened: 'train.steps', ...) does not hold as a field: a section,
+  an unknown field of a known section, a key under an unknown section or under a field."""
+  if dotted in schema:
+    return
+  section = [k[len(dotted) + 1:] for k in schema if k.startswith(dotted + '.')]
+  if section:
+    raise ConfigError(_section_message(dotted, section))
+  parent = dotted.rsplit('.', 1)[0] if '.' in dotted else ''
+  if parent in schema:
+    raise ConfigError(f'unknown config key {dotted!r}: {parent!r} is a field, not a section; set '
+                      f'it with --config.{parent}=...')
+  # The names one level below `parent` (fields and subsections), e.g. 'model.rope_scaling'.
+  depth = parent.count('.') + 1 if parent else 0
+  siblings = {'.'.join(k.split('.')[:depth + 1]) for k in schema
+              if k.startswith(parent + '.' if parent else '')}
+  if siblings:
     raise ConfigError(_unknown_key_message(dotted, siblings))
+  sections = sorted({k.rsplit('.', 1)[0] for k in schema if '.' in k})
+  missing = next(p for p in _prefixes(parent) if p not in sections)
+  raise ConfigError(_unknown_section_message(dotted, missing, sections))
+
+
+def _prefixes(dotted: str) -> list[str]:
+  """'a.b.c' -> ['a', 'a.b', 'a.b.c']."""
+  parts = dotted.split('.')
+  return ['.'.join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def check_override(dotted: str, value: str | None) -> None:

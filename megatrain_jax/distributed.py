@@ -10,15 +10,29 @@ anything is allocated.
 
 Several processes (`initialize`, from launch.py's --coordinator_address, --num_processes,
 --process_id) join their devices into one mesh through jax.distributed, each feeding the rows of
-the global batch its own devices hold (Layout.put_batch). The engines run on such a mesh
-(tests/test_distributed.py); the trainer does not yet (`check_single_process`).
+the global batch its own devices hold (Layout.put_batch). They share the workdir (a cluster
+filesystem): process 0 (`is_main`) writes the metrics and the console; a checkpoint is written by
+all of them, each its own shards, and committed by process 0 (checkpoint.py); an NVMe tier keeps
+each process's shards in its own `process_dir` of offload.dir (a local disk of its machine). If a
+process dies, the others learn it from the coordination service's heartbeat (HEARTBEAT_S) or from
+the failed collective, and stop with an error (train.py names the processes that are gone).
 """
+
+import contextlib
+import pathlib
 
 import jax
 import ml_collections
+from jax.experimental import multihost_utils
 
-from megatrain_jax.errors import ConfigError
+from megatrain_jax.errors import ConfigError, ProcessLostError
 from megatrain_jax.layout import Layout, platform
+
+
+# A process that sends no heartbeat for this long is declared dead and the others stop (JAX's
+# default, 100 s, is longer than a user waits to learn that a run is over). Heartbeats come from a
+# thread of their own: a long step does not miss them.
+HEARTBEAT_S = 20
 
 
 def initialize(coordinator_address: str = '', num_processes: int = 0,
@@ -30,17 +44,56 @@ def initialize(coordinator_address: str = '', num_processes: int = 0,
   kwargs = {'coordinator_address': coordinator_address or None,
             'num_processes': num_processes or None,
             'process_id': process_id if process_id >= 0 else None}
-  jax.distributed.initialize(**kwargs)
+  jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=HEARTBEAT_S)
 
 
-def check_single_process() -> None:
-  """The trainer's workdir lock, data preparation, metrics and checkpoints are per process today:
-  a run of several processes is refused before it writes anything."""
+def is_main() -> bool:
+  """Process 0: the one that writes the run's shared files (metrics, console, the commit of a
+  checkpoint) into the shared workdir."""
+  return jax.process_index() == 0
+
+
+def process_dir(directory) -> pathlib.Path:
+  """Where this process keeps its own files under `directory` (an NVMe tier's offload.dir, a
+  local disk of its machine): `directory` itself with one process, its process-<i> subdirectory
+  with several (processes on one machine may share offload.dir)."""
+  directory = pathlib.Path(directory)
+  return directory if jax.process_count() == 1 else directory / f'process-{jax.process_index()}'
+
+
+def barrier(name: str) -> None:
+  """Waits until every process has reached `barrier(name)` (a no-op with one process). `name`
+  must be the same in every process, and the barriers passed in the same order."""
   if jax.process_count() > 1:
-    raise ConfigError(
-        f'this is process {jax.process_index()} of {jax.process_count()}: training across '
-        'processes is not supported by the trainer yet (the engines are; issue 13). Run one '
-        'process per machine over its local devices (parallel.devices).')
+    multihost_utils.sync_global_devices(name)
+
+
+@contextlib.contextmanager
+def lost_process_error(checkpointer):
+  """Turns a failed collective across processes (another process died or lost its connection:
+  this one cannot go on without its shards) into ProcessLostError, naming the last checkpoint of
+  `checkpointer` to resume from. One process: errors pass unchanged."""
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as error:
+    if jax.process_count() == 1:
+      raise
+    steps = checkpointer.steps()
+    raise lost_process(error, steps[-1] if steps else None) from error
+
+
+def lost_process(error: Exception, resume_from: int | None) -> ProcessLostError:
+  """The error to stop with when a collective across processes fails (`error`)."""
+  me, count = jax.process_index(), jax.process_count()
+  others = ', '.join(str(i) for i in range(count) if i != me)
+  cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  resume = (f'they resume from the last checkpoint (step {resume_from})' if resume_from
+            else 'no checkpoint has been committed yet, so they start over')
+  return ProcessLostError(
+      f'process {me} of {count} lost contact with the other process{"es" if count > 2 else ""} '
+      f'({others}): a collective across processes failed ({cause}). One of them stopped or lost '
+      f'its connection; look at its log for why. Then rerun all {count} processes with the same '
+      f'command: {resume}.')
 
 
 def check_fields(config: ml_collections.ConfigDict) -> None:

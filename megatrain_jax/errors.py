@@ -23,3 +23,8 @@ class StoreCorruptionError(RuntimeError):
 
 class DiskFullError(RuntimeError):
   """A checkpoint or an NVMe store write ran out of disk; names the directory, bytes and fix."""
+
+
+class ProcessLostError(RuntimeError):
+  """A run of several processes lost one of them (a collective failed); names this process, the
+  others, and how to resume."""

@@ -88,10 +88,12 @@ def write_json_atomic(path: pathlib.Path, obj) -> None:
   write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + '\n')
 
 
-def link_tree(source: pathlib.Path, dest: pathlib.Path) -> int:
+def link_tree(source: pathlib.Path, dest: pathlib.Path, existing_ok: bool = False) -> int:
   """Hard-links every file under `source` into `dest` (same relative paths), copying where a link
   is impossible (EXDEV across filesystems, or a filesystem without links). TensorStore temp files
-  (*.__lock) are skipped. Returns the bytes copied (0 when everything was linked)."""
+  (*.__lock) are skipped. `existing_ok`: a file already in `dest` is left as it is (several
+  processes linking their own parts of one array, each with the same metadata file). Returns the
+  bytes copied (0 when everything was linked)."""
   copied = 0
   for root, _, files in os.walk(source):
     target = dest / os.path.relpath(root, source)
@@ -102,6 +104,9 @@ def link_tree(source: pathlib.Path, dest: pathlib.Path) -> int:
       src, dst = os.path.join(root, name), target / name
       try:
         os.link(src, dst)
+      except FileExistsError:
+        if not existing_ok:
+          raise
       except OSError as error:
         if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
           raise

@@ -15,6 +15,13 @@ Where a preset's figure is not a datasheet number it is an assumption, and says 
     Gen4 x16: 32 GB/s per direction).
   * `disk_*` are per drive (PCIe Gen4 data-centre NVMe, e.g. 6.8 GB/s read, 4.0 GB/s write);
     `disks` drives are striped (RAID-0 or one store per drive), so rates add.
+  * `interconnect_gbps` is the device-to-device link the collectives of N > 1 devices use
+    (all-gather of weights, reduce-scatter of gradients), per device and direction, at 80% of the
+    datasheet link rate (as for PCIe copies). Datasheets give NVLink as the total of both
+    directions per GPU: H100 SXM5 and H200 SXM NVLink 4, 900 GB/s (450 each way); A100 SXM4
+    NVLink 3, 600 GB/s (300 each way). The RTX 4090 has no NVLink (and GeForce cards no PCIe
+    peer-to-peer): its collectives go through host memory over the same PCIe Gen4 x16 link
+    (32 GB/s each way) as the host copies, so the planner adds them to that link's time.
   * AdamW moves 28 B/param (reads weight, grad, m, v; writes weight, m, v): the optimizer rate is
     the memory bandwidth it can use / 28 B; on the host we assume ~100 GB/s usable by XLA:CPU
     (a two-socket server streams 300+ GB/s; XLA:CPU's elementwise loops use a fraction of it).
@@ -77,11 +84,22 @@ class HardwareProfile:
   # more host memory): 2 GB, a guess until a GPU run measures it.
   runtime_host_gb: float = 2.0
   host_cores: int = 0  # CPU cores (0 = this machine's, filled when loaded)
-  source: str = ''  # 'preset' or 'calibrated on <host> at <time>'
+  source: str = ''  # what the figures are: datasheet + assumptions, or 'calibrated on <host> ...'
   # Datasheet dense peak TFLOP/s (same keys as compute_tflops), the denominator of MFU. Empty for
   # the CPU and for calibrated profiles of unknown devices: MFU is then relative to the measured
   # layer rate.
   peak_tflops: dict = dataclasses.field(default_factory=dict)
+  # Per-device bandwidth of the collectives between devices (GB/s each way, the "bus bandwidth"
+  # of NCCL's tests): a ring all-gather or reduce-scatter of X whole bytes over N devices takes
+  # (N - 1)/N · X / interconnect_gbps. None: not known (a calibration with one device visible);
+  # the planner then assumes the host link (h2d_gbps) and says so.
+  interconnect_gbps: float | None = None
+  interconnect: str = ''  # the link in words, for the plan ('NVLink 4', ...)
+  # True when the collectives cross the same link as the host<->device copies (no peer link).
+  interconnect_shares_host_link: bool = False
+  # Where this profile came from (a preset named by config.hardware, auto-detected, or a file and
+  # its path): set by load_profile, printed with the plan, never saved (not a measured figure).
+  origin: str = ''
 
   # --- derived ---
 
@@ -109,7 +127,23 @@ class HardwareProfile:
     return self.tflops(dtype, precision, d_model)
 
   def to_json(self) -> str:
-    return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+    fields = dataclasses.asdict(self)
+    del fields['origin']  # where it is loaded from is not part of the profile
+    return json.dumps(fields, indent=2, sort_keys=True)
+
+  def describe(self) -> str:
+    """'h100 (preset, config.hardware='h100'): datasheet figures; ...': the profile, where it came
+    from (a calibration file in ~/.cache changes every prediction of an empty config.hardware,
+    so its path is named) and what its figures are."""
+    return f'{self.name} ({self.origin}): {self.source}' if self.origin else (
+        f'{self.name}: {self.source}')
+
+  def link_gbps(self) -> tuple[float, str]:
+    """(GB/s of the collectives between devices, the link in words): the profile's
+    interconnect, or the host link when the profile has none (a one-device calibration)."""
+    if self.interconnect_gbps:
+      return self.interconnect_gbps, self.interconnect or 'the interconnect'
+    return self.h2d_gbps, 'the host link (assumed: the profile has no interconnect_gbps)'
 
 
 def _log_interpolate(points: list[tuple[int, float]], x: float) -> float:
@@ -124,7 +158,8 @@ def _log_interpolate(points: list[tuple[int, float]], x: float) -> float:
   return points[-1][1]
 
 
-def _gpu(name, kind, memory_gb, host_gb, fp32, tf32, bf16, hbm_gbps, pcie_gbps):
+def _gpu(name, kind, memory_gb, host_gb, fp32, tf32, bf16, hbm_gbps, pcie_gbps, link_gbps,
+         link, via_host=False):
   efficiency = 0.7
   return HardwareProfile(
       name=name, device_kind=kind, device_memory_gb=memory_gb, host_memory_gb=host_gb,
@@ -137,16 +172,22 @@ def _gpu(name, kind, memory_gb, host_gb, fp32, tf32, bf16, hbm_gbps, pcie_gbps):
       host_adam_gparams=100.0 / ADAM_BYTES_PER_PARAM,
       dispatch_s=20e-6, overlap=True, unified_memory=False, disk_read_cached_gbps=0.0,
       peak_tflops={'float32': fp32, 'tf32': tf32, 'bfloat16': bf16},
-      source='preset (datasheet figures; assumptions in megatrain_jax/hardware.py)')
+      interconnect_gbps=0.8 * link_gbps, interconnect=link, interconnect_shares_host_link=via_host,
+      source='datasheet figures; assumptions in megatrain_jax/hardware.py')
 
 
-# Datasheet: dense (no sparsity) TFLOP/s for FP32, TF32 and BF16; HBM GB/s; PCIe GB/s per direction.
+# Datasheet: dense (no sparsity) TFLOP/s for FP32, TF32 and BF16; HBM GB/s; PCIe GB/s per
+# direction; the device-to-device link in GB/s per direction (NVIDIA's H100, H200 and A100
+# datasheets: NVLink 900, 900 and 600 GB/s, both directions together; the RTX 4090 has none).
 PRESETS = {
-    'h100': _gpu('h100', 'NVIDIA H100 80GB HBM3', 80.0, 2048.0, 67.0, 494.7, 989.4, 3350.0, 64.0),
-    'h200': _gpu('h200', 'NVIDIA H200', 141.0, 2048.0, 67.0, 494.7, 989.4, 4800.0, 64.0),
-    'a100': _gpu('a100', 'NVIDIA A100-SXM4-80GB', 80.0, 1024.0, 19.5, 156.0, 312.0, 2039.0, 32.0),
+    'h100': _gpu('h100', 'NVIDIA H100 80GB HBM3', 80.0, 2048.0, 67.0, 494.7, 989.4, 3350.0, 64.0,
+                 450.0, 'NVLink 4'),
+    'h200': _gpu('h200', 'NVIDIA H200', 141.0, 2048.0, 67.0, 494.7, 989.4, 4800.0, 64.0,
+                 450.0, 'NVLink 4'),
+    'a100': _gpu('a100', 'NVIDIA A100-SXM4-80GB', 80.0, 1024.0, 19.5, 156.0, 312.0, 2039.0, 32.0,
+                 300.0, 'NVLink 3'),
     'rtx4090': _gpu('rtx4090', 'NVIDIA GeForce RTX 4090', 24.0, 256.0, 82.6, 82.6, 165.2, 1008.0,
-                    32.0),
+                    32.0, 32.0, 'PCIe Gen4 x16 through host memory (no NVLink)', via_host=True),
     # The CPU backend: "device" and host are the same RAM. Rates are those measured on the 2-core
     # CI VMs (BENCHMARKS.md); run --calibrate for a real machine. Sizes are read at plan time.
     'cpu': HardwareProfile(
@@ -156,7 +197,8 @@ PRESETS = {
         h2d_gbps=2.5, d2h_gbps=2.5, disk_read_gbps=1.0, disk_write_gbps=0.54, disks=1,
         device_adam_gparams=1.47, host_adam_gparams=1.47, dispatch_s=8e-6, overlap=False,
         unified_memory=True, disk_read_cached_gbps=1.24, disk_write_cached_gbps=0.59,
-        runtime_host_gb=0.8, source='preset (`--calibrate` on a 2-core CI VM, 2026-12-03; run it on this machine)'),
+        runtime_host_gb=0.8,
+        source='`--calibrate` on a 2-core CI VM, 2026-12-03; run it on this machine'),
 }
 ALIASES = {'h100-80gb': 'h100', 'h200-141gb': 'h200', 'a100-80gb': 'a100', '4090': 'rtx4090',
            'rtx-4090': 'rtx4090'}
@@ -204,24 +246,35 @@ def _detect_preset() -> str:
 
 
 def load_profile(spec: str) -> HardwareProfile:
-  """`spec`: a preset name (h100, h200, a100, rtx4090, cpu), a profile JSON path, or '' (auto)."""
+  """`spec`: a preset name (h100, h200, a100, rtx4090, cpu), a profile JSON path, or '' (auto).
+  The profile's `origin` says which of these it is, with the file's path: an empty spec picks up
+  a calibration file in ~/.cache silently otherwise."""
   if not spec:
     cached = PROFILE_CACHE.expanduser()
+    kind, preset = layout.device_kind(), _detect_preset()
     if cached.is_file():
       profile = _read_profile(cached)
-      if profile.device_kind == layout.device_kind():
-        return _fill_sizes(profile)
-    return _fill_sizes(PRESETS[_detect_preset()])
+      if profile.device_kind == kind:
+        return _fill_sizes(dataclasses.replace(profile, origin=(
+            f'calibration file {cached}, used because config.hardware is empty and it was made '
+            f'on this device kind; config.hardware={preset} plans with the preset instead')))
+      why = f'the calibration file {cached} is for {profile.device_kind!r}, not {kind!r}'
+    else:
+      why = f'no calibration file at {cached}'
+    return _fill_sizes(dataclasses.replace(PRESETS[preset], origin=(
+        f'preset auto-detected for this {kind} device: config.hardware is empty and {why}')))
   name = ALIASES.get(spec.lower(), spec.lower())
   if name in PRESETS:
-    return _fill_sizes(PRESETS[name])
+    return _fill_sizes(dataclasses.replace(PRESETS[name],
+                                           origin=f'preset, config.hardware={spec!r}'))
   path = pathlib.Path(spec).expanduser()
   if path.suffix == '.json' or path.exists():
     if not path.is_file():
       raise ConfigError(f'hardware={spec!r}: no such profile file. Write one with '
                         '`python launch.py --calibrate`, or use a preset: '
                         f'{", ".join(PRESETS)}.')
-    return _fill_sizes(_read_profile(path))
+    return _fill_sizes(dataclasses.replace(
+        _read_profile(path), origin=f'profile file {path.absolute()}, named by config.hardware'))
   raise ConfigError(f'hardware={spec!r} is neither a preset ({", ".join(PRESETS)}) nor a profile '
                     'file. Use a preset name, a path to a JSON profile written by '
                     '`python launch.py --calibrate`, or leave it empty to auto-detect.')
@@ -230,8 +283,9 @@ def load_profile(spec: str) -> HardwareProfile:
 def _read_profile(path: pathlib.Path) -> HardwareProfile:
   try:
     fields = json.loads(path.read_text())
+    fields.pop('origin', None)  # set by whoever loads it, never trusted from the file
     return HardwareProfile(**fields)
-  except (json.JSONDecodeError, TypeError) as e:
+  except (json.JSONDecodeError, TypeError, AttributeError) as e:
     raise ConfigError(f'hardware profile {path} is not a valid profile ({e}). Re-create it with '
                       '`python launch.py --calibrate`.') from e
 

@@ -11,8 +11,14 @@ shardings from it; nothing else builds one (distributed.py only chooses the devi
                 are staged through host numpy arrays, then put on the device(s)
     spec        per leaf (`leaf_spec`), ZeRO-3 / FSDP style: a leaf is split over 'data' along its
                 first axis whose size is a multiple of N (each device keeps 1/N of it, in every
-                memory kind); scalars and leaves with no such axis are whole on every device.
-                With one device every leaf is simply whole. Jitted functions take these
+                memory kind), never along the axis the train state is cut into pieces along
+                (partition.split_axis of its tree path: the layer axis of stacked layers, the
+                vocabulary axis of the embedding and head). So every piece of a leaf (a layer
+                group, a vocabulary chunk, the last and shorter one too) is split along the same
+                axis into the same widths as the whole leaf: device shards, NVMe chunk files and
+                checkpoint files line up, and each process writes only files of its own shards.
+                Scalars and leaves with no such axis are whole on every device. With one device
+                every leaf is simply whole. Jitted functions take these
                 shardings and XLA (GSPMD) inserts the all-gathers before a leaf is used and the
                 reduce-scatters of its gradient: no collective is written by hand.
     batch       token arrays [M, B, S] (or [B, S]) are split over 'data' along B
@@ -30,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from megatrain_jax.errors import ConfigError
+from megatrain_jax.partition import split_axis
 
 MESH_AXIS = 'data'
 TIER_MEMORY_KIND = {'device': 'device', 'host': 'pinned_host'}
@@ -84,28 +91,40 @@ class Layout:
   def num_devices(self) -> int:
     return self.mesh.size
 
-  def leaf_spec(self, shape: tuple) -> PartitionSpec:
-    """How a leaf of `shape` is split over the mesh: along its first axis whose size is a
-    positive multiple of the device count N (e.g. a stacked kernel [L, D, F] with L = N: by
-    layer; [97, 32] over 4 devices: by column), else whole (replicated) on every device."""
-    n = self.num_devices
+  def leaf_spec(self, shape: tuple, path: str | None = None) -> PartitionSpec:
+    """How a leaf of `shape` at tree `path` (a full-state or piece path; None: a leaf of no
+    train state) is split over the mesh: along its first axis whose size is a positive multiple
+    of the device count N, skipping the axis its pieces are cut along (e.g. a stacked kernel
+    [L, D, F]: by D; the head kernel [D, V]: by D; [97, 32] over 4 devices: by column), else
+    whole (replicated) on every device."""
+    n, pieces_axis = self.num_devices, split_axis(path) if path else None
     if n > 1:
       for axis, size in enumerate(shape):
-        if size >= n and size % n == 0:
+        if axis != pieces_axis and size >= n and size % n == 0:
           return PartitionSpec(*([None] * axis), MESH_AXIS)
     return PartitionSpec()
 
-  def sharding(self, memory_kind: str = 'device', shape: tuple = ()) -> NamedSharding:
-    """The sharding of a leaf of `shape` kept in `memory_kind` ('device' or 'pinned_host')."""
-    return NamedSharding(self.mesh, self.leaf_spec(shape), memory_kind=memory_kind)
+  def parts(self, shape: tuple, path: str | None = None) -> tuple[int, int] | None:
+    """(axis, N): a leaf of `shape` at `path` is split along `axis` into N equal device shards;
+    None: it is whole on every device. Stored files are cut the same way (tiers/nvme.py,
+    checkpoint.py), so that a process writes only files of its own shards."""
+    spec = self.leaf_spec(shape, path)
+    return (len(spec) - 1, self.num_devices) if len(spec) else None
+
+  def sharding(self, memory_kind: str = 'device', shape: tuple = (),
+               path: str | None = None) -> NamedSharding:
+    """The sharding of a leaf of `shape` at tree `path` kept in `memory_kind` ('device' or
+    'pinned_host')."""
+    return NamedSharding(self.mesh, self.leaf_spec(shape, path), memory_kind=memory_kind)
 
   def tier_sharding(self, tier: str) -> NamedSharding:
     """Where a memory tier ('device' or 'host') keeps its leaves."""
     return self.sharding(TIER_MEMORY_KIND[tier])
 
   def shardings(self, tree, memory_kind: str = 'device'):
-    """The sharding of every leaf of `tree` (arrays or ShapeDtypeStructs) in `memory_kind`."""
-    return jax.tree.map(lambda x: self.sharding(memory_kind, np.shape(x)), tree)
+    """The sharding of every leaf of `tree` (arrays or ShapeDtypeStructs; a train-state-shaped
+    tree: its tree paths name the pieces' axis) in `memory_kind`."""
+    return _map_with_path(lambda path, x: self.sharding(memory_kind, np.shape(x), path), tree)
 
   def put(self, tree, memory_kind: str):
     """`jax.device_put` of every leaf of `tree` to its sharding in `memory_kind` (asynchronous)."""
@@ -115,18 +134,18 @@ class Layout:
     """`tree` with each jax.Array leaf moved to its layout sharding in the memory kind it is in
     (a no-op for leaves already there; host numpy leaves unchanged): for arrays made by code that
     does not know the layout (a jitted init) before a store keeps them."""
-    def conformed(x):
+    def conformed(path, x):
       if not isinstance(x, jax.Array):
         return x
-      return jax.device_put(x, self.sharding(x.sharding.memory_kind or 'device', x.shape))
-    return jax.tree.map(conformed, tree)
+      return jax.device_put(x, self.sharding(x.sharding.memory_kind or 'device', x.shape, path))
+    return _map_with_path(conformed, tree)
 
   def constrain(self, tree):
     """Inside a jitted function: every leaf of a train-state-shaped `tree` (weights, gradients,
     Adam state) held to its `leaf_spec` in device memory, so GSPMD reduce-scatters a gradient to
     its shards instead of leaving it whole on every device."""
-    return jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(x, self.sharding('device', x.shape)), tree)
+    return _map_with_path(lambda path, x: jax.lax.with_sharding_constraint(
+        x, self.sharding('device', x.shape, path)), tree)
 
   def batch_sharding(self, shape: tuple, memory_kind: str = 'device') -> NamedSharding:
     """The sharding of a token (or loss-weight) array [M, B, S] or [B, S] in `memory_kind`:
@@ -163,6 +182,34 @@ class Layout:
              sharding.addressable_devices_indices_map(shape).values()]
     return range(min(s.start or 0 for s in spans), max(s.stop or shape[-2] for s in spans))
 
+  # --- several processes: which part of a leaf is this process's -----------------------------
+  # With one process every device is addressable and a leaf is read or written whole. With
+  # several, a process holds (and may read or write) only its own devices' shards: these give the
+  # boxes, as tuples of (start, stop) per axis of the leaf.
+
+  def owned_boxes(self, shape: tuple, path: str | None = None) -> list[tuple]:
+    """The distinct shards of a leaf of `shape` at `path` that this process writes: each one
+    once in the whole run, by the process of the first device (in mesh order) that holds it (a
+    replicated leaf: by the first process only)."""
+    owners = {}
+    for device, index in self.sharding('device', shape, path).devices_indices_map(
+        tuple(shape)).items():
+      owners.setdefault(_box(index, shape), device)
+    return [box for box, device in owners.items() if device.process_index == jax.process_index()]
+
+  def local_box(self, shape: tuple, path: str | None = None) -> tuple:
+    """The box of a leaf this process's devices hold: one contiguous slab along the split axis
+    (the mesh orders the devices process by process), or the whole leaf if it is replicated."""
+    boxes = [_box(index, shape) for index in self.sharding('device', shape, path)
+             .addressable_devices_indices_map(tuple(shape)).values()]
+    return tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes))
+                 for d in range(len(shape)))
+
+  def from_local(self, local, shape: tuple, path: str | None, memory_kind: str):
+    """The global array of `shape` from this process's `local` part of it (`local_box`)."""
+    return jax.make_array_from_process_local_data(
+        self.sharding(memory_kind, shape, path), local, tuple(shape))
+
   def put_activation(self, x, memory_kind: str):
     """An activation [B, S, D] moved to `memory_kind`, still split along B."""
     return jax.device_put(x, self.split_along(0, memory_kind))
@@ -179,6 +226,46 @@ class Layout:
   def replicated(self, memory_kind: str = 'device') -> NamedSharding:
     """Whole on every device (metrics, scalars)."""
     return NamedSharding(self.mesh, PartitionSpec(), memory_kind=memory_kind)
+
+
+def _box(index: tuple, shape: tuple) -> tuple:
+  """A shard's index (a tuple of slices) as ((start, stop), ...) over every axis of `shape`."""
+  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def slices(box: tuple) -> tuple:
+  """((start, stop), ...) -> a numpy / TensorStore index."""
+  return tuple(slice(a, b) for a, b in box)
+
+
+def spread(x) -> bool:
+  """Whether `x` is a jax.Array with shards in other processes (which this one cannot read)."""
+  return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def replicated_value(x) -> np.ndarray:
+  """A leaf that is whole on every device (a step count) as a host array, a copy: with several
+  processes from this process's own shard (jax reads no array that spans other processes)."""
+  if spread(x):
+    return np.array(x.addressable_shards[0].data, copy=True)
+  return np.array(x, copy=True)
+
+
+def host_part(leaf, box: tuple) -> np.ndarray:
+  """`box` ((start, stop) per axis) of a leaf as a host array. Of a jax.Array spread over several
+  processes only an addressable shard can be read: `box` must be one (`Layout.owned_boxes`)."""
+  if spread(leaf):
+    for shard in leaf.addressable_shards:
+      if _box(shard.index, leaf.shape) == tuple(box):
+        return np.asarray(shard.data)
+    raise ValueError(f'no shard of this process holds {box} of a leaf of shape {leaf.shape}')
+  host = np.asarray(leaf)
+  return host if all(tuple(b) == (0, n) for b, n in zip(box, host.shape)) else host[slices(box)]
+
+
+def _map_with_path(fn, tree):
+  """jax.tree.map of fn(path, leaf), `path` the leaf's keystr (what partition.split_axis reads)."""
+  return jax.tree_util.tree_map_with_path(lambda p, x: fn(jax.tree_util.keystr(p), x), tree)
 
 
 def memory_kind(tree) -> str | None:

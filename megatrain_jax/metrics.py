@@ -3,6 +3,10 @@
 Names are namespaced by what they measure: `learning/*` (loss, grad_norm, lr), `eval/*` (loss,
 perplexity), `perf/*` (step time, tokens/s, TFLOP/s, MFU) and, in streamed engines, `io/*`.
 One JSON object per logged step: `{"step": 10, "learning/loss": 2.31, ...}`.
+
+MFU (`perf/mfu`) is written only against a datasheet peak (a known accelerator): a hardware
+profile's measured layer rate (the CPU, calibrated profiles of unknown devices) is no peak, and a
+run that beats it would read as "mfu 100.4%".
 """
 
 import json
@@ -45,13 +49,54 @@ def format_console_line(step: int, total: int, scalars: dict) -> str:
   return ' | '.join(parts)
 
 
+def describe_workdir(workdir: pathlib.Path, *, checkpoint_every: int, checkpoint_keep: int,
+                     checkpoint_minutes: float, data_dir: str, nvme_dir: str | None) -> str:
+  """A run's first console lines: its workdir and what goes there (docs/outputs.md describes
+  each). `data_dir`: data.cache_dir ('' = <workdir>/data); `nvme_dir`: an NVMe tier's
+  offload.dir."""
+  workdir = pathlib.Path(workdir)
+
+  def where(directory: str) -> str:  # relative to the workdir when inside it
+    path = pathlib.Path(directory).expanduser().absolute()
+    return f'{path.relative_to(workdir)}/' if path.is_relative_to(workdir) else f'{path}/'
+
+  if checkpoint_every < 0:
+    checkpoints = 'no checkpoints (checkpoint.every=-1)'
+  else:
+    when = f'every {checkpoint_every} steps and at the end' if checkpoint_every else 'at the end'
+    if checkpoint_minutes:
+      when += f', every {checkpoint_minutes:g} min'
+    checkpoints = f'checkpoints/ ({when}, newest {checkpoint_keep} kept)'
+  parts = ['metrics.jsonl and tensorboard/ (a row per logged step)', checkpoints, 'config.json',
+           f'{where(data_dir) if data_dir else "data/"} (tokenized data)']
+  if nvme_dir:
+    parts.append(f'{where(nvme_dir)} (NVMe tier)')
+  resume = 'rerun the same command to resume; ' if checkpoint_every >= 0 else ''
+  return f'workdir: {workdir} ({resume}docs/outputs.md)\n  {", ".join(parts)}'
+
+
+def nothing_to_do(step: int, total: int) -> str:
+  """What a rerun of a finished run prints instead of a full progress bar."""
+  if step == total:
+    return f'nothing to do: step {step} of {total}; raise --config.train.steps to continue'
+  return (f'nothing to do: step {step} of {total} (the newest checkpoint is past train.steps); '
+          f'raise --config.train.steps above {step} to continue')
+
+
 class MetricsWriter:
-  """Writes metric rows; owns the progress bar. Use as a context manager."""
+  """Writes metric rows; owns the progress bar. Use as a context manager. `writes=False`: a
+  process other than process 0 of a multi-process run, which shares the workdir and the numbers
+  but writes and prints nothing."""
 
   def __init__(self, workdir: pathlib.Path, *, total_steps: int, start_step: int,
-               progress_bar: bool = True):
+               progress_bar: bool = True, writes: bool = True):
     self.jsonl_path = pathlib.Path(workdir) / 'metrics.jsonl'
     self.total_steps = total_steps
+    self.writes = writes
+    if not writes:
+      self._jsonl = self._tensorboard = None
+      self._bar = tqdm.tqdm(total=total_steps, disable=True)
+      return
     # Rows up to the resumed checkpoint's step were written before it was saved; any later ones
     # (and, on a fresh start, all of them: a killed first attempt's step-0 eval) are redone.
     self._drop_rows_after(start_step if start_step else -1)
@@ -70,6 +115,8 @@ class MetricsWriter:
     fs.write_text_atomic(self.jsonl_path, ''.join(kept))
 
   def write(self, step: int, scalars: dict, console: bool = True) -> None:
+    if not self.writes:
+      return
     row = {'step': step, **{k: float(v) for k, v in scalars.items()}}
     self._jsonl.write(json.dumps(row) + '\n')
     self._jsonl.flush()
@@ -86,12 +133,14 @@ class MetricsWriter:
 
   def print(self, line: str) -> None:
     """A console line that does not break the progress bar."""
-    tqdm.tqdm.write(line)
+    if self.writes:
+      tqdm.tqdm.write(line)
 
   def close(self) -> None:
     self._bar.close()
-    self._jsonl.close()
-    self._tensorboard.close()
+    if self.writes:
+      self._jsonl.close()
+      self._tensorboard.close()
 
   def __enter__(self):
     return self
@@ -112,17 +161,19 @@ def host_memory_gb() -> dict:
 
 class RunLog(MetricsWriter):
   """The log of one training run: a MetricsWriter that also times the steps, derives throughput
-  and MFU, and stops a run whose loss is no longer finite.
+  and MFU (when `peak_tflops`, a datasheet peak, is known), and stops a run whose loss is no
+  longer finite.
 
   Step times leave out the first step a process runs (it includes compilation), unless no other
   step has been timed since the last logged row."""
 
   def __init__(self, workdir: pathlib.Path, *, total_steps: int, start_step: int, log_every: int,
-               tokens_per_step: int, flops_per_step: float, peak_tflops: float,
-               predicted_step_time_s: float, checkpointer, progress_bar: bool = True):
+               tokens_per_step: int, flops_per_step: float, peak_tflops: float | None,
+               predicted_step_time_s: float, checkpointer, progress_bar: bool = True,
+               writes: bool = True):
     """`checkpointer` (a checkpoint.Checkpointer) tells a diverged run where to resume from."""
     super().__init__(workdir, total_steps=total_steps, start_step=start_step,
-                     progress_bar=progress_bar)
+                     progress_bar=progress_bar, writes=writes)
     self.start_step, self.log_every = start_step, log_every
     self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
     self.peak_tflops, self.predicted_step_time_s = peak_tflops, predicted_step_time_s
@@ -147,11 +198,12 @@ class RunLog(MetricsWriter):
     step_time = self._timed_seconds / self._timed_steps if self._timed_steps else elapsed
     self._timed_steps, self._timed_seconds = 0, 0.0
     tflops = self.flops_per_step / step_time / 1e12
+    mfu = {'perf/mfu': tflops / self.peak_tflops} if self.peak_tflops else {}
     return {**{k: float(v) for k, v in step_metrics.items()},
             'perf/step_time_s': step_time,
             'perf/tokens_per_sec': self.tokens_per_step / step_time,
             'perf/tflops': tflops,
-            'perf/mfu': tflops / self.peak_tflops,
+            **mfu,
             'perf/predicted_step_time_s': self.predicted_step_time_s,
             **host_memory_gb()}
 

@@ -44,6 +44,11 @@ class Placement:
   host_buffer_gb: float = 8.0
   device_memory_gb: float = 0.0  # planner budgets; 0 = the hardware profile's
   host_memory_gb: float = 0.0
+  # K > 1: keep each group's K per-layer inputs [K, B, S, D] from the forward (True), so the
+  # backward recomputes each layer once, or only the group's input [B, S, D] (False), so it
+  # recomputes the group to get them back (a third forward per layer with model.remat).
+  # 'auto': the planner keeps them when they fit (planner._keep_options).
+  keep_layer_inputs: bool | str = False
 
   @property
   def streamed(self) -> bool:
@@ -98,9 +103,21 @@ class Placement:
   def from_config(cls, offload, model_cfg: ModelConfig, allow_auto: bool = False) -> 'Placement':
     """The placement `offload` (config.offload) describes, checked; with `allow_auto` it may
     still hold 'auto' fields for the planner to resolve."""
-    placement = cls(**{f.name: offload[f.name] for f in dataclasses.fields(cls)})
+    fields = {f.name: offload[f.name] for f in dataclasses.fields(cls)}
+    # The config field is a string (ml_collections keeps a field's type): 'true' / 'false' are
+    # the bools; anything else but 'auto' is refused by check().
+    keep = fields['keep_layer_inputs']
+    if isinstance(keep, str) and keep.lower() in ('true', 'false'):
+      fields['keep_layer_inputs'] = keep.lower() == 'true'
+    placement = cls(**fields)
     placement.check(model_cfg, allow_auto)
     return placement
+
+  @property
+  def keeps_layer_inputs(self) -> bool:
+    """The forward saves every layer's input of a group, not just the group's (only K > 1 differs:
+    a one-layer group's input is its layer's)."""
+    return self.keep_layer_inputs is True and self.layers_per_group > 1
 
   @property
   def uses_nvme(self) -> bool:
@@ -111,7 +128,7 @@ class Placement:
   def has_auto(self) -> bool:
     return (AUTO in (self.params, self.opt_state, self.activations, self.embed_head,
                      self.optimizer_on) or self.layers_per_group == 0 or self.prefetch_depth == 0
-            or self.host_buffer_gb == 0)
+            or self.host_buffer_gb == 0 or self.keep_layer_inputs == AUTO)
 
   def describe(self, num_layers: int) -> str:
     """One line for the console: the engine and, when streamed, where each part lives."""
@@ -120,8 +137,8 @@ class Placement:
     groups = len(self.group_slices(num_layers))
     return (f'streamed engine: params on {self.params}, Adam state on {self.opt_state}, '
             f'activations on {self.activations}, embedding/head on {self.embed_head}, '
-            f'{groups} groups of {self.layers_per_group} layers, prefetch depth '
-            f'{self.prefetch_depth}, optimizer on {self.optimizer_on}')
+            f'{groups} groups of {self.layers_per_group} layers{self._kept_note()}, prefetch '
+            f'depth {self.prefetch_depth}, optimizer on {self.optimizer_on}')
 
   def summary(self) -> str:
     """The same, compact, for the planner's tables and refusals."""
@@ -129,7 +146,15 @@ class Placement:
       return 'resident (all on device)'
     return (f'params {self.params}, Adam {self.opt_state}, activations {self.activations}, '
             f'embed/head {self.embed_head}, optimizer on {self.optimizer_on}, '
-            f'K={self.layers_per_group}, prefetch {self.prefetch_depth}')
+            f'K={self.layers_per_group}{self._kept_note()}, prefetch {self.prefetch_depth}')
+
+  def _kept_note(self) -> str:
+    """What a group of K > 1 saves for its backward (nothing to say when K = 1)."""
+    if self.layers_per_group == 1 and self.keep_layer_inputs != AUTO:
+      return ''
+    if self.keep_layer_inputs == AUTO:
+      return ' (layer inputs kept: auto)'
+    return ' (layer inputs kept)' if self.keeps_layer_inputs else ' (group inputs only)'
 
   def check(self, model_cfg: ModelConfig, allow_auto: bool = False) -> None:
     """Checks every field; with `allow_auto`, 'auto' (tiers) and 0 (K, depth) pass, for the
@@ -184,6 +209,12 @@ class Placement:
     if not (self.prefetch_depth == 0 and allow_auto) and self.prefetch_depth < 1:
       raise ConfigError(f'offload.prefetch_depth={self.prefetch_depth} must be >= 1 (the number '
                         'of groups whose weights are fetched ahead of the compute), or 0 for auto.')
+    keep = self.keep_layer_inputs
+    if not (isinstance(keep, bool) or (keep == AUTO and allow_auto)):
+      # 'auto' here is a placement the engine would run as given: only the planner resolves it.
+      raise ConfigError(f'offload.keep_layer_inputs={keep!r}: use true (keep every layer input '
+                        'of a group for the backward), false (keep only the group input) or '
+                        f'{"auto" if allow_auto else "auto (in a config, for the planner)"}.')
 
   def _check_resolved(self, model_cfg: ModelConfig) -> None:
     """Checks that need every field concrete: the NVMe staging fits host_buffer_gb, AdamW on the

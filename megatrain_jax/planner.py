@@ -23,7 +23,9 @@ what the stages of schedule.py declare they hold, each row naming its stage):
                      arriving); hidden states and their gradients 2·M·B·S·D·c; the group
                      backward's working set (K = 1: one layer's internals; K > 1: K saved
                      layer inputs + one layer's internals); boundary activations
-                     G·M·B·S·D·c unless offload.activations = host; the head stage's
+                     G·M·B·S·D·c unless offload.activations = host (offload.keep_layer_inputs,
+                     K > 1: every layer's input, L·M·B·S·D·c, and the group backward holds one
+                     layer's internals, + K·B·S·D·c brought back from the host); the head stage's
                      working set: one vocabulary chunk's gradient and logits (3·B·S·V_c·4),
                      normed states and their gradients; vocabulary chunks in flight
                      (prefetch_depth + 1) unless the embedding/head lives on the device.
@@ -55,7 +57,8 @@ TIME (seconds per step):
   compute = FLOPs / achieved layer FLOP/s, with FLOPs = tokens × (layer forwards × 2·(P_l − 2D)
             + attention 2·S·H·Dh per layer) + head 6·D·V per token. A layer's forward runs
             3 (fwd + 2× in bwd) + recomputes: resident remat full +1; streamed K = 1 +1 (the group
-            backward recomputes the layer from its input); streamed K > 1 +1 (group) +1 (remat);
+            backward recomputes the layer from its input); streamed K > 1 +1 (group) +1 (remat),
+            or +1 with offload.keep_layer_inputs (each layer recomputed from its kept input);
             when S > model.attention_chunk, the attention part once more (query blocks are
             recomputed in their backward).
   optimizer = params / AdamW rate (device or host);  copies = bytes / link rate;
@@ -69,11 +72,38 @@ TIME (seconds per step):
   On the CPU backend the same cores do everything, so the terms add up, except disk I/O, whose
   background threads share the cores with compute: it adds disk / cores.
 
+N DEVICES (parallel.devices, or every visible device when 0; a dry run plans for N whatever this
+machine has): the engines split the batch over N devices and every piece of the train state in
+every tier with it (ZeRO-3 / FSDP, layout.py), so per device:
+  memory:    1/N of each piece of the state, of its in-flight copies, gradients and update inputs,
+             in whatever tier (rows whose bytes do not depend on the batch), plus the activations
+             of the per-device batch B/N (rows that do: computed at B/N), plus the whole piece
+             being computed: a streamed group all-gathered with its gradient before the
+             reduce-scatter, 2·K·P_l·4, and one vocabulary chunk 4·V_c·D (resident: one layer,
+             2·P_l·4). Device rows are per device; host and nvme rows are the process's: its n
+             local devices' shares, which share its RAM and drives (one process driving all N:
+             the same bytes as one device). The staging buffer and the runtime are per process.
+  traffic:   host<->device and disk bytes 1/N of the state's (each device streams its shard),
+             plus its own activations; each device has its own host link, but the process's n
+             devices share its drives (disk time = n × per-device bytes / the drives' rate) and
+             its CPU (host AdamW over n/N of the layers).
+  collectives (GSPMD, inside each jitted call, engine/functions.py): all-gathers of the weights
+             each call computes with, reduce-scatters of its gradient; the streamed engine calls
+             a group once per microbatch in the forward and in the backward, so per step
+             all-gather 2·M·W + M·E + 2·M·H_w, reduce-scatter M·(W + E + H_w) (H_w the head's
+             weights, the embedding's when tied); resident 2·M·4·P and M·4·P. A ring gives each
+             device (N − 1)/N of them: time = that / profile.interconnect_gbps. They run in the
+             device's calls before and after their compute, so they add to it (and to the host
+             link's time where the collectives cross it: interconnect_shares_host_link).
+  compute:   FLOPs of B/N sequences; on the CPU backend the n devices share the cores, so their
+             compute, copies and device optimizer add up.
+
 AUTO PLACEMENT: every `auto` field is searched (tiers, optimizer location, K, prefetch depth; M
 when train.microbatches = 0; the NVMe staging buffer when offload.host_buffer_gb = 0). A candidate
 must fit every tier's budget; the fastest tokens/s wins, and among candidates within 1% of it the
 one that offloads the fewest bytes, then the smallest M, group and depth (less memory for the
-same speed).
+same speed). offload.keep_layer_inputs = auto keeps the layer inputs of a K > 1 candidate when
+that plan fits (it recomputes less), else plans it without them (`_keep_options`).
 """
 
 import collections
@@ -87,6 +117,8 @@ import numpy as np
 
 import megatrain_jax
 from megatrain_jax import PINNED_LIMIT_ENV
+from megatrain_jax import distributed
+from megatrain_jax import hardware
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax import partition
@@ -149,8 +181,48 @@ def train_key(train) -> tuple:
 
 
 # -------------------------------------------------------------------------------------------------
-# Activations.
+# Devices.
 # -------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Devices:
+  """What a plan is for: `count` (N) devices split the batch (each computes B/N sequences of every
+  microbatch) and shard every piece of the train state (each keeps 1/N, in every tier); `local`
+  (n) of them are this process's and share its host RAM, drives and CPU cores."""
+  count: int = 1
+  local: int = 1
+
+  def describe(self, hw: HardwareProfile, batch: int) -> list:
+    """The plan's lines on what it is for."""
+    if self.count == 1:
+      return ['devices: 1 (parallel.devices=N plans for N, each keeping 1/N of the state)']
+    rate, link = hw.link_gbps()
+    n, local = self.count, self.local
+    processes = ('one process drives them all' if local == n
+                 else f'this process drives {local} of them')
+    return [f'devices: {n} x {hw.name}, {processes}; each keeps 1/{n} of every piece of the state '
+            f'and computes {batch // n} of the {batch} sequences of each microbatch; collectives '
+            f'over {link} at {rate:,.4g} GB/s per device',
+            '        device rows are per device; host and nvme rows are the process\'s ('
+            + (f'its {local} devices\' shares' if local > 1 else 'its device\'s share')
+            + '), against the machine\'s RAM and drives']
+
+
+def devices_for(config) -> Devices:
+  """N = parallel.devices, or every device jax sees when it is 0. With one process (every dry
+  run) the process drives all N, even devices this machine lacks: a plan for another machine;
+  with several, its own among the first N of jax.devices(). train.batch_size must split over N."""
+  parallel = config.get('parallel')
+  if parallel is None:
+    return Devices()
+  distributed.check_fields(config)
+  count = parallel.devices or jax.device_count()
+  distributed.check_batch(config, count)
+  if jax.process_count() == 1:
+    return Devices(count, count)
+  local = sum(d.process_index == jax.process_index() for d in jax.devices()[:count])
+  return Devices(count, max(local, 1))
+
 
 # -------------------------------------------------------------------------------------------------
 # The plan of one placement.
@@ -169,8 +241,10 @@ class Plan:
   step_time_s: float
   bottleneck: str
   flops_per_step: float
-  peak_tflops: float
+  peak_tflops: float  # of all N devices together (CPU devices of one process: of its cores)
   write_behind_bytes: float = 0.0  # NVMe writes queued at most (placement.write_budget_bytes)
+  devices: Devices = Devices()
+  collectives: dict = dataclasses.field(default_factory=dict)  # all_gather, reduce_scatter (whole)
 
   @property
   def tokens_per_step(self) -> int:
@@ -182,11 +256,16 @@ class Plan:
 
   @property
   def mfu(self) -> float:
-    """Model FLOPs (6·N·T + attention, no recompute) / step time / the profile's peak."""
+    """Model FLOPs (6·N·T + attention, no recompute) / step time / the devices' peak."""
     return self.flops_per_step / self.step_time_s / (self.peak_tflops * 1e12)
 
   def used(self, tier: str) -> float:
+    """Bytes of the tier's rows: per device for 'device', the process's for 'host' and 'nvme'."""
     return sum(r.bytes for r in self.rows if r.tier == tier)
+
+  def _process_bytes(self, row: Row) -> float:
+    """What a row holds in the process's memory: device rows once per local device."""
+    return row.bytes * (self.devices.local if row.tier == 'device' else 1)
 
   @property
   def host_peak_bytes(self) -> float:
@@ -194,20 +273,22 @@ class Plan:
     live in the same RAM and count too): what stays between steps (state rows, the runtime), plus
     the NVMe write-behind (queued writes land during any stage), plus the heaviest stage: the
     forward and backward (weights in flight, accumulator, activations), the head, or the
-    updates. The tier budgets (`over_budget`) add every row instead: a safe bound, not a peak."""
+    updates. The tier budgets (`over_budget`) add every row instead: a safe bound, not a peak.
+    On N devices: the process's (device rows once per local device on a unified machine)."""
     tiers = ('host', 'device') if self.budgets.get('_unified') else ('host',)
     held = [r for r in self.rows if r.tier in tiers and r.item != STAGING_ROW]
     per_stage = collections.Counter()
     for r in held:
       if r.stage != STATE:  # the forward's weights in flight are the backward's too
-        per_stage['layers' if r.stage in ('forward', 'backward') else r.stage] += r.bytes
+        per_stage['layers' if r.stage in ('forward', 'backward') else r.stage] += (
+            self._process_bytes(r))
     for span, phases in ((FORWARD_TO_BACKWARD, ('layers', 'head')),  # boundary activations
                          (BACKWARD_TO_UPDATE, ('layers', 'update', 'outer_update'))):  # parked
       held_across = per_stage.pop(span, 0.0)
       for phase in phases:
         per_stage[phase] += held_across
-    return (sum(r.bytes for r in held if r.stage == STATE) + self.write_behind_bytes
-            + max(per_stage.values(), default=0.0))
+    return (sum(self._process_bytes(r) for r in held if r.stage == STATE)
+            + self.write_behind_bytes + max(per_stage.values(), default=0.0))
 
   def over_budget(self) -> dict:
     """{tier: (needed, available)} for every tier whose budget the plan exceeds."""
@@ -217,8 +298,9 @@ class Plan:
     if device > b['device']:
       over['device'] = (device, b['device'])
     if b.get('_unified'):  # the CPU backend: device and host bytes share one RAM
-      if device + host > b['host']:
-        over['host (shared with device)'] = (device + host, b['host'])
+      shared = device * self.devices.local + host  # every local device's rows
+      if shared > b['host']:
+        over['host (shared with device)'] = (shared, b['host'])
     elif host > b['host']:
       over['host'] = (host, b['host'])
     pinned = host - sum(r.bytes for r in self.rows if r.item == STAGING_ROW)
@@ -234,11 +316,61 @@ class Plan:
 
 
 def _memory_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int,
-                 seq: int, clipping: bool, checkpoint_copies: int = 0) -> list:
-  """[Row]: the resident step's state and activations, or what each streamed stage holds."""
+                 seq: int, clipping: bool, checkpoint_copies: int = 0,
+                 devices: Devices = Devices()) -> list:
+  """[Row]: the resident step's state and activations, or what each streamed stage holds; on N
+  devices per device (device rows) and per process (host, nvme rows), the module docstring's N
+  DEVICES. `batch` is the global batch."""
+  n = devices.count
+  rows = _one_device_rows(cfg, sizes, p, micro, batch // n, seq, clipping, checkpoint_copies)
+  if n == 1:
+    return rows
+  # A row whose bytes change with the batch holds activations (of the per-device batch, as
+  # computed); any other holds pieces of the state, their copies in flight, gradients or update
+  # inputs, of which each device keeps its 1/N shard.
+  twice = _one_device_rows(cfg, sizes, p, micro, 2 * (batch // n), seq, clipping,
+                           checkpoint_copies)
+  out = []
+  for row, other in zip(rows, twice, strict=True):
+    if row.item == STAGING_ROW:  # the process's NVMe staging, offload.host_buffer_gb
+      out.append(row)
+      continue
+    activations = other.bytes != row.bytes
+    local = 1 if row.tier == 'device' else devices.local
+    factor = local * (1 if activations else 1 / n)
+    if row.tier == 'device':
+      note = '' if activations else ' / N'
+    elif activations:
+      note = ' · n' if local > 1 else ''
+    else:
+      note = '' if local == n else ' · n/N'
+    out.append(dataclasses.replace(row, bytes=row.bytes * factor, formula=row.formula + note))
+  return out + _gathered_rows(cfg, sizes, p, micro, clipping)
+
+
+def _gathered_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int,
+                   clipping: bool) -> list:
+  """On N > 1 devices, the whole piece being computed: all-gathered from the shards before the
+  compute, its gradient whole until the reduce-scatter."""
+  if not p.streamed:
+    return [Row('device', 'gathered layer + its gradient (N > 1)', 2.0 * sizes.layer_params,
+                "2·P_l·4 (one layer all-gathered; its gradient before the reduce-scatter)")]
+  chunk_rows = max(stop - start for start, stop in
+                   StepSchedule(p, cfg, micro, clipping).vocab_chunks())
+  gw = sizes.group_params(p.layers_per_group)
+  return [Row('device', 'gathered group + its gradient (N > 1)', 2.0 * gw,
+              '2·K·P_l·4 (all-gathered; the gradient before its reduce-scatter)', 'backward'),
+          Row('device', 'gathered vocabulary chunk (N > 1)', 4.0 * chunk_rows * cfg.d_model,
+              '4·V_c·D', 'head')]
+
+
+def _one_device_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int,
+                     seq: int, clipping: bool, checkpoint_copies: int = 0) -> list:
+  """[Row] of one device computing `batch` sequences per microbatch with the whole state."""
   if p.streamed:
     schedule = StepSchedule(p, cfg, micro, clipping)
-    return schedule.held(cfg, sizes, batch, seq, checkpoint_copies)
+    rows = schedule.held(cfg, sizes, batch, seq, checkpoint_copies)
+    return _kept_layer_input_rows(cfg, p, rows, micro, batch, seq) if p.keeps_layer_inputs else rows
   L, E = cfg.num_layers, sizes.outer_params
   W = sizes.group_params(L)
   rows = []
@@ -257,14 +389,72 @@ def _memory_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, 
   return rows
 
 
+def _kept_layer_input_rows(cfg: ModelConfig, p: Placement, rows: list, micro: int, batch: int,
+                           seq: int) -> list:
+  """`rows` (schedule.held's, which count one input per group) with offload.keep_layer_inputs:
+  every layer's input is kept from the forward to the backward, L·M·B·S·D·c in the activations'
+  tier instead of G·M·B·S·D·c (K× for whole groups); the group backward then holds one layer's
+  internals, plus the K inputs it brings back when they wait on the host (it no longer
+  recomputes the group to find them)."""
+  L, K, M = cfg.num_layers, p.layers_per_group, micro
+  hidden, internals = hidden_bytes(cfg, batch, seq), layer_internal_bytes(cfg, batch, seq)
+  out = []
+  for row in rows:
+    if row.stage == FORWARD_TO_BACKWARD and row.item.startswith('boundary activations'):
+      row = dataclasses.replace(row, item=f'boundary activations ({L} layers × {M} mb)',
+                                bytes=float(L * M * hidden),
+                                formula='L·M·B·S·D·c (keep_layer_inputs: K per group)')
+    elif row.item == 'group backward working set':
+      on_host = p.activations == 'host'
+      row = dataclasses.replace(
+          row, bytes=float(internals + K * hidden * on_host),
+          formula=("K·B·S·D·c (inputs back from the host) + one layer's internals" if on_host
+                   else "one layer's internals (its inputs: the boundary row)"))
+    out.append(row)
+  return out
+
+
+def _kept_layer_input_traffic(cfg: ModelConfig, p: Placement, micro: int, hidden: int) -> Traffic:
+  """With offload.keep_layer_inputs and activations on the host, the L − G layer inputs beyond
+  the groups' own cross to the host in the forward and back in the backward (schedule.traffic
+  counts the G group inputs)."""
+  if not (p.keeps_layer_inputs and p.activations == 'host'):
+    return Traffic()
+  extra = (cfg.num_layers - len(p.group_slices(cfg.num_layers))) * micro * hidden
+  return Traffic(h2d=extra, d2h=extra)
+
+
 def traffic(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int, seq: int,
-            clipping: bool) -> dict:
-  """Bytes per step: h2d, d2h (host<->device) and read, write (disk): the sum of what every stage
-  of the streamed step declares (schedule.py)."""
+            clipping: bool, devices: int = 1) -> dict:
+  """Bytes per step per device: h2d, d2h (host<->device) and read, write (disk): the sum of what
+  every stage of the streamed step declares (schedule.py). On `devices` = N each device moves its
+  1/N shard of every piece and the activations of its batch / N sequences."""
   if not p.streamed:
     return dict(h2d=0.0, d2h=0.0, read=0.0, write=0.0)
-  stages = StepSchedule(p, cfg, micro, clipping).traffic(sizes, hidden_bytes(cfg, batch, seq))
-  return dataclasses.asdict(sum(stages.values(), Traffic()))
+  schedule = StepSchedule(p, cfg, micro, clipping)
+  total = lambda hidden: sum(schedule.traffic(sizes, hidden).values(),
+                             _kept_layer_input_traffic(cfg, p, micro, hidden))
+  moved = total(hidden_bytes(cfg, batch // devices, seq))
+  if devices > 1:  # the activations' part is what the batch adds to the state's
+    state = dataclasses.asdict(total(0))
+    return {k: state[k] / devices + (v - state[k]) for k, v in dataclasses.asdict(moved).items()}
+  return dataclasses.asdict(moved)
+
+
+def collective_bytes(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int) -> dict:
+  """Whole bytes per step that N > 1 devices all-gather (weights, before each call that computes
+  with them) and reduce-scatter (each call's gradient, to the shards): the module docstring's N
+  DEVICES. Each device receives (N - 1)/N of them."""
+  W = sizes.group_params(cfg.num_layers)
+  if not p.streamed:  # every microbatch's forward and backward gather all the weights
+    whole = W + sizes.outer_params
+    return {'all_gather': 2.0 * micro * whole, 'reduce_scatter': 1.0 * micro * whole}
+  E = sizes.embed_params
+  head = sizes.head_params or E  # the head's weights: the embedding when tied
+  # Groups: forward + backward calls per microbatch; embedding once per microbatch, head chunks
+  # in the loss pass and the backward pass; gradients once per microbatch each.
+  return {'all_gather': micro * (2.0 * W + E + 2.0 * head),
+          'reduce_scatter': micro * (1.0 * W + E + head)}
 
 
 def step_flops(cfg: ModelConfig, p: Placement, micro: int, batch: int, seq: int) -> tuple:
@@ -274,7 +464,7 @@ def step_flops(cfg: ModelConfig, p: Placement, micro: int, batch: int, seq: int)
   head_fwd = 2.0 * cfg.d_model * cfg.vocab_size
   if not p.streamed:
     recompute = 1 if cfg.remat == 'full' else 0
-  elif p.layers_per_group == 1:
+  elif p.layers_per_group == 1 or p.keeps_layer_inputs:  # each layer recomputed from its input
     recompute = 1
   else:
     recompute = 1 + (1 if cfg.remat == 'full' else 0)
@@ -297,66 +487,100 @@ def _write_rate(hw: HardwareProfile, cached: bool) -> float:
   return hw.disk_write_gbps * hw.disks * _GB
 
 
+def _step_time(p: Placement, hw: HardwareProfile, times: dict, sizes: StateSizes,
+               devices: Devices, cached: bool, host_opt: bool, clipping: bool) -> tuple:
+  """(step seconds, bottleneck) of placement `p` from the parts' `times` (per device): summed on
+  the CPU backend, overlapped on accelerators (see the module docstring's STEP TIME)."""
+  n, local = devices.count, devices.local
+  compute, optimizer, h2d, d2h, disk, dispatch = (
+      times[k] for k in ('compute', 'optimizer', 'h2d', 'd2h', 'disk', 'dispatch'))
+  comm = times.get('interconnect', 0.0)
+  device_bound = 'compute' if compute >= comm else 'interconnect'
+  if not p.streamed:
+    return compute + optimizer + comm + dispatch, device_bound
+  if not hw.overlap:
+    # The CPU backend: compute (on all cores), copies and the optimizer run one after another.
+    # The NVMe tier's reader/writer threads run beside the compute, but their work (TensorStore
+    # chunk I/O and page-cache copies, CPU-bound on these machines) takes its share of the cores:
+    # it costs disk / cores of step time.
+    step = compute + optimizer + h2d + d2h + comm + disk / hw.host_cores + dispatch
+    bottleneck = max((device_bound, max(compute, comm)),
+                     ('host optimizer' if host_opt else 'optimizer', optimizer),
+                     ('host<->device', h2d + d2h), ('disk', disk), key=lambda x: x[1])[0]
+  else:
+    gw = sizes.group_params(p.layers_per_group) / n
+    fill = 2 * (gw / (hw.h2d_gbps * _GB)
+                + (local * gw / _read_rate(hw, cached) if p.params == 'nvme' else 0))
+    # The collectives run in the device's calls, before and after their compute; without a
+    # peer link they also cross the host link.
+    device_work = compute + comm + (0 if host_opt else optimizer)
+    copies = max(h2d, d2h)
+    link = copies + (comm if hw.interconnect_shares_host_link else 0)
+    if clipping:
+      # Updates wait for the global norm: compute, then an update phase bounded by its transfers.
+      update_share = 0.5  # the update phase moves about half of a step's copies and disk I/O
+      overlapped = max(compute + comm, (1 - update_share) * max(link, disk))
+      update = max(optimizer, update_share * max(copies, disk))
+      step = overlapped + update + fill + dispatch
+    else:
+      step = max(device_work, link, disk, optimizer if host_opt else 0) + fill + dispatch
+    resources = {device_bound: device_work, 'host<->device': link, 'disk': disk,
+                 'host optimizer': optimizer if host_opt else 0}
+    bottleneck = max(resources.items(), key=lambda x: x[1])[0]
+  return step, bottleneck
+
+
 def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwareProfile, *,
               micro: int, batch: int, seq: int, clipping: bool, budgets: dict,
-              checkpoint_copies: int = 0) -> Plan:
-  rows = _memory_rows(cfg, sizes, p, micro, batch, seq, clipping, checkpoint_copies)
+              checkpoint_copies: int = 0, devices: Devices = Devices()) -> Plan:
+  """The plan of placement `p` for M = `micro` microbatches of the global `batch` x `seq` tokens
+  on `devices` (per device and per process, the module docstring's N DEVICES)."""
+  n, local = devices.count, devices.local
+  rows = _memory_rows(cfg, sizes, p, micro, batch, seq, clipping, checkpoint_copies, devices)
   rows.append(Row('host', RUNTIME_ROW, hw.runtime_host_gb * _GB,
                   'hardware profile: runtime_host_gb'))
-  moved = traffic(cfg, sizes, p, micro, batch, seq, clipping)
-  executed, model_flops = step_flops(cfg, p, micro, batch, seq)
+  moved = traffic(cfg, sizes, p, micro, batch, seq, clipping, n)  # per device
+  executed, model_flops = step_flops(cfg, p, micro, batch // n, seq)  # per device
+  model_flops *= n
+  # On the CPU backend the process's devices are the same cores: their work adds up.
+  shared = 1 if hw.overlap else local
   rate = hw.tflops(cfg.dtype, cfg.matmul_precision, cfg.d_model) * 1e12
-  compute = executed / rate
+  compute = shared * executed / rate
   params = cfg.num_params
+  layer_params = cfg.num_layers * cfg.params_per_layer
   host_opt = p.streamed and p.optimizer_on == 'host'
-  optimizer = (cfg.num_layers * cfg.params_per_layer / (hw.host_adam_gparams * _GB)
-               + (params - cfg.num_layers * cfg.params_per_layer) / (hw.device_adam_gparams * _GB)
-               if host_opt else params / (hw.device_adam_gparams * _GB))
-  h2d = moved['h2d'] / (hw.h2d_gbps * _GB)
-  d2h = moved['d2h'] / (hw.d2h_gbps * _GB)
+  # Each device updates its 1/N shard; the host optimizer updates all n local shards on one CPU.
+  optimizer = (local * layer_params / n / (hw.host_adam_gparams * _GB)
+               + shared * (params - layer_params) / n / (hw.device_adam_gparams * _GB)
+               if host_opt else shared * params / n / (hw.device_adam_gparams * _GB))
+  h2d = shared * moved['h2d'] / (hw.h2d_gbps * _GB)
+  d2h = shared * moved['d2h'] / (hw.d2h_gbps * _GB)
   # Reads hit the page cache when the disk-resident state fits in the RAM the plan leaves free.
   nvme_bytes = sum(r.bytes for r in rows if r.tier == 'nvme' and 'checkpoint' not in r.item)
   host_free = budgets.get('host', 0) - sum(r.bytes for r in rows if r.tier == 'host')
   if hw.unified_memory:
-    host_free -= sum(r.bytes for r in rows if r.tier == 'device')
+    host_free -= local * sum(r.bytes for r in rows if r.tier == 'device')
   cached = nvme_bytes > 0 and nvme_bytes < host_free
-  disk = moved['read'] / _read_rate(hw, cached) + moved['write'] / _write_rate(hw, cached)
+  # The process's drives serve the shards of its n devices.
+  disk = local * (moved['read'] / _read_rate(hw, cached) + moved['write'] / _write_rate(hw, cached))
+  collectives = collective_bytes(cfg, sizes, p, micro) if n > 1 else {}
+  link_rate, _ = hw.link_gbps()
+  comm = (n - 1) / n * sum(collectives.values()) / (link_rate * _GB)
   calls = (1 if not p.streamed
            else sum(StepSchedule(p, cfg, micro, clipping).jitted_calls().values()))
   dispatch = calls * hw.dispatch_s
   times = {'compute': compute, 'optimizer': optimizer, 'h2d': h2d, 'd2h': d2h, 'disk': disk,
            'dispatch': dispatch}
-  if not p.streamed:
-    step = compute + optimizer + dispatch
-    bottleneck = 'compute'
-  elif not hw.overlap:
-    # The CPU backend: compute (on all cores), copies and the optimizer run one after another.
-    # The NVMe tier's reader/writer threads run beside the compute, but their work (TensorStore
-    # chunk I/O and page-cache copies, CPU-bound on these machines) takes its share of the cores:
-    # it costs disk / cores of step time.
-    step = compute + optimizer + h2d + d2h + disk / hw.host_cores + dispatch
-    bottleneck = max(('compute', compute), ('host optimizer' if host_opt else 'optimizer', optimizer),
-                     ('host<->device', h2d + d2h), ('disk', disk), key=lambda x: x[1])[0]
-  else:
-    gw = sizes.group_params(p.layers_per_group)
-    fill = 2 * (gw / (hw.h2d_gbps * _GB) + (gw / _read_rate(hw, cached) if p.params == 'nvme' else 0))
-    device_work = compute + (0 if host_opt else optimizer)
-    if clipping:
-      # Updates wait for the global norm: compute, then an update phase bounded by its transfers.
-      update_share = 0.5  # the update phase moves about half of a step's copies and disk I/O
-      overlapped = max(compute, (1 - update_share) * max(h2d, d2h, disk))
-      update = max(optimizer, update_share * max(h2d, d2h, disk))
-      step = overlapped + update + fill + dispatch
-    else:
-      step = max(device_work, h2d, d2h, disk, optimizer if host_opt else 0) + fill + dispatch
-    resources = {'compute': device_work, 'host<->device': max(h2d, d2h), 'disk': disk,
-                 'host optimizer': optimizer if host_opt else 0}
-    bottleneck = max(resources.items(), key=lambda x: x[1])[0]
-  peak = hw.peak(cfg.dtype, cfg.matmul_precision, cfg.d_model)
+  if n > 1:
+    times['interconnect'] = comm
+  step, bottleneck = _step_time(p, hw, times, sizes, devices, cached, host_opt, clipping)
+  # The devices' peak together; CPU devices of one process are the same cores.
+  peak = hw.peak(cfg.dtype, cfg.matmul_precision, cfg.d_model) * n / shared
   return Plan(placement=p, microbatches=micro, batch_size=batch, seq_len=seq, rows=rows,
               budgets=budgets, traffic=moved, times=times, step_time_s=step,
               bottleneck=bottleneck, flops_per_step=model_flops, peak_tflops=peak,
-              write_behind_bytes=p.write_budget_bytes(cfg) if p.uses_nvme else 0.0)
+              write_behind_bytes=p.write_budget_bytes(cfg) if p.uses_nvme else 0.0,
+              devices=devices, collectives=collectives)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -468,11 +692,35 @@ def checkpoint_copies(ckpt, steps: int) -> int:
   return min(ckpt.keep, written)
 
 
-def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None) -> Plan:
-  """The plan for `config`: its placement if fully specified, else the best `auto` choice.
+def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
+             devices: Devices | None = None) -> Plan:
+  """The plan for `config`: its placement if fully specified, else the best `auto` choice, on
+  `devices` (default: parallel.devices, `devices_for`).
 
-  Raises ConfigError when nothing fits, naming needed vs available per tier and what to change.
+  Raises ConfigError when nothing fits, naming needed vs available per tier, what to change, and
+  the hardware presets it would fit.
   """
+  devices = devices or devices_for(config)
+  plans, rejected, invalid = _search(config, hw, disk_free_gb, devices)
+  if not plans:
+    if not rejected:
+      raise invalid[0]
+    cfg = model_lib.ModelConfig.from_config_dict(config.model)
+    closest = min(rejected, key=_overshoot)
+    message = refusal_message(cfg, closest)
+    pinned_only = [p for p in rejected if list(p.over_budget()) == [PINNED_ROW]]
+    if pinned_only:  # the cap the user set is all that stands in the way
+      best = max(pinned_only, key=lambda p: p.tokens_per_s)
+      message += (f'\nRaising {PINNED_LIMIT_ENV} to {math.ceil(best.over_budget()[PINNED_ROW][0] / 2 ** 30)}'
+                  f' (GiB) would fit: {best.placement.summary()}, M={best.microbatches}, '
+                  f'{best.step_time_s:,.4g} s/step.')
+    message += presets_that_fit(config, hw, devices)
+    raise NoPlacementFits(message, closest)
+  return _fastest(plans)
+
+
+def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: Devices) -> tuple:
+  """(plans that fit, plans that don't, ConfigErrors of invalid candidates) of every candidate."""
   cfg = model_lib.ModelConfig.from_config_dict(config.model)
   train, offload = config.train, config.offload
   sizes = state_sizes(cfg, train_key(train))
@@ -483,32 +731,61 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None) -> 
   micro_options = ([1, 2, 4, 8, 16, 32, 64] if train.microbatches == 0
                    else [train.microbatches])
   plans, rejected, invalid = [], [], []
-  for micro, placement in candidates(offload, cfg, micro_options):
-    try:  # e.g. a group too large for the NVMe staging buffer, or no pinned_host memory
-      placement.check(cfg)
-    except ConfigError as e:
-      invalid.append(e)
-      continue
-    plan = make_plan(cfg, sizes, placement, hw, micro=micro, batch=train.batch_size,
-                     seq=train.seq_len, clipping=clipping, budgets=budgets,
-                     checkpoint_copies=copies)
-    (plans if plan.fits else rejected).append(plan)
-  if not plans:
-    if not rejected:
-      raise invalid[0]
-    closest = min(rejected, key=_overshoot)
-    message = refusal_message(cfg, closest)
-    pinned_only = [p for p in rejected if list(p.over_budget()) == [PINNED_ROW]]
-    if pinned_only:  # the cap the user set is all that stands in the way
-      best = max(pinned_only, key=lambda p: p.tokens_per_s)
-      message += (f'\nRaising {PINNED_LIMIT_ENV} to {math.ceil(best.over_budget()[PINNED_ROW][0] / 2 ** 30)}'
-                  f' (GiB) would fit: {best.placement.summary()}, M={best.microbatches}, '
-                  f'{best.step_time_s:,.4g} s/step.')
-    raise NoPlacementFits(message, closest)
+  for micro, candidate in candidates(offload, cfg, micro_options):
+    for placement in _keep_options(candidate):  # the first that fits, if any
+      try:  # e.g. a group too large for the NVMe staging buffer, or no pinned_host memory
+        placement.check(cfg)
+      except ConfigError as e:
+        invalid.append(e)
+        break
+      plan = make_plan(cfg, sizes, placement, hw, micro=micro, batch=train.batch_size,
+                       seq=train.seq_len, clipping=clipping, budgets=budgets,
+                       checkpoint_copies=copies, devices=devices)
+      (plans if plan.fits else rejected).append(plan)
+      if plan.fits:
+        break
+  return plans, rejected, invalid
+
+
+def _keep_options(placement: Placement) -> list:
+  """offload.keep_layer_inputs='auto' resolved: for K > 1, keeping the layer inputs (each layer's
+  forward runs twice per step instead of three times) and, should that not fit, not keeping
+  them; for K = 1 there is nothing to keep beyond the group's input."""
+  if placement.keep_layer_inputs != AUTO:
+    return [placement]
+  keep = [True, False] if placement.layers_per_group > 1 else [False]
+  return [dataclasses.replace(placement, keep_layer_inputs=k) for k in keep]
+
+
+def _fastest(plans: list) -> Plan:
   best = max(p.tokens_per_s for p in plans)
   near = [p for p in plans if p.tokens_per_s >= 0.99 * best]
   return min(near, key=lambda p: (_offloaded_bytes(p), p.microbatches,
                                   p.placement.layers_per_group, p.placement.prefetch_depth))
+
+
+# Presets a refusal tries, smallest device first; not 'cpu' (this machine's own sizes).
+SUGGESTED_PRESETS = ('rtx4090', 'a100', 'h100', 'h200')
+
+
+def presets_that_fit(config, hw: HardwareProfile, devices: Devices) -> str:
+  """A refusal's last line: the GPU presets (other than `hw`) that the config fits on the same
+  devices, with the fastest plan of each, as `--dry_run` would plan them (the preset's disk)."""
+  fits, tried = [], [name for name in SUGGESTED_PRESETS if name != hw.name]
+  for name in tried:
+    preset = hardware.load_profile(name)
+    plans, _, _ = _search(config, preset, preset.disk_gb, devices)
+    if plans:
+      best = _fastest(plans)
+      fits.append(f'  --config.hardware={name} ({preset.device_memory_gb:g} GB device, '
+                  f'{preset.host_memory_gb:,.0f} GB RAM, {preset.disk_gb:,.0f} GB disk): '
+                  f'{best.step_time_s:,.1f} s/step, {best.placement.summary()}, '
+                  f'M={best.microbatches}')
+  on = f' on {devices.count} devices' if devices.count > 1 else ''
+  if not fits:
+    return f'\nNo hardware preset ({", ".join(tried)}) fits it either{on} with these settings.'
+  return (f'\nIt fits these hardware presets{on} (a --dry_run with one of them plans for that '
+          'machine):\n' + '\n'.join(fits))
 
 
 class NoPlacementFits(ConfigError):
@@ -535,14 +812,19 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
   hints = []
   if 'device' in tiers:  # only what would shrink this plan's device rows
     p = closest.placement
-    device = [f'lower train.batch_size (now {closest.batch_size})' if closest.batch_size > 1
+    n = closest.devices.count  # train.batch_size splits over them: at least 1 sequence each
+    device = [f'lower train.batch_size (now {closest.batch_size})' if closest.batch_size > n
               else f'lower train.seq_len (now {closest.seq_len})']
+    if not closest.budgets.get('_unified'):  # CPU devices would share the same RAM
+      device.append(f'shard the state over more devices (parallel.devices, now {n})')
     if p.streamed and closest.microbatches > 1:  # each microbatch's hidden state stays on device
       device.append(f'lower train.microbatches (now {closest.microbatches})')
     if cfg.remat != 'full':
       device.append('use model.remat=full')
     if p.streamed and (p.layers_per_group > 1 or p.prefetch_depth > 1):
       device.append('set offload.layers_per_group=1 / offload.prefetch_depth=1')
+    if p.keeps_layer_inputs and p.activations == 'device':
+      device.append("set offload.keep_layer_inputs='false'")
     if p.streamed and 'device' in (p.embed_head, p.activations):
       device.append("set offload.embed_head='host' / offload.activations='host'")
     hints.append(' or '.join(device) + ' (device memory)')
@@ -550,8 +832,11 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
     hints.append(f'raise {PINNED_LIMIT_ENV} (XLA\'s cap on pinned host memory) toward the RAM '
                  'you have')
   if any(t.startswith('host') for t in tiers):
+    kept = (" or set offload.keep_layer_inputs='false'"
+            if closest.placement.keeps_layer_inputs and closest.placement.activations == 'host'
+            else '')
     hints.append("move state to disk (offload.params='nvme', offload.opt_state='nvme') or lower "
-                 'offload.host_buffer_gb')
+                 'offload.host_buffer_gb' + kept)
   if 'nvme' in tiers:
     hints.append('point offload.dir at a disk with more free space, lower checkpoint.keep (each '
                  'kept checkpoint pins a copy of the NVMe stores), or keep offload.opt_state '
@@ -568,8 +853,10 @@ def _gb(n: float) -> str:
 
 
 def format_plan(plan: Plan, hw: HardwareProfile) -> str:
-  """The memory table, then predicted time, throughput, MFU and bottleneck."""
-  out = [f'hardware: {hw.name} ({hw.source})',
+  """The profile and where it came from, the devices, the memory table, then predicted time,
+  throughput, MFU and bottleneck; the last two lines are machine-readable."""
+  out = [f'hardware: {hw.describe()}',
+         *plan.devices.describe(hw, plan.batch_size),
          f'placement: {plan.placement.summary()}, microbatches {plan.microbatches}',
          '', f'{"tier":<8}{"item":<44}{"GB":>12}  formula']
   for tier in ('device', 'host', 'nvme'):
@@ -579,6 +866,8 @@ def format_plan(plan: Plan, hw: HardwareProfile) -> str:
     budget = plan.budgets[tier]
     used = plan.used(tier)
     note = ' (shares RAM with device)' if tier == 'host' and plan.budgets.get('_unified') else ''
+    if tier == 'device' and plan.devices.count > 1:
+      note = ' (each device)'
     out.append(f'{tier:<8}{"total / available" + note:<44}{used / _GB:>12,.3f}  of '
                f'{budget / _GB:,.1f} GB')
     if tier == 'host' and '_pinned' in plan.budgets:
@@ -586,12 +875,20 @@ def format_plan(plan: Plan, hw: HardwareProfile) -> str:
       out.append(f'{tier:<8}{"pinned / " + PINNED_LIMIT_ENV:<44}{pinned / _GB:>12,.3f}  of '
                  f'{plan.budgets["_pinned"] / _GB:,.1f} GB')
   t = plan.times
+  n = plan.devices.count
+  each = ' (each device; the process\'s drives serve its devices\' shards)' if n > 1 else ''
   out += ['', 'per step: ' + ', '.join(f'{k} {v:.4g} s' for k, v in t.items()),
-          f'traffic per step: h2d {plan.traffic["h2d"] / _GB:,.2f} GB, d2h '
+          f'traffic per step{each}: h2d {plan.traffic["h2d"] / _GB:,.2f} GB, d2h '
           f'{plan.traffic["d2h"] / _GB:,.2f} GB, disk read {plan.traffic["read"] / _GB:,.2f} GB, '
-          f'disk write {plan.traffic["write"] / _GB:,.2f} GB',
-          f'predicted: {plan.tokens_per_s:,.1f} tokens/s, MFU {100 * plan.mfu:.1f}% '
-          f'(of {plan.peak_tflops:,.4g} peak TFLOP/s), bottleneck: {plan.bottleneck}',
+          f'disk write {plan.traffic["write"] / _GB:,.2f} GB']
+  if plan.collectives:
+    c = plan.collectives
+    out.append(f'collectives per step (whole bytes; each device receives (N - 1)/N = {n - 1}/{n}): '
+               f'all-gather {c["all_gather"] / _GB:,.2f} GB, reduce-scatter '
+               f'{c["reduce_scatter"] / _GB:,.2f} GB')
+  out += [f'predicted: {plan.tokens_per_s:,.1f} tokens/s, MFU {100 * plan.mfu:.1f}% '
+          f'(of {plan.peak_tflops:,.4g} peak TFLOP/s{f" of {n} devices" if n > 1 else ""}), '
+          f'bottleneck: {plan.bottleneck}',
           f'predicted_host_peak_gb: {plan.host_peak_bytes / _GB:.3f}',
           f'predicted_step_time_s: {plan.step_time_s:.6g}']
   return '\n'.join(out)

@@ -37,6 +37,10 @@ import sys
 import threading
 import time
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -54,15 +58,13 @@ class TrainingStopped(KeyboardInterrupt):
 
 def agreed(*local: bool) -> tuple[bool, ...]:
   """The values of per-process decisions (stop now; save now on time) that every process of the
-  run acts on, at every step, in the same order on every process.
-
-  One process: its own values. Several processes (issue 13): this must become collective, or
-  processes stop and save at different steps and their checkpoints disagree: an 'any' over the
-  processes of each flag (jax.experimental.multihost_utils.process_allgather of the flags, or
-  broadcast_one_to_all of process 0's decision), or for the stop JAX's preemption sync point
-  (multihost_utils.reached_preemption_sync_point(step), with jax.distributed's preemption
-  service, which then catches SIGTERM itself)."""
-  return tuple(bool(flag) for flag in local)
+  run acts on, at every step, in the same order on every process: each flag is true if it is in
+  any process (one process: its own values), so all processes stop and save at the same step
+  and their checkpoint is one. Several processes: one small all-gather over the processes."""
+  flags = np.array([bool(flag) for flag in local])
+  if jax.process_count() > 1:
+    flags = np.asarray(multihost_utils.process_allgather(flags)).reshape(-1, len(flags)).any(0)
+  return tuple(bool(flag) for flag in flags)
 
 
 class StopSignals:

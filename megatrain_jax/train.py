@@ -284,7 +284,6 @@ def _validate(config, workdir: str) -> tuple[model_lib.ModelConfig, pathlib.Path
   and the directory of an NVMe tier the config names are checked. Allocates and writes nothing."""
   model_cfg = config_lib.validate(config)
   requested = Placement.from_config(config.offload, model_cfg, allow_auto=True)
-  distributed.check_single_process()
   distributed.device_count(config)  # parallel.devices exist, train.batch_size splits over them
   data_lib.check_data_config(config.data, config.train)
   workdir = config_lib.check_workdir(workdir)
@@ -305,6 +304,24 @@ def _check_tokenizer(config, model_cfg):
     raise ConfigError(f'model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer '
                       f'({config.data.tokenizer}: {tokenizer.vocab_size} ids). {fix}.')
   return tokenizer
+
+
+def _main_first(name: str, make):
+  """make() in process 0, then, once it is done (and has written what it writes), in the other
+  processes. One process: make()."""
+  if distributed.is_main():
+    made = make()
+  distributed.barrier(name)
+  if not distributed.is_main():
+    made = make()
+  return made
+
+
+def _workdir_data(config, checkpoint, workdir: pathlib.Path, microbatches: int):
+  """(config, train sampler, eval batches): the tokenizer adopted (`_adopt_tokenizer`) and the
+  data opened (`_open_data`)."""
+  config = _adopt_tokenizer(config, checkpoint, workdir)
+  return (config, *_open_data(config, workdir, microbatches))
 
 
 def _open_data(config, workdir: pathlib.Path, microbatches: int):
@@ -331,19 +348,31 @@ def _open_run_log(config, model_cfg, hw, plan, workdir: pathlib.Path, samples_pe
       workdir, total_steps=train_cfg.steps, start_step=start_step, log_every=train_cfg.log_every,
       tokens_per_step=tokens_per_step,
       flops_per_step=model_cfg.flops_per_token(train_cfg.seq_len) * tokens_per_step,
-      peak_tflops=hw.peak(model_cfg.dtype, model_cfg.matmul_precision, model_cfg.d_model),
+      peak_tflops=_mfu_peak_tflops(model_cfg, layout),
       predicted_step_time_s=plan.step_time_s, checkpointer=checkpointer,
-      progress_bar=train_cfg.progress_bar)
+      progress_bar=train_cfg.progress_bar, writes=distributed.is_main())
   if start_step:
     log.print(f'resumed from {checkpointer.directory / str(start_step)} '
               f'(step {start_step}, data position {position})')
   log.print(f'model: {model_cfg.num_params:,} params, {tokens_per_step:,} tokens/step, '
             f'on {distributed.describe(layout)}, {plan.placement.describe(model_cfg.num_layers)}')
-  log.print(f'plan ({hw.name}): predicted {plan.step_time_s:.3g} s/step, '
-            f'{plan.tokens_per_s:,.0f} tokens/s, bottleneck {plan.bottleneck}; '
-            f'device {plan.used("device") / 1e9:,.2f} GB, host {plan.used("host") / 1e9:,.2f}'
-            f' GB, nvme {plan.used("nvme") / 1e9:,.2f} GB (`--dry_run` prints the table)')
+  each = ' each' if layout.num_devices > 1 else ''
+  log.print(f'plan ({hw.name}: {hw.origin or "given profile"}): predicted '
+            f'{plan.step_time_s:.3g} s/step, {plan.tokens_per_s:,.0f} tokens/s, bottleneck '
+            f'{plan.bottleneck}; device {plan.used("device") / 1e9:,.2f} GB{each}, host '
+            f'{plan.used("host") / 1e9:,.2f} GB, nvme {plan.used("nvme") / 1e9:,.2f} GB '
+            '(`--dry_run` prints the table)')
   return log
+
+
+def _mfu_peak_tflops(model_cfg, layout: Layout) -> float | None:
+  """MFU's denominator: the dense datasheet peak of the run's devices, all of them (a step's
+  FLOPs are the whole batch's), or None (no MFU) where no datasheet is known: the CPU, unlisted
+  accelerators. Not hw.peak(): without a datasheet it falls back to the profile's measured layer
+  rate, which a run can beat, and "mfu 100.4%" would read as a fraction of a peak."""
+  peak = hardware.datasheet_peak_tflops(layout.devices[0].device_kind, model_cfg.dtype,
+                                        model_cfg.matmul_precision)
+  return peak * layout.num_devices if peak else None
 
 
 def _evaluate(engine, batches) -> dict:
@@ -398,7 +427,8 @@ def _stopped(log, checkpointer, step: int, signal_name: str, saved: bool):
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        overrides: Iterable[str] | None = None) -> dict:
-  """Trains (or resumes) the run in `workdir` to `config.train.steps`; returns the last metrics.
+  """Trains (or resumes) the run in `workdir` to `config.train.steps`; returns the last metrics
+  row it wrote ({} when the newest checkpoint is already at train.steps: nothing to do).
 
   The workdir (and an NVMe tier's offload.dir) is locked for the run's whole life: a second run
   on either is refused (locks.py). SIGTERM or SIGINT during training stop the run after the step
@@ -408,38 +438,55 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   runtime.configure(config)  # before the run allocates (the package applied the default at import)
   config, checkpoint = resolve_init(config, workdir, overrides)
   model_cfg, workdir = _validate(config, workdir)
+  # Several processes (distributed.py) share the workdir: process 0 locks it, writes its files
+  # and prints; every process computes, and checkpoints its own shards (checkpoint.py).
+  main = distributed.is_main()
   with contextlib.ExitStack() as locked:
-    locked.enter_context(locks.hold_workdir(workdir))  # before anything is written
+    if main:
+      locked.enter_context(locks.hold_workdir(workdir))  # before anything is written
     checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep)
+    # Closed last, however the run ends: commits the checkpoint in flight.
+    locked.callback(checkpointer.close)
     config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
+    if main:
+      _print_workdir(config, plan, workdir)
+    if restored is not None and restored.step >= config.train.steps:  # a finished run, rerun
+      if main:
+        print(metrics_lib.nothing_to_do(restored.step, config.train.steps), flush=True)
+      return {}
     runtime.configure(config, streamed=plan.placement.streamed)  # 'auto' knows the plan now
-    if plan.placement.uses_nvme:  # before the stores are written
-      locked.enter_context(locks.hold_offload_dir(plan.placement.dir, workdir))
+    if plan.placement.uses_nvme:  # before the stores are written (each process: its own)
+      locked.enter_context(locks.hold_offload_dir(
+          distributed.process_dir(plan.placement.dir), workdir))
     train_cfg = config.train
     enable_compilation_cache(config.jax_cache_dir)
     workdir.mkdir(parents=True, exist_ok=True)
-    config = _adopt_tokenizer(config, checkpoint, workdir)
-    sampler, eval_data = _open_data(config, workdir, plan.microbatches)
+    # Process 0 copies the tokenizer and prepares the data; the others then read what it wrote.
+    config, sampler, eval_data = _main_first('workdir data', lambda: _workdir_data(
+        config, checkpoint, workdir, plan.microbatches))
     layout = distributed.run_layout(config)
     engine = _build_engine(model_cfg, config, plan, restored, checkpoint, layout)
+    locked.callback(engine.close)  # before the checkpointer's: waits for write-behind, stops I/O
     start_step = engine.step
     position = restored.meta['data_position'] if restored is not None else 0
     del restored
-    fs.write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
-    with preemption.StopSignals() as stop:
-      try:
-        with _open_run_log(config, model_cfg, hw, plan, workdir, sampler.samples_per_step,
-                           start_step, position, checkpointer, layout) as log:
-          if start_step == 0:  # the baseline every later eval is compared with
-            log.write(0, _evaluate(engine, eval_data))
-          _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log,
-                 position, stop)
-      finally:
-        try:
-          engine.close()  # waits for write-behind, stops I/O threads
-        finally:
-          checkpointer.close()  # commits the checkpoint in flight, even when the loop failed
+    if main:
+      fs.write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
+    with preemption.StopSignals() as stop, _open_run_log(
+        config, model_cfg, hw, plan, workdir, sampler.samples_per_step, start_step, position,
+        checkpointer, layout) as log, distributed.lost_process_error(checkpointer):
+      if start_step == 0:  # the baseline every later eval is compared with
+        log.write(0, _evaluate(engine, eval_data))
+      _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log, position,
+             stop)
     return log.last
+
+
+def _print_workdir(config, plan, workdir: pathlib.Path) -> None:
+  print(metrics_lib.describe_workdir(
+      workdir, checkpoint_every=config.checkpoint.every, checkpoint_keep=config.checkpoint.keep,
+      checkpoint_minutes=config.checkpoint.every_minutes, data_dir=config.data.cache_dir,
+      nvme_dir=plan.placement.dir if plan.placement.uses_nvme else None), flush=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ flag) and reads back what it prints: one JSON object, on the last line.
 
     python tests/distributed_runs.py OFFLOAD_DIR WORKDIR DATA_PATH
     python tests/distributed_runs.py --process I COORDINATOR_ADDRESS     # I = 0, 1; see below
+    python tests/distributed_runs.py --train I COORDINATOR_ADDRESS WORKDIR DATA_PATH STEPS PLACEMENT
+    python tests/distributed_runs.py --continue WORKDIR DATA_PATH STEPS PLACEMENT DEVICES
 
 Every run trains the parity harness's model (helpers.CFG) from the same initial state for
 helpers.STEPS steps of M = 2 microbatches of B = 4 sequences (B must split over the 4 devices:
@@ -20,20 +22,28 @@ engine on one device equals it); the others run on a Layout over all 4 devices:
     nvme       streamed: layers and embedding/head on NVMe, AdamW on the device
     train      train.train_and_evaluate of a 2-step run with parallel.devices = 4 (the startup
                line, a checkpoint of the sharded state)
+    trainer    train.train_and_evaluate runs of the small config (`trainer_config`): 4 steps on 1
+               device (the reference of every trainer run), and 2 steps on 1 device resumed to 4
+               on 4 devices (a checkpoint written on 1 device, read on 4)
 
 For each: its losses, the error of its final state against the reference
 (helpers.assert_states_match; None when it passes) and how a large leaf is split.
 
 With --process, this is process I of 2, each with 2 CPU devices, joined by jax.distributed
-(gloo): the resident and the host-placement streamed engines on a Layout over the 4 devices of
-both, each process feeding its 2 rows of every microbatch; it reports the losses (the final state
-is sharded across the processes: no one process can read it whole).
+(gloo): the resident engine and the streamed engine with host and NVMe placements on a Layout over
+the 4 devices of both, each process feeding its 2 rows of every microbatch; it reports the losses
+(the final state is sharded across the processes: no one process can read it whole).
+
+With --train, process I of 2 (2 CPU devices each) runs train.train_and_evaluate of the small
+config to STEPS in the shared WORKDIR with PLACEMENT ('resident', 'host' or 'nvme'); process 0
+reports the losses it logged. With --continue, one process (4 CPU devices) runs the same
+config to STEPS in WORKDIR on the first DEVICES of them: it resumes what the processes wrote.
 """
 
 import os
 import sys
 
-LOCAL_DEVICES = 2 if sys.argv[1:2] == ['--process'] else 4
+LOCAL_DEVICES = 2 if sys.argv[1:2] in (['--process'], ['--train']) else 4
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
                            + f' --xla_force_host_platform_device_count={LOCAL_DEVICES}').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -42,6 +52,7 @@ import contextlib  # noqa: E402 (after XLA_FLAGS: jax reads it when its backend 
 import io  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -159,6 +170,9 @@ def main(offload_dir: str, workdir: str, data_path: str) -> dict:
   started = time.perf_counter()
   out['train'] = train_run(workdir, data_path)
   out['seconds']['train'] = time.perf_counter() - started
+  started = time.perf_counter()
+  out['trainer'] = trainer_runs(f'{workdir}-trainer', data_path)
+  out['seconds']['trainer'] = time.perf_counter() - started
   return out
 
 
@@ -171,18 +185,75 @@ def process_main(process_id: str, coordinator: str) -> dict:
   losses, _, splits = resident_run(layout, export=False)
   out = {'process': jax.process_index(), 'resident': {'losses': losses, 'splits': splits}}
   with tempfile.TemporaryDirectory() as offload:
-    losses, _, splits = streamed_run(layout, offload, export=False, **PLACEMENTS['host'])
-  out['host'] = {'losses': losses, 'splits': splits}
-  try:
-    distributed.check_single_process()
-    out['trainer_refusal'] = ''
-  except ConfigError as error:
-    out['trainer_refusal'] = str(error)
+    for name, placement in PLACEMENTS.items():
+      losses, _, splits = streamed_run(layout, f'{offload}/{name}', export=False, **placement)
+      out[name] = {'losses': losses, 'splits': splits}
   return out
+
+
+TRAINER_PLACEMENTS = {
+    'resident': {},
+    'host': dict(offload__params='host', offload__opt_state='host', offload__embed_head='host',
+                 offload__layers_per_group=1),
+    'nvme': dict(offload__params='nvme', offload__opt_state='nvme', offload__embed_head='nvme',
+                 offload__layers_per_group=1),
+}
+
+
+def trainer_config(data_path: str, steps: int, placement: str = 'resident', **overrides):
+  """The small config (helpers.small_config) for the trainer runs: 2 microbatches of 4
+  sequences, a checkpoint every 2 steps, `placement` of TRAINER_PLACEMENTS."""
+  return small_config(data_path, train__steps=steps, train__batch_size=4, train__microbatches=2,
+                      train__eval_every=0, checkpoint__every=2, jax_cache_dir=JAX_CACHE_DIR,
+                      **TRAINER_PLACEMENTS[placement], **overrides)
+
+
+def logged_losses(workdir) -> dict:
+  """{step: learning/loss} of a run's metrics.jsonl (a resumed run appends to it)."""
+  rows = [json.loads(line) for line in (pathlib.Path(workdir) / 'metrics.jsonl').read_text()
+          .splitlines()]
+  return {r['step']: r['learning/loss'] for r in rows if 'learning/loss' in r}
+
+
+def trainer_runs(workdir: str, data_path: str) -> dict:
+  """4 steps on 1 device (a checkpoint every 2); the same run as if killed after its checkpoint
+  of step 2 (that of step 4 deleted), resumed to 4 on the 4 devices."""
+  with contextlib.redirect_stdout(io.StringIO()):
+    train.train_and_evaluate(trainer_config(data_path, 4, parallel__devices=1),
+                             f'{workdir}/reference')
+    shutil.copytree(f'{workdir}/reference', f'{workdir}/one_to_four')
+    shutil.rmtree(f'{workdir}/one_to_four/checkpoints/4')
+    train.train_and_evaluate(trainer_config(data_path, 4, parallel__devices=4),
+                             f'{workdir}/one_to_four')
+  return {name: logged_losses(f'{workdir}/{name}') for name in ('reference', 'one_to_four')}
+
+
+def continue_main(workdir: str, data_path: str, steps: str, placement: str, devices: str) -> dict:
+  """The run in `workdir` continued to `steps` on `devices` devices of this process."""
+  config = trainer_config(data_path, int(steps), placement, parallel__devices=int(devices))
+  config.offload.dir = str(pathlib.Path(workdir) / 'offload')
+  with contextlib.redirect_stdout(io.StringIO()):
+    train.train_and_evaluate(config, workdir)
+  return {'losses': logged_losses(workdir)}
+
+
+def trainer_process_main(process_id: str, coordinator: str, workdir: str, data_path: str,
+                         steps: str, placement: str) -> dict:
+  """Process `process_id` of 2: train.train_and_evaluate on the 4 devices of both."""
+  distributed.initialize(coordinator, 2, int(process_id))
+  config = trainer_config(data_path, int(steps), placement)
+  config.offload.dir = str(pathlib.Path(workdir) / 'offload')
+  train.train_and_evaluate(config, workdir)
+  return {'process': jax.process_index(),
+          'losses': logged_losses(workdir) if jax.process_index() == 0 else None}
 
 
 if __name__ == '__main__':
   if sys.argv[1] == '--process':
     print(json.dumps(process_main(*sys.argv[2:4])))
+  elif sys.argv[1] == '--train':
+    print(json.dumps(trainer_process_main(*sys.argv[2:8])))
+  elif sys.argv[1] == '--continue':
+    print(json.dumps(continue_main(*sys.argv[2:7])))
   else:
     print(json.dumps(main(*sys.argv[1:4])))

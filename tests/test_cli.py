@@ -3,6 +3,8 @@ names the field and the fix, raised before anything is allocated or written."""
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -66,12 +68,59 @@ def test_launch_trains_with_overrides(tmp_path, shared_data):
   assert saved['train']['steps'] == 3 and saved['model']['num_layers'] == 1
 
 
-def test_launch_reports_an_unknown_override_key(tmp_path):
-  result = run_launch('--config', 'tiny', '--config.train.stpes=3', f'--workdir={tmp_path / "w"}')
-  assert result.returncode != 0
-  assert "unknown config key 'train.stpes'" in result.stderr and "'steps'" in result.stderr
-  assert 'Traceback' not in result.stderr
+def _assert_one_error_line(result, fragment):
+  """Exit status 1 and exactly one line on stderr, `error: ...` holding `fragment`."""
+  assert result.returncode == 1, result.stderr
+  assert len(result.stderr.splitlines()) == 1, result.stderr
+  assert result.stderr.startswith('error: ') and fragment in result.stderr, result.stderr
+
+
+# Without --config, ml_collections applies the overrides to configs/default.py as the flag is
+# defined: each key is checked before that, as it is with --config.
+@pytest.mark.parametrize('args, fragment', [
+    (['--config.train.stpes=3'], "unknown config key 'train.stpes'. Did you mean 'steps'?"),
+    (['--config', 'tiny', '--config.train.stpes=3'],
+     "unknown config key 'train.stpes'. Did you mean 'steps'?"),
+    (['--config.init.x=1'], "unknown config key 'init.x'. Keys in 'init': from_hf."),
+    (['--config', 'tiny', '--config.init.x=1'], "unknown config key 'init.x'."),
+    (['--config.nosuch.x=1'], "unknown config key 'nosuch.x': there is no section 'nosuch'."),
+    (['--config.trian.steps=3'], "there is no section 'trian'. Did you mean 'train'?"),
+], ids=['typo', 'typo-tiny', 'init-field', 'init-field-tiny', 'section', 'section-typo'])
+def test_launch_reports_an_unknown_override_key(tmp_path, args, fragment):
+  result = run_launch(*args, f'--workdir={tmp_path / "w"}')
+  _assert_one_error_line(result, fragment)
   assert not (tmp_path / 'w').exists()
+
+
+def test_the_readme_first_command_with_a_typo_is_one_line_of_error(tmp_path):
+  """The README's first `python launch.py` command (the quick start), with a misspelled key: one
+  line on stderr, nothing written (its default --workdir, runs/default, is under the cwd)."""
+  command = re.search(r'python launch\.py[^\n&|;`]*', (REPO_ROOT / 'README.md').read_text())
+  args = shlex.split(command.group(0))[2:]
+  result = subprocess.run(
+      [sys.executable, str(REPO_ROOT / 'launch.py'), *args, '--config.train.stpes=3'],
+      cwd=tmp_path, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True,
+      timeout=300)
+  _assert_one_error_line(result, "unknown config key 'train.stpes'. Did you mean 'steps'?")
+  assert result.stdout == '' and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize('key, fragment', [
+    ('train.stpes', "'train.stpes'. Did you mean 'steps'?"),
+    ('init.x', "'init.x'. Keys in 'init': from_hf."),
+    ('nosuch.x', "'nosuch.x': there is no section 'nosuch'. Sections: checkpoint, data,"),
+    ('model.rope_scalng.type', "Did you mean 'model.rope_scaling'?"),
+    ('nosuch', "'nosuch'. Keys in the top level: checkpoint,"),
+    ('train.steps.x', "'train.steps' is a field, not a section"),
+])
+def test_unknown_keys_and_sections_say_what_there_is(key, fragment):
+  """The command line's check and load_config's overrides (set_field) give the same message."""
+  with pytest.raises(ConfigError, match='unknown config key') as error:
+    config_lib.check_override(key, '1')
+  assert fragment in str(error.value), str(error.value)
+  with pytest.raises(ConfigError) as error:
+    config_lib.load_config('tiny', **{key.replace('.', '__'): 1})
+  assert fragment in str(error.value), str(error.value)
 
 
 def test_launch_reports_an_unknown_config_name():

@@ -1,4 +1,5 @@
-"""More than one device (issue 13, one process): 4 forced CPU devices train to the numbers of one.
+"""More than one device and more than one process (issue 13): 4 forced CPU devices, and 2
+processes x 2 devices, train to the numbers of one device; checkpoints move between them.
 
 The runs happen in a subprocess (tests/distributed_runs.py; XLA_FLAGS must give it 4 devices
 before jax starts, and this worker's jax runs on one), once for the module: the resident engine
@@ -6,20 +7,25 @@ and the streamed engine with host and NVMe placements on a Layout over 4 devices
 resident engine on one device in the same process, M = 2 microbatches of 4 sequences, exact
 clipping; then a 2-step train.train_and_evaluate with parallel.devices = 4. And the same
 engines in 2 processes x 2 devices joined by jax.distributed (gloo), each process feeding its half
-of every microbatch, against the same one-device losses.
+of every microbatch, against the same one-device losses. Then the trainer itself
+(train.train_and_evaluate) in 2 processes sharing a workdir, against its one-device run; a
+checkpoint of 1 device resumed on 4, one of 2 processes resumed on 1; and one of 2 processes
+killed mid-run.
 
 Bad input for parallel.devices is checked here, in this one-device process.
 """
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from helpers import REPO_ROOT, SHARED_DATA, config_with
+from helpers import JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, SMALL_MODEL, config_with
 from megatrain_jax import distributed, train
 from megatrain_jax.errors import ConfigError
 
@@ -55,13 +61,18 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.fixture(scope='module')
-def process_runs() -> list[dict]:
-  """The 2-process x 2-device runs: each process's report."""
+def _two_processes(*args) -> list[subprocess.Popen]:
+  """Processes 0 and 1 of tests/distributed_runs.py MODE I COORDINATOR *REST (`args` = MODE,
+  *REST), joined through a free local port."""
+  mode, *rest = args
   coordinator = f'127.0.0.1:{_free_port()}'
-  processes = [subprocess.Popen([sys.executable, str(RUNS_PY), '--process', str(i), coordinator],
-                                cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True) for i in range(2)]
+  return [subprocess.Popen([sys.executable, str(RUNS_PY), mode, str(i), coordinator, *rest],
+                           cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True) for i in range(2)]
+
+
+def _reports(processes) -> list[dict]:
+  """Each process's report, once both exited 0."""
   try:
     outputs = [p.communicate(timeout=TIMEOUT_S) for p in processes]
   finally:
@@ -70,6 +81,40 @@ def process_runs() -> list[dict]:
   for p, (_, stderr) in zip(processes, outputs):
     assert p.returncode == 0, stderr[-5000:]
   return [_report(stdout) for stdout, _ in outputs]
+
+
+@pytest.fixture(scope='module')
+def process_runs() -> list[dict]:
+  """The 2-process x 2-device engine runs: each process's report."""
+  return _reports(_two_processes('--process'))
+
+
+TRAIN_DATA = str(SHARED_DATA / 'tinyshakespeare' / 'input.txt')
+
+
+@pytest.fixture(scope='module')
+def trainer_process_runs(tmp_path_factory) -> dict:
+  """train.train_and_evaluate in 2 processes x 2 devices, 4 steps with host and NVMe placements
+  (process 0's logged losses; a checkpoint every 2 steps); and the host run as if killed after
+  its checkpoint of step 2 (that of step 4 deleted), continued to 4 on 1 device."""
+  tmp = tmp_path_factory.mktemp('trainer')
+  out = {}
+  for placement in ('host', 'nvme'):
+    out[placement] = _reports(_two_processes(
+        '--train', str(tmp / placement), TRAIN_DATA, '4', placement))[0]['losses']
+  shutil.copytree(tmp / 'host', tmp / 'two_to_one')
+  shutil.rmtree(tmp / 'two_to_one' / 'checkpoints' / '4')
+  result = subprocess.run([sys.executable, str(RUNS_PY), '--continue', str(tmp / 'two_to_one'),
+                           TRAIN_DATA, '4', 'host', '1'], cwd=REPO_ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert result.returncode == 0, result.stderr[-5000:]
+  out['two_to_one'] = _report(result.stdout)['losses']
+  return out
+
+
+def _assert_step_losses_match(got: dict, want: dict, steps) -> None:
+  """Logged losses {step: loss} (JSON keys are strings) equal at `steps`, 1e-5 relative."""
+  _assert_losses_match([got[str(s)] for s in steps], [want[str(s)] for s in steps])
 
 
 def _assert_losses_match(got: list, want: list) -> None:
@@ -94,7 +139,7 @@ def test_state_is_split_over_the_four_devices(runs, name):
     assert "'data'" in split['spec'], (leaf, split)
 
 
-@pytest.mark.parametrize('name', ['resident', 'host'])
+@pytest.mark.parametrize('name', ['resident', 'host', 'nvme'])
 def test_two_processes_train_like_one_device(runs, process_runs, name):
   """2 processes x 2 devices, each feeding its half of every batch: the one-device losses, in
   both processes; the state split over the 4 devices of both."""
@@ -105,51 +150,67 @@ def test_two_processes_train_like_one_device(runs, process_runs, name):
       assert split['devices'] == 4 and "'data'" in split['spec'], (leaf, split)
 
 
-def test_trainer_refuses_several_processes(process_runs):
-  """Not yet supported by train.py (workdir lock, data, metrics, checkpoints are per process):
-  refused with a ConfigError before anything is written."""
-  for report in process_runs:
-    assert 'training across processes is not supported' in report['trainer_refusal']
+@pytest.mark.parametrize('placement', ['host', 'nvme'])
+def test_trainer_in_two_processes_trains_like_one_device(runs, trainer_process_runs, placement):
+  """The trainer in 2 processes sharing the workdir (process 0 logs; a checkpoint every 2 steps,
+  written by both): the losses of the one-device run, step by step."""
+  _assert_step_losses_match(trainer_process_runs[placement], runs['trainer']['reference'],
+                            range(1, 5))
 
 
-def test_train_runs_on_four_devices(runs):
-  """parallel.devices = 4 end to end: the startup line says so, the loss is finite."""
-  (line,) = runs['train']['startup']
-  assert 'on 4 x cpu devices, 1 process' in line, line
-  assert 0 < runs['train']['loss'] < 10 and 0 < runs['train']['eval'] < 10, runs['train']
+def test_checkpoint_of_one_device_resumes_on_four(runs):
+  """Steps 1-2 on 1 device, 3-4 on 4 devices from its checkpoint: the uninterrupted losses."""
+  assert sorted(runs['trainer']['one_to_four']) == ['1', '2', '3', '4']
+  _assert_step_losses_match(runs['trainer']['one_to_four'], runs['trainer']['reference'],
+                            range(1, 5))
 
 
-def test_batch_that_does_not_split_is_refused(runs):
-  assert 'does not split' in runs['bad_batch'] and 'train.batch_size' in runs['bad_batch']
+def test_checkpoint_of_two_processes_resumes_on_one_device(runs, trainer_process_runs):
+  """Steps 1-2 in 2 processes x 2 devices, 3-4 on 1 device from their checkpoint."""
+  assert sorted(trainer_process_runs['two_to_one']) == ['1', '2', '3', '4']
+  _assert_step_losses_match(trainer_process_runs['two_to_one'], runs['trainer']['reference'],
+                            range(1, 5))
 
 
-def test_more_devices_than_visible_is_refused(tmp_path):
-  """This process sees one CPU device: asking for 2 is an error before anything is allocated,
-  naming the field and the fix (on CPU: the XLA flag)."""
-  config = config_with(parallel__devices=2)
-  with pytest.raises(ConfigError, match=r'parallel\.devices=2 .*xla_force_host_platform'):
-    train.train_and_evaluate(config, str(tmp_path / 'run'))
-  assert not (tmp_path / 'run').exists()
+def _launch_process(i: int, coordinator: str, workdir, steps: int) -> subprocess.Popen:
+  """Process `i` of 2 of `launch.py` (2 CPU devices) training the small model with the host
+  placement: the command a user runs on each machine."""
+  fields = {**SMALL_MODEL, 'data__path': TRAIN_DATA, 'train__steps': steps,
+            'train__batch_size': 4, 'train__seq_len': 64, 'train__log_every': 1,
+            'train__eval_every': 0, 'train__progress_bar': False, 'checkpoint__every': 2,
+            'offload__params': 'host', 'offload__opt_state': 'host', 'jax_cache_dir': JAX_CACHE_DIR}
+  args = [f'--config.{key.replace("__", ".")}={value}' for key, value in fields.items()]
+  env = dict(ENV, XLA_FLAGS='--xla_force_host_platform_device_count=2', PYTHONUNBUFFERED='1')
+  return subprocess.Popen(
+      [sys.executable, str(REPO_ROOT / 'launch.py'), '--config', 'tiny', f'--workdir={workdir}',
+       f'--coordinator_address={coordinator}', '--num_processes=2', f'--process_id={i}', *args],
+      cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_negative_parallel_devices_is_refused(tmp_path):
-  with pytest.raises(ConfigError, match=r'parallel\.devices: must be an integer >= 0'):
-    train.train_and_evaluate(config_with(parallel__devices=-1), str(tmp_path / 'run'))
-  assert not (tmp_path / 'run').exists()
-
-
-@pytest.mark.parametrize('value', [1.5, True])
-def test_parallel_devices_must_be_an_integer(value):
-  config = config_with()
-  with config.parallel.ignore_type():  # as a Python caller could set it (the CLI checks types)
-    config.parallel.devices = value
-  with pytest.raises(ConfigError, match=r'parallel\.devices: must be an integer >= 0'):
-    distributed.device_count(config)
-
-
-def test_batch_size_must_split_over_the_devices():
-  config = config_with(train__batch_size=6, parallel__devices=4)
-  with pytest.raises(ConfigError, match=r'train\.batch_size=6 does not split over 4 devices.*'
-                                        r'e\.g\. 4 or 8'):
-    distributed.device_count(config, available=4)
-  assert distributed.device_count(config_with(train__batch_size=8), available=4) == 4
+def test_killing_one_process_stops_the_other_with_a_clear_error(tmp_path):
+  """kill -9 of process 1 mid-run: process 0 exits 1 within 60 s with one `error:` line naming
+  itself, the lost process and how to resume, instead of hanging in a collective."""
+  coordinator = f'127.0.0.1:{_free_port()}'
+  processes = [_launch_process(i, coordinator, tmp_path / 'run', 400) for i in range(2)]
+  main, other = processes
+  try:
+    # Process 0's console: step 5 logged means both are training and the checkpoint of step 2
+    # is committed (the save of step 4 waited for it).
+    for line in main.stdout:
+      if line.startswith('step 5/'):
+        break
+    else:
+      pytest.fail(f'process 0 ended before training: {main.stderr.read()[-3000:]}')
+    other.kill()
+    killed = time.monotonic()
+    _, stderr = main.communicate(timeout=120)
+    elapsed = time.monotonic() - killed
+  finally:
+    for p in processes:
+      p.kill()
+  errors = [line for line in stderr.splitlines() if line.startswith('error:')]
+  assert main.returncode == 1, stderr[-3000:]
+  assert elapsed <= 60, elapsed
+  assert len(errors) == 1 and 'process 0 of 2 lost contact with the other process (1)' in errors[0]
+  assert 'rerun all 2 processes with the same command' in errors[0], errors
+  assert 'resume from the last checkpoint (step ' in errors[0], stderr[-3000:]

@@ -1,5 +1,6 @@
 """optim.apply_adamw: the same numbers as optax's AdamW (make_optimizer), step after step."""
 
+import json
 import os
 import subprocess
 import sys
@@ -33,8 +34,20 @@ def _optax_step(tx, grads, state, params):
   return optax.apply_updates(params, updates), state
 
 
+# pylint: disable=redefined-outer-name,unused-argument  (the `mof` fixture)
+@pytest.fixture(params=[False, True], ids=['mof-off', 'mof-on'])
+def mof(request, monkeypatch):
+  """Both of _adamw_leaf's formulations: the plain one, and the one written for XLA:CPU's
+  multi-output fusion (MEGATRAIN_JAX_XLA_CPU_MOF=1), whose outputs recompute m' and v' as other
+  expressions with the same IEEE result. The flag itself is process-wide, so here only the
+  formulation changes; test_apply_adamw_matches_optax_under_multi_output_fusion compiles it
+  with the flag on."""
+  monkeypatch.setattr(optim.runtime, 'multi_output_fusion', lambda: request.param)
+  return request.param
+
+
 @pytest.mark.parametrize('train', [_train(), _train(weight_decay=0.0, b2=0.999, warmup_steps=0)])
-def test_apply_adamw_matches_optax(train):
+def test_apply_adamw_matches_optax(train, mof):
   tx = optim.make_optimizer(train)
   params = _tree(jax.random.key(0))
   ref = (params, tx.init(params))
@@ -53,7 +66,7 @@ def test_apply_adamw_matches_optax(train):
 
 
 @pytest.mark.parametrize('num_micro', [1, 3])
-def test_apply_adamw_matches_the_engines_update(num_micro):
+def test_apply_adamw_matches_the_engines_update(num_micro, mof):
   """With the gradient mean and clip scale folded in, as engine/functions._host_update calls it."""
   from megatrain_jax.engine import functions  # pylint: disable=import-outside-toplevel
   tx = optim.make_optimizer(_train())
@@ -98,3 +111,48 @@ def test_apply_adamw_is_one_loop_with_multi_output_fusion():
   out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
                        check=True)
   assert out.stdout.split()[-1] == '1', out.stdout
+
+
+def test_apply_adamw_matches_optax_under_multi_output_fusion():
+  """The update as the host optimizer compiles it with MEGATRAIN_JAX_XLA_CPU_MOF=1 (one loop per
+  leaf, bench/host_adamw.py): within 1e-6 of optax's AdamW (the engines' adamw_update) for decayed
+  and non-decayed leaves, the gradient mean over microbatches and a clip scale, step after step."""
+  code = (
+      'import json, types, jax, jax.numpy as jnp, numpy as np\n'
+      'from megatrain_jax import optim, runtime\n'
+      'from megatrain_jax.engine import functions\n'
+      'assert runtime.multi_output_fusion()\n'
+      'tx = optim.make_optimizer(types.SimpleNamespace(lr=3e-3, warmup_steps=2, steps=20, '
+      'min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1))\n'
+      'k = jax.random.split(jax.random.key(0), 3)\n'
+      'params = {"embed": {"embedding": jax.random.normal(k[0], (64, 32))}, '
+      '"norm": {"scale": 1 + 0.1 * jax.random.normal(k[1], (4096,))}, '
+      '"mlp": {"kernel": jax.random.normal(k[2], (32, 128)), "bias": jnp.zeros((128,))}}\n'
+      'errors = {}\n'
+      'for num_micro, clip in ((1, False), (1, True), (3, False), (3, True)):\n'
+      '  fused = jax.jit(lambda g, s, p, c: optim.apply_adamw(tx, g, s, p, num_micro, c))\n'
+      '  plain = jax.jit(lambda g, s, p, c: functions.adamw_update(tx, g, s, p, c, num_micro))\n'
+      '  ref, new = (params, tx.init(params)), (params, tx.init(params))\n'
+      '  worst = 0.0\n'
+      '  for step in range(6):\n'
+      '    grads = jax.tree.map(lambda x: x * (0.5 + step) * 1e-2 * num_micro, params)\n'
+      '    grads = jax.tree.map(lambda g, n: g + 1e-3 * n, grads, jax.tree.map(jnp.sin, ref[0]))\n'
+      '    scale = jnp.float32(0.5 + 0.1 * step)\n'
+      '    ref = plain(grads, ref[1], ref[0], scale if clip else jnp.float32(1))\n'
+      '    new = fused(grads, new[1], new[0], scale if clip else None)\n'
+      '    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref)):\n'
+      '      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)\n'
+      '      tol = 1e-6 * np.abs(b) + 1e-7 * max(1.0, float(np.abs(b).max()))\n'
+      '      worst = max(worst, float(np.max(np.abs(a - b) / tol)))\n'
+      '  errors[f"{num_micro},{clip}"] = worst\n'
+      'text = fused.lower(params, tx.init(params), params, jnp.float32(1)).compile().as_text()\n'
+      'print(json.dumps({"errors": errors, "fusions": sum(1 for l in text.splitlines() '
+      'if " fusion(" in l and "f32[4096]" in l.split("=")[1].split("fusion(")[0])}))\n')
+  env = dict(os.environ, XLA_FLAGS='--xla_backend_extra_options=xla_cpu_use_multi_output_fusion',
+             JAX_PLATFORMS='cpu')
+  out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
+                       check=True)
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  # error / (1e-6 |optax| + 1e-7 max |optax|) <= 1: every leaf, every step, each case
+  assert all(e <= 1.0 for e in result['errors'].values()), result
+  assert result['fusions'] == 1, result  # the 4096-element norm scale: one loop, three outputs

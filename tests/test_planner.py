@@ -73,6 +73,12 @@ TRAFFIC_CASES = [
     dict(params='host', opt_state='host', embed_head='host', shard_mb=0.004),
     dict(params='nvme', opt_state='nvme', embed_head='nvme', layers_per_group=2, shard_mb=0.004),
     dict(params='host', opt_state='nvme', embed_head='nvme', optimizer_on='host', shard_mb=0.004),
+    # Every layer's input kept (offload.keep_layer_inputs) and stashed on the host: K per group,
+    # the last group of K = 3 holding one.
+    dict(params='host', opt_state='host', activations='host', layers_per_group=2,
+         keep_layer_inputs=True),
+    dict(params='host', opt_state='host', activations='host', layers_per_group=3,
+         keep_layer_inputs=True),
 ]
 
 

@@ -34,6 +34,25 @@ def test_streamed_matches_resident(layers_per_group, num_micro, grad_clip, optim
   assert_states_match(state, want_state)
 
 
+@pytest.mark.parametrize('layers_per_group, num_micro, activations, optimizer_on', [
+    (2, 1, 'device', 'device'),
+    (2, 4, 'host', 'device'),
+    (3, 4, 'device', 'host'),  # groups of 3 and 1
+    (3, 1, 'host', 'device'),
+])
+def test_kept_layer_inputs_match_resident(layers_per_group, num_micro, activations, optimizer_on):
+  """offload.keep_layer_inputs: the backward from every layer's saved input (each layer
+  recomputed once, remat off) gives the resident engine's numbers, whatever the activations'
+  tier."""
+  want_losses, want_state = resident_run(num_micro, 1.0)
+  engine, losses, state = streamed_run(num_micro, 1.0, layers_per_group=layers_per_group,
+                                       activations=activations, optimizer_on=optimizer_on,
+                                       keep_layer_inputs=True)
+  assert engine.placement.keeps_layer_inputs
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+  assert_states_match(state, want_state)
+
+
 @pytest.mark.parametrize('placement', [
     dict(params='device', opt_state='host'),
     dict(params='host', opt_state='device'),
@@ -113,6 +132,8 @@ def test_streamed_eval_matches_resident():
     ('layers_per_group', 9, 'offload.layers_per_group=9 must be between 1 and model.num_layers=4'),
     ('optimizer_on', 'host', 'needs offload.params and offload.opt_state off the device'),
     ('optimizer_on', 'tpu', 'offload.optimizer_on'),
+    ('keep_layer_inputs', 'yes', "offload.keep_layer_inputs='yes': use true"),
+    ('keep_layer_inputs', 'auto', 'or auto (in a config, for the planner)'),
 ])
 def test_bad_placements(field, value, message):
   with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace(')', r'\)')):

@@ -1,15 +1,19 @@
 """End to end on the CPU: training on real text lowers the validation loss; metrics are written;
 a stopped run resumes to bitwise-identical metrics; a diverging run stops with a clear error."""
 
+import dataclasses
 import json
 import math
 
 import pytest
 
+from megatrain_jax import hardware
 from megatrain_jax import metrics
 from megatrain_jax import train
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.errors import ConfigError, TrainingDivergedError
+from megatrain_jax.layout import Layout
+from megatrain_jax.model import ModelConfig
 
 from helpers import read_rows, run_until_crash, small_config
 
@@ -110,3 +114,63 @@ def test_diverging_loss_stops_with_the_step(tmp_path, shared_data):
   with pytest.raises(TrainingDivergedError,
                      match=r'at step \d+: training diverged. No checkpoint was written yet.*train.lr'):
     train.train_and_evaluate(config, str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------------
+# The console, as a newcomer reads it.
+# ------------------------------------------------------------------------------------------------
+
+def test_console_names_the_workdir_and_a_rerun_has_nothing_to_do(tmp_path, shared_data, capsys):
+  """The first lines name the workdir and what goes there (each named output is there after the
+  run); a CPU run (here with a calibrated profile: no datasheet peak) shows no MFU; a rerun of the
+  finished run says so and writes nothing."""
+  profile = dataclasses.replace(hardware.PRESETS['cpu'], name='calibrated-cpu',
+                                source='calibrated on a test machine')
+  hardware.save_profile(profile, tmp_path / 'profile.json')
+  workdir = tmp_path / 'run'
+  config = small_config(shared_data / 'tinyshakespeare' / 'input.txt', train__steps=2,
+                        checkpoint__every=0, hardware=str(tmp_path / 'profile.json'))
+  train.train_and_evaluate(config, str(workdir))
+  out = capsys.readouterr().out
+  lines = out.splitlines()
+  assert lines[0] == f'workdir: {workdir} (rerun the same command to resume; docs/outputs.md)'
+  for name in ('metrics.jsonl', 'tensorboard/', 'checkpoints/', 'config.json', 'data/'):
+    assert name in lines[1] and (workdir / name).exists(), (name, lines[1])
+  assert 'step 2/2 | loss' in out and 'mfu' not in out
+  rows = read_rows(workdir)
+  assert all('perf/mfu' not in r for r in rows)
+  assert [r['step'] for r in rows if r.get('perf/tflops', 0) > 0] == [1, 2]
+
+  written = {p: p.stat().st_mtime_ns for p in workdir.rglob('*') if p.is_file()}
+  assert train.train_and_evaluate(config, str(workdir)) == {}
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].startswith('workdir: ')
+  assert lines[2:] == ['nothing to do: step 2 of 2; raise --config.train.steps to continue']
+  assert {p: p.stat().st_mtime_ns for p in workdir.rglob('*') if p.is_file()} == written
+
+
+@pytest.mark.parametrize('peak', [None, 0.5])
+def test_mfu_only_against_a_datasheet_peak(tmp_path, capsys, peak):
+  """`perf/mfu` (and the console's `mfu`) is a fraction of a datasheet peak, or absent."""
+  with metrics.RunLog(tmp_path, total_steps=1, start_step=0, log_every=1, tokens_per_step=100,
+                      flops_per_step=1e12, peak_tflops=peak, predicted_step_time_s=1.0,
+                      checkpointer=None, progress_bar=False) as log:
+    log.record(1, log.timed_step(1, lambda batch: {'learning/loss': 2.0}, None))
+  row, = read_rows(tmp_path)
+  out = capsys.readouterr().out
+  if peak is None:
+    assert 'perf/mfu' not in row and 'mfu' not in out and row['perf/tflops'] > 0
+  else:
+    assert row['perf/mfu'] == pytest.approx(row['perf/tflops'] / peak)
+    assert f'mfu {100 * row["perf/mfu"]:.1f}%' in out
+
+
+def test_mfu_peak_is_the_datasheet_peak_of_the_run_devices(monkeypatch):
+  """On the CPU there is none (the profile's measured rate is no peak); on a known accelerator,
+  its datasheet figure for the run's precision."""
+  cfg = ModelConfig(vocab_size=97, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, d_ff=48,
+                    max_seq_len=64)
+  assert train._mfu_peak_tflops(cfg, Layout.single_device()) is None
+  monkeypatch.setattr(hardware, 'datasheet_peak_tflops',
+                      lambda kind, dtype, precision: {'float32': 67.0}[dtype])
+  assert train._mfu_peak_tflops(cfg, Layout.single_device()) == 67.0

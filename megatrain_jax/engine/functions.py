@@ -31,6 +31,7 @@ from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax.layout import Layout
 from megatrain_jax.model import ModelConfig
+from megatrain_jax.model import decoder
 from megatrain_jax.model import head_chunks
 
 
@@ -75,10 +76,11 @@ def adamw_update(tx, grad_sum, opt_state, params, scale, num_micro: int):
   return optax.apply_updates(params, updates), opt_state
 
 
-def _sharded_outputs(fn, state=(), batch=()):
+def _sharded_outputs(fn, state=(), batch=(), stacked=()):
   """`fn` with its outputs at the indices in `state` (train-state-shaped trees) held to the
-  layout's per-leaf specs and those in `batch` (activations [B, S, ...]) split along B; `fn`
-  takes the layout as its first argument. Applied inside jit: sharding constraints."""
+  layout's per-leaf specs, those in `batch` (activations [B, S, ...]) split along B and those in
+  `stacked` (per-layer activations [K, B, S, ...]) split along B too (axis 1); `fn` takes the
+  layout as its first argument. Applied inside jit: sharding constraints."""
   def constrained(layout, *args):
     out = fn(*args)
     single = not isinstance(out, tuple)
@@ -87,6 +89,8 @@ def _sharded_outputs(fn, state=(), batch=()):
       out[i] = layout.constrain(out[i])
     for i in batch:
       out[i] = layout.constrain_batch(out[i])
+    for i in stacked:
+      out[i] = jax.lax.with_sharding_constraint(out[i], layout.split_along(1, 'device'))
     return out[0] if single else tuple(out)
   return constrained
 
@@ -112,11 +116,20 @@ class StageFunctions:
     self.group_forward = jax.jit(on(
         lambda group, x, positions: model_lib.apply_group(cfg, group['layers'], x, positions),
         batch=[0]))
+    # offload.keep_layer_inputs (K > 1): the forward also returns the K layer inputs [K, B, S, D]
+    # for the backward, which then recomputes each layer once (not the whole group first).
+    self.group_forward_keeping_inputs = jax.jit(on(
+        lambda group, x, positions: decoder.apply_group_keeping_inputs(cfg, group['layers'], x,
+                                                                       positions),
+        batch=[0], stacked=[1]))
     self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg))
     self.final_norm_backward = jax.jit(on(functools.partial(_final_norm_backward, cfg),
                                           state=[0], batch=[1]))
     self.group_backward = jax.jit(on(functools.partial(_group_backward, cfg), state=[0],
                                      batch=[1]), donate_argnums=(2, 4))
+    self.group_backward_from_inputs = jax.jit(on(
+        functools.partial(_group_backward_from_inputs, cfg), state=[0], batch=[1]),
+        donate_argnums=(2, 4))
     self.zeros = jax.jit(on(lambda tree: jax.tree.map(jnp.zeros_like, tree), state=[0]))
     self.add = jax.jit(on(tree_add, state=[0]), donate_argnums=(0,))
     self.sum_of_squares = jax.jit(mean_sum_of_squares, static_argnums=1)
@@ -188,13 +201,33 @@ def _group_backward(cfg, group_params, x, dy, positions, grad_sum):
   # The vjp recomputes the group's forward from its saved input x. For a one-layer group that
   # recompute *is* the layer checkpoint, so per-layer remat would run the layer's forward a
   # third time for nothing: keep its residuals instead (forward runs 2x per step, as in the
-  # resident engine). Larger groups apply model.remat per layer to bound their memory.
+  # resident engine). Larger groups apply model.remat per layer to bound their memory (a third
+  # forward per layer; offload.keep_layer_inputs avoids it: _group_backward_from_inputs).
   layers = jax.tree.leaves(group_params)[0].shape[0]
   layer_cfg = cfg.replace(remat='none') if layers == 1 else cfg
   _, vjp = jax.vjp(
       lambda p, h: model_lib.apply_group(layer_cfg, p['layers'], h, positions), group_params, x)
   d_params, dx = vjp(dy)
   return tree_add(grad_sum, d_params), dx
+
+
+def _group_backward_from_inputs(cfg, group_params, inputs, dy, positions, grad_sum):
+  """`_group_backward` from every layer's saved input (inputs [K, B, S, D], from
+  decoder.apply_group_keeping_inputs): a reverse scan over (layer params, layer input, the
+  layer's slice of grad_sum) carrying dy [B, S, D]. Each step is the vjp of one layer, whose
+  recompute from its input is the layer checkpoint (remat off): each layer's forward runs twice
+  per step, as with K = 1, instead of three times. Returns (grad_sum, dx)."""
+  layer_cfg = cfg.replace(remat='none')
+
+  def layer_backward(d_out, xs):
+    layer_params, x, grad = xs  # one layer's slice: leaves [...], x [B, S, D]
+    _, vjp = jax.vjp(lambda p, h: model_lib.apply_layer(layer_cfg, p['layers'], h, positions),
+                     layer_params, x)
+    d_params, dx = vjp(d_out)
+    return dx, tree_add(grad, d_params)
+
+  dx, grad_sum = jax.lax.scan(layer_backward, dy, (group_params, inputs, grad_sum), reverse=True)
+  return grad_sum, dx
 
 
 def _host_update(tx, grad_sum, opt_state, params, scale, num_micro):

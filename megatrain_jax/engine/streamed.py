@@ -2,8 +2,9 @@
 
 Layer groups' params and Adam state live in stores (tiers/: device, pinned host RAM or NVMe); the
 embedding, final norm and LM head are pieces of their own in the embed_head tier. The device holds
-at most prefetch_depth + 1 groups' weights at a time, the group-boundary activations (unless
-offload.activations=host) and the outer pieces while they run.
+at most prefetch_depth + 1 groups' weights at a time, the group-boundary activations (every
+layer's input with offload.keep_layer_inputs; unless offload.activations=host) and the outer
+pieces while they run.
 
 `train_step` runs the stages of schedule.py, in order, each a method below:
 
@@ -38,7 +39,7 @@ from megatrain_jax.checkpoint import LeafLayout, Parts, array_parts
 from megatrain_jax.engine.functions import StageFunctions, step_inputs
 from megatrain_jax.engine.updates import (PieceStores, PieceUpdater, piece_bands, update_parked,
                                           update_policy)
-from megatrain_jax.layout import Layout
+from megatrain_jax.layout import Layout, replicated_value, spread
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.placement import Placement
 from megatrain_jax.prefetch import Prefetcher
@@ -230,7 +231,7 @@ class StreamedEngine:
         prefix = f"['{part}']"
         if isinstance(store, NvmeStore):  # split leaves: linked by the checkpointer, not read
           disk.update({prefix + p: d for p, d in store.array_dirs().items()})
-          small.update({prefix + p: np.array(x, copy=True)
+          small.update({prefix + p: replicated_value(x)
                         for p, x in store.small_leaves(0).items()})
           continue
         in_memory.append((kind, store, prefix))
@@ -238,7 +239,8 @@ class StreamedEngine:
         for path, x in partition.by_path(store.get(0), prefix).items():
           axis = partition.split_axis(path)
           if axis is None:  # step counts sit at the same path in every piece: all equal
-            small[path] = np.array(x, copy=True)
+            # (and the final norm's scale, the one piece of its kind: split over the devices)
+            small[path] = x if spread(x) else np.array(x, copy=True)
           else:  # [.., extent, ..] in files of one store piece each
             shape = x.shape[:axis] + (extent,) + x.shape[axis + 1:]
             leaves[path] = LeafLayout(shape, np.dtype(x.dtype), axis, first[1] - first[0])
@@ -347,13 +349,22 @@ class StreamedEngine:
 
   def _forward(self, hidden: list, positions, keep_inputs: bool):
     """Stage 'forward': every group in order, each fetched once (the next ones already in
-    flight). Returns (output hidden, each group's inputs if `keep_inputs`, seconds stalled)."""
+    flight). Returns (output hidden, what the backward needs per group and microbatch if
+    `keep_inputs`, seconds stalled): the group's input [B, S, D], or with
+    offload.keep_layer_inputs (K > 1) its layers' inputs [K, B, S, D]."""
     saved = []
+    layer_inputs = keep_inputs and self.placement.keeps_layer_inputs
     groups = Prefetcher(self.params.fetch, range(len(self.slices)), self.placement.prefetch_depth)
     for _, group_params in groups:
-      if keep_inputs:
-        saved.append([self._stash(h) for h in hidden])
-      hidden = [self.fn.group_forward(group_params, h, positions) for h in hidden]
+      if layer_inputs:
+        outputs = [self.fn.group_forward_keeping_inputs(group_params, h, positions)
+                   for h in hidden]
+        saved.append([self._stash(inputs) for _, inputs in outputs])
+        hidden = [y for y, _ in outputs]
+      else:
+        if keep_inputs:
+          saved.append([self._stash(h) for h in hidden])
+        hidden = [self.fn.group_forward(group_params, h, positions) for h in hidden]
       faults.point('forward')
       jax.block_until_ready(hidden)
     return hidden, saved, groups.wait_s
@@ -404,11 +415,15 @@ class StreamedEngine:
     to the update policy as soon as its backward is done. Returns [d embed output]."""
     groups = Prefetcher(self.params.fetch, reversed(range(len(self.slices))),
                         self.placement.prefetch_depth)
+    # From the layers' saved inputs (each layer recomputed once), or from the group's (the group
+    # recomputed, then each layer again inside its remat): see engine/functions.py.
+    group_backward = (self.fn.group_backward_from_inputs if self.placement.keeps_layer_inputs
+                      else self.fn.group_backward)
     for g, group_params in groups:
       grad_sum = self.fn.zeros(group_params)
       for m in range(step.num_micro):
-        grad_sum, dys[m] = self.fn.group_backward(group_params, self._unstash(saved[g][m]),
-                                                  dys[m], step.positions, grad_sum)
+        grad_sum, dys[m] = group_backward(group_params, self._unstash(saved[g][m]), dys[m],
+                                          step.positions, grad_sum)
       saved[g] = None
       faults.point('backward')
       step.squares.append(self.fn.sum_of_squares(grad_sum, step.num_micro))
@@ -450,16 +465,23 @@ class StreamedEngine:
   # --------------------------------------------------------------------------------------------
 
   def _stash(self, x):
+    """A saved activation ([B, S, D], or [K, B, S, D] layer inputs) to its tier."""
     if self.placement.activations != 'host':
       return x
     self.stats.add(d2h_bytes=x.nbytes)
-    return self.layout.put_activation(x, 'pinned_host')
+    return self._put_activation(x, 'pinned_host')
 
   def _unstash(self, x):
     if self.placement.activations != 'host':
       return x
     self.stats.add(h2d_bytes=x.nbytes)
-    return self.layout.put_activation(x, 'device')
+    return self._put_activation(x, 'device')
+
+  def _put_activation(self, x, memory_kind: str):
+    """x [..., B, S, D] to `memory_kind`, still split along B (axis 1 of stacked layer inputs)."""
+    if x.ndim == 3:
+      return self.layout.put_activation(x, memory_kind)
+    return jax.device_put(x, self.layout.split_along(x.ndim - 3, memory_kind))
 
   def _metrics(self, step: _Step, loss, grad_norm) -> dict:
     finished = time.perf_counter()

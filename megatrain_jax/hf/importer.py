@@ -247,7 +247,7 @@ class HfReader:
 
     def leaf(key_path, abstract):
       path = jax.tree_util.keystr(key_path)
-      sharding = layout.sharding(memory_kind, tuple(abstract.shape))
+      sharding = layout.sharding(memory_kind, tuple(abstract.shape), path)
       if path in self._tensors or path == "['rng']":
         return jax.device_put(self.read(path), sharding)
       return jnp.zeros(abstract.shape, abstract.dtype, device=sharding)

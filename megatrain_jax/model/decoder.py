@@ -14,7 +14,8 @@ Params (all float32; L = num_layers; every leaf under 'layers' has a leading lay
      'head':   {'final_norm': {'scale': [D]}, 'lm_head': {'kernel': [D, V]}}}  # no lm_head if tied
 
 The model is cut into stages so that a streaming engine can run it from weights that arrive one
-piece at a time: `embed` -> `apply_group` over consecutive K-slices of 'layers' -> `final_norm` ->
+piece at a time: `embed` -> `apply_group` over consecutive K-slices of 'layers' (or
+`apply_group_keeping_inputs`, which also returns each layer's input) -> `final_norm` ->
 `logits`/`logits_loss` (`head` and `head_loss` chain the last two). `forward` and `loss_fn` chain them over the whole stack (the resident path).
 
 `logits_loss` (and so `head_loss` and `loss_fn`, i.e. every engine's training and eval loss) runs
@@ -174,6 +175,24 @@ def apply_group(cfg: ModelConfig, group_params, x, positions):
   for i in range(num):
     x = layer(jax.tree.map(lambda a, i=i: a[i], group_params), x, positions)
   return x
+
+
+def apply_group_keeping_inputs(cfg: ModelConfig, group_params, x, positions):
+  """`apply_group` that also returns every layer's input: [B, S, D] -> ([B, S, D] output,
+  [K, B, S, D] inputs, inputs[i] the input of layer i; inputs[0] = x).
+
+  For a forward whose backward starts from the saved layer inputs (engine/functions.py) rather
+  than recomputing the group to find them. Not differentiated, so no remat: the same layer math
+  as `apply_group`, layer after layer.
+  """
+  layer = functools.partial(apply_layer, cfg)
+  if cfg.scan_layers:
+    return jax.lax.scan(lambda h, p: (layer(p, h, positions), h), x, group_params)
+  inputs = []
+  for i in range(jax.tree.leaves(group_params)[0].shape[0]):
+    inputs.append(x)
+    x = layer(jax.tree.map(lambda a, i=i: a[i], group_params), x, positions)
+  return x, jnp.stack(inputs)
 
 
 def head(cfg: ModelConfig, params, x):

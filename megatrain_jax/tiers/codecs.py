@@ -49,15 +49,18 @@ def inner_chunk_shape(layer_shape: tuple[int, ...], shard_mb: float, itemsize: i
 
 def array_spec(path: str, shape: tuple[int, ...], *, codec: str = 'none', level: int = 1,
                shard_mb: float = 512, dtype: str = 'float32', axis: int = 0,
-               chunk: int = 1) -> dict:
+               chunk: int = 1, parts: tuple[int, int] | None = None) -> dict:
   """TensorStore spec of a leaf split along `axis` into files of `chunk` indices: a stacked layer
   leaf [L, *layer_shape] one layer per file (axis 0, chunk 1), or a vocabulary leaf ([V, D]
-  embedding on axis 0, [D, V] head kernel on axis 1) one vocabulary chunk per file."""
+  embedding on axis 0, [D, V] head kernel on axis 1) one vocabulary chunk per file. `parts`
+  (split axis, N): each of those files is further cut into N equal parts along the split axis,
+  one per device shard (layout.py), so that each process writes files of its own only."""
+  outer = [chunk if d == axis else n for d, n in enumerate(shape)]
+  if parts is not None:
+    outer[parts[0]] = shape[parts[0]] // parts[1]
   if axis == 0 and chunk == 1:
-    outer = [1, *shape[1:]]
-    inner = inner_chunk_shape(tuple(shape[1:]), shard_mb)
+    inner = inner_chunk_shape(tuple(outer[1:]), shard_mb)
   else:  # a vocabulary chunk is sized to shard_mb already: one inner chunk per file
-    outer = [chunk if d == axis else n for d, n in enumerate(shape)]
     inner = outer
   return {
       'driver': 'zarr3',
@@ -82,7 +85,10 @@ def array_spec(path: str, shape: tuple[int, ...], *, codec: str = 'none', level:
   }
 
 
-def chunk_file(path: str, layer: int, ndim: int, axis: int = 0) -> str:
+def chunk_file(path: str, layer: int, ndim: int, axis: int = 0,
+               part: tuple[int, int] | None = None) -> str:
   """The file holding chunk `layer` along `axis` of the array at `path` (zarr3 default chunk key
-  encoding): a layer of a stacked leaf, or a vocabulary chunk."""
-  return '/'.join([path, 'c'] + [str(layer) if d == axis else '0' for d in range(ndim)])
+  encoding): a layer of a stacked leaf, or a vocabulary chunk; `part` (split axis, index): its
+  part of an `array_spec(parts=...)` array."""
+  index = lambda d: layer if d == axis else part[1] if part is not None and d == part[0] else 0
+  return '/'.join([path, 'c'] + [str(index(d)) for d in range(ndim)])

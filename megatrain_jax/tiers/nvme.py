@@ -15,6 +15,13 @@ by default leaves whose tree path goes through 'layers' ([num_layers, ...], one 
 g = layers slices[g]); vocabulary stores split the embedding [V, D] on axis 0 and the head kernel
 [D, V] on axis 1 (key c = vocabulary rows slices[c], one file per chunk). Other leaves (optax step
 counts) are small and kept in memory.
+
+On several devices each of those files is cut into one part per device shard (the layout splits
+every piece of a leaf along the same axis into the same widths: layout.py). With several
+processes, each process has a store directory of its own (offload.dir is a local disk of its
+machine) and writes only the parts of its own shards (`Layout.owned_boxes`) and reads only its
+own devices' slab (`Layout.local_box`), which it hands out as a global jax.Array: a process's
+disk and host traffic is 1/P of the state's.
 """
 
 import concurrent.futures
@@ -28,9 +35,10 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from megatrain_jax import distributed
 from megatrain_jax.fs import (aligned_empty, human_bytes, is_disk_full, leaf_name, link_tree,
                               nearest_existing)
-from megatrain_jax.layout import Layout
+from megatrain_jax.layout import Layout, host_part, replicated_value, slices, spread
 from megatrain_jax.partition import LAYERS
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.tiers import codecs
@@ -49,7 +57,8 @@ class NvmeStore(Store):
     self._axis_of = axis_of or layer_axis
     # One file per layer; a vocabulary store one per chunk (all chunks but the last are equal).
     self._file_rows = 1 if axis_of is None else slices[0][1] - slices[0][0]
-    self.directory = pathlib.Path(directory) / name
+    self._processes = jax.process_count()
+    self.directory = distributed.process_dir(directory) / name  # several: its own shards
     if self.directory.exists():  # the live store is never trusted across runs: resume = reload
       shutil.rmtree(self.directory)
     self.directory.mkdir(parents=True)
@@ -81,7 +90,8 @@ class NvmeStore(Store):
       axis = self._axis_of(path)
       shape = (*piece_shape[:axis], self.num_layers, *piece_shape[axis:])
       spec = codecs.array_spec(str(self.directory / leaf_name(path)), shape, axis=axis,
-                               chunk=self._file_rows, **self._codec)
+                               chunk=self._file_rows, parts=self.layout.parts(shape, path),
+                               **self._codec)
       self._arrays[path] = ts.open(spec, create=True, delete_existing=True,
                                    context=self._context).result()
     return self._arrays[path]
@@ -126,15 +136,18 @@ class NvmeStore(Store):
     with self._write_timer:
       try:
         for path, leaf in zip(paths, leaves):
-          host = np.asarray(leaf)  # waits for the update that produced it
           axis = self._axis_of(path)
           if axis is None:
-            small[path] = host
+            small[path] = replicated_value(leaf)  # waits for the update that produced it
             continue
-          array = self._array(path, host.shape[:axis] + host.shape[axis + 1:])
-          writes.append(array[_index(axis, start, stop)].write(host))
-          nbytes += host.nbytes
-          files += self._files(path, start, stop, host.ndim)
+          shape = tuple(np.shape(leaf))
+          array = self._array(path, shape[:axis] + shape[axis + 1:])
+          for box in self._boxes_to_write(shape, path):
+            host = host_part(leaf, box)  # waits for the update that produced it
+            box = tuple((start, stop) if d == axis else b for d, b in enumerate(box))
+            writes.append(array[slices(box)].write(host))
+            nbytes += host.nbytes
+            files += self._files(path, box, len(shape))
         for write in writes:
           write.result()
       except Exception as error:  # pylint: disable=broad-except  (ENOSPC arrives as ValueError)
@@ -150,6 +163,13 @@ class NvmeStore(Store):
             'then rerun with the same --workdir to resume from it.') from error
     self._small.setdefault(key, {}).update(small)
     self.stats.add(write_bytes=nbytes, stored_bytes=sum(os.path.getsize(f) for f in files))
+
+  def _boxes_to_write(self, shape: tuple, path: str) -> list[tuple]:
+    """The boxes of a piece leaf of `shape` this process writes: the whole leaf with one process,
+    its own shards' with several."""
+    if self._processes == 1:
+      return [tuple((0, n) for n in shape)]
+    return self.layout.owned_boxes(shape, path)
 
   def _raise_failed(self, future) -> None:
     if future is not None and future.done() and future.exception() is not None:
@@ -168,17 +188,27 @@ class NvmeStore(Store):
 
   # --- reading ---------------------------------------------------------------------------------
 
-  def _read(self, key, keep=None):
+  def _read(self, key, keep=None, memory_kind: str = 'pinned_host'):
     """Key's tree as host arrays; with `keep` (a set of leaf paths) only those leaves, None for
-    the others."""
+    the others. With several processes, this process's slab of each disk leaf, handed out as the
+    global jax.Array in `memory_kind`."""
     treedef, paths = self._structure[key]
     wanted = [p for p in paths if keep is None or p in keep]
     self._wait_written(key, wanted)
     start, stop = self.slices[key]
     small = self._small[key]
     with self._read_timer:
-      reads = {p: _read_aligned(self._arrays[p][_index(self._axis_of(p), start, stop)])
-               for p in wanted if self._axis_of(p) is not None}
+      reads, shapes = {}, {}
+      for p in wanted:
+        axis = self._axis_of(p)
+        if axis is None:
+          continue
+        array = self._arrays[p]
+        shapes[p] = tuple(stop - start if d == axis else n for d, n in enumerate(array.shape))
+        box = (self.layout.local_box(shapes[p], p) if self._processes > 1
+               else tuple((0, n) for n in shapes[p]))
+        box = tuple((start, stop) if d == axis else b for d, b in enumerate(box))
+        reads[p] = _read_aligned(array[slices(box)])
       leaves = []
       for path in paths:
         if path in reads:
@@ -186,6 +216,9 @@ class NvmeStore(Store):
         else:
           leaves.append(small[path] if path in wanted else None)
     self.stats.add(read_bytes=sum(x.nbytes for p, x in zip(paths, leaves) if p in reads))
+    if self._processes > 1:
+      leaves = [self.layout.from_local(x, shapes[p], p, memory_kind) if p in reads else x
+                for p, x in zip(paths, leaves)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
   def _result(self, path, read, start, stop) -> np.ndarray:
@@ -199,7 +232,9 @@ class NvmeStore(Store):
         try:
           array[_index(axis, first, min(first + self._file_rows, stop))].read().result()
         except ValueError as file_error:
-          file = self._files(path, first, first + 1, array.ndim)[0]
+          box = tuple((first, first + 1) if d == axis else (0, n)
+                      for d, n in enumerate(array.shape))
+          file = self._files(path, box, array.ndim)[0]
           what = f'layer {first}' if self._file_rows == 1 else f'rows from {first}'
           raise StoreCorruptionError(
               f'NVMe store {self.name!r}: array {leaf_name(path)} {what} in file {file} '
@@ -219,8 +254,8 @@ class NvmeStore(Store):
     self.stats.count_fetch(self.name, key)
 
     def read_to_device():
-      tree = self._read(key)
-      self.stats.add(h2d_bytes=sum(x.nbytes for x in jax.tree.leaves(tree)))
+      tree = self._read(key, memory_kind='device')
+      self.stats.add(h2d_bytes=sum(_local_nbytes(x) for x in jax.tree.leaves(tree)))
       return self.layout.put(tree, 'device')
 
     return self._readers.submit(read_to_device)
@@ -267,11 +302,23 @@ class NvmeStore(Store):
     self._wait_written(key, self._structure[key][1])
     return dict(self._small[key])
 
-  def _files(self, path: str, start: int, stop: int, ndim: int) -> list[str]:
-    """The chunk files holding indices [start, stop) of leaf `path`."""
+  def _files(self, path: str, box: tuple, ndim: int) -> list[str]:
+    """The chunk files holding `box` ((start, stop) per axis) of the array of leaf `path`."""
+    array, axis = self._arrays[path], self._axis_of(path)
+    start, stop = box[axis]
+    parts = self.layout.parts(tuple(array.shape), path)
+    width = array.shape[parts[0]] // parts[1] if parts else 1
+    part_range = range(box[parts[0]][0] // width, -(-box[parts[0]][1] // width)) if parts else [0]
     return [codecs.chunk_file(str(self.directory / leaf_name(path)), i // self._file_rows, ndim,
-                              self._axis_of(path))
-            for i in range(start, stop, self._file_rows)]
+                              axis, (parts[0], j) if parts else None)
+            for i in range(start, stop, self._file_rows) for j in part_range]
+
+
+def _local_nbytes(x) -> int:
+  """Bytes of `x` this process holds (a global jax.Array: its addressable shards)."""
+  if spread(x):
+    return sum(s.data.nbytes for s in x.addressable_shards)
+  return x.nbytes
 
 
 def _read_aligned(view: ts.TensorStore):
