@@ -324,12 +324,14 @@ def external_kill(rng: random.Random, start: int, train_seconds: float) -> dict:
   """launch() arguments for a kill at a random time within the training of a run resumed at
   `start`, tied to its progress rather than to the clock alone (a loaded machine makes one run
   slower than another): a random fraction of a step (the uninterrupted run's `train_seconds` /
-  STEPS) after it logs a step drawn from those it trains but the last, so there is always
-  training left to interrupt; a run with one step left, that fraction after its loop starts."""
+  STEPS) after it logs a step drawn from those it trains but the last two, so there is always
+  training left to interrupt (one step left was not always enough: the last step of a run can be
+  shorter than that fraction of the average); a run with two steps or fewer left, that fraction
+  after its loop starts."""
   delay = rng.uniform(0.0, 0.5 * train_seconds / STEPS)
-  if start + 1 >= STEPS:
+  if start + 2 >= STEPS:
     return dict(kill_after_s=delay)
-  return dict(kill_at_step=(rng.randint(start + 1, STEPS - 1), delay))
+  return dict(kill_at_step=(rng.randint(start + 1, STEPS - 2), delay))
 
 
 def run_killed(workdir, placement: str, kind: str, rng: random.Random, start: int,
@@ -355,6 +357,9 @@ def kill_once(workdir, placement: str, kind: str, rng: random.Random, reference:
   `run_killed` draws it, or at the fault point `fault` ('phase:n') when given."""
   fields = placement_fields(placement)
   start = latest_checkpoint(workdir, fields)
+  if start >= STEPS:  # an earlier kill of the chain missed: its run finished
+    raise AssertionError(f'{workdir}: the run is finished (checkpoint of step {start}): the kill '
+                         f'before this {kind!r} one did not land while it trained')
   if fault:
     run = launch(workdir, fields, fault=fault)
   else:
