@@ -290,10 +290,10 @@ def _write_arrays(directory: pathlib.Path, parts: Parts, entries: dict,
   for path, start, stop, piece in parts.pieces:
     leaf = _check_piece(parts.leaves, covered, path, start, stop)
     want = tuple(stop - start if d == leaf.axis else n for d, n in enumerate(leaf.stored_shape))
-    boxes = ([tuple((0, n) for n in want)] if processes == 1 or not leaf.shape
+    # Several processes: each its own shards' boxes (a replicated leaf, 0-d ones stored as [1]
+    # included: process 0's).
+    boxes = ([tuple((0, n) for n in want)] if processes == 1
              else layout.owned_boxes(want, path))
-    if processes > 1 and not leaf.shape and not distributed.is_main():
-      boxes = []  # a 0-d leaf: the same in every process, written by process 0
     for box in boxes:
       host = host_part(piece, box)  # a device piece crosses to host here; nothing else does
       shape = tuple(b - a for a, b in box)

@@ -93,6 +93,15 @@ def test_apply_adamw_falls_back_to_optax_for_other_transformations():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _run_with_multi_output_fusion(code: str) -> str:
+  """stdout of `code` run by a fresh CPU process with XLA:CPU's multi-output fusion on (an XLA
+  flag is read once, when the backend starts)."""
+  env = dict(os.environ, XLA_FLAGS='--xla_backend_extra_options=xla_cpu_use_multi_output_fusion',
+             JAX_PLATFORMS='cpu')
+  return subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
+                        check=True).stdout
+
+
 def test_apply_adamw_is_one_loop_with_multi_output_fusion():
   """With XLA:CPU's multi-output fusion (runtime.py turns it on) a leaf's update compiles to one
   fusion with three outputs: p, g, m, v read once (optax's update compiles to more)."""
@@ -106,11 +115,8 @@ def test_apply_adamw_is_one_loop_with_multi_output_fusion():
       'text = f.lower(p, tx.init(p), p).compile().as_text()\n'
       'print(sum(1 for l in text.splitlines() if " fusion(" in l and "f32[65536]" in l.split("=")[1]'
       '.split("fusion(")[0]))\n')
-  env = dict(os.environ, XLA_FLAGS='--xla_backend_extra_options=xla_cpu_use_multi_output_fusion',
-             JAX_PLATFORMS='cpu')
-  out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
-                       check=True)
-  assert out.stdout.split()[-1] == '1', out.stdout
+  out = _run_with_multi_output_fusion(code)
+  assert out.split()[-1] == '1', out
 
 
 def test_apply_adamw_matches_optax_under_multi_output_fusion():
@@ -148,11 +154,7 @@ def test_apply_adamw_matches_optax_under_multi_output_fusion():
       'text = fused.lower(params, tx.init(params), params, jnp.float32(1)).compile().as_text()\n'
       'print(json.dumps({"errors": errors, "fusions": sum(1 for l in text.splitlines() '
       'if " fusion(" in l and "f32[4096]" in l.split("=")[1].split("fusion(")[0])}))\n')
-  env = dict(os.environ, XLA_FLAGS='--xla_backend_extra_options=xla_cpu_use_multi_output_fusion',
-             JAX_PLATFORMS='cpu')
-  out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
-                       check=True)
-  result = json.loads(out.stdout.strip().splitlines()[-1])
+  result = json.loads(_run_with_multi_output_fusion(code).strip().splitlines()[-1])
   # error / (1e-6 |optax| + 1e-7 max |optax|) <= 1: every leaf, every step, each case
   assert all(e <= 1.0 for e in result['errors'].values()), result
   assert result['fusions'] == 1, result  # the 4096-element norm scale: one loop, three outputs
