@@ -8,6 +8,8 @@ closest known names.
 """
 
 import difflib
+import importlib
+import importlib.resources
 import importlib.util
 import math
 import os
@@ -21,16 +23,21 @@ from megatrain_jax.fs import nearest_existing
 from megatrain_jax.model.config import ModelConfig
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS_DIR = REPO_ROOT / 'configs'
+# Where bare config names ('tiny') resolve: configs/ beside the package in a checkout (or an
+# editable install), else the copy that a wheel ships inside the package, megatrain_jax.configs
+# (pyproject.toml maps that package onto configs/).
+CONFIGS_DIR = (REPO_ROOT / 'configs' if (REPO_ROOT / 'configs' / 'default.py').is_file() else
+               pathlib.Path(importlib.resources.files('megatrain_jax') / 'configs'))
 # train.seed becomes a 32-bit signed jit argument (jax.random.key) on the default (x32) JAX.
 MAX_SEED = 2**31 - 1
 
 
 def resolve_config_path(name: str) -> pathlib.Path:
-  """'tiny', 'tiny.py' or a path -> the config file. Bare names resolve to configs/."""
+  """'tiny', 'tiny.py' or a path -> the config file. Bare names resolve to CONFIGS_DIR; a path (a
+  name with a directory part, or an existing file) stays as it is."""
   spec, sep, arg = name.partition(':')  # config_flags' "file.py:arg" syntax
   path = pathlib.Path(spec).expanduser()
-  if not path.exists() and path.parent == pathlib.Path('.'):
+  if not path.is_file() and path.parent == pathlib.Path('.'):
     for candidate in (CONFIGS_DIR / spec, CONFIGS_DIR / f'{spec}.py'):
       if candidate.is_file():
         path = candidate
@@ -46,8 +53,7 @@ def load_config(name: str = 'default', **overrides) -> ml_collections.ConfigDict
   """Loads a config by name or path (for notebooks and tests); `overrides` use dotted keys
   written with '__' for '.', e.g. `load_config('tiny', train__steps=5)`."""
   path = resolve_config_path(name)
-  if str(REPO_ROOT) not in sys.path:  # size presets do `from configs import default`
-    sys.path.insert(0, str(REPO_ROOT))
+  _make_configs_importable()
   spec = importlib.util.spec_from_file_location(f'_megatrain_config_{path.stem}', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -55,6 +61,17 @@ def load_config(name: str = 'default', **overrides) -> ml_collections.ConfigDict
   for key, value in overrides.items():
     set_field(config, key.replace('__', '.'), value)
   return config
+
+
+def _make_configs_importable() -> None:
+  """Config files import the default as the presets do, `from configs import default`. In a
+  checkout `configs` is REPO_ROOT/configs (REPO_ROOT goes on sys.path); from an installed wheel it
+  is the shipped package megatrain_jax.configs, registered under the name `configs` as well."""
+  if CONFIGS_DIR == REPO_ROOT / 'configs':
+    if str(REPO_ROOT) not in sys.path:
+      sys.path.insert(0, str(REPO_ROOT))
+  else:
+    sys.modules.setdefault('configs', importlib.import_module('megatrain_jax.configs'))
 
 
 def set_field(config: ml_collections.ConfigDict, dotted: str, value) -> None:

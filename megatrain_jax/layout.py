@@ -218,6 +218,16 @@ class Layout:
     """Inside a jitted function: an activation [B, S, ...] held split along B over 'data'."""
     return jax.lax.with_sharding_constraint(x, self.split_along(0, 'device'))
 
+  def shard_layer(self, layer_params, x):
+    """Inside a layer's body (model.apply_group's `shard_layer`): the layer's weights whole on
+    every device (GSPMD all-gathers their shards: FSDP) and its input x [B, S, D] split along B,
+    so each device runs its B/N sequences through the whole layer. Without it GSPMD is free to
+    split the layer's matmuls along the weights' sharded axis instead (tensor parallelism), which
+    all-reduces [B, S, D] activations several times per layer and runs every device on the whole
+    batch: 2.2x the 1-device step time on 4 CPU devices."""
+    return (jax.lax.with_sharding_constraint(layer_params, self.replicated()),
+            self.constrain_batch(x))
+
   def split_along(self, axis: int, memory_kind: str = 'device') -> NamedSharding:
     """Split along `axis` over 'data' (the batch axis of tokens and activations)."""
     return NamedSharding(self.mesh, PartitionSpec(*([None] * axis), MESH_AXIS),

@@ -112,12 +112,15 @@ class _Output:
   """Reads a process's output on a thread, noting when the training loop starts (the 'model:'
   line) and when the last step's console line comes."""
 
-  def __init__(self, process: subprocess.Popen, kill_at_step: tuple[int, float] | None = None):
-    """`kill_at_step` (step, seconds): SIGKILL the process that long after it logs that step."""
+  def __init__(self, process: subprocess.Popen, kill_at_step: tuple[int, float] | None = None,
+               kill_at_loop_start: bool = False):
+    """`kill_at_step` (step, seconds): SIGKILL the process that long after it logs that step;
+    `kill_at_loop_start`: SIGKILL it when its training loop starts."""
     self.lines, self.loop_start, self.last_step = [], [], []
     self.loop_started = threading.Event()
     self._process = process
     self._kill_at_step = kill_at_step
+    self._kill_at_loop_start = kill_at_loop_start
     self._thread = threading.Thread(target=self._read, daemon=True)
     self._thread.start()
 
@@ -127,6 +130,8 @@ class _Output:
       if line.startswith('model:') and not self.loop_started.is_set():
         self.loop_start.append(time.monotonic())
         self.loop_started.set()
+        if self._kill_at_loop_start:
+          self._process.kill()
       if self._kill_at_step and line.startswith(f'step {self._kill_at_step[0]}/{STEPS} '):
         faults.kill_after(self._process, self._kill_at_step[1])
       if line.startswith(f'step {STEPS}/{STEPS} '):
@@ -149,8 +154,9 @@ def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: flo
   """Runs `python launch.py --config=tiny` with `fields` as overrides in `workdir`, on the CPU.
 
   SIGKILLed at fault point `fault` ('phase:n', see megatrain_jax/faults.py), or from outside
-  `kill_after_s` seconds after the training loop starts (after the process starts with
-  `kill_from_start`), or `kill_at_step` = (step, seconds) after it logs that step. `at_loop_start()`
+  `kill_after_s` seconds after the training loop starts (with `kill_from_start`: after the process
+  starts, or when its training loop starts if that comes first, so a startup kill always lands
+  before training even when this run starts faster than the one the delay was drawn from), or `kill_at_step` = (step, seconds) after it logs that step. `at_loop_start()`
   is called once the training loop starts (to fill the disk, say). A run still going after
   `timeout` seconds is killed.
   """
@@ -163,9 +169,10 @@ def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: flo
   process = subprocess.Popen([sys.executable, str(LAUNCH_PY), '--config=tiny', *args,
                               f'--workdir={workdir}'], cwd=REPO_ROOT, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-  if kill_after_s is not None and kill_from_start:
+  startup_kill = kill_after_s is not None and kill_from_start
+  if startup_kill:
     faults.kill_after(process, kill_after_s)
-  output = _Output(process, kill_at_step)
+  output = _Output(process, kill_at_step, kill_at_loop_start=startup_kill)
   from_loop = kill_after_s is not None and not kill_from_start
   if (from_loop or at_loop_start) and output.loop_started.wait(timeout):
     if at_loop_start:
@@ -374,7 +381,14 @@ def kill_once(workdir, placement: str, kind: str, rng: random.Random, reference:
 def kill_chain(workdir, placement: str, plan: list[str], rng: random.Random,
                reference: Run) -> list[Kill]:
   """Runs one killed process per entry of `plan` in `workdir`, each resuming the last."""
-  return [kill_once(workdir, placement, kind, rng, reference) for kind in plan]
+  kills = []
+  for kind in plan:
+    if kills and latest_checkpoint(workdir, placement_fields(placement)) >= STEPS:
+      missed = kills[-1]
+      raise AssertionError(f'{workdir}: kill {len(kills)} of {plan} ({missed.fault}) did not land '
+                           f'while the run trained; it finished:\n{missed.detail}')
+    kills.append(kill_once(workdir, placement, kind, rng, reference))
+  return kills
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,6 +26,10 @@ engine on one device equals it); the others run on a Layout over all 4 devices:
                device (the reference of every trainer run), and 2 steps on 1 device resumed to 4
                on 4 devices (a checkpoint written on 1 device, read on 4)
 
+    collectives  the compiled 4-device resident step and streamed group functions (fed a
+               sequence length of ACTIVATION_SEQ, which no weight has as a dimension): the
+               shapes of their all-reduce and reduce-scatter operands
+
 For each: its losses, the error of its final state against the reference
 (helpers.assert_states_match; None when it passes) and how a large leaf is split.
 
@@ -52,6 +56,7 @@ import contextlib  # noqa: E402 (after XLA_FLAGS: jax reads it when its backend 
 import io  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -63,6 +68,7 @@ from helpers import (CFG, JAX_CACHE_DIR, STEPS, assert_states_match, initial_sta
                      make_tx, small_config)
 from megatrain_jax import distributed, train  # noqa: E402
 from megatrain_jax.engine import resident  # noqa: E402
+from megatrain_jax.engine.functions import StageFunctions  # noqa: E402
 from megatrain_jax.engine.streamed import StreamedEngine  # noqa: E402
 from megatrain_jax.errors import ConfigError  # noqa: E402
 from megatrain_jax.layout import Layout  # noqa: E402
@@ -132,6 +138,48 @@ def train_run(workdir: str, data_path: str) -> dict:
   return {'startup': started, 'loss': last.get('learning/loss'), 'eval': last.get('eval/loss')}
 
 
+ACTIVATION_SEQ = 24  # a sequence length that is no dimension of any weight of helpers.CFG
+REDUCTION = re.compile(r' = (.*?) (?:all-reduce|reduce-scatter)(?:-start)?\(')
+
+
+def reduced_shapes(compiled) -> list[str]:
+  """The result shapes (f32[2,24,32], ...) of the all-reduces and reduce-scatters in a compiled
+  program's HLO (not its all-to-alls: the embedding lookup, whose table is split along D, moves
+  its rows to the batch split with one)."""
+  return [shape for line in compiled.as_text().splitlines()
+          for types in REDUCTION.findall(line) for shape in re.findall(r'\w+\[[\d,]*\]', types)]
+
+
+def collectives(layout: Layout) -> dict:
+  """What the 4-device programs reduce over the devices, fed [M, B, S+1] = [2, 4, 25] tokens:
+  with each layer's weights gathered whole and its input split along B (Layout.shard_layer),
+  only gradients and scalars; an operand with the sequence axis (24) would be an activation,
+  i.e. GSPMD splitting the layers' matmuls across devices (tensor parallelism) instead."""
+  tx, schedule, clip = make_tx(1.0)
+  tokens = np.zeros((MICRO, BATCH, ACTIVATION_SEQ + 1), np.int32)
+  engine = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, initial_state()),
+                                   layout=layout)
+  step = engine._train_step.lower(  # pylint: disable=protected-access
+      engine.state, layout.put_batch(tokens), None)
+  fn = StageFunctions(CFG, tx, layout)
+  params = layout.put(initial_state()['params'], 'device')
+  group = {'layers': jax.tree.map(lambda a: a[:2], params['layers'])}  # K = 2 layers
+  activation = np.zeros((BATCH, ACTIVATION_SEQ, CFG.d_model), np.float32)
+  x = layout.put_activation(activation, 'device')  # [B, S, D] split along B
+  inputs = jax.device_put(np.stack([activation] * 2), layout.split_along(1))  # [K, B, S, D]
+  positions = layout.put_batch(np.zeros((BATCH, ACTIVATION_SEQ), np.int32))
+  programs = {
+      'resident step': step.compile(),
+      'group forward': fn.group_forward.lower(group, x, positions).compile(),
+      'group backward': fn.group_backward.lower(group, x, x, positions,
+                                                fn.zeros(group)).compile(),
+      'group backward from inputs': fn.group_backward_from_inputs.lower(
+          group, inputs, x, positions, fn.zeros(group)).compile(),
+  }
+  return {'sequence': ACTIVATION_SEQ,
+          'programs': {name: reduced_shapes(p) for name, p in programs.items()}}
+
+
 def bad_batch(layout: Layout) -> str:
   """The error of a batch of 6 sequences on 4 devices."""
   try:
@@ -156,7 +204,8 @@ def main(offload_dir: str, workdir: str, data_path: str) -> dict:
   assert four.num_devices == 4, jax.devices()
   started = time.perf_counter()
   ref_losses, ref_state, _ = resident_run(Layout.single_device())
-  out = {'reference': ref_losses, 'bad_batch': bad_batch(four), 'seconds': {}}
+  out = {'reference': ref_losses, 'bad_batch': bad_batch(four), 'seconds': {},
+         'collectives': collectives(four)}
   out['seconds']['reference'] = time.perf_counter() - started
   runs = {'resident': lambda: resident_run(four)}
   runs.update({name: lambda name=name, placement=placement: streamed_run(

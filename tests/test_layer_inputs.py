@@ -85,8 +85,8 @@ def test_backward_from_inputs_recomputes_each_layer_once():
   dy = jax.random.normal(jax.random.key(2), x.shape)
   zeros = jax.tree.map(np.zeros_like, params)
   _, inputs = decoder.apply_group_keeping_inputs(CFG, params['layers'], x, positions)
-  old = functools.partial(functions._group_backward, CFG)
-  new = functools.partial(functions._group_backward_from_inputs, CFG)
+  old = functools.partial(functions._group_backward, CFG, None)
+  new = functools.partial(functions._group_backward_from_inputs, CFG, None)
   first = jax.tree.map(lambda a: a[:1], params)
   layer_forward = _executed_dots(jax.make_jaxpr(
       lambda p, h: model_lib.apply_layer(CFG, p, h, positions))(

@@ -101,6 +101,8 @@ class StageFunctions:
   def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, layout: Layout):
     self.tx, self.layout = tx, layout
     on = lambda fn, **where: functools.partial(_sharded_outputs(fn, **where), layout)
+    # On N devices each layer gathers its weights whole and keeps its input split along B.
+    shard = layout.shard_layer if layout.num_devices > 1 else None
     # Vocabulary chunks: `start` (the chunk's first id) is traced, so chunks of one length share
     # one compiled function; pieces are trees at full-state paths (partition.py).
     self.embed_chunk = jax.jit(on(functools.partial(_embed_chunk, cfg), batch=[0]))
@@ -114,21 +116,22 @@ class StageFunctions:
     self.embed_chunk_backward = jax.jit(on(functools.partial(_embed_chunk_backward, cfg),
                                            state=[0]), static_argnums=0)  # the chunk's shape
     self.group_forward = jax.jit(on(
-        lambda group, x, positions: model_lib.apply_group(cfg, group['layers'], x, positions),
+        lambda group, x, positions: model_lib.apply_group(cfg, group['layers'], x, positions,
+                                                          shard),
         batch=[0]))
     # offload.keep_layer_inputs (K > 1): the forward also returns the K layer inputs [K, B, S, D]
     # for the backward, which then recomputes each layer once (not the whole group first).
     self.group_forward_keeping_inputs = jax.jit(on(
         lambda group, x, positions: decoder.apply_group_keeping_inputs(cfg, group['layers'], x,
-                                                                       positions),
+                                                                       positions, shard),
         batch=[0], stacked=[1]))
     self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg))
     self.final_norm_backward = jax.jit(on(functools.partial(_final_norm_backward, cfg),
                                           state=[0], batch=[1]))
-    self.group_backward = jax.jit(on(functools.partial(_group_backward, cfg), state=[0],
+    self.group_backward = jax.jit(on(functools.partial(_group_backward, cfg, shard), state=[0],
                                      batch=[1]), donate_argnums=(2, 4))
     self.group_backward_from_inputs = jax.jit(on(
-        functools.partial(_group_backward_from_inputs, cfg), state=[0], batch=[1]),
+        functools.partial(_group_backward_from_inputs, cfg, shard), state=[0], batch=[1]),
         donate_argnums=(2, 4))
     self.zeros = jax.jit(on(lambda tree: jax.tree.map(jnp.zeros_like, tree), state=[0]))
     self.add = jax.jit(on(tree_add, state=[0]), donate_argnums=(0,))
@@ -196,8 +199,9 @@ def _final_norm_backward(cfg, norm, x, d_normed):
   return vjp(d_normed.astype(normed.dtype))
 
 
-def _group_backward(cfg, group_params, x, dy, positions, grad_sum):
-  """Adds the group's weight gradient to grad_sum; returns (grad_sum, dx)."""
+def _group_backward(cfg, shard_layer, group_params, x, dy, positions, grad_sum):
+  """Adds the group's weight gradient to grad_sum; returns (grad_sum, dx). `shard_layer`: see
+  model.apply_group."""
   # The vjp recomputes the group's forward from its saved input x. For a one-layer group that
   # recompute *is* the layer checkpoint, so per-layer remat would run the layer's forward a
   # third time for nothing: keep its residuals instead (forward runs 2x per step, as in the
@@ -206,23 +210,24 @@ def _group_backward(cfg, group_params, x, dy, positions, grad_sum):
   layers = jax.tree.leaves(group_params)[0].shape[0]
   layer_cfg = cfg.replace(remat='none') if layers == 1 else cfg
   _, vjp = jax.vjp(
-      lambda p, h: model_lib.apply_group(layer_cfg, p['layers'], h, positions), group_params, x)
+      lambda p, h: model_lib.apply_group(layer_cfg, p['layers'], h, positions, shard_layer),
+      group_params, x)
   d_params, dx = vjp(dy)
   return tree_add(grad_sum, d_params), dx
 
 
-def _group_backward_from_inputs(cfg, group_params, inputs, dy, positions, grad_sum):
+def _group_backward_from_inputs(cfg, shard_layer, group_params, inputs, dy, positions, grad_sum):
   """`_group_backward` from every layer's saved input (inputs [K, B, S, D], from
   decoder.apply_group_keeping_inputs): a reverse scan over (layer params, layer input, the
   layer's slice of grad_sum) carrying dy [B, S, D]. Each step is the vjp of one layer, whose
   recompute from its input is the layer checkpoint (remat off): each layer's forward runs twice
   per step, as with K = 1, instead of three times. Returns (grad_sum, dx)."""
   layer_cfg = cfg.replace(remat='none')
+  layer = decoder.layer_body(layer_cfg, shard_layer)
 
   def layer_backward(d_out, xs):
     layer_params, x, grad = xs  # one layer's slice: leaves [...], x [B, S, D]
-    _, vjp = jax.vjp(lambda p, h: model_lib.apply_layer(layer_cfg, p['layers'], h, positions),
-                     layer_params, x)
+    _, vjp = jax.vjp(lambda p, h: layer(p['layers'], h, positions), layer_params, x)
     d_params, dx = vjp(d_out)
     return dx, tree_add(grad, d_params)
 

@@ -75,7 +75,9 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, gr
   (state, metrics)`; donates `state`. `weights`: engine/functions.step_inputs of a masked batch.
   With `layout`, the state goes in and comes out with its per-leaf shardings, the batch split
   along B, the metrics whole on every device."""
-  loss_and_grad = jax.value_and_grad(functools.partial(model_lib.loss_fn, model_cfg))
+  several = layout is not None and layout.num_devices > 1
+  loss_and_grad = jax.value_and_grad(functools.partial(
+      model_lib.loss_fn, model_cfg, shard_layer=layout.shard_layer if several else None))
   constrain = layout.constrain if layout is not None else (lambda t: t)
 
   def train_step(state, batch, weights=None):

@@ -159,25 +159,37 @@ def _remat(cfg: ModelConfig, fn, prevent_cse: bool):
   return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 
-def apply_group(cfg: ModelConfig, group_params, x, positions):
+def layer_body(cfg: ModelConfig, shard_layer):
+  """apply_layer(cfg, ...), its weights and input first placed by `shard_layer` when given."""
+  if shard_layer is None:
+    return functools.partial(apply_layer, cfg)
+  return lambda layer_params, x, positions: apply_layer(cfg, *shard_layer(layer_params, x),
+                                                        positions)
+
+
+def apply_group(cfg: ModelConfig, group_params, x, positions, shard_layer=None):
   """K consecutive layers: group_params leaves have a leading axis K; [B, S, D] -> [B, S, D].
 
   With `cfg.scan_layers` the layers run as a `lax.scan` over the K-slice (one compiled layer body);
-  otherwise as an unrolled Python loop (same math, longer compile).
+  otherwise as an unrolled Python loop (same math, longer compile). `shard_layer(layer params,
+  x) -> (layer params, x)`: on several devices, places each layer's weights and input inside its
+  body (Layout.shard_layer: the weights gathered whole, the input split along B), inside the
+  remat so the backward gathers the weights again rather than keeping them.
   """
   num = jax.tree.leaves(group_params)[0].shape[0]
+  body = layer_body(cfg, shard_layer)
   if cfg.scan_layers:
     # Inside a scan the CSE that prevent_cse guards against cannot happen (JAX docs).
-    layer = _remat(cfg, functools.partial(apply_layer, cfg), prevent_cse=False)
+    layer = _remat(cfg, body, prevent_cse=False)
     x, _ = jax.lax.scan(lambda h, p: (layer(p, h, positions), None), x, group_params)
     return x
-  layer = _remat(cfg, functools.partial(apply_layer, cfg), prevent_cse=True)
+  layer = _remat(cfg, body, prevent_cse=True)
   for i in range(num):
     x = layer(jax.tree.map(lambda a, i=i: a[i], group_params), x, positions)
   return x
 
 
-def apply_group_keeping_inputs(cfg: ModelConfig, group_params, x, positions):
+def apply_group_keeping_inputs(cfg: ModelConfig, group_params, x, positions, shard_layer=None):
   """`apply_group` that also returns every layer's input: [B, S, D] -> ([B, S, D] output,
   [K, B, S, D] inputs, inputs[i] the input of layer i; inputs[0] = x).
 
@@ -185,7 +197,7 @@ def apply_group_keeping_inputs(cfg: ModelConfig, group_params, x, positions):
   than recomputing the group to find them. Not differentiated, so no remat: the same layer math
   as `apply_group`, layer after layer.
   """
-  layer = functools.partial(apply_layer, cfg)
+  layer = layer_body(cfg, shard_layer)
   if cfg.scan_layers:
     return jax.lax.scan(lambda h, p: (layer(p, h, positions), h), x, group_params)
   inputs = []
@@ -253,14 +265,15 @@ def forward(cfg: ModelConfig, params, tokens, positions=None):
   return head(cfg, params, x)
 
 
-def loss_fn(cfg: ModelConfig, params, batch, weights=None):
+def loss_fn(cfg: ModelConfig, params, batch, weights=None, shard_layer=None):
   """batch [B, S + 1] int tokens -> mean next-token cross-entropy (inputs [:, :-1], targets [:, 1:]).
 
   The same stages as `forward`, but the head and loss run over vocabulary blocks (`logits_loss`),
   so the [B, S, V] logits are never materialised. `weights` [B, S] float32 (per target; from
   vocab.token_weights of a loss mask): the loss is Σ weights·nll instead of the mean.
+  `shard_layer`: see apply_group.
   """
   tokens, targets = batch[:, :-1], batch[:, 1:]
   x = embed(cfg, params, tokens)
-  x = apply_group(cfg, params['layers'], x, default_positions(tokens))
+  x = apply_group(cfg, params['layers'], x, default_positions(tokens), shard_layer)
   return head_loss(cfg, params, x, targets, weights=weights)
