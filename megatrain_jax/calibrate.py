@@ -21,7 +21,7 @@ from megatrain_jax import model as model_lib
 from megatrain_jax import layout as layout_lib
 from megatrain_jax import optim
 from megatrain_jax.hardware import (PRESETS, HardwareProfile, device_memory_gb, machine_memory_gb,
-                                    preset_for)
+                                    preset_for, process_rss_bytes)
 from megatrain_jax.tiers import codecs
 
 _GB = 1e9
@@ -166,6 +166,10 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
   probe writes (the NVMe tier's directory; ~256 MB, removed afterwards)."""
   device = layout_lib.default_devices()[0]
   cpu = device.platform == 'cpu'
+  # This process before any probe allocates: the runtime baseline a plan for another machine
+  # reads from the profile (a plan on this machine measures its own process instead).
+  baseline = process_rss_bytes()
+  known = PRESETS['cpu'] if cpu else PRESETS.get(preset_for(device.device_kind) or '')
   probe_dir = pathlib.Path(directory).expanduser() / '.calibrate'
   probe_dir.mkdir(parents=True, exist_ok=True)
   started = time.perf_counter()
@@ -199,6 +203,9 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
       overlap=not cpu, unified_memory=cpu, disk_read_cached_gbps=cached,
       disk_write_cached_gbps=cached_write, host_cores=len(os.sched_getaffinity(0)),
       interconnect_gbps=interconnect,
+      **({'runtime_host_gb': round(baseline / 1e9, 3)} if baseline else {}),
+      # Not measured by the probe (it needs a training run): the preset's figure for this kind.
+      **({'programs_host_gb': known.programs_host_gb} if known else {}),
       interconnect=f'all-gather over {jax.local_device_count()} devices' if interconnect else '',
       # MFU stays relative to the datasheet peak on known accelerators, not to the measured rate.
       peak_tflops=(dict(PRESETS[preset_for(device.device_kind)].peak_tflops)

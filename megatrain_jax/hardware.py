@@ -76,13 +76,23 @@ class HardwareProfile:
   # Writes the page cache absorbs (no fsync: the NVMe tier's write-backs don't sync; the kernel
   # flushes them at disk_write_gbps in the background) run at this rate while RAM holds them.
   disk_write_cached_gbps: float = 0.0
-  # Host RAM the process holds before any train state: Python, the JAX/XLA runtime, compiled
-  # programs, the data loader. CPU: 0.8, from bench/memory_accuracy.py (whole-process peak RSS
-  # less the planned state and working set: 0.56-0.63 GB on the tiny config at batch 1 x 256,
-  # 0.57-1.3 GB on 125m, 0.78 GB on 1b, 0.90 GB on a 131k-vocabulary d_model 256 model; it varies
-  # run to run by +-0.2 GB with the same config, so no constant fits every run within 20%). GPU presets: not measured here (the CUDA client maps
-  # more host memory): 2 GB, a guess until a GPU run measures it.
-  runtime_host_gb: float = 2.0
+  # Host RAM the process holds before any train state, when it plans: Python, the JAX/XLA runtime
+  # with its backend up, the libraries the package imports (TensorBoard's writer imports torch when
+  # it is installed: ~0.19 GB of it on CPU). A plan for this machine measures it instead (the
+  # planning process's own RSS, planner.measured_baseline_bytes); this figure plans another
+  # machine's run. CPU: 0.49, measured (launch.py on the 2-core CI VM once it has planned: 0.48-0.49
+  # GB in every run; 0.17 of it is jax with its backend, 0.19 torch). GPU presets: not measured
+  # (the CUDA client maps more host memory), a guess until a GPU run measures it.
+  runtime_host_gb: float = 1.5
+  # What a run adds to that baseline besides its planned rows: compiled executables, XLA's thread
+  # pools, the data pipeline, the eval batches, the metrics writers; with a cold compilation
+  # cache also the compiler's heap, which the resident runs' 'tuned' allocator keeps
+  # (runtime.py). CPU: 0.15, from bench/memory_accuracy.py runs on the tiny config, whose state is
+  # a few MB: RSS after 2 steps less the planning process's RSS and the planned state, 0.10-0.17
+  # GB streamed (host, nvme; warm and cold cache alike), 0.08 resident with a warm cache and 0.28
+  # with a cold one (the compiler's heap of the whole step, kept). GPU presets: a guess (their
+  # former 2 GB runtime total, split).
+  programs_host_gb: float = 0.5
   host_cores: int = 0  # CPU cores (0 = this machine's, filled when loaded)
   source: str = ''  # what the figures are: datasheet + assumptions, or 'calibrated on <host> ...'
   # Datasheet dense peak TFLOP/s (same keys as compute_tflops), the denominator of MFU. Empty for
@@ -197,7 +207,7 @@ PRESETS = {
         h2d_gbps=2.5, d2h_gbps=2.5, disk_read_gbps=1.0, disk_write_gbps=0.54, disks=1,
         device_adam_gparams=1.47, host_adam_gparams=1.47, dispatch_s=8e-6, overlap=False,
         unified_memory=True, disk_read_cached_gbps=1.24, disk_write_cached_gbps=0.59,
-        runtime_host_gb=0.8,
+        runtime_host_gb=0.49, programs_host_gb=0.15,
         source='`--calibrate` on a 2-core CI VM, 2026-12-03; run it on this machine'),
 }
 ALIASES = {'h100-80gb': 'h100', 'h200-141gb': 'h200', 'a100-80gb': 'a100', '4090': 'rtx4090',
@@ -219,6 +229,16 @@ def datasheet_peak_tflops(device_kind: str, dtype: str, precision: str) -> float
 
 def machine_memory_gb() -> float:
   return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / _GB
+
+
+def process_rss_bytes() -> int | None:
+  """This process's resident memory now (Linux: /proc/self/statm), or None where it cannot be
+  read."""
+  try:
+    with open('/proc/self/statm') as f:
+      return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+  except (OSError, ValueError, IndexError):
+    return None
 
 
 def _fill_sizes(profile: HardwareProfile) -> HardwareProfile:

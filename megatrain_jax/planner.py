@@ -11,7 +11,9 @@ dtype (4 float32, 2 bfloat16). W = 4·L·P_l bytes of layer weights; A = Adam m 
 
 MEMORY (bytes; `make_plan` returns them as rows with these formulas; a streamed plan's rows are
 what the stages of schedule.py declare they hold, each row naming its stage):
-  resident, device:  params 4·P, Adam 8·P, gradients 4·P (+4·P accumulator when M > 1),
+  resident, device:  params 4·P, Adam 8·P, and the larger of a fresh init's XLA temporaries
+                     (1.67·4·P, measured) and the step's rows: gradients 4·P (+4·P accumulator
+                     when M > 1),
                      activations of one microbatch:
                        remat full/minimal/offload: L·B·S·D·c saved layer inputs + one layer's
                        internals (recomputed in its backward) + the logits of one
@@ -37,6 +39,10 @@ what the stages of schedule.py declare they hold, each row naming its stage):
                      parked gradients W (clipping, params on
                      nvme), and checkpoint.keep more copies of them: each kept checkpoint
                      hard-links the stores, and the next write-back unshares every file.
+  process (host rows):  the runtime baseline, measured as this process's RSS when it plans for
+                     this machine (the profile's runtime_host_gb when it plans another's), and
+                     what a run adds to it besides these rows: compiled programs, the data
+                     pipeline, writers (the profile's programs_host_gb).
   Budgets: device 90% of its memory; host 85% of RAM; nvme the free space at offload.dir.
   offload.device_memory_gb / host_memory_gb override the first two. On a GPU, pinned host
   memory (host rows but the NVMe staging buffer, which is numpy) must also stay under
@@ -119,6 +125,7 @@ import megatrain_jax
 from megatrain_jax import PINNED_LIMIT_ENV
 from megatrain_jax import distributed
 from megatrain_jax import hardware
+from megatrain_jax import layout
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax import partition
@@ -130,7 +137,27 @@ from megatrain_jax.schedule import (BACKWARD_TO_UPDATE, FORWARD_TO_BACKWARD, STA
                                     Row, StateSizes, StepSchedule, Traffic, hidden_bytes,
                                     layer_internal_bytes, logits_bytes)
 
-RUNTIME_ROW = 'runtime (Python, JAX/XLA, compiled code)'
+# The process's own rows (host, held all run, per process): what it holds before any train state,
+# and what a run adds to that besides its state and working sets (`runtime_rows`).
+RUNTIME_ROW = 'runtime (Python, JAX/XLA, libraries)'
+PROGRAMS_ROW = 'compiled programs, data, writers'
+# A fresh resident run builds its whole state in one jitted init (engine/resident.init_state):
+# beside its output (params + Adam, the state rows) XLA holds temporaries (the random bits and
+# normals of the weights) of about 1.67 × the params' bytes: memory_analysis() of the compiled
+# init on XLA:CPU gives 1.58, 1.67 and 1.67 × 4·P on the tiny, 125m and 1b configs (0.019,
+# 0.824, 8.25 GB). On 125m the whole run peaks there (2.91 GB RSS = the planning process's 0.49 +
+# 1.48 state + 0.82 + 0.1), above the step's gradients + activations. A resumed run reads its
+# state leaf by leaf and holds none of it: for it the row over-counts.
+INIT_ROW = 'init temporaries beyond the step (fresh init)'
+RESIDENT_INIT_TEMP_RATIO = 1.67
+# Host memory each compiled program keeps for the rest of the process (its machine code and what
+# compiling it left in the heap; jax.clear_caches() does not give it back): 5.4, 5.0 and 3.9 MB
+# per program, compiling 12-48 vocabulary-chunk inits of a d_model 256, 768 and 2048 model on
+# XLA:CPU under the 'bounded' allocator. It matters where a run compiles one program per piece: a
+# fresh streamed init draws each vocabulary chunk with its bounds static (engine/streamed.py): a
+# 131k-vocabulary d_model 256 model (24 chunks at K=2, its state all on NVMe) held 0.21 GB more
+# after its engine's init than before it.
+PROGRAM_HOST_BYTES = 5e6
 
 _GB = 1e9
 # Of the device's memory: what JAX's allocator gets (XLA_PYTHON_CLIENT_MEM_FRACTION; 0.9 unless set,
@@ -324,7 +351,7 @@ def _memory_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, 
   n = devices.count
   rows = _one_device_rows(cfg, sizes, p, micro, batch // n, seq, clipping, checkpoint_copies)
   if n == 1:
-    return rows
+    return _init_beyond_step(rows)
   # A row whose bytes change with the batch holds activations (of the per-device batch, as
   # computed); any other holds pieces of the state, their copies in flight, gradients or update
   # inputs, of which each device keeps its 1/N shard.
@@ -345,7 +372,22 @@ def _memory_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, 
     else:
       note = '' if local == n else ' · n/N'
     out.append(dataclasses.replace(row, bytes=row.bytes * factor, formula=row.formula + note))
-  return out + _gathered_rows(cfg, sizes, p, micro, clipping)
+  return _init_beyond_step(out + _gathered_rows(cfg, sizes, p, micro, clipping))
+
+
+def _init_beyond_step(rows: list) -> list:
+  """A resident plan's init row (a fresh init's XLA temporaries, held beside the new params and
+  Adam state before the first step) cut to what it needs beyond the step's own rows (gradients,
+  activations, logits, a gathered layer), which it never coexists with: every tier's total and
+  the predicted peak then hold the state plus the larger of the two."""
+  init = next((r for r in rows if r.item == INIT_ROW), None)
+  if init is None:
+    return rows
+  step = sum(r.bytes for r in rows if r.tier == 'device' and r.item not in (
+      INIT_ROW, 'params', 'Adam m, v'))
+  beyond = dataclasses.replace(init, bytes=max(0.0, init.bytes - step),
+                               formula=f'max(0, {init.formula} − the step\'s rows above)')
+  return [beyond if r is init else r for r in rows]
 
 
 def _gathered_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int,
@@ -386,6 +428,9 @@ def _one_device_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: i
     add('activations (1 microbatch)', L * hidden_bytes(cfg, batch, seq) + internals,
         "L·B·S·D·c saved inputs + one layer's internals")
   add('logits (1 microbatch)', logits_bytes(cfg, batch, seq), '3·B·S·V_c·4 (one vocabulary block)')
+  # Whole here; `_init_beyond_step` keeps what it needs beyond the step's rows.
+  add(INIT_ROW, RESIDENT_INIT_TEMP_RATIO * (W + E),
+      f'{RESIDENT_INIT_TEMP_RATIO:.2f}·4·P (XLA temporaries of the jitted init)')
   return rows
 
 
@@ -532,13 +577,15 @@ def _step_time(p: Placement, hw: HardwareProfile, times: dict, sizes: StateSizes
 
 def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwareProfile, *,
               micro: int, batch: int, seq: int, clipping: bool, budgets: dict,
-              checkpoint_copies: int = 0, devices: Devices = Devices()) -> Plan:
+              checkpoint_copies: int = 0, devices: Devices = Devices(),
+              baseline_bytes: float | None = None) -> Plan:
   """The plan of placement `p` for M = `micro` microbatches of the global `batch` x `seq` tokens
-  on `devices` (per device and per process, the module docstring's N DEVICES)."""
+  on `devices` (per device and per process, the module docstring's N DEVICES). `baseline_bytes`:
+  the runtime baseline measured in this process (`measured_baseline_bytes`); None: the
+  profile's figure."""
   n, local = devices.count, devices.local
   rows = _memory_rows(cfg, sizes, p, micro, batch, seq, clipping, checkpoint_copies, devices)
-  rows.append(Row('host', RUNTIME_ROW, hw.runtime_host_gb * _GB,
-                  'hardware profile: runtime_host_gb'))
+  rows += runtime_rows(hw, baseline_bytes, init_programs(cfg, p))
   moved = traffic(cfg, sizes, p, micro, batch, seq, clipping, n)  # per device
   executed, model_flops = step_flops(cfg, p, micro, batch // n, seq)  # per device
   model_flops *= n
@@ -581,6 +628,60 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
               bottleneck=bottleneck, flops_per_step=model_flops, peak_tflops=peak,
               write_behind_bytes=p.write_budget_bytes(cfg) if p.uses_nvme else 0.0,
               devices=devices, collectives=collectives)
+
+
+# -------------------------------------------------------------------------------------------------
+# The process's own memory.
+# -------------------------------------------------------------------------------------------------
+
+def describes_this_machine(hw: HardwareProfile) -> bool:
+  """Whether `hw` is a profile of the devices this process runs on (auto-detected, the `cpu`
+  preset on the CPU backend, a GPU preset on that GPU, a calibration made here), not of another
+  machine (`--config.hardware=h100` planned on a CPU)."""
+  return hw.device_kind == layout.device_kind()
+
+
+def measured_baseline_bytes(hw: HardwareProfile) -> float | None:
+  """The runtime baseline of a plan for this machine: this process's RSS when it plans (Python,
+  JAX/XLA with its backend up, every library imported so far, the planner's own shape traces).
+  The run that follows holds all of it before its state, so it is measured rather than taken
+  from the profile, whose figure is one machine's (the library stack, its versions, whether torch
+  is installed all move it). None, so the profile's figure is used, when `hw` is another
+  machine's, when RSS cannot be read, and in a multi-process run, whose processes must all reach
+  the same plan."""
+  if not describes_this_machine(hw) or jax.process_count() > 1:
+    return None
+  rss = hardware.process_rss_bytes()
+  return float(rss) if rss else None
+
+
+def init_programs(cfg: ModelConfig, p: Placement) -> int:
+  """Programs a fresh init compiles one per piece: the streamed engine's vocabulary chunks (of
+  the embedding, and of the head when untied) and the final norm; none for the resident init
+  (one program for the whole state)."""
+  if not p.streamed:
+    return 0
+  return len(p.vocab_slices(cfg)) * (1 if cfg.tie_embeddings else 2) + 1
+
+
+def runtime_rows(hw: HardwareProfile, baseline_bytes: float | None = None,
+                 programs: int = 0) -> list:
+  """[Row] of what the process holds besides the train state and the stages' working sets, once
+  per process: the runtime baseline (measured in this process, or the profile's runtime_host_gb
+  for another machine) and what a run adds to it: compiled executables, XLA's thread pools, the
+  data pipeline, the metrics writers (the profile's programs_host_gb, measured on CPU by
+  bench/memory_accuracy.py; see hardware.py), plus `programs` compiled one per piece
+  (`init_programs`) at PROGRAM_HOST_BYTES each."""
+  if baseline_bytes is None:
+    baseline = Row('host', RUNTIME_ROW, hw.runtime_host_gb * _GB,
+                   'hardware profile: runtime_host_gb')
+  else:
+    baseline = Row('host', RUNTIME_ROW, baseline_bytes, "measured: this process's RSS at plan time")
+  formula = 'hardware profile: programs_host_gb' + (
+      f' + {programs} init programs (one per vocabulary chunk) × {PROGRAM_HOST_BYTES / 1e6:g} MB'
+      if programs else '')
+  return [baseline, Row('host', PROGRAMS_ROW, hw.programs_host_gb * _GB
+                        + programs * PROGRAM_HOST_BYTES, formula)]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -730,6 +831,8 @@ def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: De
   copies = checkpoint_copies(ckpt, train.steps)
   micro_options = ([1, 2, 4, 8, 16, 32, 64] if train.microbatches == 0
                    else [train.microbatches])
+  # Once the shapes are traced (state_sizes): what this process holds now, for every candidate.
+  baseline = measured_baseline_bytes(hw)
   plans, rejected, invalid = [], [], []
   for micro, candidate in candidates(offload, cfg, micro_options):
     for placement in _keep_options(candidate):  # the first that fits, if any
@@ -740,7 +843,7 @@ def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: De
         break
       plan = make_plan(cfg, sizes, placement, hw, micro=micro, batch=train.batch_size,
                        seq=train.seq_len, clipping=clipping, budgets=budgets,
-                       checkpoint_copies=copies, devices=devices)
+                       checkpoint_copies=copies, devices=devices, baseline_bytes=baseline)
       (plans if plan.fits else rejected).append(plan)
       if plan.fits:
         break

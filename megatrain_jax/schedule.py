@@ -270,9 +270,16 @@ class StepSchedule:
         band = min(gw, p.update_band_bytes())
         add('update', 'host', f'host optimizer inputs ({p.prefetch_depth + 1} bands)',
             (p.prefetch_depth + 1) * 4 * band, '(prefetch_depth + 1)·4·min(K·P_l·4, band)')
+        copies = 2 * (p.params == 'nvme') + 2 * (p.opt_state == 'nvme')
+        add('update', 'host', "host optimizer: the band in AdamW (outputs, NVMe inputs' copies)",
+            (3 + copies) * band, f'{3 + copies}·band')
       else:  # right after each backward: the weights and Adam state of the group
         add('update', 'host', f'host optimizer inputs ({p.prefetch_depth + 1} groups)',
             (p.prefetch_depth + 1) * (gw + go), '(prefetch_depth + 1)·K·P_l·12')
+        copies = gw * (p.params == 'nvme') + go * (p.opt_state == 'nvme')
+        add('update', 'host', "host optimizer: the group in AdamW (gradient, outputs, NVMe "
+            "inputs' copies)", 2 * gw + go + copies, 'K·P_l·4 grads + K·P_l·12 outputs'
+            + (' + NVMe inputs in pinned memory' if copies else ''))
     return rows + self._nvme_rows(rows, checkpoint_copies)
 
   def _state_rows(self, sizes: StateSizes) -> list:
@@ -329,6 +336,10 @@ class StepSchedule:
       add('outer_update', 'host' if outer_host_optimizer(p) else 'device',
           f'embedding/head update inputs ({p.prefetch_depth + 1} chunks)',
           (p.prefetch_depth + 1) * 4 * chunk, '(prefetch_depth + 1)·4·4·V_c·D')
+    if outer_host_optimizer(p):  # new p, m, v; NVMe inputs (numpy) copied into pinned memory
+      n = 3 + 4 * (p.embed_head == 'nvme')
+      add('outer_update', 'host', "host optimizer: the chunk in AdamW (outputs, NVMe inputs' "
+          'copies)', n * chunk, f'{n}·4·V_c·D')
     add('head', 'device', 'head working set (one vocabulary chunk)',
         chunk + 3 * 4 * batch * seq * chunk_rows + 2 * M * hidden_bytes(cfg, batch, seq)
         + 3 * 4 * M * batch * seq, "4·V_c·D grads + 3·B·S·V_c·4 logits + 2·M·B·S·D·c + lse")

@@ -2,6 +2,7 @@
 own counters, memory against XLA's memory_analysis, auto placement, refusals, the dry-run plan,
 and predicted vs measured step time (a loose bound that catches gross errors)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -139,6 +140,37 @@ def test_resident_memory_against_memory_analysis():
       analysis.temp_size_in_bytes, temporaries)
 
 
+def test_resident_init_temporaries_against_memory_analysis():
+  """XLA's accounting of the compiled fresh init: its output is the state rows (and the output
+  tuple's pointers, the step counter and the rng key), its
+  temporaries 1.67·4·P (within 25%). The init row holds what they need beyond the step's
+  gradients, activations and logits (the two never coexist), so the device total and the
+  predicted peak hold the state plus the larger of the two, not both."""
+  tx = optim.make_optimizer(TRAIN)
+  analysis = jax.jit(resident.init_state, static_argnums=(0, 1)).lower(
+      CFG, tx, 0).compile().memory_analysis()
+  if analysis is None:
+    pytest.skip('this backend reports no memory_analysis')
+  budgets = {'device': 1e12, 'host': 1e12, 'nvme': 1e12, '_unified': True}
+  plan = planner.make_plan(CFG, SIZES, Placement(), hardware.PRESETS['cpu'], micro=1, batch=2,
+                           seq=16, clipping=True, budgets=budgets)
+  rows = {r.item: r.bytes for r in plan.rows}
+  state = rows['params'] + rows['Adam m, v']
+  assert state < analysis.output_size_in_bytes < state + 1024
+  init = planner.RESIDENT_INIT_TEMP_RATIO * rows['params']
+  assert 0.75 * init <= analysis.temp_size_in_bytes <= 1.25 * init, (
+      analysis.temp_size_in_bytes, init)
+  step = rows['gradients'] + rows['activations (1 microbatch)'] + rows['logits (1 microbatch)']
+  assert rows[planner.INIT_ROW] == pytest.approx(max(0.0, init - step))
+  assert plan.used('device') == pytest.approx(state + max(step, init))
+  process = rows[planner.RUNTIME_ROW] + rows[planner.PROGRAMS_ROW]
+  assert plan.host_peak_bytes == pytest.approx(state + max(step, init) + process)
+  # A larger batch: the step's rows outgrow the init's temporaries, and the init row is 0.
+  big = planner.make_plan(CFG, SIZES, Placement(), hardware.PRESETS['cpu'], micro=1, batch=64,
+                          seq=256, clipping=True, budgets=budgets)
+  assert {r.item: r.bytes for r in big.rows}[planner.INIT_ROW] == 0.0
+
+
 @pytest.mark.parametrize('seq, chunk', [(32, 0), (256, 0), (256, 32)],
                          ids=['short', 'long-whole', 'long-chunked'])
 def test_group_backward_memory_against_memory_analysis(seq, chunk):
@@ -240,14 +272,15 @@ def test_explicit_placement_is_kept():
 def test_pinned_host_limit_the_user_set_is_budgeted_and_named(monkeypatch):
   """On a GPU, pinned host memory must fit XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB when the user set
   it: 2 GiB cannot hold even the all-NVMe plan's pinned working set (the host optimizer's bands
-  and the runtime; 4 GiB can since updates run band by band), and the refusal says which limit
-  would fit."""
+  and the runtime; 6 GiB can since updates run band by band: bands read ahead, the one in AdamW
+  with its outputs and its NVMe inputs' pinned copies), and the refusal says which limit would
+  fit."""
   config = config_lib.load_config('101b', hardware='h200')
   hw = hardware.load_profile('h200')
   unlimited = planner.plan_run(config, hw)  # the cap raised to RAM: RAM is the budget
   assert unlimited.fits
   monkeypatch.setattr(megatrain_jax, 'PINNED_LIMIT_FROM_USER', True)
-  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '4')
+  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '6')
   assert planner.plan_run(config, hw).placement.params == 'nvme'
   monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '2')
   with pytest.raises(ConfigError) as e:
@@ -320,6 +353,50 @@ def test_bad_profile_file_is_refused(tmp_path):
   bad.write_text('{"name": 1')
   with pytest.raises(ConfigError, match='not a valid profile'):
     hardware.load_profile(str(bad))
+
+
+# --- the process's own memory (issue 10) ---------------------------------------------------------
+
+def _runtime_rows(plan) -> dict:
+  return {r.item: r for r in plan.rows if r.item in (planner.RUNTIME_ROW, planner.PROGRAMS_ROW)}
+
+
+def test_runtime_baseline_is_measured_for_this_machine_and_the_profile_plans_another(monkeypatch):
+  """A plan for this machine's own profile counts this process's RSS at plan time as the runtime
+  baseline (a run holds it all before its state); a plan for another machine takes the
+  profile's runtime_host_gb. Both add the profile's programs_host_gb, and both rows count in the
+  predicted peak."""
+  config = config_lib.load_config('tiny', hardware='cpu')
+  cpu = hardware.load_profile('cpu')
+  assert cpu.device_kind == jax.devices()[0].device_kind  # the CPU backend: this machine
+  monkeypatch.setattr(hardware, 'process_rss_bytes', lambda: 123_000_000)
+  own = planner.plan_run(config, cpu, disk_free_gb=100.0)
+  rows = _runtime_rows(own)
+  assert rows[planner.RUNTIME_ROW].bytes == 123_000_000
+  assert 'measured' in rows[planner.RUNTIME_ROW].formula
+  assert rows[planner.PROGRAMS_ROW].bytes == pytest.approx(cpu.programs_host_gb * _GB)
+  monkeypatch.setattr(hardware, 'process_rss_bytes', lambda: 223_000_000)
+  grown = planner.plan_run(config, cpu, disk_free_gb=100.0)
+  assert grown.host_peak_bytes - own.host_peak_bytes == pytest.approx(100_000_000)
+  # Another machine's profile: its figures, whatever this process holds.
+  for other in (hardware.load_profile('h100'),
+                dataclasses.replace(cpu, device_kind='some other cpu')):
+    plan = planner.plan_run(config, other, disk_free_gb=100.0)
+    rows = _runtime_rows(plan)
+    assert rows[planner.RUNTIME_ROW].bytes == pytest.approx(other.runtime_host_gb * _GB)
+    assert rows[planner.RUNTIME_ROW].formula == 'hardware profile: runtime_host_gb'
+    assert rows[planner.PROGRAMS_ROW].bytes == pytest.approx(other.programs_host_gb * _GB)
+  # A refusal's presets are other machines: planned with their figures (through make_plan).
+  assert planner.runtime_rows(hardware.PRESETS['h200'])[0].bytes == pytest.approx(
+      hardware.PRESETS['h200'].runtime_host_gb * _GB)
+
+
+def test_runtime_baseline_of_a_multi_process_run_is_the_profile_figure(monkeypatch):
+  """Processes of one run must reach the same plan: their RSS differs, so none is measured."""
+  cpu = hardware.load_profile('cpu')
+  assert planner.measured_baseline_bytes(cpu) > 0.1 * _GB  # this process: Python + JAX at least
+  monkeypatch.setattr(planner.jax, 'process_count', lambda: 2)
+  assert planner.measured_baseline_bytes(cpu) is None
 
 
 # --- predicted vs measured (loose: the ±25% figures are in BENCHMARKS.md) -------------------------

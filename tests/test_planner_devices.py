@@ -97,7 +97,7 @@ def test_host_and_nvme_rows_are_the_process_shares():
   own_machine = _plan(planner.Devices(4, 1))
   for tier in ('host', 'nvme'):
     for item, nbytes in _rows(one, tier).items():
-      if item in (planner.STAGING_ROW, planner.RUNTIME_ROW):  # the process's own
+      if item in (planner.STAGING_ROW, planner.RUNTIME_ROW, planner.PROGRAMS_ROW):  # own
         assert _rows(own_machine, tier)[item] == nbytes
         continue
       assert _rows(same_machine, tier)[item] == pytest.approx(nbytes), item
