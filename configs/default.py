@@ -48,6 +48,8 @@ def get_config() -> ml_collections.ConfigDict:
   model.remat = 'full'  # Per-layer rematerialisation: 'none', 'full', 'minimal' (keep matmul
   #                       outputs), 'offload' (keep them in pinned host memory).
   model.scan_layers = True  # Apply layers with lax.scan (fast compile) or an unrolled loop.
+  #                            With remat 'none' the scan is unrolled (its residuals stacked
+  #                            per layer cost more than they save: model/decoder.py).
 
   # ---------------------------------------------------------------------------------------------
   # Training.
