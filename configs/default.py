@@ -220,6 +220,8 @@ def get_config() -> ml_collections.ConfigDict:
   #                              again every step; 'system' = glibc's defaults. Applied when the
   #                              package is imported (MEGATRAIN_JAX_ALLOCATOR=system opts out from
   #                              the start) and again with this value when training starts.
+  #                              'tuned' named on a streamed run prints a warning: its peak RSS
+  #                              is the heap's high-water mark, which the plan does not bound.
   config.jax_cache_dir = '~/.cache/megatrain_jax/jax'  # Persistent XLA compile cache; '' = off.
   config.hardware = ''  # Hardware profile the planner predicts from: a preset (h100, h200, a100,
   #                       rtx4090, cpu), a JSON file from `launch.py --calibrate`, or '' = auto

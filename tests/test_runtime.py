@@ -76,3 +76,16 @@ def test_multi_output_fusion_flag_is_opt_in():
       '--xla_dump_to=/x ' + runtime.MOF_FLAG)
   assert run(MEGATRAIN_JAX_XLA_CPU_MOF='1', XLA_FLAGS='--xla_backend_extra_options=foo') == (
       '--xla_backend_extra_options=foo')
+
+
+def test_a_streamed_run_that_asks_for_tuned_is_warned():
+  """'tuned' named on a streamed run gets a warning line (its peak RSS is the heap's high-water
+  mark, which the plan does not bound); not under 'auto', and not for a resident run.
+  test_train.py checks that the trainer prints it."""
+  from configs import default  # pylint: disable=import-outside-toplevel
+  config = default.get_config()
+  assert runtime.streamed_tuned_warning(config, streamed=True) is None  # 'auto'
+  config.runtime.allocator = 'tuned'
+  assert runtime.streamed_tuned_warning(config, streamed=False) is None
+  assert "'auto' (the default) gives streamed runs 'bounded'" in runtime.streamed_tuned_warning(
+      config, streamed=True)

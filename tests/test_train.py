@@ -174,3 +174,15 @@ def test_mfu_peak_is_the_datasheet_peak_of_the_run_devices(monkeypatch):
   monkeypatch.setattr(hardware, 'datasheet_peak_tflops',
                       lambda kind, dtype, precision: {'float32': 67.0}[dtype])
   assert train._mfu_peak_tflops(cfg, Layout.single_device()) == 67.0
+
+
+def test_a_streamed_run_that_asks_for_the_tuned_allocator_is_warned(tmp_path, shared_data, capsys):
+  """runtime.allocator='tuned' on a streamed run: one console warning before training (its peak
+  RSS is not what the plan predicts; runtime.streamed_tuned_warning), and the run still trains."""
+  config = small_config(shared_data / 'tinyshakespeare' / 'input.txt', train__steps=1,
+                        checkpoint__every=0, runtime__allocator='tuned', offload__params='host',
+                        offload__opt_state='host')
+  train.train_and_evaluate(config, str(tmp_path))
+  out = capsys.readouterr().out.splitlines()
+  assert len([line for line in out if line.startswith("warning: runtime.allocator='tuned'")]) == 1
+  assert read_rows(tmp_path)[-1]['step'] == 1
