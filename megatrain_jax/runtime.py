@@ -107,10 +107,15 @@ def resolve(allocator: str, streamed: bool) -> str:
   return allocator
 
 
+def _runtime_section(config):
+  """`config.runtime`, or None for a config without that section."""
+  return config.get('runtime') if hasattr(config, 'get') else None
+
+
 def configure(config, streamed: bool = False) -> None:
   """Applies `config.runtime.allocator` ('auto' resolved by `streamed`; a config without a
   runtime section keeps the setting)."""
-  runtime = config.get('runtime') if hasattr(config, 'get') else None
+  runtime = _runtime_section(config)
   if runtime is not None:
     if runtime.allocator not in ALLOCATORS + (AUTO,):
       configure_allocator(runtime.allocator)  # raises the ConfigError naming the choices
@@ -121,7 +126,7 @@ def streamed_tuned_warning(config, streamed: bool) -> str | None:
   """The console line for a streamed run whose `config.runtime.allocator` asks for 'tuned' by
   name: its peak RSS is the heap's high-water mark, which the planner's predicted_host_peak_gb
   does not bound (`resolve`). None otherwise."""
-  runtime = config.get('runtime') if hasattr(config, 'get') else None
+  runtime = _runtime_section(config)
   if runtime is None or runtime.allocator != 'tuned' or not streamed:
     return None
   return ("warning: runtime.allocator='tuned' on a streamed run keeps every freed buffer in the "

@@ -87,6 +87,18 @@ def outer_host_optimizer(placement) -> bool:
   return placement.optimizer_on == 'host' and placement.embed_head != 'device'
 
 
+def host_adamw_bytes(weights: float, opt: float, params_tier: str, opt_tier: str,
+                     parked: bool = True) -> float:
+  """Host bytes of the one piece in AdamW on the host (engine/updates.PieceUpdater.apply) beyond
+  its inputs read ahead: its new weights and Adam state, and the pinned copies of the inputs
+  that were read from NVMe as numpy (`device_put` copies, on CPU too): the weights and the
+  `parked` gradient in the params tier, the Adam state in the opt tier. An update right after its
+  backward (not `parked`) copies its gradient from the device instead."""
+  on_nvme = lambda tier: tier == 'nvme'
+  grad = weights * on_nvme(params_tier) if parked else weights
+  return weights + opt + weights * on_nvme(params_tier) + grad + opt * on_nvme(opt_tier)
+
+
 @dataclasses.dataclass(frozen=True)
 class StateSizes:
   """Bytes of one layer's params and Adam state, and of the outer (embed/norm/head) parts."""
@@ -270,16 +282,15 @@ class StepSchedule:
         band = min(gw, p.update_band_bytes())
         add('update', 'host', f'host optimizer inputs ({p.prefetch_depth + 1} bands)',
             (p.prefetch_depth + 1) * 4 * band, '(prefetch_depth + 1)·4·min(K·P_l·4, band)')
-        copies = 2 * (p.params == 'nvme') + 2 * (p.opt_state == 'nvme')
+        working = host_adamw_bytes(band, 2 * band, p.params, p.opt_state)
         add('update', 'host', "host optimizer: the band in AdamW (outputs, NVMe inputs' copies)",
-            (3 + copies) * band, f'{3 + copies}·band')
+            working, f'{working / band:g}·min(K·P_l·4, band)')
       else:  # right after each backward: the weights and Adam state of the group
         add('update', 'host', f'host optimizer inputs ({p.prefetch_depth + 1} groups)',
             (p.prefetch_depth + 1) * (gw + go), '(prefetch_depth + 1)·K·P_l·12')
-        copies = gw * (p.params == 'nvme') + go * (p.opt_state == 'nvme')
         add('update', 'host', "host optimizer: the group in AdamW (gradient, outputs, NVMe "
-            "inputs' copies)", 2 * gw + go + copies, 'K·P_l·4 grads + K·P_l·12 outputs'
-            + (' + NVMe inputs in pinned memory' if copies else ''))
+            "inputs' copies)", host_adamw_bytes(gw, go, p.params, p.opt_state, parked=False),
+            'K·P_l·4 grads + K·P_l·12 outputs + NVMe inputs')
     return rows + self._nvme_rows(rows, checkpoint_copies)
 
   def _state_rows(self, sizes: StateSizes) -> list:
@@ -336,10 +347,10 @@ class StepSchedule:
       add('outer_update', 'host' if outer_host_optimizer(p) else 'device',
           f'embedding/head update inputs ({p.prefetch_depth + 1} chunks)',
           (p.prefetch_depth + 1) * 4 * chunk, '(prefetch_depth + 1)·4·4·V_c·D')
-    if outer_host_optimizer(p):  # new p, m, v; NVMe inputs (numpy) copied into pinned memory
-      n = 3 + 4 * (p.embed_head == 'nvme')
+    if outer_host_optimizer(p):
+      working = host_adamw_bytes(chunk, 2 * chunk, p.embed_head, p.embed_head)
       add('outer_update', 'host', "host optimizer: the chunk in AdamW (outputs, NVMe inputs' "
-          'copies)', n * chunk, f'{n}·4·V_c·D')
+          'copies)', working, f'{working / chunk:g}·4·V_c·D')
     add('head', 'device', 'head working set (one vocabulary chunk)',
         chunk + 3 * 4 * batch * seq * chunk_rows + 2 * M * hidden_bytes(cfg, batch, seq)
         + 3 * 4 * M * batch * seq, "4·V_c·D grads + 3·B·S·V_c·4 logits + 2·M·B·S·D·c + lse")
