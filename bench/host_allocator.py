@@ -1,4 +1,5 @@
-"""runtime.allocator 'tuned' against 'system' on whole launch.py runs, side by side; or, with
+"""runtime.allocator 'tuned' and 'bounded' against 'system' on whole launch.py runs, side by side
+(on a resident run 'bounded' trims above the plan's host peak like a streamed one); or, with
 `--vary remat`, model.remat=none against full (the default allocator).
 
   python bench/host_allocator.py                       # tiny config, model.remat=none, 100 steps
@@ -29,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # What a run varies: its name -> (launch.py flags, environment).
 VARIANTS = {
     'allocator': {a: ([f'--config.runtime.allocator={a}'], {'MEGATRAIN_JAX_ALLOCATOR': a})
-                  for a in ('system', 'tuned')},
+                  for a in ('system', 'tuned', 'bounded')},
     'remat': {r: ([f'--config.model.remat={r}'], {}) for r in ('full', 'none')},
 }
 
@@ -77,9 +78,10 @@ def main() -> None:
   for a, m in med.items():
     print(f'| {a} | {m["s_per_step"]:.4f} | {m["user_s"]:.1f} | {m["sys_s"]:.1f} | {m["wall_s"]:.1f} '
           f'| {m["max_rss_mb"]:.0f} |')
-  first, second = names
-  print(f'{second} / {first}: s/step {med[second]["s_per_step"] / med[first]["s_per_step"]:.3f}, '
-        f'max RSS {med[second]["max_rss_mb"] / med[first]["max_rss_mb"]:.3f}')
+  first = names[0]
+  for other in names[1:]:
+    print(f'{other} / {first}: s/step {med[other]["s_per_step"] / med[first]["s_per_step"]:.3f}, '
+          f'max RSS {med[other]["max_rss_mb"] / med[first]["max_rss_mb"]:.3f}')
 
 
 if __name__ == '__main__':

@@ -212,16 +212,17 @@ def get_config() -> ml_collections.ConfigDict:
   # ---------------------------------------------------------------------------------------------
   config.runtime = runtime = ml_collections.ConfigDict()
   runtime.allocator = 'auto'  # Host allocator (megatrain_jax/runtime.py): 'auto' = 'tuned', or
-  #                              'bounded' when the plan streams (state on host/NVMe: buffers
-  #                              >= 128 KiB are returned to the OS when freed, so RSS tracks live
-  #                              memory; 'tuned' keeps the heap's high-water mark); 'tuned' = glibc keeps
-  #                              freed large buffers for reuse (one arena, no mmap'd chunks, no
-  #                              trimming) instead of returning them to the OS and faulting them in
-  #                              again every step; 'system' = glibc's defaults. Applied when the
-  #                              package is imported (MEGATRAIN_JAX_ALLOCATOR=system opts out from
-  #                              the start) and again with this value when training starts.
-  #                              'tuned' named on a streamed run prints a warning: its peak RSS
-  #                              is the heap's high-water mark, which the plan does not bound.
+  #                              'bounded' when the plan streams (state on host/NVMe); 'tuned' =
+  #                              glibc keeps freed large buffers for reuse (one arena, no mmap'd
+  #                              chunks, no trimming) instead of returning them to the OS and
+  #                              faulting them in again every step, so RSS is the heap's
+  #                              high-water mark; 'bounded' = 'tuned' plus a thread that hands the
+  #                              heap's free pages back (malloc_trim) whenever RSS passes the
+  #                              plan's predicted_host_peak_gb, so RSS tracks live memory;
+  #                              'system' = glibc's defaults. Applied when the package is
+  #                              imported (MEGATRAIN_JAX_ALLOCATOR=system opts out from the start)
+  #                              and again with this value when training starts. 'tuned' named on
+  #                              a streamed run prints a warning: the plan does not bound its RSS.
   config.jax_cache_dir = '~/.cache/megatrain_jax/jax'  # Persistent XLA compile cache; '' = off.
   config.hardware = ''  # Hardware profile the planner predicts from: a preset (h100, h200, a100,
   #                       rtx4090, cpu), a JSON file from `launch.py --calibrate`, or '' = auto

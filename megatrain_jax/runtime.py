@@ -15,12 +15,21 @@ allocator = 'tuned' (the default) therefore sets, through mallopt:
                             freed one is reused by the next allocation instead of re-faulted
   M_TRIM_THRESHOLD unlimited  the heap's free top is kept (its pages stay resident)
 Freed memory is then kept by the process and reused, so the resident set is the high-water mark
-of the heap (live bytes at the peak + fragmentation) rather than the bytes live right now; the
-planner's host-memory budget already counts the peak. 'bounded' sets glibc's documented values
-explicitly, which fixes the mmap threshold at 128 KiB (glibc otherwise raises it up to 32 MiB as
-buffers are freed, and per-thread arenas then keep them): every large buffer is returned to the OS
-when freed, so the resident set tracks live memory (streamed runs, where memory is the bound;
-'auto' picks it for them). 'system' leaves glibc as it is.
+of the heap (live bytes at the peak + the holes freed buffers leave between live ones) rather than
+the bytes live right now.
+
+'bounded' (what 'auto' picks for streamed runs, where host memory is the bound) keeps that heap and
+adds a watcher thread: once the resident set is over a limit (`HeapTrimmer`: the plan's
+predicted host peak x TRIM_MARGIN = 1.1, or half the machine's RAM without a plan) it calls
+malloc_trim(0), which hands every free page of the heap back to the OS (its free top and the
+holes inside it), so the resident set tracks live memory. Below the limit nothing is faulted in
+twice. Before, 'bounded' fixed glibc's mmap threshold at 128 KiB, so every buffer over 128 KiB was
+mmap'd and unmapped when freed: XLA:CPU's per-call temporaries and every copy between memory
+kinds were faulted in again on every call (the threshold cannot be raised past 32 MiB, below
+XLA's temporaries). Issue 10's 1b command (all on NVMe, 2 steps; whole-process peak RSS, wall):
+old 'bounded' 2.80 GB in 6:16, this one 2.93 GB in 5:35, 'tuned' 6.67 GB in 4:13; the tiny config
+streamed from the host tier: 0.69-0.72, 0.60 and 0.51 s/step (BENCHMARKS.md). 'system' leaves
+glibc as it is.
 
 The package applies the choice when it is imported (megatrain_jax/__init__.py), before JAX or the
 data pipeline allocate and before their threads start, so launch.py runs, notebooks and library
@@ -33,6 +42,8 @@ which manage their memory their own way) this is a no-op.
 
 import ctypes
 import os
+import threading
+import time
 
 from megatrain_jax.errors import ConfigError
 
@@ -51,7 +62,13 @@ _TUNED = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))  # -1: SIZE
 _DEFAULTS = ((M_ARENA_MAX, 0), (M_MMAP_MAX, 65536), (M_TRIM_THRESHOLD, 128 * 1024),
              (M_MMAP_THRESHOLD, 128 * 1024))
 
-_applied = None  # the allocator setting in force: None (glibc untouched), 'tuned' or 'system'
+# 'bounded' trims above the plan's predicted host peak x TRIM_MARGIN: a run whose prediction is a
+# little low keeps more of the reuse of 'tuned', while its peak RSS stays within the planner's
+# +-20% (bench/memory_accuracy.py, BENCHMARKS.md: at 1.25 the 125m host and NVMe runs peaked at
+# 1.25x their prediction, and 1.1 + a fixed 0.25 GB put 125m on NVMe at 1.3x).
+TRIM_MARGIN = 1.1
+
+_applied = None  # the allocator setting in force: None (glibc untouched) or one of ALLOCATORS
 
 
 def _glibc():
@@ -68,25 +85,117 @@ def _glibc():
   return mallopt
 
 
-def configure_allocator(allocator: str) -> bool:
-  """Applies `allocator` ('tuned' or 'system', see module docstring) to this process; returns
-  whether mallopt accepted every setting (False where there is no glibc). Idempotent; 'system'
-  on a process where 'tuned' was never applied changes nothing."""
+def configure_allocator(allocator: str, host_peak_bytes: float | None = None) -> bool:
+  """Applies `allocator` ('tuned', 'bounded' or 'system', see module docstring) to this process;
+  returns whether mallopt accepted every setting (False where there is no glibc). Idempotent;
+  'system' on a process where 'tuned' was never applied changes nothing. `host_peak_bytes`: for
+  'bounded', the plan's predicted host peak: the heap is trimmed above it x TRIM_MARGIN (None:
+  above half the RAM)."""
   global _applied
   if allocator not in ALLOCATORS:
     raise ConfigError(f'runtime.allocator: {allocator!r} is not one of auto, '
                       f'{", ".join(ALLOCATORS)}.')
-  if allocator == _applied or (allocator == 'system' and _applied in (None, 'bounded')):
+  if allocator == 'bounded':
+    TRIMMER.watch(host_peak_bytes * TRIM_MARGIN if host_peak_bytes else _physical_bytes() / 2)
+  else:
+    TRIMMER.watch(None)
+  if allocator == _applied or (allocator == 'system' and _applied is None):
     return True
   mallopt = _glibc()
   if mallopt is None:
     return False
-  # 'bounded' and 'system' after 'tuned' both set glibc's documented values explicitly; setting
-  # M_MMAP_THRESHOLD turns off glibc's dynamic threshold, so every buffer >= 128 KiB is mmap'd and
-  # handed back when freed (no retained heap: resident memory tracks live memory).
-  ok = all([mallopt(param, value) == 1 for param, value in (_TUNED if allocator == 'tuned' else _DEFAULTS)])
+  # 'system' after another setting restores glibc's documented values (its dynamic mmap threshold
+  # then stays off: buffers >= 128 KiB are mmap'd and handed back when freed).
+  settings = _DEFAULTS if allocator == 'system' else _TUNED  # 'bounded': the heap of 'tuned'
+  ok = all([mallopt(param, value) == 1 for param, value in settings])
   _applied = allocator
   return ok
+
+
+def _physical_bytes() -> int:
+  return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+
+
+def _rss_bytes(statm_fd: int | None = None) -> int:
+  """This process's resident set now (Linux; 0 elsewhere, where nothing is trimmed). `statm_fd`:
+  /proc/self/statm kept open (one pread per check instead of open, read and close)."""
+  try:
+    if statm_fd is not None:
+      return int(os.pread(statm_fd, 128, 0).split()[1]) * _PAGE
+    with open('/proc/self/statm') as f:
+      return int(f.read().split()[1]) * _PAGE
+  except OSError:
+    return 0
+
+
+_PAGE = os.sysconf('SC_PAGE_SIZE')
+
+
+class _MallInfo2(ctypes.Structure):
+  """glibc's struct mallinfo2 (2.33+): byte counts of the malloc heap."""
+  _fields_ = [(name, ctypes.c_size_t) for name in (
+      'arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks', 'fsmblks', 'uordblks',
+      'fordblks', 'keepcost')]
+
+
+class HeapTrimmer:
+  """A daemon thread that calls malloc_trim(0) when the resident set is over `limit` bytes and,
+  since the last trim, has grown by SLACK or SLACK bytes were freed into the heap (mallinfo2's
+  free bytes, less the fewest seen since: pages a trim handed back stay counted as free chunks),
+  checked every POLL_S. So once over the limit the heap holds about SLACK of freed pages above
+  live memory, and below it nothing is trimmed (or faulted in again). Started by the first `watch`;
+  `watch(None)` pauses it. Needs glibc 2.33+ (mallinfo2); older glibc gets no thread."""
+
+  POLL_S, SLACK = 0.01, 128 << 20
+
+  def __init__(self):
+    self.limit = None
+    self.trims = 0  # how many times it trimmed (tests, benchmarks)
+    self._thread = None
+    self._watching = threading.Event()  # set while there is a limit: the thread sleeps otherwise
+    self._lock = threading.Lock()
+    if hasattr(os, 'register_at_fork'):  # a forked child has no thread: start one if it asks
+      os.register_at_fork(after_in_child=self._forget_thread)
+
+  def _forget_thread(self):
+    self._thread = None
+
+  def watch(self, limit: float | None) -> None:
+    self.limit = limit
+    if limit is None or _glibc() is None or not hasattr(ctypes.CDLL(None), 'mallinfo2'):
+      self._watching.clear()
+      return
+    self._watching.set()
+    with self._lock:
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._run, name='megatrain_jax-heap-trimmer',
+                                        daemon=True)
+        self._thread.start()
+
+  def _run(self) -> None:
+    libc = ctypes.CDLL(None)
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    libc.mallinfo2.restype = _MallInfo2
+    # What the last trim left (resident set, free heap bytes); 0 = trim at the next check.
+    rss_left = free_left = 0
+    statm = os.open('/proc/self/statm', os.O_RDONLY)
+    while True:
+      self._watching.wait()
+      time.sleep(self.POLL_S)
+      limit, rss = self.limit, _rss_bytes(statm)
+      if limit is None or rss <= limit:
+        rss_left = free_left = 0  # back over the limit, the first check trims
+        continue
+      free = libc.mallinfo2().fordblks
+      free_left = min(free_left, free)  # freed chunks reused since: their pages are resident
+      if rss - rss_left < self.SLACK and free - free_left < self.SLACK:
+        continue
+      libc.malloc_trim(0)
+      self.trims += 1
+      rss_left, free_left = _rss_bytes(statm), libc.mallinfo2().fordblks
+
+
+TRIMMER = HeapTrimmer()
 
 
 AUTO = 'auto'  # 'tuned', unless the run keeps state on NVMe (see `resolve`)
@@ -94,14 +203,13 @@ AUTO = 'auto'  # 'tuned', unless the run keeps state on NVMe (see `resolve`)
 
 def resolve(allocator: str, streamed: bool) -> str:
   """'auto' -> 'bounded' for streamed runs (state on the host or NVMe tier), else 'tuned'. A
-  streamed run is bounded by host memory, not by page faults, and 'tuned' lets its heap grow past
-  the live bytes: each update allocates a piece's new weights and Adam state while the old ones are
-  live, in sizes that vary by piece, and the freed holes fragment a heap that is never trimmed.
-  Measured (whole-process peak RSS): the 1b shape cut to 2 layers, all on NVMe, one step: 11.0 GB
-  'tuned', 9.0 GB glibc untouched (its dynamic mmap threshold lets freed buffers of up to 32 MiB
-  pile up in per-thread arenas), 3.2 GB 'bounded' (same loss); 125m all on the host tier: 5.67 GB
-  'tuned' after 2 steps and still growing, 4.10 GB 'bounded' after 4. Resident runs get 'tuned'
-  (tiny config: 0.50 vs 0.61 s/step)."""
+  streamed run is bounded by host memory, and 'tuned' alone lets its heap grow past the live bytes:
+  each update allocates a piece's new weights and Adam state while the old ones are live, in sizes
+  that vary by piece, and the freed holes fragment a heap that is never trimmed. Measured
+  (whole-process peak RSS): the 1b shape all on NVMe, 2 steps: 6.67 GB 'tuned' against 2.45
+  predicted; 125m all on the host tier: 5.67 GB 'tuned' after 2 steps and still growing. 'bounded'
+  trims that heap above the plan's peak. Resident runs get 'tuned' (tiny config: 0.50 vs 0.61
+  s/step with glibc untouched)."""
   if allocator == AUTO:
     return 'bounded' if streamed else 'tuned'
   return allocator
@@ -112,14 +220,15 @@ def _runtime_section(config):
   return config.get('runtime') if hasattr(config, 'get') else None
 
 
-def configure(config, streamed: bool = False) -> None:
+def configure(config, streamed: bool = False, host_peak_bytes: float | None = None) -> None:
   """Applies `config.runtime.allocator` ('auto' resolved by `streamed`; a config without a
-  runtime section keeps the setting)."""
+  runtime section keeps the setting). `host_peak_bytes`: the plan's predicted host peak, the
+  limit above which 'bounded' trims the heap."""
   runtime = _runtime_section(config)
   if runtime is not None:
     if runtime.allocator not in ALLOCATORS + (AUTO,):
       configure_allocator(runtime.allocator)  # raises the ConfigError naming the choices
-    configure_allocator(resolve(runtime.allocator, streamed))
+    configure_allocator(resolve(runtime.allocator, streamed), host_peak_bytes)
 
 
 def streamed_tuned_warning(config, streamed: bool) -> str | None:

@@ -457,7 +457,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       if main:
         print(metrics_lib.nothing_to_do(restored.step, config.train.steps), flush=True)
       return {}
-    runtime.configure(config, streamed=plan.placement.streamed)  # 'auto' knows the plan now
+    # 'auto' knows the plan now; 'bounded' trims the heap above the plan's host peak.
+    runtime.configure(config, streamed=plan.placement.streamed,
+                      host_peak_bytes=plan.host_peak_bytes)
     if plan.placement.uses_nvme:  # before the stores are written (each process: its own)
       locked.enter_context(locks.hold_offload_dir(
           distributed.process_dir(plan.placement.dir), workdir))

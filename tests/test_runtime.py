@@ -89,3 +89,45 @@ def test_a_streamed_run_that_asks_for_tuned_is_warned():
   assert runtime.streamed_tuned_warning(config, streamed=False) is None
   assert "'auto' (the default) gives streamed runs 'bounded'" in runtime.streamed_tuned_warning(
       config, streamed=True)
+
+
+# Fills 1 GiB of heap with 16 MiB buffers, frees all but the last (so glibc cannot give the space
+# back by shrinking the heap's top), waits, and prints the resident set before and after the free.
+_TRIM_PROBE = '''
+import json, sys, time
+import numpy as np
+from megatrain_jax import runtime
+np._core.multiarray._set_madvise_hugepage(False)
+limit = runtime._rss_bytes() + (256 << 20)  # the plan's peak that gives this limit:
+runtime.configure_allocator(sys.argv[1], host_peak_bytes=limit / runtime.TRIM_MARGIN)
+buffers = [np.ones(4 << 20, np.float32) for _ in range(64)]  # 64 x 16 MiB, every page touched
+full = runtime._rss_bytes()
+del buffers[:-1]
+time.sleep(0.5)
+print(json.dumps({'full': full, 'after_free': runtime._rss_bytes(), 'trims': runtime.TRIMMER.trims}))
+'''
+
+
+@pytest.mark.skipif(runtime._glibc() is None, reason='mallopt is glibc only')
+def test_bounded_hands_freed_heap_back_above_the_limit_and_tuned_keeps_it():
+  """'bounded' (what streamed runs get) keeps the heap of 'tuned', but once the resident set
+  passes the plan's peak (here: the start + 256 MiB) the trimmer returns the free pages."""
+  def probe(allocator):
+    out = subprocess.run([sys.executable, '-c', _TRIM_PROBE, allocator], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+  gib = 1 << 30
+  tuned, bounded = probe('tuned'), probe('bounded')
+  assert tuned['full'] - tuned['after_free'] < 0.1 * gib  # 'tuned' keeps every freed page
+  assert tuned['trims'] == 0
+  assert bounded['trims'] >= 1
+  assert bounded['full'] - bounded['after_free'] > 0.7 * gib  # ~1 GiB freed, handed back
+
+
+@pytest.mark.skipif(runtime._glibc() is None, reason='mallopt is glibc only')
+def test_bounded_reuses_freed_buffers_below_its_limit():
+  """Below the limit 'bounded' is 'tuned': a freed buffer is reused, not faulted in again (the
+  old 'bounded', glibc's fixed 128 KiB mmap threshold, faulted every XLA temporary per call)."""
+  bounded = _probe('tuned', then='bounded')  # limit: half the RAM (no plan), far above the probe
+  assert bounded['applied'] == 'bounded'
+  assert bounded['faults_per_round'] < PAGES / 10

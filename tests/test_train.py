@@ -9,6 +9,7 @@ import pytest
 
 from megatrain_jax import hardware
 from megatrain_jax import metrics
+from megatrain_jax import runtime
 from megatrain_jax import train
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.errors import ConfigError, TrainingDivergedError
@@ -186,3 +187,32 @@ def test_a_streamed_run_that_asks_for_the_tuned_allocator_is_warned(tmp_path, sh
   out = capsys.readouterr().out.splitlines()
   assert len([line for line in out if line.startswith("warning: runtime.allocator='tuned'")]) == 1
   assert read_rows(tmp_path)[-1]['step'] == 1
+
+
+def test_a_streamed_run_trims_the_heap_above_its_plans_host_peak(tmp_path, shared_data,
+                                                                monkeypatch):
+  """'auto' on a streamed run: 'bounded', its trimmer watching the plan's predicted host peak
+  (x runtime.TRIM_MARGIN); a resident run afterwards: 'tuned', the trimmer paused."""
+  plans, resolve_plan = [], train.resolve_plan
+
+  def recording(*args, **kwargs):
+    resolved = resolve_plan(*args, **kwargs)
+    plans.append(resolved[2])  # (config, hardware, plan, restored)
+    return resolved
+
+  monkeypatch.setattr(train, 'resolve_plan', recording)
+  text = shared_data / 'tinyshakespeare' / 'input.txt'
+  try:
+    train.train_and_evaluate(small_config(text, train__steps=1, checkpoint__every=0,
+                                          offload__params='host', offload__opt_state='host'),
+                             str(tmp_path / 'streamed'))
+    if runtime.applied() is None:  # no glibc: nothing to configure
+      return
+    assert plans[-1].placement.streamed and runtime.applied() == 'bounded'
+    assert runtime.TRIMMER.limit == pytest.approx(plans[-1].host_peak_bytes * runtime.TRIM_MARGIN)
+    train.train_and_evaluate(small_config(text, train__steps=1, checkpoint__every=0),
+                             str(tmp_path / 'resident'))
+    assert not plans[-1].placement.streamed
+    assert runtime.applied() == 'tuned' and runtime.TRIMMER.limit is None
+  finally:
+    runtime.configure_allocator('tuned')
