@@ -24,4 +24,4 @@ PINNED_LIMIT_FROM_USER = (PINNED_LIMIT_ENV in _os.environ
                           and _os.environ[PINNED_LIMIT_ENV] != _os.environ.get(_PINNED_LIMIT_OURS))
 if not PINNED_LIMIT_FROM_USER:
   _os.environ[PINNED_LIMIT_ENV] = _os.environ[_PINNED_LIMIT_OURS] = str(
-      _os.sysconf('SC_PHYS_PAGES') * _os.sysconf('SC_PAGE_SIZE') // 2 ** 30)
+      _runtime.physical_memory_bytes() // 2 ** 30)

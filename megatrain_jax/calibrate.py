@@ -21,7 +21,8 @@ from megatrain_jax import model as model_lib
 from megatrain_jax import layout as layout_lib
 from megatrain_jax import optim
 from megatrain_jax.hardware import (PRESETS, HardwareProfile, device_memory_gb, machine_memory_gb,
-                                    preset_for, process_rss_bytes)
+                                    preset_for)
+from megatrain_jax.runtime import process_rss_bytes
 from megatrain_jax.tiers import codecs
 
 _GB = 1e9

@@ -35,6 +35,7 @@ import shutil
 
 from megatrain_jax import fs
 from megatrain_jax import layout
+from megatrain_jax import runtime
 from megatrain_jax.errors import ConfigError
 
 PROFILE_CACHE = pathlib.Path('~/.cache/megatrain_jax/hardware.json')
@@ -228,17 +229,7 @@ def datasheet_peak_tflops(device_kind: str, dtype: str, precision: str) -> float
 
 
 def machine_memory_gb() -> float:
-  return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / _GB
-
-
-def process_rss_bytes() -> int | None:
-  """This process's resident memory now (Linux: /proc/self/statm), or None where it cannot be
-  read."""
-  try:
-    with open('/proc/self/statm') as f:
-      return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
-  except (OSError, ValueError, IndexError):
-    return None
+  return runtime.physical_memory_bytes() / _GB
 
 
 def _fill_sizes(profile: HardwareProfile) -> HardwareProfile:

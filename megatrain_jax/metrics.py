@@ -11,7 +11,6 @@ run that beats it would read as "mfu 100.4%".
 
 import json
 import math
-import os
 import pathlib
 import resource
 import time
@@ -20,6 +19,7 @@ import tensorboardX
 import tqdm
 
 from megatrain_jax import fs
+from megatrain_jax import runtime
 from megatrain_jax.errors import TrainingDivergedError
 
 
@@ -152,10 +152,8 @@ class MetricsWriter:
 def host_memory_gb() -> dict:
   """This process's resident memory now and at its peak so far, in GB (1e9 bytes): what the
   planner's `predicted_host_peak_gb` predicts (Linux: /proc/self/statm and ru_maxrss, in KiB)."""
-  with open('/proc/self/statm') as f:
-    rss_pages = int(f.read().split()[1])
   peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  return {'perf/host_rss_gb': rss_pages * os.sysconf('SC_PAGE_SIZE') / 1e9,
+  return {'perf/host_rss_gb': (runtime.process_rss_bytes() or 0) / 1e9,
           'perf/host_peak_gb': peak_kib * 1024 / 1e9}
 
 

@@ -129,6 +129,7 @@ from megatrain_jax import layout
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax import partition
+from megatrain_jax import runtime
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.hardware import HardwareProfile
 from megatrain_jax.model import ModelConfig
@@ -651,7 +652,7 @@ def measured_baseline_bytes(hw: HardwareProfile) -> float | None:
   the same plan."""
   if not describes_this_machine(hw) or jax.process_count() > 1:
     return None
-  rss = hardware.process_rss_bytes()
+  rss = runtime.process_rss_bytes()
   return float(rss) if rss else None
 
 

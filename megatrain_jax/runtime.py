@@ -96,7 +96,7 @@ def configure_allocator(allocator: str, host_peak_bytes: float | None = None) ->
     raise ConfigError(f'runtime.allocator: {allocator!r} is not one of auto, '
                       f'{", ".join(ALLOCATORS)}.')
   if allocator == 'bounded':
-    TRIMMER.watch(host_peak_bytes * TRIM_MARGIN if host_peak_bytes else _physical_bytes() / 2)
+    TRIMMER.watch(host_peak_bytes * TRIM_MARGIN if host_peak_bytes else physical_memory_bytes() / 2)
   else:
     TRIMMER.watch(None)
   if allocator == _applied or (allocator == 'system' and _applied is None):
@@ -112,20 +112,22 @@ def configure_allocator(allocator: str, host_peak_bytes: float | None = None) ->
   return ok
 
 
-def _physical_bytes() -> int:
+def physical_memory_bytes() -> int:
+  """This machine's RAM (sysconf)."""
   return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
 
 
-def _rss_bytes(statm_fd: int | None = None) -> int:
-  """This process's resident set now (Linux; 0 elsewhere, where nothing is trimmed). `statm_fd`:
-  /proc/self/statm kept open (one pread per check instead of open, read and close)."""
+def process_rss_bytes(statm_fd: int | None = None) -> int | None:
+  """This process's resident memory now (Linux: /proc/self/statm), or None where it cannot be
+  read. `statm_fd`: that file kept open (one pread per call instead of open, read and close: the
+  trimmer's check)."""
   try:
     if statm_fd is not None:
       return int(os.pread(statm_fd, 128, 0).split()[1]) * _PAGE
     with open('/proc/self/statm') as f:
       return int(f.read().split()[1]) * _PAGE
-  except OSError:
-    return 0
+  except (OSError, ValueError, IndexError):
+    return None
 
 
 _PAGE = os.sysconf('SC_PAGE_SIZE')
@@ -176,13 +178,17 @@ class HeapTrimmer:
     libc = ctypes.CDLL(None)
     libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
     libc.mallinfo2.restype = _MallInfo2
+    read_rss = process_rss_bytes  # bound once: a test's monkeypatch never reaches the thread
+    try:
+      statm = os.open('/proc/self/statm', os.O_RDONLY)
+    except OSError:
+      return  # no /proc: nothing to watch
     # What the last trim left (resident set, free heap bytes); 0 = trim at the next check.
     rss_left = free_left = 0
-    statm = os.open('/proc/self/statm', os.O_RDONLY)
     while True:
       self._watching.wait()
       time.sleep(self.POLL_S)
-      limit, rss = self.limit, _rss_bytes(statm)
+      limit, rss = self.limit, read_rss(statm) or 0
       if limit is None or rss <= limit:
         rss_left = free_left = 0  # back over the limit, the first check trims
         continue
@@ -192,7 +198,7 @@ class HeapTrimmer:
         continue
       libc.malloc_trim(0)
       self.trims += 1
-      rss_left, free_left = _rss_bytes(statm), libc.mallinfo2().fordblks
+      rss_left, free_left = read_rss(statm) or 0, libc.mallinfo2().fordblks
 
 
 TRIMMER = HeapTrimmer()

@@ -19,6 +19,7 @@ from megatrain_jax import config as config_lib
 from megatrain_jax import hardware
 from megatrain_jax import optim
 from megatrain_jax import planner
+from megatrain_jax import runtime
 from megatrain_jax import train
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
@@ -369,13 +370,13 @@ def test_runtime_baseline_is_measured_for_this_machine_and_the_profile_plans_ano
   config = config_lib.load_config('tiny', hardware='cpu')
   cpu = hardware.load_profile('cpu')
   assert cpu.device_kind == jax.devices()[0].device_kind  # the CPU backend: this machine
-  monkeypatch.setattr(hardware, 'process_rss_bytes', lambda: 123_000_000)
+  monkeypatch.setattr(runtime, 'process_rss_bytes', lambda: 123_000_000)
   own = planner.plan_run(config, cpu, disk_free_gb=100.0)
   rows = _runtime_rows(own)
   assert rows[planner.RUNTIME_ROW].bytes == 123_000_000
   assert 'measured' in rows[planner.RUNTIME_ROW].formula
   assert rows[planner.PROGRAMS_ROW].bytes == pytest.approx(cpu.programs_host_gb * _GB)
-  monkeypatch.setattr(hardware, 'process_rss_bytes', lambda: 223_000_000)
+  monkeypatch.setattr(runtime, 'process_rss_bytes', lambda: 223_000_000)
   grown = planner.plan_run(config, cpu, disk_free_gb=100.0)
   assert grown.host_peak_bytes - own.host_peak_bytes == pytest.approx(100_000_000)
   # Another machine's profile: its figures, whatever this process holds.

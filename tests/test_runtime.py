@@ -99,16 +99,16 @@ import json, sys, time
 import numpy as np
 from megatrain_jax import runtime
 np._core.multiarray._set_madvise_hugepage(False)
-limit = runtime._rss_bytes() + (256 << 20)  # the plan's peak that gives this limit:
+limit = runtime.process_rss_bytes() + (256 << 20)  # the plan's peak that gives this limit:
 runtime.configure_allocator(sys.argv[1], host_peak_bytes=limit / runtime.TRIM_MARGIN)
 buffers = [np.ones(4 << 20, np.float32) for _ in range(64)]  # 64 x 16 MiB, every page touched
-full = runtime._rss_bytes()
+full = runtime.process_rss_bytes()
 del buffers[:-1]
 deadline = time.monotonic() + 5  # the trimmer checks every 10 ms; a loaded machine delays it
-while time.monotonic() < deadline and full - runtime._rss_bytes() < (768 << 20):
+while time.monotonic() < deadline and full - runtime.process_rss_bytes() < (768 << 20):
   time.sleep(0.05)
 time.sleep(0.2)  # and 'tuned', which never trims, gets the same time
-print(json.dumps({'full': full, 'after_free': runtime._rss_bytes(), 'trims': runtime.TRIMMER.trims}))
+print(json.dumps({'full': full, 'after_free': runtime.process_rss_bytes(), 'trims': runtime.TRIMMER.trims}))
 '''
 
 
