@@ -22,10 +22,9 @@ g, m, v at DRAM bandwidth, so where those arrays lie and what else uses the memo
 implementation by up to 2x between processes (on the 2-core CI VM one layout of the same 64M arrays
 ran torch and apply_adamw alike at 0.45-0.7 Gparam/s, another at 1.3-1.5; BENCHMARKS.md), which a
 comparison across processes mixes into the ratio. `--allocator`: the host allocator of the
-processes that allocate through JAX (runtime.py): 'bounded' by default, since runs with
-offload.optimizer_on='host' are streamed and runtime.allocator 'auto' gives every streamed run
-'bounded'; 'tuned' is the package's import-time default (resident runs); 'system' leaves glibc as
-it is. torch's own process always has glibc's defaults.
+processes that allocate through JAX (runtime.py): 'tuned' by default, what every run gets
+(these processes stay far below its trim limit); 'system' leaves glibc as it is. torch's own
+process always has glibc's defaults.
 """
 
 import argparse
@@ -152,9 +151,9 @@ def main() -> None:
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--mof', choices=('on', 'off', 'both'), default='on')
-  parser.add_argument('--allocator', choices=('bounded', 'tuned', 'system'), default='bounded',
+  parser.add_argument('--allocator', choices=('tuned', 'system'), default='tuned',
                       help="host allocator of the processes that allocate through JAX "
-                           "(default: 'bounded', what host-optimizer runs use)")
+                           "(default: 'tuned', what every run uses)")
   parser.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
   parser.add_argument('--impl', help=argparse.SUPPRESS)
   parser.add_argument('--size', type=int, help=argparse.SUPPRESS)

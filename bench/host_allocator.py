@@ -1,5 +1,4 @@
-"""runtime.allocator 'tuned' and 'bounded' against 'system' on whole launch.py runs, side by side
-(on a resident run 'bounded' trims above the plan's host peak like a streamed one); or, with
+"""runtime.allocator 'tuned' against 'system' on whole launch.py runs, side by side; or, with
 `--vary remat`, model.remat=none against full (the default allocator).
 
   python bench/host_allocator.py                       # tiny config, model.remat=none, 100 steps
@@ -30,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # What a run varies: its name -> (launch.py flags, environment).
 VARIANTS = {
     'allocator': {a: ([f'--config.runtime.allocator={a}'], {'MEGATRAIN_JAX_ALLOCATOR': a})
-                  for a in ('system', 'tuned', 'bounded')},
+                  for a in ('system', 'tuned')},
     'remat': {r: ([f'--config.model.remat={r}'], {}) for r in ('full', 'none')},
 }
 

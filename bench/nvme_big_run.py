@@ -79,10 +79,10 @@ def main():
   directory = pathlib.Path(args.dir)
   model = MODELS[args.model]
   directory.mkdir(parents=True, exist_ok=True)
-  # What train.py's allocator 'auto' picks for a streamed run (runtime.py): the heap is trimmed
-  # whenever the resident set passes the host buffer plus ~1 GB of runtime, so the
-  # peak RSS tracks live memory (the package applies 'tuned' at import).
-  runtime.configure_allocator('bounded', host_peak_bytes=(args.host_buffer_gb + 1) * 1e9)
+  # What train.py sets for a streamed run (runtime.trim_limit): the 'tuned' heap is trimmed
+  # whenever the resident set passes the host buffer plus ~1 GB of runtime (x TRIM_MARGIN), so
+  # the peak RSS tracks live memory (the package applies 'tuned' without a limit at import).
+  runtime.configure_allocator('tuned', (args.host_buffer_gb + 1) * 1e9 * runtime.TRIM_MARGIN)
 
   raw = raw_read_gbps(directory)
   print('raw disk read (dd):', json.dumps(raw), flush=True)

@@ -14,10 +14,10 @@ loop, extra dispatches, copies between memory kinds, the recompute schedule), no
 columns (the process's CPU time per step, all threads) are the work done: on a machine other
 processes load, wall time says more about them than about the engines.
 
-The process runs under the allocator the package applies at import ('tuned', or
-MEGATRAIN_JAX_ALLOCATOR): one setting for every engine. A launch.py streamed run gets 'bounded'
-(runtime.py), which trims the heap above the plan's host peak; bench/host_allocator.py compares
-the allocators on whole runs.
+The process runs under the allocator the package applies at import ('tuned' without a trim
+limit, or MEGATRAIN_JAX_ALLOCATOR): one setting for every engine. A launch.py streamed run also
+trims its heap above the plan's host peak x 1.1 (runtime.trim_limit); bench/host_allocator.py
+compares the allocators on whole runs.
 """
 
 import argparse

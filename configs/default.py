@@ -211,18 +211,16 @@ def get_config() -> ml_collections.ConfigDict:
   # Runtime.
   # ---------------------------------------------------------------------------------------------
   config.runtime = runtime = ml_collections.ConfigDict()
-  runtime.allocator = 'auto'  # Host allocator (megatrain_jax/runtime.py): 'auto' = 'tuned', or
-  #                              'bounded' when the plan streams (state on host/NVMe); 'tuned' =
-  #                              glibc keeps freed large buffers for reuse (one arena, no mmap'd
-  #                              chunks, no trimming) instead of returning them to the OS and
-  #                              faulting them in again every step, so RSS is the heap's
-  #                              high-water mark; 'bounded' = 'tuned' plus a thread that hands the
-  #                              heap's free pages back (malloc_trim) whenever RSS passes the
-  #                              plan's predicted_host_peak_gb, so RSS tracks live memory;
-  #                              'system' = glibc's defaults. Applied when the package is
-  #                              imported (MEGATRAIN_JAX_ALLOCATOR=system opts out from the start)
-  #                              and again with this value when training starts. 'tuned' named on
-  #                              a streamed run prints a warning: the plan does not bound its RSS.
+  runtime.allocator = 'tuned'  # Host allocator (megatrain_jax/runtime.py): 'tuned' = glibc keeps
+  #                               freed large buffers for reuse (one arena, no mmap'd chunks, no
+  #                               automatic trimming) instead of returning them to the OS and
+  #                               faulting them in again every step, while a thread hands the
+  #                               heap's free pages back (malloc_trim) whenever RSS passes the
+  #                               plan's predicted_host_peak_gb x 1.1 (streamed runs; resident
+  #                               runs keep their heap), so RSS tracks live memory; 'system' =
+  #                               glibc's defaults. Applied when the package is imported
+  #                               (MEGATRAIN_JAX_ALLOCATOR=system opts out from the start) and
+  #                               again with this value when training starts.
   config.jax_cache_dir = '~/.cache/megatrain_jax/jax'  # Persistent XLA compile cache; '' = off.
   config.hardware = ''  # Hardware profile the planner predicts from: a preset (h100, h200, a100,
   #                       rtx4090, cpu), a JSON file from `launch.py --calibrate`, or '' = auto

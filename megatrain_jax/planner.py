@@ -154,10 +154,10 @@ RESIDENT_INIT_TEMP_RATIO = 1.67
 # Host memory each compiled program keeps for the rest of the process (its machine code and what
 # compiling it left in the heap; jax.clear_caches() does not give it back): 5.4, 5.0 and 3.9 MB
 # per program, compiling 12-48 vocabulary-chunk inits of a d_model 256, 768 and 2048 model on
-# XLA:CPU under the 'bounded' allocator. It matters where a run compiles one program per piece: a
-# fresh streamed init draws each vocabulary chunk with its bounds static (engine/streamed.py): a
-# 131k-vocabulary d_model 256 model (24 chunks at K=2, its state all on NVMe) held 0.21 GB more
-# after its engine's init than before it.
+# XLA:CPU under the 'tuned' allocator, trimmed above the plan's peak. It matters where a run
+# compiles one program per piece: a fresh streamed init draws each vocabulary chunk with its
+# bounds static (engine/streamed.py): a 131k-vocabulary d_model 256 model (24 chunks at K=2, its
+# state all on NVMe) held 0.21 GB more after its engine's init than before it.
 PROGRAM_HOST_BYTES = 5e6
 
 _GB = 1e9

@@ -14,22 +14,25 @@ allocator = 'tuned' (the default) therefore sets, through mallopt:
   M_MMAP_MAX       0        no mmap'd chunks: large buffers come from the heap (brk), where a
                             freed one is reused by the next allocation instead of re-faulted
   M_TRIM_THRESHOLD unlimited  the heap's free top is kept (its pages stay resident)
-Freed memory is then kept by the process and reused, so the resident set is the high-water mark
-of the heap (live bytes at the peak + the holes freed buffers leave between live ones) rather than
-the bytes live right now.
+Freed memory is then kept by the process and reused, so the resident set would be the high-water
+mark of the heap (live bytes at the peak + the holes freed buffers leave between live ones) rather
+than the bytes live right now. A streamed run is bounded by host memory, and there that high-water
+mark runs away: each update allocates a piece's new weights and Adam state while the old ones are
+live, in sizes that vary by piece, and the holes fragment a heap that is never trimmed (1b all on
+NVMe, 2 steps: 6.67 GB against 2.45 predicted; 125m on the host tier: 5.67 GB after 2 steps and
+still growing). So 'tuned' also runs a watcher thread (`HeapTrimmer`): once the resident set is
+over a limit it calls malloc_trim(0), which hands every free page of the heap back to the OS (its
+free top and the holes inside it), and the resident set tracks live memory. train.py sets the
+limit to the plan's predicted host peak x TRIM_MARGIN = 1.1 for a streamed run (`trim_limit`);
+resident runs, and processes that never configure a run (library use, notebooks building engines
+themselves), get no limit. Below the limit nothing is faulted in twice.
 
-'bounded' (what 'auto' picks for streamed runs, where host memory is the bound) keeps that heap and
-adds a watcher thread: once the resident set is over a limit (`HeapTrimmer`: the plan's
-predicted host peak x TRIM_MARGIN = 1.1, or half the machine's RAM without a plan) it calls
-malloc_trim(0), which hands every free page of the heap back to the OS (its free top and the
-holes inside it), so the resident set tracks live memory. Below the limit nothing is faulted in
-twice. Before, 'bounded' fixed glibc's mmap threshold at 128 KiB, so every buffer over 128 KiB was
-mmap'd and unmapped when freed: XLA:CPU's per-call temporaries and every copy between memory
-kinds were faulted in again on every call (the threshold cannot be raised past 32 MiB, below
-XLA's temporaries). Issue 10's 1b command (all on NVMe, 2 steps; whole-process peak RSS, wall):
-old 'bounded' 2.80 GB in 6:16, this one 2.93 GB in 5:35, 'tuned' 6.67 GB in 4:13; the tiny config
-streamed from the host tier: 0.69-0.72, 0.60 and 0.51 s/step (BENCHMARKS.md). 'system' leaves
-glibc as it is.
+Measured (BENCHMARKS.md, "One allocator"): issue 10's 1b command (all on NVMe, 2 steps;
+whole-process peak RSS, wall) 2.91-3.12 GB in 4:57-5:19 against 6.67 GB in 4:13 with the heap
+never trimmed and 2.80 GB in 6:16 with glibc's mmap threshold pinned at 128 KiB (which faults
+every XLA:CPU temporary in again on every call; the threshold cannot be raised past 32 MiB, below
+XLA's temporaries); the tiny config streamed from the host tier: 0.464 s/step against 0.519 with
+glibc untouched. 'system' leaves glibc as it is.
 
 The package applies the choice when it is imported (megatrain_jax/__init__.py), before JAX or the
 data pipeline allocate and before their threads start, so launch.py runs, notebooks and library
@@ -47,7 +50,7 @@ import time
 
 from megatrain_jax.errors import ConfigError
 
-ALLOCATORS = ('tuned', 'bounded', 'system')
+ALLOCATORS = ('tuned', 'system')
 ENV = 'MEGATRAIN_JAX_ALLOCATOR'  # read at import, before a config exists
 
 # mallopt parameter numbers (<malloc.h>).
@@ -62,10 +65,10 @@ _TUNED = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))  # -1: SIZE
 _DEFAULTS = ((M_ARENA_MAX, 0), (M_MMAP_MAX, 65536), (M_TRIM_THRESHOLD, 128 * 1024),
              (M_MMAP_THRESHOLD, 128 * 1024))
 
-# 'bounded' trims above the plan's predicted host peak x TRIM_MARGIN: a run whose prediction is a
-# little low keeps more of the reuse of 'tuned', while its peak RSS stays within the planner's
-# +-20% (bench/memory_accuracy.py, BENCHMARKS.md: at 1.25 the 125m host and NVMe runs peaked at
-# 1.25x their prediction, and 1.1 + a fixed 0.25 GB put 125m on NVMe at 1.3x).
+# A streamed run's heap is trimmed above the plan's predicted host peak x TRIM_MARGIN: a run whose
+# prediction is a little low keeps more of the heap's reuse, while its peak RSS stays within the
+# planner's +-20% (bench/memory_accuracy.py, BENCHMARKS.md: at 1.25 the 125m host and NVMe runs
+# peaked at 1.25x their prediction, and 1.1 + a fixed 0.25 GB put 125m on NVMe at 1.3x).
 TRIM_MARGIN = 1.1
 
 _applied = None  # the allocator setting in force: None (glibc untouched) or one of ALLOCATORS
@@ -85,28 +88,23 @@ def _glibc():
   return mallopt
 
 
-def configure_allocator(allocator: str, host_peak_bytes: float | None = None) -> bool:
-  """Applies `allocator` ('tuned', 'bounded' or 'system', see module docstring) to this process;
-  returns whether mallopt accepted every setting (False where there is no glibc). Idempotent;
-  'system' on a process where 'tuned' was never applied changes nothing. `host_peak_bytes`: for
-  'bounded', the plan's predicted host peak: the heap is trimmed above it x TRIM_MARGIN (None:
-  above half the RAM)."""
+def configure_allocator(allocator: str, trim_above: float | None = None) -> bool:
+  """Applies `allocator` ('tuned' or 'system', see module docstring) to this process; returns
+  whether mallopt accepted every setting (False where there is no glibc). Idempotent; 'system' on
+  a process where 'tuned' was never applied changes nothing. `trim_above`: for 'tuned', the
+  resident set in bytes above which its heap is trimmed (None: never)."""
   global _applied
   if allocator not in ALLOCATORS:
-    raise ConfigError(f'runtime.allocator: {allocator!r} is not one of auto, '
-                      f'{", ".join(ALLOCATORS)}.')
-  if allocator == 'bounded':
-    TRIMMER.watch(host_peak_bytes * TRIM_MARGIN if host_peak_bytes else physical_memory_bytes() / 2)
-  else:
-    TRIMMER.watch(None)
+    raise ConfigError(f'runtime.allocator: {allocator!r} is not one of {", ".join(ALLOCATORS)}.')
+  TRIMMER.watch(trim_above if allocator == 'tuned' else None)
   if allocator == _applied or (allocator == 'system' and _applied is None):
     return True
   mallopt = _glibc()
   if mallopt is None:
     return False
-  # 'system' after another setting restores glibc's documented values (its dynamic mmap threshold
-  # then stays off: buffers >= 128 KiB are mmap'd and handed back when freed).
-  settings = _DEFAULTS if allocator == 'system' else _TUNED  # 'bounded': the heap of 'tuned'
+  # 'system' after 'tuned' restores glibc's documented values (its dynamic mmap threshold then
+  # stays off: buffers >= 128 KiB are mmap'd and handed back when freed).
+  settings = _DEFAULTS if allocator == 'system' else _TUNED
   ok = all([mallopt(param, value) == 1 for param, value in settings])
   _applied = allocator
   return ok
@@ -204,49 +202,23 @@ class HeapTrimmer:
 TRIMMER = HeapTrimmer()
 
 
-AUTO = 'auto'  # 'tuned', unless the run keeps state on NVMe (see `resolve`)
-
-
-def resolve(allocator: str, streamed: bool) -> str:
-  """'auto' -> 'bounded' for streamed runs (state on the host or NVMe tier), else 'tuned'. A
-  streamed run is bounded by host memory, and 'tuned' alone lets its heap grow past the live bytes:
-  each update allocates a piece's new weights and Adam state while the old ones are live, in sizes
-  that vary by piece, and the freed holes fragment a heap that is never trimmed. Measured
-  (whole-process peak RSS): the 1b shape all on NVMe, 2 steps: 6.67 GB 'tuned' against 2.45
-  predicted; 125m all on the host tier: 5.67 GB 'tuned' after 2 steps and still growing. 'bounded'
-  trims that heap above the plan's peak. Resident runs get 'tuned' (tiny config: 0.50 vs 0.61
-  s/step with glibc untouched)."""
-  if allocator == AUTO:
-    return 'bounded' if streamed else 'tuned'
-  return allocator
-
-
-def _runtime_section(config):
-  """`config.runtime`, or None for a config without that section."""
-  return config.get('runtime') if hasattr(config, 'get') else None
+def trim_limit(streamed: bool, host_peak_bytes: float | None) -> float | None:
+  """Where a run's 'tuned' heap is trimmed: above the plan's predicted host peak x TRIM_MARGIN
+  for a streamed run (host memory is its bound); never for a resident run, whose heap keeps its
+  high-water mark for speed (tiny config: 0.50 vs 0.61 s/step with glibc untouched) and whose
+  plan on a CPU backend sits within 0.87-1.11x of its peak (bench/memory_accuracy.py): a limit
+  there would trim the default tiny run on every step."""
+  if streamed and host_peak_bytes:
+    return host_peak_bytes * TRIM_MARGIN
+  return None
 
 
 def configure(config, streamed: bool = False, host_peak_bytes: float | None = None) -> None:
-  """Applies `config.runtime.allocator` ('auto' resolved by `streamed`; a config without a
-  runtime section keeps the setting). `host_peak_bytes`: the plan's predicted host peak, the
-  limit above which 'bounded' trims the heap."""
-  runtime = _runtime_section(config)
+  """Applies `config.runtime.allocator` (a config without a runtime section keeps the setting),
+  with the trim limit of `trim_limit`: `host_peak_bytes` is the plan's predicted host peak."""
+  runtime = config.get('runtime') if hasattr(config, 'get') else None
   if runtime is not None:
-    if runtime.allocator not in ALLOCATORS + (AUTO,):
-      configure_allocator(runtime.allocator)  # raises the ConfigError naming the choices
-    configure_allocator(resolve(runtime.allocator, streamed), host_peak_bytes)
-
-
-def streamed_tuned_warning(config, streamed: bool) -> str | None:
-  """The console line for a streamed run whose `config.runtime.allocator` asks for 'tuned' by
-  name: its peak RSS is the heap's high-water mark, which the planner's predicted_host_peak_gb
-  does not bound (`resolve`). None otherwise."""
-  runtime = _runtime_section(config)
-  if runtime is None or runtime.allocator != 'tuned' or not streamed:
-    return None
-  return ("warning: runtime.allocator='tuned' on a streamed run keeps every freed buffer in the "
-          'heap, so peak RSS can exceed the plan several-fold (1b, all on NVMe: 6.67 GB against '
-          "2.45 predicted); 'auto' (the default) gives streamed runs 'bounded'.")
+    configure_allocator(runtime.allocator, trim_limit(streamed, host_peak_bytes))
 
 
 def applied() -> str | None:

@@ -450,14 +450,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
     if main:
       _print_workdir(config, plan, workdir)
-      warning = runtime.streamed_tuned_warning(config, plan.placement.streamed)
-      if warning:
-        print(warning, flush=True)
     if restored is not None and restored.step >= config.train.steps:  # a finished run, rerun
       if main:
         print(metrics_lib.nothing_to_do(restored.step, config.train.steps), flush=True)
       return {}
-    # 'auto' knows the plan now; 'bounded' trims the heap above the plan's host peak.
+    # A streamed run's heap is trimmed above the plan's host peak (runtime.trim_limit).
     runtime.configure(config, streamed=plan.placement.streamed,
                       host_peak_bytes=plan.host_peak_bytes)
     if plan.placement.uses_nvme:  # before the stores are written (each process: its own)

@@ -1,4 +1,5 @@
-"""runtime.py: the tuned allocator keeps large freed buffers for reuse; 'system' leaves glibc be."""
+"""runtime.py: the tuned allocator keeps large freed buffers for reuse and trims its heap above a
+limit; 'system' leaves glibc be."""
 
 import json
 import os
@@ -12,14 +13,15 @@ from megatrain_jax.errors import ConfigError
 
 # Allocates and frees a 64 MiB buffer 8 times, from the main thread and from a worker thread (whose
 # allocations would go to a per-thread arena), touching every page; prints minor page faults per
-# round. `then` is applied with configure_allocator after the import-time setting.
+# round. `then` is applied with configure_allocator after the import-time setting, with
+# `trim_above` (bytes) as its trim limit.
 _PROBE = '''
 import json, resource, sys, threading
 import numpy as np
 from megatrain_jax import runtime
 np._core.multiarray._set_madvise_hugepage(False)  # 4 KiB pages: one fault per page touched
 if sys.argv[1] != '-':
-  runtime.configure_allocator(sys.argv[1])
+  runtime.configure_allocator(sys.argv[1], None if sys.argv[2] == '-' else float(sys.argv[2]))
 def churn():
   for _ in range(8):
     a = np.ones(16 << 20, np.float32)
@@ -34,9 +36,10 @@ print(json.dumps({'faults_per_round': faults / 16, 'applied': runtime.applied()}
 PAGES = (64 << 20) // 4096
 
 
-def _probe(env_allocator: str, then: str = '-') -> dict:
+def _probe(env_allocator: str, then: str = '-', trim_above: float | None = None) -> dict:
   env = dict(os.environ, MEGATRAIN_JAX_ALLOCATOR=env_allocator)
-  out = subprocess.run([sys.executable, '-c', _PROBE, then], env=env, capture_output=True,
+  limit = '-' if trim_above is None else str(trim_above)
+  out = subprocess.run([sys.executable, '-c', _PROBE, then, limit], env=env, capture_output=True,
                        text=True, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -57,13 +60,19 @@ def test_rejects_unknown_allocator():
 
 
 def test_configure_reads_the_config_section():
+  """A run's trim limit: the plan's host peak x TRIM_MARGIN when it streams, else none."""
   from configs import default  # pylint: disable=import-outside-toplevel
   config = default.get_config()
-  assert config.runtime.allocator == 'auto'
-  assert runtime.resolve('auto', streamed=True) == 'bounded'
-  assert runtime.resolve('auto', streamed=False) == 'tuned'
-  runtime.configure(config)
-  assert runtime.applied() in ('tuned', None)  # None where there is no glibc
+  assert config.runtime.allocator == 'tuned'
+  assert runtime.trim_limit(True, 2e9) == pytest.approx(2e9 * runtime.TRIM_MARGIN)
+  assert runtime.trim_limit(False, 2e9) is None
+  try:
+    runtime.configure(config, streamed=True, host_peak_bytes=2e9)
+    assert runtime.applied() in ('tuned', None)  # None where there is no glibc
+    assert runtime.TRIMMER.limit == pytest.approx(2e9 * runtime.TRIM_MARGIN)
+  finally:
+    runtime.configure_allocator('tuned')  # the import-time setting: no trim limit
+  assert runtime.TRIMMER.limit is None
 
 
 def test_multi_output_fusion_flag_is_opt_in():
@@ -78,19 +87,6 @@ def test_multi_output_fusion_flag_is_opt_in():
       '--xla_backend_extra_options=foo')
 
 
-def test_a_streamed_run_that_asks_for_tuned_is_warned():
-  """'tuned' named on a streamed run gets a warning line (its peak RSS is the heap's high-water
-  mark, which the plan does not bound); not under 'auto', and not for a resident run.
-  test_train.py checks that the trainer prints it."""
-  from configs import default  # pylint: disable=import-outside-toplevel
-  config = default.get_config()
-  assert runtime.streamed_tuned_warning(config, streamed=True) is None  # 'auto'
-  config.runtime.allocator = 'tuned'
-  assert runtime.streamed_tuned_warning(config, streamed=False) is None
-  assert "'auto' (the default) gives streamed runs 'bounded'" in runtime.streamed_tuned_warning(
-      config, streamed=True)
-
-
 # Fills 1 GiB of heap with 16 MiB buffers, frees all but the last (so glibc cannot give the space
 # back by shrinking the heap's top), waits (up to 5 s for the trimmer), and prints the resident set
 # before and after the free.
@@ -99,39 +95,40 @@ import json, sys, time
 import numpy as np
 from megatrain_jax import runtime
 np._core.multiarray._set_madvise_hugepage(False)
-limit = runtime.process_rss_bytes() + (256 << 20)  # the plan's peak that gives this limit:
-runtime.configure_allocator(sys.argv[1], host_peak_bytes=limit / runtime.TRIM_MARGIN)
+limit = runtime.process_rss_bytes() + (256 << 20)  # the trim limit: 256 MiB above the start
+runtime.configure_allocator('tuned', limit if sys.argv[1] == 'trim' else None)
 buffers = [np.ones(4 << 20, np.float32) for _ in range(64)]  # 64 x 16 MiB, every page touched
 full = runtime.process_rss_bytes()
 del buffers[:-1]
 deadline = time.monotonic() + 5  # the trimmer checks every 10 ms; a loaded machine delays it
 while time.monotonic() < deadline and full - runtime.process_rss_bytes() < (768 << 20):
   time.sleep(0.05)
-time.sleep(0.2)  # and 'tuned', which never trims, gets the same time
+time.sleep(0.2)  # and the heap without a limit, which never trims, gets the same time
 print(json.dumps({'full': full, 'after_free': runtime.process_rss_bytes(), 'trims': runtime.TRIMMER.trims}))
 '''
 
 
 @pytest.mark.skipif(runtime._glibc() is None, reason='mallopt is glibc only')
-def test_bounded_hands_freed_heap_back_above_the_limit_and_tuned_keeps_it():
-  """'bounded' (what streamed runs get) keeps the heap of 'tuned', but once the resident set
-  passes the plan's peak (here: the start + 256 MiB) the trimmer returns the free pages."""
-  def probe(allocator):
-    out = subprocess.run([sys.executable, '-c', _TRIM_PROBE, allocator], capture_output=True,
+def test_tuned_hands_freed_heap_back_above_its_limit_and_keeps_it_without_one():
+  """Once the resident set passes the trim limit (a streamed run's plan peak x TRIM_MARGIN; here
+  the start + 256 MiB) the trimmer returns the heap's free pages; without a limit they are kept."""
+  def probe(mode):
+    out = subprocess.run([sys.executable, '-c', _TRIM_PROBE, mode], capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
   gib = 1 << 30
-  tuned, bounded = probe('tuned'), probe('bounded')
-  assert tuned['full'] - tuned['after_free'] < 0.1 * gib  # 'tuned' keeps every freed page
-  assert tuned['trims'] == 0
-  assert bounded['trims'] >= 1
-  assert bounded['full'] - bounded['after_free'] > 0.7 * gib  # ~1 GiB freed, handed back
+  kept, trimmed = probe('keep'), probe('trim')
+  assert kept['full'] - kept['after_free'] < 0.1 * gib  # no limit: every freed page kept
+  assert kept['trims'] == 0
+  assert trimmed['trims'] >= 1
+  assert trimmed['full'] - trimmed['after_free'] > 0.7 * gib  # ~1 GiB freed, handed back
 
 
 @pytest.mark.skipif(runtime._glibc() is None, reason='mallopt is glibc only')
-def test_bounded_reuses_freed_buffers_below_its_limit():
-  """Below the limit 'bounded' is 'tuned': a freed buffer is reused, not faulted in again (the
-  old 'bounded', glibc's fixed 128 KiB mmap threshold, faulted every XLA temporary per call)."""
-  bounded = _probe('tuned', then='bounded')  # limit: half the RAM (no plan), far above the probe
-  assert bounded['applied'] == 'bounded'
-  assert bounded['faults_per_round'] < PAGES / 10
+def test_tuned_reuses_freed_buffers_below_its_trim_limit():
+  """Below its limit the trimmer does nothing: a freed buffer is reused, not faulted in again
+  (glibc's mmap threshold pinned at 128 KiB, the earlier 'bounded', faulted every XLA temporary
+  in on every call)."""
+  below = _probe('tuned', then='tuned', trim_above=runtime.physical_memory_bytes() / 2)
+  assert below['applied'] == 'tuned'
+  assert below['faults_per_round'] < PAGES / 10

@@ -177,22 +177,10 @@ def test_mfu_peak_is_the_datasheet_peak_of_the_run_devices(monkeypatch):
   assert train._mfu_peak_tflops(cfg, Layout.single_device()) == 67.0
 
 
-def test_a_streamed_run_that_asks_for_the_tuned_allocator_is_warned(tmp_path, shared_data, capsys):
-  """runtime.allocator='tuned' on a streamed run: one console warning before training (its peak
-  RSS is not what the plan predicts; runtime.streamed_tuned_warning), and the run still trains."""
-  config = small_config(shared_data / 'tinyshakespeare' / 'input.txt', train__steps=1,
-                        checkpoint__every=0, runtime__allocator='tuned', offload__params='host',
-                        offload__opt_state='host')
-  train.train_and_evaluate(config, str(tmp_path))
-  out = capsys.readouterr().out.splitlines()
-  assert len([line for line in out if line.startswith("warning: runtime.allocator='tuned'")]) == 1
-  assert read_rows(tmp_path)[-1]['step'] == 1
-
-
 def test_a_streamed_run_trims_the_heap_above_its_plans_host_peak(tmp_path, shared_data,
                                                                 monkeypatch):
-  """'auto' on a streamed run: 'bounded', its trimmer watching the plan's predicted host peak
-  (x runtime.TRIM_MARGIN); a resident run afterwards: 'tuned', the trimmer paused."""
+  """A streamed run's 'tuned' heap is trimmed above the plan's predicted host peak (x
+  runtime.TRIM_MARGIN); a resident run's afterwards is kept whole (no limit)."""
   plans, resolve_plan = [], train.resolve_plan
 
   def recording(*args, **kwargs):
@@ -208,11 +196,12 @@ def test_a_streamed_run_trims_the_heap_above_its_plans_host_peak(tmp_path, share
                              str(tmp_path / 'streamed'))
     if runtime.applied() is None:  # no glibc: nothing to configure
       return
-    assert plans[-1].placement.streamed and runtime.applied() == 'bounded'
+    assert plans[-1].placement.streamed and runtime.applied() == 'tuned'
     assert runtime.TRIMMER.limit == pytest.approx(plans[-1].host_peak_bytes * runtime.TRIM_MARGIN)
     train.train_and_evaluate(small_config(text, train__steps=1, checkpoint__every=0),
                              str(tmp_path / 'resident'))
     assert not plans[-1].placement.streamed
-    assert runtime.applied() == 'tuned' and runtime.TRIMMER.limit is None
+    assert runtime.applied() == 'tuned'
+    assert runtime.TRIMMER.limit is None
   finally:
     runtime.configure_allocator('tuned')
