@@ -12,7 +12,11 @@ for comparison, without them.
 On CPU both memory kinds are the same RAM: the ratio measures the engine's own overhead (group
 loop, extra dispatches, copies between memory kinds, the recompute schedule), not PCIe. The CPU
 columns (the process's CPU time per step, all threads) are the work done: on a machine other
-processes load, wall time says more about them than about the engines.
+processes load, wall time says more about them than about the engines. The last columns are the
+bytes each streamed step moves between memory kinds (the engine's `io/h2d_gb` + `io/d2h_gb`) and
+what copying them costs at the rate `jax.device_put` of one layer group's weights and Adam state
+runs at here (measured in the same process, both directions): on CPU those copies are memcpys on
+the cores that compute, which on a GPU its DMA engines do beside the compute.
 
 The process runs under the allocator the package applies at import ('tuned' without a trim
 limit, or MEGATRAIN_JAX_ALLOCATOR): one setting for every engine. A launch.py streamed run also
@@ -78,13 +82,18 @@ def main():
 
   times = {name: [] for name in engines}
   cpu = {name: [] for name in engines}  # the process's CPU seconds (all threads) per step
+  moved = {}  # streamed engine -> GB copied between memory kinds per step
   for _ in range(args.rounds):
     for name, engine in engines.items():
       for _ in range(args.steps):
         started, cpu_started = time.perf_counter(), time.process_time()
-        float(engine.train_step(batch)['learning/loss'])
+        metrics = engine.train_step(batch)
+        float(metrics['learning/loss'])
         times[name].append(time.perf_counter() - started)
         cpu[name].append(time.process_time() - cpu_started)
+        if 'io/h2d_gb' in metrics:
+          moved[name] = metrics['io/h2d_gb'] + metrics['io/d2h_gb']
+  copy_gbps = _copy_gbps(engines[next(iter(PLACEMENTS))])
 
   base = statistics.median(times['resident'])
   cpu_base = statistics.median(cpu['resident'])
@@ -95,19 +104,37 @@ def main():
   print(f'model: {MODEL.num_params:,} params, {MODEL.num_layers} layers, d_model {MODEL.d_model}; '
         f'{MICROBATCHES} x {BATCH} x {SEQ} tokens/step; remat {MODEL.remat}; '
         f'{args.rounds} rounds x {args.steps} steps each')
-  print('| engine | median step (s) | ratio to resident | TFLOP/s | median CPU s | CPU ratio |')
-  print('|---|---|---|---|---|---|')
+  print(f'copies between memory kinds: {copy_gbps:.2f} GB/s (jax.device_put of one group, median)')
+  print('| engine | median step (s) | ratio to resident | TFLOP/s | median CPU s | CPU ratio | '
+        'GB moved / step | copy s / step |')
+  print('|---|---|---|---|---|---|---|---|')
   rows = {}
   for name, samples in times.items():
     median, cpu_median = statistics.median(samples), statistics.median(cpu[name])
     rows[name] = {'median_s': median, 'ratio': median / base, 'samples': samples,
                   'cpu_median_s': cpu_median, 'cpu_ratio': cpu_median / cpu_base,
-                  'cpu_samples': cpu[name]}
+                  'cpu_samples': cpu[name], 'moved_gb': moved.get(name, 0.0),
+                  'copy_s': moved.get(name, 0.0) / copy_gbps}
     print(f'| {name} | {median:.3f} | {median / base:.3f} | {flops / median / 1e12:.3f} | '
-          f'{cpu_median:.3f} | {cpu_median / cpu_base:.3f} |')
+          f'{cpu_median:.3f} | {cpu_median / cpu_base:.3f} | {rows[name]["moved_gb"]:.3f} | '
+          f'{rows[name]["copy_s"]:.3f} |')
   if args.json:
     with open(args.json, 'w') as f:
-      json.dump(rows, f, indent=2)
+      json.dump({'copy_gbps': copy_gbps, 'engines': rows}, f, indent=2)
+
+
+def _copy_gbps(engine: StreamedEngine, repeats: int = 10) -> float:
+  """GB/s of copying group 0's weights and Adam state between memory kinds and back (median of
+  `repeats` round trips): what the streamed engine's transfers cost on this machine."""
+  tree = {'params': engine.params.get(0), 'opt_state': engine.opt_state.get(0)}
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(tree))
+  seconds = []
+  for _ in range(repeats):
+    started = time.perf_counter()
+    on_device = jax.block_until_ready(engine.layout.put(tree, 'device'))
+    jax.block_until_ready(engine.layout.put(on_device, 'pinned_host'))
+    seconds.append(time.perf_counter() - started)
+  return 2 * nbytes / statistics.median(seconds) / 1e9
 
 
 if __name__ == '__main__':
