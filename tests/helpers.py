@@ -100,17 +100,22 @@ def assert_states_match(got, want):
   element whose gradient is pure rounding noise (a near-total cancellation) moves by a noisy
   fraction of the learning rate in *any* two correct implementations.
 
-  The token embedding gets 2e-6: its gradient is a sparse sum (each of the 97 rows hit by a few of
+  The token embedding gets 3e-6: its gradient is a sparse sum (each of the 97 rows hit by a few of
   the batch's 32 tokens, or none), so Adam amplifies rounding there most. Measured (issue 10): two
   correct resident engines, one with the whole-logits loss and one with the chunked loss, end 5
   steps 5.9e-7 apart on it, and streamed-vs-resident runs land anywhere in 1e-7..1.5e-6 as the
-  vocabulary chunk size changes, with identical head gradients for the same inputs.
+  vocabulary chunk size changes, with identical head gradients for the same inputs. Since the
+  linears run over [B*S, D] tokens (model/layers.py: the same math, other GEMM shapes, so other
+  roundings), K=2 with one microbatch ends 2.1e-6 apart, all of it one element (row 86, column
+  7) whose gradient is a near-total cancellation (Adam's sqrt(v) ~1e-7 there against 1e-3..1e-2
+  in its row): the engines' values of it differ by ~12%, and Adam (eps 1e-8) turns either into a
+  full step. The other 96 rows agree to 4.8e-8.
   """
   def check(bound, path, a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
     if jax.tree_util.keystr(path) == "['embed']['embedding']":
-      bound *= 2
+      bound *= 3
     assert error <= bound, (jax.tree_util.keystr(path), error)
   jax.tree_util.tree_map_with_path(functools.partial(check, 1e-6), got['params'], want['params'])
   jax.tree_util.tree_map_with_path(functools.partial(check, 1e-5), got['opt_state'],
