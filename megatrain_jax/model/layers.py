@@ -29,16 +29,10 @@ def compute_dtype(cfg: ModelConfig):
   return jnp.dtype(cfg.dtype)
 
 
-def _linear(cfg: ModelConfig, d_in: int, d_out: int, rngs: nnx.Rngs, use_bias: bool = False):
-  return nnx.Linear(
-      d_in, d_out, use_bias=use_bias, dtype=compute_dtype(cfg), param_dtype=jnp.float32,
-      precision=cfg.matmul_precision, kernel_init=nnx.initializers.normal(cfg.init_std),
-      bias_init=nnx.initializers.zeros_init(), rngs=rngs)
-
-
-def _per_token(linear, x):
-  """linear(x) for x [..., D_in] -> [..., D_out], run as one [N, D_in] @ [D_in, D_out] matmul over
-  the N = B*S tokens (a free reshape: the same products, summed by GEMMs of another shape).
+class TokenLinear(nnx.Linear):
+  """nnx.Linear over x [..., D_in] -> [..., D_out], run as one [N, D_in] @ [D_in, D_out] matmul
+  over the N = B*S tokens (a free reshape: the same products, summed by GEMMs of another shape;
+  the same params as nnx.Linear).
 
   Why: given [B, S, D] activations, XLA:CPU lays out the weight-gradient dot of the backward
   (x^T @ dy, contracting B and S) with a transposed operand and fuses that transpose into the
@@ -46,8 +40,18 @@ def _per_token(linear, x):
   SwiGLU gate's gradient: ~150 ms of bench/streamed_vs_resident.py's 1.2 s step). With 2-D
   operands it runs plain GEMMs: that step 20-30% faster on CPU for both engines (BENCHMARKS.md).
   GPU compilers see the same reshape as a bitcast."""
-  y = linear(x.reshape(-1, x.shape[-1]))
-  return y.reshape(x.shape[:-1] + (y.shape[-1],))
+
+  def __call__(self, x):
+    y = super().__call__(x.reshape(-1, x.shape[-1]))
+    return y.reshape(x.shape[:-1] + (y.shape[-1],))
+
+
+def _linear(cfg: ModelConfig, d_in: int, d_out: int, rngs: nnx.Rngs, use_bias: bool = False):
+  """A decoder layer's projection (see TokenLinear)."""
+  return TokenLinear(
+      d_in, d_out, use_bias=use_bias, dtype=compute_dtype(cfg), param_dtype=jnp.float32,
+      precision=cfg.matmul_precision, kernel_init=nnx.initializers.normal(cfg.init_std),
+      bias_init=nnx.initializers.zeros_init(), rngs=rngs)
 
 
 class RMSNorm(nnx.Module):
@@ -102,9 +106,9 @@ class Attention(nnx.Module):
     cfg = self.cfg
     b, s, _ = x.shape
     kv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    q = checkpoint_name(_per_token(self.q_proj, x), 'q_proj').reshape(b, s, cfg.num_heads, hd)
-    k = checkpoint_name(_per_token(self.k_proj, x), 'k_proj').reshape(b, s, kv, hd)
-    v = checkpoint_name(_per_token(self.v_proj, x), 'v_proj').reshape(b, s, kv, hd)
+    q = checkpoint_name(self.q_proj(x), 'q_proj').reshape(b, s, cfg.num_heads, hd)
+    k = checkpoint_name(self.k_proj(x), 'k_proj').reshape(b, s, kv, hd)
+    v = checkpoint_name(self.v_proj(x), 'v_proj').reshape(b, s, kv, hd)
     cos, sin = rope_cos_sin(cfg, positions)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = q.reshape(b, s, kv, g, hd)
@@ -125,7 +129,7 @@ class Attention(nnx.Module):
       out = jax.lax.map(lambda xs: attend(*xs), (q_blocks, q_pos))  # [blocks, B, chunk, KV, G, hd]
       out = out.swapaxes(0, 1).reshape(b, blocks * chunk, kv, g, hd)[:, :s]
     out = checkpoint_name(out.reshape(b, s, cfg.num_heads * hd), 'attn_out')
-    return checkpoint_name(_per_token(self.o_proj, out), 'o_proj')
+    return checkpoint_name(self.o_proj(out), 'o_proj')
 
 
 def _attend(cfg: ModelConfig, q, k, v, q_positions, k_positions):
@@ -152,9 +156,9 @@ class MLP(nnx.Module):
     self.down_proj = _linear(cfg, cfg.d_ff, cfg.d_model, rngs)
 
   def __call__(self, x):
-    gate = checkpoint_name(_per_token(self.gate_proj, x), 'gate_proj')
-    up = checkpoint_name(_per_token(self.up_proj, x), 'up_proj')
-    return checkpoint_name(_per_token(self.down_proj, jax.nn.silu(gate) * up), 'down_proj')
+    gate = checkpoint_name(self.gate_proj(x), 'gate_proj')
+    up = checkpoint_name(self.up_proj(x), 'up_proj')
+    return checkpoint_name(self.down_proj(jax.nn.silu(gate) * up), 'down_proj')
 
 
 class DecoderLayer(nnx.Module):
