@@ -30,6 +30,7 @@ and tiers/ in the layering (pyproject.toml) and any of them may build one.
 """
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -128,7 +129,16 @@ class Layout:
 
   def put(self, tree, memory_kind: str):
     """`jax.device_put` of every leaf of `tree` to its sharding in `memory_kind` (asynchronous)."""
-    return jax.device_put(tree, self.shardings(tree, memory_kind))
+    leaves, treedef = jax.tree.flatten(tree)
+    shardings = self._leaf_shardings(treedef, tuple(np.shape(x) for x in leaves), memory_kind)
+    return jax.tree.unflatten(treedef, jax.device_put(leaves, list(shardings)))
+
+  @functools.lru_cache(maxsize=512)
+  def _leaf_shardings(self, treedef, shapes: tuple, memory_kind: str) -> tuple:
+    """`shardings` of a tree of `treedef` and leaf `shapes`, as a tuple in leaf order: computed
+    once per kind of tree (a streamed step puts the same few trees hundreds of times)."""
+    abstract = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, np.float32) for s in shapes])
+    return tuple(jax.tree.leaves(self.shardings(abstract, memory_kind)))
 
   def conform(self, tree):
     """`tree` with each jax.Array leaf moved to its layout sharding in the memory kind it is in

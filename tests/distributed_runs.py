@@ -168,13 +168,13 @@ def collectives(layout: Layout) -> dict:
   x = layout.put_activation(activation, 'device')  # [B, S, D] split along B
   inputs = jax.device_put(np.stack([activation] * 2), layout.split_along(1))  # [K, B, S, D]
   positions = layout.put_batch(np.zeros((BATCH, ACTIVATION_SEQ), np.int32))
+  zeros = layout.put(jax.tree.map(np.zeros_like, group), 'device')  # a gradient sum to add to
   programs = {
       'resident step': step.compile(),
       'group forward': fn.group_forward.lower(group, x, positions).compile(),
-      'group backward': fn.group_backward.lower(group, x, x, positions,
-                                                fn.zeros(group)).compile(),
+      'group backward': fn.group_backward.lower(group, x, x, positions, zeros).compile(),
       'group backward from inputs': fn.group_backward_from_inputs.lower(
-          group, inputs, x, positions, fn.zeros(group)).compile(),
+          group, inputs, x, positions, zeros).compile(),
   }
   return {'sequence': ACTIVATION_SEQ,
           'programs': {name: reduced_shapes(p) for name, p in programs.items()}}

@@ -128,12 +128,16 @@ class StageFunctions:
     self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg))
     self.final_norm_backward = jax.jit(on(functools.partial(_final_norm_backward, cfg),
                                           state=[0], batch=[1]))
-    self.group_backward = jax.jit(on(functools.partial(_group_backward, cfg, shard), state=[0],
-                                     batch=[1]), donate_argnums=(2, 4))
-    self.group_backward_from_inputs = jax.jit(on(
-        functools.partial(_group_backward_from_inputs, cfg, shard), state=[0], batch=[1]),
-        donate_argnums=(2, 4))
-    self.zeros = jax.jit(on(lambda tree: jax.tree.map(jnp.zeros_like, tree), state=[0]))
+    # A group's backward for one microbatch: (grad_sum, dx, squares). The first microbatch's
+    # gradient starts the sum (grad_sum None: no zeros to fill and add), and the last one also
+    # returns the sum of squares of the mean gradient (`squares_of` = M; None: squares None),
+    # so neither costs a pass over the group's gradient of its own.
+    self.group_backward = jax.jit(
+        on(_with_squares(functools.partial(_group_backward, cfg, shard)), state=[0], batch=[1]),
+        donate_argnums=(2, 4), static_argnums=5)
+    self.group_backward_from_inputs = jax.jit(
+        on(_with_squares(functools.partial(_group_backward_from_inputs, cfg, shard)), state=[0],
+           batch=[1]), donate_argnums=(2, 4), static_argnums=5)
     self.add = jax.jit(on(tree_add, state=[0]), donate_argnums=(0,))
     self.sum_of_squares = jax.jit(mean_sum_of_squares, static_argnums=1)
     # Donates the Adam state and the weights (the new ones reuse their buffers); the gradient has
@@ -199,9 +203,25 @@ def _final_norm_backward(cfg, norm, x, d_normed):
   return vjp(d_normed.astype(normed.dtype))
 
 
+def _with_squares(backward):
+  """`backward(group_params, x, dy, positions, grad_sum)` -> (grad_sum, dx) as a function that
+  also takes `squares_of` (M, or None) and returns (grad_sum, dx, the sum of squares of
+  grad_sum / M, or None), computed in the same program."""
+  def with_squares(group_params, x, dy, positions, grad_sum, squares_of=None):
+    grad_sum, dx = backward(group_params, x, dy, positions, grad_sum)
+    squares = None if squares_of is None else mean_sum_of_squares(grad_sum, squares_of)
+    return grad_sum, dx, squares
+  return with_squares
+
+
+def _add_or_start(grad_sum, grad):
+  """grad_sum + grad, or grad itself when the sum starts here (grad_sum None)."""
+  return grad if grad_sum is None else tree_add(grad_sum, grad)
+
+
 def _group_backward(cfg, shard_layer, group_params, x, dy, positions, grad_sum):
-  """Adds the group's weight gradient to grad_sum; returns (grad_sum, dx). `shard_layer`: see
-  model.apply_group."""
+  """Adds the group's weight gradient to grad_sum (None: starts it); returns (grad_sum, dx).
+  `shard_layer`: see model.apply_group."""
   # The vjp recomputes the group's forward from its saved input x. For a one-layer group that
   # recompute *is* the layer checkpoint, so per-layer remat would run the layer's forward a
   # third time for nothing: keep its residuals instead (forward runs 2x per step, as in the
@@ -213,7 +233,7 @@ def _group_backward(cfg, shard_layer, group_params, x, dy, positions, grad_sum):
       lambda p, h: model_lib.apply_group(layer_cfg, p['layers'], h, positions, shard_layer),
       group_params, x)
   d_params, dx = vjp(dy)
-  return tree_add(grad_sum, d_params), dx
+  return _add_or_start(grad_sum, d_params), dx
 
 
 def _group_backward_from_inputs(cfg, shard_layer, group_params, inputs, dy, positions, grad_sum):
@@ -221,15 +241,16 @@ def _group_backward_from_inputs(cfg, shard_layer, group_params, inputs, dy, posi
   decoder.apply_group_keeping_inputs): a reverse scan over (layer params, layer input, the
   layer's slice of grad_sum) carrying dy [B, S, D]. Each step is the vjp of one layer, whose
   recompute from its input is the layer checkpoint (remat off): each layer's forward runs twice
-  per step, as with K = 1, instead of three times. Returns (grad_sum, dx)."""
+  per step, as with K = 1, instead of three times. Returns (grad_sum, dx); grad_sum None: the
+  sum starts here."""
   layer_cfg = cfg.replace(remat='none')
   layer = decoder.layer_body(layer_cfg, shard_layer)
 
   def layer_backward(d_out, xs):
-    layer_params, x, grad = xs  # one layer's slice: leaves [...], x [B, S, D]
+    layer_params, x, grad = xs  # one layer's slice: leaves [...], x [B, S, D]; grad None: starts
     _, vjp = jax.vjp(lambda p, h: layer(p['layers'], h, positions), layer_params, x)
     d_params, dx = vjp(d_out)
-    return dx, tree_add(grad, d_params)
+    return dx, _add_or_start(grad, d_params)
 
   dx, grad_sum = jax.lax.scan(layer_backward, dy, (group_params, inputs, grad_sum), reverse=True)
   return grad_sum, dx

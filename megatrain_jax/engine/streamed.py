@@ -419,14 +419,17 @@ class StreamedEngine:
     # recomputed, then each layer again inside its remat): see engine/functions.py.
     group_backward = (self.fn.group_backward_from_inputs if self.placement.keeps_layer_inputs
                       else self.fn.group_backward)
+    last = step.num_micro - 1
     for g, group_params in groups:
-      grad_sum = self.fn.zeros(group_params)
+      grad_sum = None  # the first microbatch's gradient starts the sum
       for m in range(step.num_micro):
-        grad_sum, dys[m] = group_backward(group_params, self._unstash(saved[g][m]), dys[m],
-                                          step.positions, grad_sum)
+        # The last microbatch's program also returns the sum of squares for the global norm.
+        grad_sum, dys[m], squares = group_backward(
+            group_params, self._unstash(saved[g][m]), dys[m], step.positions, grad_sum,
+            step.num_micro if m == last else None)
       saved[g] = None
       faults.point('backward')
-      step.squares.append(self.fn.sum_of_squares(grad_sum, step.num_micro))
+      step.squares.append(squares)
       updates.after_backward(g, grad_sum, group_params)
       jax.block_until_ready(dys)
     step.fetch_wait_s += groups.wait_s
