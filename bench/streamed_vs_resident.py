@@ -1,11 +1,17 @@
 """Streamed host-tier step time vs resident step time, measured side by side in one process.
 
-    python bench/streamed_vs_resident.py [--rounds 3] [--steps 3] [--json out.json]
+    python bench/streamed_vs_resident.py [--sweeps 12] [--json out.json]
 
 The same model, batch and optimizer run in the resident engine (everything in device memory) and
 in the streamed engine with layer weights and Adam state in pinned host memory, for a few
-placements. Engines take turns, round by round, so machine noise hits them alike; each figure is
-the median step time over all rounds (compilation and the first step excluded). K = 2 runs with
+placements. Engines take turns step by step: each of the `--sweeps` sweeps runs one step of
+every engine (in reverse order every other sweep, so no engine always follows the same one). An
+engine's ratio to resident is the median over sweeps of its step time over the resident step of
+the same sweep, printed with the quartiles of those paired ratios: this VM's speed drifts (the
+resident step's median ran 0.75-1.09 s in five runs of 2026-12-05), and a sweep takes seconds, so
+pairing keeps the drift out of the ratio. (The
+ratio of the two engines' median step times, what the bench printed before 2026-12-05, is in the
+JSON as `ratio_of_medians`.) Compilation and the first step are excluded. K = 2 runs with
 the layer inputs kept (offload.keep_layer_inputs, what the planner picks when they fit) and,
 for comparison, without them.
 
@@ -62,8 +68,8 @@ PLACEMENTS = {
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument('--rounds', type=int, default=3)
-  parser.add_argument('--steps', type=int, default=3, help='timed steps per engine per round')
+  parser.add_argument('--sweeps', type=int, default=12,
+                      help='timed sweeps, each one step of every engine')
   parser.add_argument('--json', default='')
   args = parser.parse_args()
 
@@ -83,41 +89,43 @@ def main():
   times = {name: [] for name in engines}
   cpu = {name: [] for name in engines}  # the process's CPU seconds (all threads) per step
   moved = {}  # streamed engine -> GB copied between memory kinds per step
-  for _ in range(args.rounds):
-    for name, engine in engines.items():
-      for _ in range(args.steps):
-        started, cpu_started = time.perf_counter(), time.process_time()
-        metrics = engine.train_step(batch)
-        float(metrics['learning/loss'])
-        times[name].append(time.perf_counter() - started)
-        cpu[name].append(time.process_time() - cpu_started)
-        if 'io/h2d_gb' in metrics:
-          moved[name] = metrics['io/h2d_gb'] + metrics['io/d2h_gb']
+  for sweep in range(args.sweeps):  # one step of every engine per sweep
+    for name in list(engines)[::1 if sweep % 2 == 0 else -1]:
+      started, cpu_started = time.perf_counter(), time.process_time()
+      metrics = engines[name].train_step(batch)
+      float(metrics['learning/loss'])
+      times[name].append(time.perf_counter() - started)
+      cpu[name].append(time.process_time() - cpu_started)
+      if 'io/h2d_gb' in metrics:
+        moved[name] = metrics['io/h2d_gb'] + metrics['io/d2h_gb']
   copy_gbps = _copy_gbps(engines[next(iter(PLACEMENTS))])
 
   base = statistics.median(times['resident'])
-  cpu_base = statistics.median(cpu['resident'])
+  paired = lambda samples, bases: [t / b for t, b in zip(samples, bases)]  # per sweep
   tokens = MICROBATCHES * BATCH * SEQ
   flops = MODEL.flops_per_token(SEQ) * tokens
   print(f'machine: {platform.node()} {platform.processor() or platform.machine()}, '
         f'{jax.devices()[0].device_kind}, jax {jax.__version__}')
   print(f'model: {MODEL.num_params:,} params, {MODEL.num_layers} layers, d_model {MODEL.d_model}; '
         f'{MICROBATCHES} x {BATCH} x {SEQ} tokens/step; remat {MODEL.remat}; '
-        f'{args.rounds} rounds x {args.steps} steps each')
+        f'{args.sweeps} sweeps of one step per engine')
   print(f'copies between memory kinds: {copy_gbps:.2f} GB/s (jax.device_put of one group, median)')
-  print('| engine | median step (s) | ratio to resident | TFLOP/s | median CPU s | CPU ratio | '
-        'GB moved / step | copy s / step |')
+  print('| engine | median step (s) | ratio to resident (quartiles) | TFLOP/s | median CPU s | '
+        'CPU ratio | GB moved / step | copy s / step |')
   print('|---|---|---|---|---|---|---|---|')
   rows = {}
   for name, samples in times.items():
+    ratios, cpu_ratios = paired(samples, times['resident']), paired(cpu[name], cpu['resident'])
+    low, ratio, high = np.percentile(ratios, [25, 50, 75])
     median, cpu_median = statistics.median(samples), statistics.median(cpu[name])
-    rows[name] = {'median_s': median, 'ratio': median / base, 'samples': samples,
-                  'cpu_median_s': cpu_median, 'cpu_ratio': cpu_median / cpu_base,
+    rows[name] = {'median_s': median, 'ratio': ratio, 'ratio_quartiles': [low, high],
+                  'ratio_of_medians': median / base, 'samples': samples,
+                  'cpu_median_s': cpu_median, 'cpu_ratio': statistics.median(cpu_ratios),
                   'cpu_samples': cpu[name], 'moved_gb': moved.get(name, 0.0),
                   'copy_s': moved.get(name, 0.0) / copy_gbps}
-    print(f'| {name} | {median:.3f} | {median / base:.3f} | {flops / median / 1e12:.3f} | '
-          f'{cpu_median:.3f} | {cpu_median / cpu_base:.3f} | {rows[name]["moved_gb"]:.3f} | '
-          f'{rows[name]["copy_s"]:.3f} |')
+    print(f'| {name} | {median:.3f} | {ratio:.3f} ({low:.3f}-{high:.3f}) | '
+          f'{flops / median / 1e12:.3f} | {cpu_median:.3f} | {rows[name]["cpu_ratio"]:.3f} | '
+          f'{rows[name]["moved_gb"]:.3f} | {rows[name]["copy_s"]:.3f} |')
   if args.json:
     with open(args.json, 'w') as f:
       json.dump({'copy_gbps': copy_gbps, 'engines': rows}, f, indent=2)
