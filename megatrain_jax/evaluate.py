@@ -256,7 +256,9 @@ class Evaluator:
     """Σ of the masked-in tokens' negative log-likelihood, per ([B, S+1] tokens, [B, S] mask)."""
     inputs = [jnp.asarray(b[:, :-1]) for b, _ in batches]
     targets = [jnp.asarray(b[:, 1:]) for b, _ in batches]
-    positions = model_lib.default_positions(inputs[0])
+    # Positions with their RoPE tables, computed once for every group (model.RopePositions).
+    positions = jax.jit(functools.partial(model_lib.rope_positions, self.cfg))(
+        model_lib.default_positions(inputs[0]))
     hidden = None
     for c, piece in self._pieces('embed', len(self.vocab)):
       start, rows = jnp.int32(self.vocab[c][0]), piece['embed']['embedding']

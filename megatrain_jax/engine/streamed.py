@@ -59,7 +59,7 @@ class _Step:
   schedule: StepSchedule
   tokens: list  # M x [B, S] int32
   targets: list  # M x [B, S] int32
-  positions: jax.Array  # [B, S] int32
+  positions: model_lib.RopePositions  # [B, S] int32 and their RoPE tables [B, S, Dh]
   norm: dict  # the final norm's params, on the device
   # M x [B, S] float32 per-token loss weights of a masked batch (functions.step_inputs), or None:
   # every target learned, each microbatch's loss its mean.
@@ -325,9 +325,11 @@ class StreamedEngine:
                  norm=resolve(self.stores['final_norm'].params.fetch(0)),
                  weights=None if weights is None else [put(w) for w in weights])
 
-  def _positions(self, tokens):
-    """[B, S] positions 0..S-1 of host [B, S] tokens, split along B like them."""
-    return self.layout.put_batch(np.asarray(model_lib.default_positions(tokens)))
+  def _positions(self, tokens) -> model_lib.RopePositions:
+    """[B, S] positions 0..S-1 of host [B, S] tokens, split along B like them, with their RoPE
+    tables (computed once here, not in every group program)."""
+    return self.fn.rope_positions(
+        self.layout.put_batch(np.asarray(model_lib.default_positions(tokens))))
 
   def _chunks(self, store, order=None) -> Prefetcher:
     """The vocabulary chunks of `store` in `order`, read ahead like layer groups."""

@@ -169,6 +169,8 @@ def layer_body(cfg: ModelConfig, shard_layer):
 
 def apply_group(cfg: ModelConfig, group_params, x, positions, shard_layer=None):
   """K consecutive layers: group_params leaves have a leading axis K; [B, S, D] -> [B, S, D].
+  `positions`: [B, S] int32, or a layers.RopePositions (their RoPE tables computed once for
+  every group of a step; see there).
 
   With `cfg.scan_layers` the layers run as a `lax.scan` over the K-slice (one compiled layer body);
   otherwise as an unrolled Python loop (same math, longer compile). `shard_layer(layer params,
@@ -267,7 +269,7 @@ def forward(cfg: ModelConfig, params, tokens, positions=None):
   """tokens [B, S] int -> logits [B, S, V] float32, all layers in one scan."""
   positions = default_positions(tokens) if positions is None else positions
   x = embed(cfg, params, tokens)
-  x = apply_group(cfg, params['layers'], x, positions)
+  x = apply_group(cfg, params['layers'], x, layers_lib.rope_positions(cfg, positions))
   return head(cfg, params, x)
 
 
@@ -281,5 +283,6 @@ def loss_fn(cfg: ModelConfig, params, batch, weights=None, shard_layer=None):
   """
   tokens, targets = batch[:, :-1], batch[:, 1:]
   x = embed(cfg, params, tokens)
-  x = apply_group(cfg, params['layers'], x, default_positions(tokens), shard_layer)
+  positions = layers_lib.rope_positions(cfg, default_positions(tokens))  # tables once per batch
+  x = apply_group(cfg, params['layers'], x, positions, shard_layer)
   return head_loss(cfg, params, x, targets, weights=weights)
