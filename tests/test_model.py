@@ -1,5 +1,5 @@
 """Model invariants: remat policies and unrolled layers change nothing; layer groups compose to the
-whole stack; group-wise init equals whole init; accumulation over M microbatches equals one batch."""
+whole stack, from plain positions or precomputed RoPE tables alike; group-wise init equals whole init; accumulation over M microbatches equals one batch."""
 
 import functools
 
@@ -83,6 +83,31 @@ def test_groups_compose_to_the_whole_stack(params):
                                 model_lib.embed(CFG, params, tokens), positions)
   np.testing.assert_allclose(one, first, rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize('chunk', [0, 8], ids=['whole-attention', 'query-blocks'])
+def test_rope_positions_equal_plain_positions(params, chunk):
+  """A layer group given RopePositions (the tables computed once, as the streamed engine and the
+  evaluator pass them) computes what it computes from plain positions, output and gradients, for
+  positions with uneven gaps (RoPE is relative: a uniform shift would hide wrong tables) and with
+  query blocks."""
+  cfg = CFG.replace(attention_chunk=chunk)
+  tokens = _batch(4, (2, 20))
+  gaps = jax.random.randint(jax.random.key(5), tokens.shape, 1, 4)
+  positions = jnp.cumsum(gaps, axis=1).astype(jnp.int32) - 1  # [B, S], increasing, uneven
+  x = model_lib.embed(cfg, params, tokens)
+  group = jax.tree.map(lambda a: a[:2], params['layers'])
+  tables = model_lib.rope_positions(cfg, positions)
+  assert tables.cos.shape == tables.sin.shape == (2, 20, cfg.head_dim)
+
+  def run(pos):
+    out, vjp = jax.vjp(lambda p, h: model_lib.apply_group(cfg, p, h, pos), group, x)
+    return out, vjp(jnp.ones_like(out))
+
+  (out, grads), (ref_out, ref_grads) = jax.jit(run)(tables), jax.jit(run)(positions)
+  np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads,
+               ref_grads)
 
 def test_groupwise_init_equals_whole_init(params):
   _, layers_key, _ = model_lib.param_keys(jax.random.key(0))
