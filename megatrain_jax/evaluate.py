@@ -200,6 +200,7 @@ class _Functions:
         cfg, rows, tokens, start), donate_argnums=3)
     self.group = jax.jit(lambda layers, x, positions: model_lib.apply_group(cfg, layers, x,
                                                                             positions))
+    self.rope_positions = jax.jit(functools.partial(model_lib.rope_positions, cfg))
     self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg))
     self.lse_init = jax.jit(head_chunks.lse_init)
     self.lse_update = jax.jit(lambda weight, normed, targets, start, carry: head_chunks.lse_update(
@@ -257,8 +258,7 @@ class Evaluator:
     inputs = [jnp.asarray(b[:, :-1]) for b, _ in batches]
     targets = [jnp.asarray(b[:, 1:]) for b, _ in batches]
     # Positions with their RoPE tables, computed once for every group (model.RopePositions).
-    positions = jax.jit(functools.partial(model_lib.rope_positions, self.cfg))(
-        model_lib.default_positions(inputs[0]))
+    positions = self.fn.rope_positions(model_lib.default_positions(inputs[0]))
     hidden = None
     for c, piece in self._pieces('embed', len(self.vocab)):
       start, rows = jnp.int32(self.vocab[c][0]), piece['embed']['embedding']

@@ -1,5 +1,6 @@
 """Model invariants: remat policies and unrolled layers change nothing; layer groups compose to the
-whole stack, from plain positions or precomputed RoPE tables alike; group-wise init equals whole init; accumulation over M microbatches equals one batch."""
+whole stack, from plain positions or precomputed RoPE tables alike; group-wise init equals whole
+init; accumulation over M microbatches equals one batch."""
 
 import functools
 
@@ -84,7 +85,6 @@ def test_groups_compose_to_the_whole_stack(params):
   np.testing.assert_allclose(one, first, rtol=1e-5, atol=1e-5)
 
 
-
 @pytest.mark.parametrize('chunk', [0, 8], ids=['whole-attention', 'query-blocks'])
 def test_rope_positions_equal_plain_positions(params, chunk):
   """A layer group given RopePositions (the tables computed once, as the streamed engine and the
@@ -108,6 +108,7 @@ def test_rope_positions_equal_plain_positions(params, chunk):
   np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads,
                ref_grads)
+
 
 def test_groupwise_init_equals_whole_init(params):
   _, layers_key, _ = model_lib.param_keys(jax.random.key(0))
