@@ -12,7 +12,7 @@ torch and XLA get the same cores; XLA flags are per process) and the rounds inte
 implementations, so a shared machine slows all of them alike; each figure is the best of
 `--repeats` updates, the table the median over rounds. torch is a bench/dev dependency only.
 `--mof`: whether the JAX processes run with --xla_backend_extra_options=
-xla_cpu_use_multi_output_fusion (runtime.py's opt-in MEGATRAIN_JAX_XLA_CPU_MOF=1: 'on'), without it
+xla_cpu_use_multi_output_fusion ('on', what the package sets at import: runtime.py), without it
 ('off'), or both.
 
 `pair` runs torch's fused AdamW and optim.apply_adamw in one process, alternately, on the very same

@@ -1,16 +1,18 @@
 """runtime.allocator 'tuned' against 'system' on whole launch.py runs, side by side; or, with
-`--vary remat`, model.remat=none against full (the default allocator).
+`--vary remat`, model.remat=none against full (the default allocator); or, with `--vary mof`,
+XLA:CPU's multi-output fusion on (the package's default, runtime.py) against off
+(MEGATRAIN_JAX_XLA_CPU_MOF=0).
 
   python bench/host_allocator.py                       # tiny config, model.remat=none, 100 steps
   python bench/host_allocator.py --vary remat          # tiny config: remat none vs full
+  python bench/host_allocator.py --vary mof -- --config tiny   # the default job, fusion on vs off
   python bench/host_allocator.py --rounds 3 --steps 100 -- --config.model.remat=full
   python bench/host_allocator.py --steps 2 --skip 0 -- --config 125m \
       --config.offload.params=nvme --config.offload.opt_state=nvme \
       --config.train.batch_size=1 --config.train.seq_len=128
 
 Each round runs every allocator once, in alternating order, each in a fresh process and workdir
-(/usr/bin/time -v), so a loaded machine slows both alike. XLA:CPU's multi-output fusion (runtime.py)
-stays off unless MEGATRAIN_JAX_XLA_CPU_MOF=1 is in the environment. Reported per allocator: the median over
+(/usr/bin/time -v), so a loaded machine slows both alike. Reported per variant: the median over
 rounds of s/step (mean of metrics.jsonl's perf/step_time_s after the first `--skip` logged rows),
 user and system CPU seconds, wall seconds, and the maximum resident set size.
 """
@@ -31,6 +33,7 @@ VARIANTS = {
     'allocator': {a: ([f'--config.runtime.allocator={a}'], {'MEGATRAIN_JAX_ALLOCATOR': a})
                   for a in ('system', 'tuned')},
     'remat': {r: ([f'--config.model.remat={r}'], {}) for r in ('full', 'none')},
+    'mof': {m: ([], {'MEGATRAIN_JAX_XLA_CPU_MOF': '1' if m == 'on' else '0'}) for m in ('off', 'on')},
 }
 
 

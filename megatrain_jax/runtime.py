@@ -44,7 +44,9 @@ which manage their memory their own way) this is a no-op.
 """
 
 import ctypes
+import logging
 import os
+import sys
 import threading
 import time
 
@@ -228,26 +230,46 @@ def applied() -> str | None:
 
 # XLA:CPU's multi-output fusion (off in XLA by default): fuses elementwise loops that read the same
 # inputs into one loop with several outputs. optim.apply_adamw relies on it to update p, m, v in
-# one pass (bench/host_adamw.py). It is process-wide (no per-compile option takes it) and it also
-# stops XLA:CPU from duplicating cheap producers into their consumers, which made the tiny model's
-# step 1.46x slower on a 2-core CPU: so it is opt-in, MEGATRAIN_JAX_XLA_CPU_MOF=1, set at import
-# (XLA reads XLA_FLAGS when it creates its first backend). Options starting with 'xla_' are not
-# passed on to LLVM, and GPU compilers ignore this one.
+# one pass over p, g, m, v (28 B per parameter instead of 40: the host AdamW runs at 1.0x torch's
+# fused AdamW with it and 0.53-0.66x without, bench/host_adamw.py). No per-compile option takes it
+# (jaxlib 0.10.2 rejects map-valued compile options), so it is process-wide and the package turns
+# it on when imported: XLA reads XLA_FLAGS when it creates its first backend. It changes how the
+# model's own programs fuse on XLA:CPU too: the tiny config's step runs 1.026x as long with it on
+# a 2-core CPU (BENCHMARKS.md, "Multi-output fusion by default"; the 1.46x measured on 2026-12-03,
+# which kept it opt-in until then, no longer reproduces), and a GPU's model programs are not
+# XLA:CPU's. MEGATRAIN_JAX_XLA_CPU_MOF=0 opts out. Options starting with 'xla_' are not passed on
+# to LLVM.
 MOF_FLAG = '--xla_backend_extra_options=xla_cpu_use_multi_output_fusion'
 MOF_ENV = 'MEGATRAIN_JAX_XLA_CPU_MOF'
+_mof_too_late = False  # JAX had created its backends before the package set the flag
 
 
 def multi_output_fusion() -> bool:
-  """Whether XLA_FLAGS turn on XLA:CPU's multi-output fusion (the package sets it at import)."""
-  return 'xla_cpu_use_multi_output_fusion' in os.environ.get('XLA_FLAGS', '')
+  """Whether XLA:CPU's multi-output fusion is in force in this process: XLA_FLAGS ask for it and
+  JAX created its backends after they did."""
+  return 'xla_cpu_use_multi_output_fusion' in os.environ.get('XLA_FLAGS', '') and not _mof_too_late
+
+
+def _jax_backends_exist() -> bool:
+  """Whether JAX has created its backends already (it reads XLA_FLAGS then), without creating them."""
+  bridge = sys.modules.get('jax._src.xla_bridge')
+  return bool(bridge is not None and getattr(bridge, 'backends_are_initialized', lambda: False)())
 
 
 def configure_from_env() -> None:
   """The import-time defaults: allocator 'tuned' unless MEGATRAIN_JAX_ALLOCATOR says otherwise;
-  XLA:CPU multi-output fusion with MEGATRAIN_JAX_XLA_CPU_MOF=1 unless XLA_FLAGS already set
-  backend extra options (XLA keeps only the last --xla_backend_extra_options)."""
+  XLA:CPU multi-output fusion unless MEGATRAIN_JAX_XLA_CPU_MOF=0 or XLA_FLAGS already set backend
+  extra options (XLA keeps only the last --xla_backend_extra_options). Where JAX created its
+  backends before this import (a notebook that ran JAX first), the flag could no longer take
+  effect: it is left unset and the host AdamW compiles for one loop per output."""
+  global _mof_too_late
   choice = os.environ.get(ENV, 'tuned')
   configure_allocator(choice if choice in ALLOCATORS else 'tuned')
   flags = os.environ.get('XLA_FLAGS', '')
-  if os.environ.get(MOF_ENV, '0') == '1' and 'xla_backend_extra_options' not in flags:
-    os.environ['XLA_FLAGS'] = f'{flags} {MOF_FLAG}'.strip()
+  if os.environ.get(MOF_ENV, '1') != '0' and 'xla_backend_extra_options' not in flags:
+    if _jax_backends_exist():
+      _mof_too_late = True
+      logging.info('JAX was initialized before megatrain_jax was imported: XLA:CPU multi-output '
+                   'fusion stays off (import megatrain_jax first for the one-pass host AdamW)')
+    else:
+      os.environ['XLA_FLAGS'] = f'{flags} {MOF_FLAG}'.strip()

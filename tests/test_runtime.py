@@ -75,16 +75,25 @@ def test_configure_reads_the_config_section():
   assert runtime.TRIMMER.limit is None
 
 
-def test_multi_output_fusion_flag_is_opt_in():
-  code = 'import os, megatrain_jax; print(os.environ.get("XLA_FLAGS", ""))'
+def test_multi_output_fusion_is_on_by_default_with_an_opt_out():
+  """The package turns XLA:CPU's multi-output fusion on at import (the one-pass host AdamW),
+  unless MEGATRAIN_JAX_XLA_CPU_MOF=0, XLA_FLAGS set their own backend extra options (XLA keeps only
+  the last), or JAX created its backends before the import (too late: it claims nothing)."""
+  code = ('import os, sys\n'
+          'if sys.argv[1] == "late": import jax; jax.devices()\n'
+          'import megatrain_jax\n'
+          'from megatrain_jax import runtime\n'
+          'print(runtime.multi_output_fusion(), os.environ.get("XLA_FLAGS", ""))')
   base = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', runtime.MOF_ENV)}
-  run = lambda **env: subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                                     check=True, env={**base, **env}).stdout.strip()
-  assert run() == ''
-  assert run(MEGATRAIN_JAX_XLA_CPU_MOF='1', XLA_FLAGS='--xla_dump_to=/x') == (
-      '--xla_dump_to=/x ' + runtime.MOF_FLAG)
-  assert run(MEGATRAIN_JAX_XLA_CPU_MOF='1', XLA_FLAGS='--xla_backend_extra_options=foo') == (
-      '--xla_backend_extra_options=foo')
+  run = lambda when='first', **env: subprocess.run(
+      [sys.executable, '-c', code, when], capture_output=True, text=True, check=True,
+      env={**base, **env}).stdout.strip()
+  assert run() == f'True {runtime.MOF_FLAG}'
+  assert run(MEGATRAIN_JAX_XLA_CPU_MOF='0') == 'False'
+  assert run(XLA_FLAGS='--xla_dump_to=/x') == f'True --xla_dump_to=/x {runtime.MOF_FLAG}'
+  assert run(XLA_FLAGS='--xla_backend_extra_options=foo') == (
+      'False --xla_backend_extra_options=foo')
+  assert run('late') == 'False'
 
 
 # Fills 1 GiB of heap with 16 MiB buffers, frees all but the last (so glibc cannot give the space
