@@ -4,16 +4,19 @@
 
 The same model, batch and optimizer run in the resident engine (everything in device memory) and
 in the streamed engine with layer weights and Adam state in pinned host memory, for a few
-placements. Engines take turns step by step: each of the `--sweeps` sweeps runs one step of
-every engine (in reverse order every other sweep, so no engine always follows the same one). An
-engine's ratio to resident is the median over sweeps of its step time over the resident step of
-the same sweep, printed with the quartiles of those paired ratios: this VM's speed drifts (the
-resident step's median ran 0.75-1.09 s in five runs of 2026-12-05), and a sweep takes seconds, so
-pairing keeps the drift out of the ratio. (The
-ratio of the two engines' median step times, what the bench printed before 2026-12-05, is in the
-JSON as `ratio_of_medians`.) Compilation and the first step are excluded. K = 2 runs with
-the layer inputs kept (offload.keep_layer_inputs, what the planner picks when they fit) and,
-for comparison, without them.
+placements. Each of the `--sweeps` sweeps runs one step of every streamed engine, in reverse
+order every other sweep, with a resident step before the first and after each one:
+R E1 R E2 R ... En R. An engine's ratio to resident is the median over sweeps of its step time
+over the mean of the two resident steps that bracket it, printed with the quartiles of those
+ratios. This VM's speed drifts by up to 1.4x within a minute (resident steps of 0.77-1.14 s in
+one run of 2026-12-05), so the reference has to be measured within seconds of the step it
+divides. Until 2026-12-05 one resident step per sweep served every engine of the sweep, up to
+five steps away, and before that the bench divided the engines' median step times (still in the
+JSON as `ratio_of_medians`). Compilation and the first step are excluded. The placements are
+what the planner runs when everything fits: with the optimizer on the device the gradients wait
+for the global norm in device memory (offload.park_grads; K = 1 also with them in the weights'
+tier, for comparison), and K = 2 keeps the layer inputs (offload.keep_layer_inputs; also without
+them, for comparison).
 
 On CPU both memory kinds are the same RAM: the ratio measures the engine's own overhead (group
 loop, extra dispatches, copies between memory kinds, the recompute schedule), not PCIe. The CPU
@@ -51,18 +54,25 @@ MODEL = ModelConfig(vocab_size=256, d_model=384, num_layers=6, num_heads=6, num_
 MICROBATCHES, BATCH, SEQ = 2, 4, 256
 
 PLACEMENTS = {
+    # K = 1 with the gradients parked in device memory until the global norm (offload.park_grads,
+    # what the planner picks when they fit) and, for comparison, in the weights' tier.
     'streamed K=1, optimizer on device': Placement(params='host', opt_state='host',
-                                                   layers_per_group=1),
+                                                   layers_per_group=1, park_grads='device'),
+    "streamed K=1, gradients in the weights' tier": Placement(params='host', opt_state='host',
+                                                              layers_per_group=1),
     # K = 2 as the planner runs it (offload.keep_layer_inputs: each layer recomputed once in the
     # backward), and without the layer inputs (the group recomputed first: a third forward).
     'streamed K=2, optimizer on device': Placement(params='host', opt_state='host',
-                                                   layers_per_group=2, keep_layer_inputs=True),
+                                                   layers_per_group=2, keep_layer_inputs=True,
+                                                   park_grads='device'),
     'streamed K=2, group inputs only': Placement(params='host', opt_state='host',
-                                                 layers_per_group=2, keep_layer_inputs=False),
+                                                 layers_per_group=2, keep_layer_inputs=False,
+                                                 park_grads='device'),
     'streamed K=1, optimizer on host': Placement(params='host', opt_state='host',
                                                  layers_per_group=1, optimizer_on='host'),
     'streamed K=1, activations on host': Placement(params='host', opt_state='host',
-                                                   activations='host', layers_per_group=1),
+                                                   activations='host', layers_per_group=1,
+                                                   park_grads='device'),
 }
 
 
@@ -88,39 +98,52 @@ def main():
 
   times = {name: [] for name in engines}
   cpu = {name: [] for name in engines}  # the process's CPU seconds (all threads) per step
+  ratios = {name: [] for name in engines}  # step time / the mean of its two bracketing resident steps
+  cpu_ratios = {name: [] for name in engines}
   moved = {}  # streamed engine -> GB copied between memory kinds per step
-  for sweep in range(args.sweeps):  # one step of every engine per sweep
-    for name in list(engines)[::1 if sweep % 2 == 0 else -1]:
-      started, cpu_started = time.perf_counter(), time.process_time()
-      metrics = engines[name].train_step(batch)
-      float(metrics['learning/loss'])
-      times[name].append(time.perf_counter() - started)
-      cpu[name].append(time.process_time() - cpu_started)
-      if 'io/h2d_gb' in metrics:
-        moved[name] = metrics['io/h2d_gb'] + metrics['io/d2h_gb']
+
+  def step(name):
+    started, cpu_started = time.perf_counter(), time.process_time()
+    metrics = engines[name].train_step(batch)
+    float(metrics['learning/loss'])
+    times[name].append(time.perf_counter() - started)
+    cpu[name].append(time.process_time() - cpu_started)
+    if 'io/h2d_gb' in metrics:
+      moved[name] = metrics['io/h2d_gb'] + metrics['io/d2h_gb']
+
+  # The reference of the step just taken: the mean of the resident steps before and after it.
+  reference = lambda samples: (samples['resident'][-1] + samples['resident'][-2]) / 2
+  streamed = list(PLACEMENTS)
+  for sweep in range(args.sweeps):  # R E1 R E2 R ... En R
+    step('resident')
+    for name in streamed[::1 if sweep % 2 == 0 else -1]:
+      step(name)
+      step('resident')
+      ratios[name].append(times[name][-1] / reference(times))
+      cpu_ratios[name].append(cpu[name][-1] / reference(cpu))
+  ratios['resident'] = [1.0] * len(times['resident'])
+  cpu_ratios['resident'] = ratios['resident']
   copy_gbps = _copy_gbps(engines[next(iter(PLACEMENTS))])
 
   base = statistics.median(times['resident'])
-  paired = lambda samples, bases: [t / b for t, b in zip(samples, bases)]  # per sweep
   tokens = MICROBATCHES * BATCH * SEQ
   flops = MODEL.flops_per_token(SEQ) * tokens
   print(f'machine: {platform.node()} {platform.processor() or platform.machine()}, '
         f'{jax.devices()[0].device_kind}, jax {jax.__version__}')
   print(f'model: {MODEL.num_params:,} params, {MODEL.num_layers} layers, d_model {MODEL.d_model}; '
         f'{MICROBATCHES} x {BATCH} x {SEQ} tokens/step; remat {MODEL.remat}; '
-        f'{args.sweeps} sweeps of one step per engine')
+        f'{args.sweeps} sweeps of one step per engine, each bracketed by resident steps')
   print(f'copies between memory kinds: {copy_gbps:.2f} GB/s (jax.device_put of one group, median)')
   print('| engine | median step (s) | ratio to resident (quartiles) | TFLOP/s | median CPU s | '
         'CPU ratio | GB moved / step | copy s / step |')
   print('|---|---|---|---|---|---|---|---|')
   rows = {}
   for name, samples in times.items():
-    ratios, cpu_ratios = paired(samples, times['resident']), paired(cpu[name], cpu['resident'])
-    low, ratio, high = np.percentile(ratios, [25, 50, 75])
+    low, ratio, high = np.percentile(ratios[name], [25, 50, 75])
     median, cpu_median = statistics.median(samples), statistics.median(cpu[name])
     rows[name] = {'median_s': median, 'ratio': ratio, 'ratio_quartiles': [low, high],
-                  'ratio_of_medians': median / base, 'samples': samples,
-                  'cpu_median_s': cpu_median, 'cpu_ratio': statistics.median(cpu_ratios),
+                  'ratio_of_medians': median / base, 'ratios': ratios[name], 'samples': samples,
+                  'cpu_median_s': cpu_median, 'cpu_ratio': statistics.median(cpu_ratios[name]),
                   'cpu_samples': cpu[name], 'moved_gb': moved.get(name, 0.0),
                   'copy_s': moved.get(name, 0.0) / copy_gbps}
     print(f'| {name} | {median:.3f} | {ratio:.3f} ({low:.3f}-{high:.3f}) | '

@@ -139,6 +139,11 @@ def get_config() -> ml_collections.ConfigDict:
   #                                     recomputes each layer once, as with K = 1), 'false' only
   #                                     the group's input (the backward recomputes the group: a
   #                                     third forward per layer), 'auto' keeps them if they fit.
+  offload.park_grads = 'auto'  # with exact clipping (train.grad_clip > 0) each group's gradient
+  #                              waits for the global norm: 'weights' in the weights' tier (host
+  #                              or nvme), 'device' in device memory (4 B/param of it; spares a
+  #                              device update a round trip of every gradient through the host),
+  #                              'auto' on the device when it fits and the update runs there.
   offload.prefetch_depth = 0  # Groups whose weights are in flight ahead of the compute; 0 = auto.
   offload.optimizer_on = 'auto'  # Where a group's AdamW update runs: 'device' (its Adam state is
   #                                fetched in and written back), 'host' (needs params and

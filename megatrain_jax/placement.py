@@ -18,6 +18,7 @@ from megatrain_jax.tiers import codecs
 TIERS = ('device', 'host', 'nvme')
 MEMORY_TIERS = ('device', 'host')  # activations never go to disk
 OPTIMIZER_PLACES = ('device', 'host')
+PARK_PLACES = ('weights', 'device')  # where a deferred update's layer gradients wait (park_grads)
 HOST_MEMORY_KIND = 'pinned_host'
 AUTO = 'auto'  # a field the planner (planner.py) chooses
 _GB = 1e9
@@ -47,8 +48,14 @@ class Placement:
   # K > 1: keep each group's K per-layer inputs [K, B, S, D] from the forward (True), so the
   # backward recomputes each layer once, or only the group's input [B, S, D] (False), so it
   # recomputes the group to get them back (a third forward per layer with model.remat).
-  # 'auto': the planner keeps them when they fit (planner._keep_options).
+  # 'auto': the planner keeps them when that fits and is faster (planner._option_variants).
   keep_layer_inputs: bool | str = False
+  # With exact clipping every group's gradient waits for the global norm before its update: in the
+  # weights' tier ('weights': device memory stays bounded by a few groups) or, for an update on the
+  # device, in device memory ('device': 4·L·P_l more of it, and no round trip of each gradient
+  # through the host: 8 group-sized transfers per group and step instead of 10). 'auto': the
+  # planner parks them on the device when that fits and is faster (planner._option_variants).
+  park_grads: str = 'weights'
 
   @property
   def streamed(self) -> bool:
@@ -120,6 +127,11 @@ class Placement:
     return self.keep_layer_inputs is True and self.layers_per_group > 1
 
   @property
+  def parked_grads_tier(self) -> str:
+    """The tier where the layer groups' gradients wait for a deferred update."""
+    return 'device' if self.park_grads == 'device' else self.params
+
+  @property
   def uses_nvme(self) -> bool:
     """True when some state lives in the NVMe tier (layers, their Adam state, embedding/head)."""
     return 'nvme' in (self.params, self.opt_state, self.embed_head)
@@ -128,7 +140,7 @@ class Placement:
   def has_auto(self) -> bool:
     return (AUTO in (self.params, self.opt_state, self.activations, self.embed_head,
                      self.optimizer_on) or self.layers_per_group == 0 or self.prefetch_depth == 0
-            or self.host_buffer_gb == 0 or self.keep_layer_inputs == AUTO)
+            or self.host_buffer_gb == 0 or AUTO in (self.keep_layer_inputs, self.park_grads))
 
   def describe(self, num_layers: int) -> str:
     """One line for the console: the engine and, when streamed, where each part lives."""
@@ -138,7 +150,7 @@ class Placement:
     return (f'streamed engine: params on {self.params}, Adam state on {self.opt_state}, '
             f'activations on {self.activations}, embedding/head on {self.embed_head}, '
             f'{groups} groups of {self.layers_per_group} layers{self._kept_note()}, prefetch '
-            f'depth {self.prefetch_depth}, optimizer on {self.optimizer_on}')
+            f'depth {self.prefetch_depth}, optimizer on {self.optimizer_on}{self._park_note()}')
 
   def summary(self) -> str:
     """The same, compact, for the planner's tables and refusals."""
@@ -146,7 +158,14 @@ class Placement:
       return 'resident (all on device)'
     return (f'params {self.params}, Adam {self.opt_state}, activations {self.activations}, '
             f'embed/head {self.embed_head}, optimizer on {self.optimizer_on}, '
-            f'K={self.layers_per_group}{self._kept_note()}, prefetch {self.prefetch_depth}')
+            f'K={self.layers_per_group}{self._kept_note()}, prefetch {self.prefetch_depth}'
+            f'{self._park_note()}')
+
+  def _park_note(self) -> str:
+    """Where deferred updates' gradients wait, when that is not the weights' tier."""
+    if self.park_grads == 'weights' or self.params == 'device':
+      return ''
+    return ', gradients parked: auto' if self.park_grads == AUTO else ', gradients parked on device'
 
   def _kept_note(self) -> str:
     """What a group of K > 1 saves for its backward (nothing to say when K = 1)."""
@@ -175,6 +194,10 @@ class Placement:
       if tier not in allowed + auto:
         raise ConfigError(f'offload.{name}={tier!r} is not a tier for it: use one of '
                           f'{", ".join(allowed + auto)}.')
+    if self.park_grads not in PARK_PLACES + auto:
+      raise ConfigError(f'offload.park_grads={self.park_grads!r}: use weights (gradients wait for '
+                        "a deferred update in the weights' tier), device (in device memory) or "
+                        f'{"auto" if allow_auto else "auto (in a config, for the planner)"}.')
 
   def _check_storage(self) -> None:
     """The on-disk codec, its level and chunk size, and the planner's memory budgets."""
@@ -233,6 +256,11 @@ class Placement:
           'state, so it needs offload.params and offload.opt_state off the device (host or nvme; '
           f"got params={self.params}, opt_state={self.opt_state}). Move them, or set "
           "offload.optimizer_on='device'.")
+    if self.park_grads == 'device' and self.optimizer_on == 'host':
+      raise ConfigError(
+          "offload.park_grads='device' keeps gradients in device memory for an update on the "
+          "device, but offload.optimizer_on='host' updates on the host, where every gradient goes "
+          "anyway. Set offload.park_grads='weights' (or 'auto'), or offload.optimizer_on='device'.")
     if 'host' in (self.params, self.opt_state, self.activations, self.embed_head):
       device = layout.default_devices()[0]
       kinds = layout.available_memory_kinds()

@@ -108,8 +108,10 @@ AUTO PLACEMENT: every `auto` field is searched (tiers, optimizer location, K, pr
 when train.microbatches = 0; the NVMe staging buffer when offload.host_buffer_gb = 0). A candidate
 must fit every tier's budget; the fastest tokens/s wins, and among candidates within 1% of it the
 one that offloads the fewest bytes, then the smallest M, group and depth (less memory for the
-same speed). offload.keep_layer_inputs = auto keeps the layer inputs of a K > 1 candidate when
-that plan fits (it recomputes less), else plans it without them (`_keep_options`).
+same speed). offload.keep_layer_inputs = auto plans a K > 1 candidate with the layer inputs kept
+(it recomputes less) and without; offload.park_grads = auto plans a deferred device update's
+gradients parked in device memory (no round trip through the host) and in the weights' tier
+(`_option_variants`): each variant that fits competes like any other candidate.
 """
 
 import collections
@@ -836,7 +838,7 @@ def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: De
   baseline = measured_baseline_bytes(hw)
   plans, rejected, invalid = [], [], []
   for micro, candidate in candidates(offload, cfg, micro_options):
-    for placement in _keep_options(candidate):  # the first that fits, if any
+    for placement in _option_variants(candidate, clipping):  # every variant that fits competes
       try:  # e.g. a group too large for the NVMe staging buffer, or no pinned_host memory
         placement.check(cfg)
       except ConfigError as e:
@@ -846,19 +848,25 @@ def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: De
                        seq=train.seq_len, clipping=clipping, budgets=budgets,
                        checkpoint_copies=copies, devices=devices, baseline_bytes=baseline)
       (plans if plan.fits else rejected).append(plan)
-      if plan.fits:
-        break
   return plans, rejected, invalid
 
 
-def _keep_options(placement: Placement) -> list:
-  """offload.keep_layer_inputs='auto' resolved: for K > 1, keeping the layer inputs (each layer's
-  forward runs twice per step instead of three times) and, should that not fit, not keeping
-  them; for K = 1 there is nothing to keep beyond the group's input."""
-  if placement.keep_layer_inputs != AUTO:
-    return [placement]
-  keep = [True, False] if placement.layers_per_group > 1 else [False]
-  return [dataclasses.replace(placement, keep_layer_inputs=k) for k in keep]
+def _option_variants(placement: Placement, clipping: bool) -> list:
+  """The candidate with its 'auto' options resolved, each planned by _search (the fastest that
+  fits wins): offload.keep_layer_inputs (for K > 1, keeping the layer inputs: each layer's forward
+  runs twice per step instead of three times; for K = 1 there is nothing to keep beyond the
+  group's input) and offload.park_grads (gradients waiting for a deferred update on the device
+  stay in device memory: no round trip through the host; else, or where that does not fit, in the
+  weights' tier)."""
+  keep = [placement.keep_layer_inputs]
+  if placement.keep_layer_inputs == AUTO:
+    keep = [True, False] if placement.layers_per_group > 1 else [False]
+  park = [placement.park_grads]
+  if placement.park_grads == AUTO:
+    on_device_update = clipping and placement.optimizer_on == 'device' and placement.params != 'device'
+    park = ['device', 'weights'] if on_device_update else ['weights']
+  return [dataclasses.replace(placement, keep_layer_inputs=k, park_grads=g)
+          for k in keep for g in park]
 
 
 def _fastest(plans: list) -> Plan:

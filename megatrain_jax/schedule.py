@@ -18,7 +18,8 @@ One optimizer step over M microbatches, G groups of K layers (B batch, S seq, D 
   backward        for g in G-1..0: grad_g, dy[m] = vjp(group_g)(saved[g][m], dy[m])
                                                                      each group again
   update          AdamW of group g: right after its backward (overlapped), or after the
-                  global norm (deferred, exact clipping: gradients parked in the weights' tier)
+                  global norm (deferred, exact clipping: gradients parked in the weights' tier,
+                  or in device memory with offload.park_grads = device)
   embed_backward  each embedding chunk's gradient (rows of the batch's tokens; + the tied head's
                   parked one), parked
   outer_update    AdamW of the final norm, then of every embedding / head chunk from its parked
@@ -166,8 +167,8 @@ class StepSchedule:
   @property
   def deferred_updates(self) -> bool:
     """Exact clipping needs the whole gradient's norm before any update: each group's gradient is
-    parked in its weights' tier until the backward is done. Otherwise a group's update runs right
-    after its backward, overlapping the next group's."""
+    parked (placement.parked_grads_tier) until the backward is done. Otherwise a group's update
+    runs right after its backward, overlapping the next group's."""
     return self.clipping
 
   @property
@@ -250,8 +251,10 @@ class StepSchedule:
     if self.host_optimizer:  # params and Adam are off the device; each gradient crosses once
       return adam + Traffic(d2h=W, read=W * P_disk * (1 + parked), write=W * P_disk * (1 + parked))
     moved = adam + Traffic(h2d=A * O_off, d2h=A * O_off + W * P_off, write=W * P_disk)
-    if parked and P_off:  # the gradient out to its tier and back, the weights fetched a third time
-      moved += Traffic(d2h=W, h2d=2 * W, write=W * P_disk, read=2 * W * P_disk)
+    if parked and P_off:  # the weights fetched a third time; the gradient out to its tier and back
+      moved += Traffic(h2d=W, read=W * P_disk)
+      if p.parked_grads_tier != 'device':
+        moved += Traffic(d2h=W, h2d=W, write=W * P_disk, read=W * P_disk)
     return moved
 
   # --- what each stage holds (the planner's memory rows) -----------------------------------------
@@ -304,7 +307,7 @@ class StepSchedule:
     if p.opt_state != 'nvme':
       add(STATE, p.opt_state, 'layer Adam m, v', A, '8·L·P_l')
     if self.deferred_updates:
-      add(BACKWARD_TO_UPDATE, p.params, 'parked gradients (exact clipping)', W, '4·L·P_l')
+      add(BACKWARD_TO_UPDATE, p.parked_grads_tier, 'parked gradients (exact clipping)', W, '4·L·P_l')
     if p.params == 'nvme':
       add(STATE, 'nvme', 'layer params', L * sizes.layer_params, '4·L·P_l')
     if p.opt_state == 'nvme':

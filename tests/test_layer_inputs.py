@@ -152,9 +152,13 @@ def test_kept_inputs_recompute_and_traffic():
         planner.traffic(CFG, SIZES, _placement(k, keep=False), MICRO, BATCH, SEQ, True))
 
 
+# Gradients parked in the weights' tier: these plans vary the layer inputs alone (with
+# offload.park_grads=auto a device budget between 'kept' and 'not kept' fits the inputs kept and
+# the gradients on the host, which the planner prefers: test_planner covers that trade).
 FIXED = dict(hardware='cpu', offload__params='host', offload__opt_state='host',
              offload__activations='device', offload__embed_head='device',
-             offload__optimizer_on='device', offload__prefetch_depth=1, train__microbatches=2)
+             offload__optimizer_on='device', offload__prefetch_depth=1, train__microbatches=2,
+             offload__park_grads='weights')
 
 
 def _plan_run(**overrides):

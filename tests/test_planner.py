@@ -81,6 +81,9 @@ TRAFFIC_CASES = [
          keep_layer_inputs=True),
     dict(params='host', opt_state='host', activations='host', layers_per_group=3,
          keep_layer_inputs=True),
+    # Gradients of deferred device updates parked in device memory (offload.park_grads).
+    dict(params='host', opt_state='host', layers_per_group=2, park_grads='device'),
+    dict(params='nvme', opt_state='host', park_grads='device'),
 ]
 
 
@@ -219,6 +222,28 @@ def test_auto_streams_when_device_budget_is_below_the_model():
   assert plan.used('device') <= model_gb / 4 * _GB
   # What it chose is a valid placement the engine accepts.
   p.check(cfg)
+
+
+def test_auto_parks_gradients_on_the_device_when_they_fit():
+  """offload.park_grads=auto: with exact clipping and the update on the device, the gradients
+  wait in device memory when its budget holds them (two fewer layer-sized copies per step, so the
+  plan is faster) and in the weights' tier when it does not; without clipping nothing is parked."""
+  base = dict(offload__params='host', offload__opt_state='host', offload__activations='device',
+              offload__embed_head='device', offload__optimizer_on='device',
+              offload__layers_per_group=1, offload__prefetch_depth=1, train__grad_clip=1.0)
+  in_weights_tier = _plan(**base, offload__park_grads='weights')
+  roomy = _plan(**base)
+  assert roomy.placement.park_grads == 'device'
+  config = config_lib.load_config('tiny')
+  cfg = planner.model_lib.ModelConfig.from_config_dict(config.model)
+  layer_grads = cfg.num_layers * planner.state_sizes(cfg, planner.train_key(config.train)).layer_params
+  assert roomy.used('device') == pytest.approx(in_weights_tier.used('device') + layer_grads)
+  assert roomy.traffic['h2d'] == in_weights_tier.traffic['h2d'] - layer_grads
+  assert roomy.traffic['d2h'] == in_weights_tier.traffic['d2h'] - layer_grads
+  assert roomy.step_time_s < in_weights_tier.step_time_s
+  tight = _plan(**base, offload__device_memory_gb=(roomy.used('device') - layer_grads / 2) / _GB)
+  assert tight.placement.park_grads == 'weights' and tight.fits
+  assert _plan(**{**base, 'train__grad_clip': 0.0}).placement.park_grads == 'weights'
 
 
 def test_auto_on_h100_for_7b():

@@ -67,6 +67,25 @@ def test_tiers_apart_and_together_match_resident(placement):
   assert_states_match(state, want_state)
 
 
+@pytest.mark.parametrize('placement', [
+    dict(layers_per_group=1, num_micro=1),
+    dict(layers_per_group=3, num_micro=4, activations='host'),
+    dict(layers_per_group=2, num_micro=4, params='nvme', opt_state='nvme'),
+])
+def test_gradients_parked_on_the_device_match_resident(tmp_path, placement):
+  """offload.park_grads='device': a deferred device update reads its gradient from device memory
+  (no round trip through the host tier) and gives the resident engine's numbers; the parked
+  gradients live on the device and are freed once their update has read them."""
+  num_micro = placement.pop('num_micro')
+  want_losses, want_state = resident_run(num_micro, 1.0)
+  engine, losses, state = streamed_run(num_micro, 1.0, park_grads='device', dir=str(tmp_path),
+                                       **{'params': 'host', 'opt_state': 'host', **placement})
+  assert engine.parked_grads.tier == 'device'
+  assert engine.parked_grads._trees == {}  # every group's gradient spent and freed
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+  assert_states_match(state, want_state)
+
+
 @pytest.mark.parametrize('num_micro', [1, 8])
 @pytest.mark.parametrize('grad_clip, optimizer_on, fetches', [
     (0.0, 'device', 2),  # forward + backward; the update reuses the backward's copy
@@ -134,10 +153,17 @@ def test_streamed_eval_matches_resident():
     ('optimizer_on', 'tpu', 'offload.optimizer_on'),
     ('keep_layer_inputs', 'yes', "offload.keep_layer_inputs='yes': use true"),
     ('keep_layer_inputs', 'auto', 'or auto (in a config, for the planner)'),
+    ('park_grads', 'host', "offload.park_grads='host': use weights"),
+    ('park_grads', 'auto', 'or auto (in a config, for the planner)'),
 ])
 def test_bad_placements(field, value, message):
   with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace(')', r'\)')):
     Placement(**{field: value}).check(CFG)
+
+
+def test_gradients_parked_on_the_device_need_the_update_there():
+  with pytest.raises(ConfigError, match="offload.optimizer_on='host' updates on the host"):
+    Placement(params='host', opt_state='host', optimizer_on='host', park_grads='device').check(CFG)
 
 
 def test_host_tier_needs_the_pinned_host_memory_kind(monkeypatch):

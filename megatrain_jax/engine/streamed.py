@@ -105,8 +105,9 @@ class StreamedEngine:
     self.write_budget = WriteBudget(placement.write_budget_bytes(model_cfg))
     self.fn = StageFunctions(model_cfg, tx, self.layout)
     self.stores = {kind: self._make_stores(kind) for kind in self.kinds}
-    # With exact clipping, finished group gradients wait in `grads` (in the weights' tier, so
-    # memory stays bounded on every tier) until the global norm is known.
+    # With exact clipping, finished group gradients wait in `grads` until the global norm is known:
+    # in the weights' tier, so memory stays bounded on every tier, or with offload.park_grads =
+    # device in device memory, which spares each one a round trip through the host.
     self.params, self.opt_state, self.parked_grads = self.stores['layers'].all()
     host_optimizer = {'layers': placement.optimizer_on == 'host',
                       'final_norm': False}  # D floats: on the device
@@ -143,7 +144,7 @@ class StreamedEngine:
     p = self.placement
     if kind == 'layers':
       return PieceStores(*(self._make_store(tier, name, kind) for tier, name in (
-          (p.params, 'params'), (p.opt_state, 'opt_state'), (p.params, 'grads'))))
+          (p.params, 'params'), (p.opt_state, 'opt_state'), (p.parked_grads_tier, 'grads'))))
     tier = p.embed_head if kind != 'final_norm' or p.embed_head != 'nvme' else 'host'
     return PieceStores(*(self._make_store(tier, f'{kind}_{part}', kind)
                          for part in ('params', 'opt', 'grads')))

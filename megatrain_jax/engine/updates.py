@@ -215,6 +215,8 @@ def update_parked(updater: PieceUpdater, keys, scale, num_micro: int, depth: int
   prefetcher = Prefetcher(request, units, depth)
   for (key, band), inputs in prefetcher:
     updater.apply(key, inputs, scale=scale, num_micro=num_micro, band=band)
+    if band is None or band.last:  # the gradient is spent: its memory is not held to the next step
+      updater.parked_grads.release(key)
   return prefetcher.wait_s
 
 

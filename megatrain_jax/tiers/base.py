@@ -152,6 +152,11 @@ class Store(abc.ABC):
   def fetch(self, key: Hashable) -> PyTree:
     """A device-resident copy of the tree under `key` (or a Future of one); asynchronous."""
 
+  def release(self, key: Hashable) -> None:
+    """Forgets the tree under `key` (a parked gradient its update has read): an in-memory tier
+    frees it now rather than when the next step puts a new one; a disk tier keeps its files."""
+    self._trees.pop(key, None)
+
   def get_async(self, key: Hashable, keep=None) -> concurrent.futures.Future:
     """`get(key)` as a Future: tiers that must read from disk start the read now. With `keep` (a
     set of leaf paths) only those leaves are read, None in place of the others."""
