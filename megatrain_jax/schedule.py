@@ -271,7 +271,11 @@ class StepSchedule:
         (p.prefetch_depth + 1) * gw, '(prefetch_depth + 1)·K·P_l·4')
     add('backward', 'device', 'group gradient accumulator', gw, 'K·P_l·4')
     if not self.host_optimizer:
-      add('update', 'device', 'update inputs (2 groups)', 2 * (2 * gw + go), '2·(weights + grads + Adam)')
+      if self.deferred_updates and p.parked_grads_tier == 'device':  # grads: the parked row's
+        add('update', 'device', 'update inputs (2 groups)', 2 * (gw + go), '2·(weights + Adam)')
+      else:
+        add('update', 'device', 'update inputs (2 groups)', 2 * (2 * gw + go),
+            '2·(weights + grads + Adam)')
     add('backward', 'device', 'hidden states + their gradients', 2 * M * hidden, '2·M·B·S·D·c')
     add('backward', 'device', 'group backward working set',
         internals if k == 1 else k * hidden + internals,
