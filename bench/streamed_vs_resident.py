@@ -16,7 +16,11 @@ JSON as `ratio_of_medians`). Compilation and the first step are excluded. The pl
 what the planner runs when everything fits: with the optimizer on the device the gradients wait
 for the global norm in device memory (offload.park_grads; K = 1 also with them in the weights'
 tier, for comparison), and K = 2 keeps the layer inputs (offload.keep_layer_inputs; also without
-them, for comparison).
+them, for comparison). The last row runs the same K = 1 group loop with the weights and Adam state
+in device memory, so nothing is copied: the first row's excess over it is the copies' cost. (On
+this CPU the planner itself puts a host-tier K = 1 run's optimizer on the host, the
+'optimizer on host' row: `launch.py --config tiny --dry_run` with the layers' params and Adam on
+host and K = 1.)
 
 On CPU both memory kinds are the same RAM: the ratio measures the engine's own overhead (group
 loop, extra dispatches, copies between memory kinds, the recompute schedule), not PCIe. The CPU
@@ -73,6 +77,11 @@ PLACEMENTS = {
     'streamed K=1, activations on host': Placement(params='host', opt_state='host',
                                                    activations='host', layers_per_group=1,
                                                    park_grads='device'),
+    # The streamed engine's group loop with nothing to copy: weights and Adam state in device
+    # memory. Its ratio is the loop's own cost (dispatches, per-group programs, the recompute
+    # schedule); the first row's excess over it is what the copies between memory kinds cost.
+    'streamed K=1, weights and Adam on device (no copies)': Placement(
+        params='device', opt_state='device', layers_per_group=1, park_grads='device'),
 }
 
 
