@@ -9,8 +9,17 @@ step time, tokens/s, TFLOP/s, MFU (against the datasheet peak for the precision)
 streamed engine's I/O and time split; writes gpu_host_tier.json to --out (default $OUT or .).
 
 XLA caps pinned host memory at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default); this script
-sets it from the host tier's size before JAX starts. Needs only jax, flax, optax and numpy (no
-ml_collections, tensorboard or orbax), so it runs in the GPU image as it is.
+sets it from the host tier's size before JAX starts.
+
+It imports the engines only (jax, flax, optax, tensorstore, numpy; not ml_collections, which the
+lent GPU machines' image lacks: distributed.py names it for annotations only), so on such a
+machine it runs from the repository root as it is:
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 bench/gpu_host_tier.py --out $OUT
+
+`--models tiny` runs a small shape that a CPU finishes in seconds: tests/test_packaging.py runs it
+so with ml_collections and zstandard made unimportable, which keeps this script working in that
+image between the rare sessions that get a GPU.
 """
 
 import argparse
@@ -27,8 +36,12 @@ MODELS = {
                d_ff=8192, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
     '7b': dict(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32,
                d_ff=11008, max_seq_len=4096, tie_embeddings=False),
+    # A CPU smoke run of this script (tests/test_packaging.py), not a benchmark.
+    'tiny': dict(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=128,
+                 max_seq_len=128, tie_embeddings=False),
 }
-SEQ, BATCH, MICRO = 2048, 1, 4
+SEQ, BATCH, MICRO = 2048, 1, 4  # tokens per step: MICRO microbatches of BATCH x SEQ
+SHAPES = {'tiny': (64, 1, 2)}  # (SEQ, BATCH, MICRO) where a model needs other than the above
 
 
 def host_tier_gb(model_kwargs) -> int:
@@ -67,14 +80,18 @@ def main():
                                 warmup_steps=10, steps=1000, min_lr_ratio=0.1)
   tx, schedule = optim.make_optimizer(train), optim.lr_schedule(train)
   rows = []
+  device_bytes = (device.memory_stats() or {}).get('bytes_limit', 0)  # None on CPU
+  if device.platform == 'cpu':
+    device_bytes = 2**40  # a smoke run: the resident engine too
   for name in names:
+    seq, batch_size, micro = SHAPES.get(name, (SEQ, BATCH, MICRO))
     for precision in ('highest', 'default'):
       cfg = ModelConfig(**MODELS[name], matmul_precision=precision, remat='full')
       state_gb = 16 * cfg.num_params / 1e9
       runs = [('streamed-host', Placement(params='host', opt_state='host', layers_per_group=1))]
-      if state_gb < 0.6 * device.memory_stats().get('bytes_limit', 0) / 1e9:
+      if state_gb < 0.6 * device_bytes / 1e9:
         runs.insert(0, ('resident', None))
-      batch = np.random.default_rng(0).integers(0, cfg.vocab_size, (MICRO, BATCH, SEQ + 1),
+      batch = np.random.default_rng(0).integers(0, cfg.vocab_size, (micro, batch_size, seq + 1),
                                                 dtype=np.int32)
       for engine_name, placement in runs:
         started = time.perf_counter()
@@ -91,11 +108,12 @@ def main():
           float(last['learning/loss'])
           times.append(time.perf_counter() - t0)
         step = statistics.median(times)
-        tokens = MICRO * BATCH * SEQ
-        tflops = cfg.flops_per_token(SEQ) * tokens / step / 1e12
+        tokens = micro * batch_size * seq
+        tflops = cfg.flops_per_token(seq) * tokens / step / 1e12
         peak = hardware.datasheet_peak_tflops(device.device_kind, cfg.dtype, precision)
         row = {'model': name, 'params': cfg.num_params, 'precision': precision,
-               'engine': engine_name, 'step_s': step, 'steps_s': times, 'warmup_s': warmup,
+               'engine': engine_name, 'loss': float(last['learning/loss']), 'step_s': step,
+               'steps_s': times, 'warmup_s': warmup,
                'tokens_per_s': tokens / step, 'tflops': tflops,
                'mfu': tflops / peak if peak else None,
                **{k: float(v) for k, v in last.items() if k.startswith(('io/', 'perf/'))}}

@@ -18,15 +18,20 @@ process dies, the others learn it from the coordination service's heartbeat (HEA
 the failed collective, and stop with an error (train.py names the processes that are gone).
 """
 
+from __future__ import annotations
+
 import contextlib
 import pathlib
+import typing
 
 import jax
-import ml_collections
 from jax.experimental import multihost_utils
 
 from megatrain_jax.errors import ConfigError, ProcessLostError
 from megatrain_jax.layout import Layout, platform
+
+if typing.TYPE_CHECKING:  # annotations only: the engines import this module, and the GPU image
+  import ml_collections  # that runs bench/gpu_host_tier.py has no ml_collections
 
 
 # A process that sends no heartbeat for this long is declared dead and the others stop (JAX's
