@@ -35,14 +35,19 @@ from megatrain_jax.model import decoder
 from megatrain_jax.model import head_chunks
 
 
-def _on_host():
-  """Context that places the enclosed computation on the host CPU (jax.experimental.compute_on).
+def _on_host(fn):
+  """`fn` run on the host CPU, its outputs in host memory (jax.experimental.compute_on).
 
-  jax 0.10 / 0.11.0 take the compute type positionally; later releases as `compute_type=`.
-  """
-  if 'compute_type' in inspect.signature(compute_on_lib.compute_on).parameters:
-    return compute_on_lib.compute_on(compute_type='device_host')
-  return compute_on_lib.compute_on('device_host')
+  jax 0.10 has a context manager (also a decorator) that takes the compute type positionally;
+  0.11.2 (the lent GPU machines' image) has only a decorator, with keyword-only `compute_type`
+  and a required `out_memory_spaces` (one value for every output here)."""
+  parameters = inspect.signature(compute_on_lib.compute_on).parameters
+  if 'out_memory_spaces' in parameters:
+    return compute_on_lib.compute_on(compute_type='device_host',
+                                      out_memory_spaces=jax.memory.Space.Host)(fn)
+  if 'compute_type' in parameters:
+    return compute_on_lib.compute_on(compute_type='device_host')(fn)
+  return compute_on_lib.compute_on('device_host')(fn)
 
 
 def step_inputs(batch) -> tuple[np.ndarray, np.ndarray | None]:
@@ -259,5 +264,6 @@ def _group_backward_from_inputs(cfg, shard_layer, group_params, inputs, dy, posi
 
 
 def _host_update(tx, grad_sum, opt_state, params, scale, num_micro):
-  with _on_host():  # adamw_update's arithmetic in one pass over each leaf (optim.apply_adamw)
-    return optim.apply_adamw(tx, grad_sum, opt_state, params, num_micro, scale)
+  # adamw_update's arithmetic in one pass over each leaf (optim.apply_adamw), on the host.
+  update = lambda g, s, p, c: optim.apply_adamw(tx, g, s, p, num_micro, c)
+  return _on_host(update)(grad_sum, opt_state, params, scale)
