@@ -158,3 +158,26 @@ def test_apply_adamw_matches_optax_under_multi_output_fusion():
   # error / (1e-6 |optax| + 1e-7 max |optax|) <= 1: every leaf, every step, each case
   assert all(e <= 1.0 for e in result['errors'].values()), result
   assert result['fusions'] == 1, result  # the 4096-element norm scale: one loop, three outputs
+
+
+@pytest.mark.parametrize('release', ['0.10', '0.11.2'])
+def test_host_update_asks_compute_on_for_the_host_as_each_jax_release_spells_it(monkeypatch, release):
+  """engine/functions._on_host: jax 0.10's compute_on takes the compute type positionally (a
+  context manager, also a decorator); 0.11.2's, the lent GPU image's, is a decorator with
+  keyword-only compute_type and a required out_memory_spaces. CI runs 0.10 only, so 0.11.2's
+  signature is stood in for here (the engine tests passed under the real 0.11.2, 2026-12-05)."""
+  from megatrain_jax.engine import functions  # pylint: disable=import-outside-toplevel
+  calls = []
+  if release == '0.10':
+    def compute_on(compute_type):
+      calls.append((compute_type,))
+      return lambda fn: fn
+  else:
+    def compute_on(f=None, *, compute_type, out_memory_spaces, compiler_options=None):
+      del f, compiler_options
+      calls.append((compute_type, out_memory_spaces))
+      return lambda fn: fn
+  monkeypatch.setattr(functions.compute_on_lib, 'compute_on', compute_on)
+  assert functions._on_host(lambda x: x + 1)(1) == 2  # pylint: disable=protected-access
+  want = ('device_host',) if release == '0.10' else ('device_host', jax.memory.Space.Host)
+  assert calls == [want]
