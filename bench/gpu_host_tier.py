@@ -5,8 +5,8 @@
 For each model: the resident engine where the FP32 state fits the GPU, and the streamed engine
 with layer weights and Adam state in pinned host RAM (K=1, prefetch depth 1, optimizer on the
 device, the gradients waiting for the global norm in device memory: offload.park_grads='device',
-which keeps 7b's host share at 81 GB of the lent machines' 128 GiB of RAM), each at matmul precision 'highest' (true FP32) and 'default' (TF32 on Hopper). Prints
-step time, tokens/s, TFLOP/s, MFU (against the datasheet peak for the precision) and the
+which keeps 7b's host share at 81 GB of the lent machines' 128 GiB of RAM), each at matmul
+precision 'highest' (true FP32) and 'default' (TF32 on Hopper). Prints step time, tokens/s, TFLOP/s, MFU (against the datasheet peak for the precision) and the
 streamed engine's I/O and time split; writes gpu_host_tier.json to --out (default $OUT or .).
 
 XLA caps pinned host memory at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default); this script

@@ -33,7 +33,8 @@ VARIANTS = {
     'allocator': {a: ([f'--config.runtime.allocator={a}'], {'MEGATRAIN_JAX_ALLOCATOR': a})
                   for a in ('system', 'tuned')},
     'remat': {r: ([f'--config.model.remat={r}'], {}) for r in ('full', 'none')},
-    'mof': {m: ([], {'MEGATRAIN_JAX_XLA_CPU_MOF': '1' if m == 'on' else '0'}) for m in ('off', 'on')},
+    'mof': {m: ([], {'MEGATRAIN_JAX_XLA_CPU_MOF': '1' if m == 'on' else '0'})
+            for m in ('off', 'on')},
 }
 
 

@@ -107,7 +107,8 @@ def main():
 
   times = {name: [] for name in engines}
   cpu = {name: [] for name in engines}  # the process's CPU seconds (all threads) per step
-  ratios = {name: [] for name in engines}  # step time / the mean of its two bracketing resident steps
+  # step time / the mean of the two resident steps that bracket it
+  ratios = {name: [] for name in engines}
   cpu_ratios = {name: [] for name in engines}
   moved = {}  # streamed engine -> GB copied between memory kinds per step
 

@@ -863,7 +863,8 @@ def _option_variants(placement: Placement, clipping: bool) -> list:
     keep = [True, False] if placement.layers_per_group > 1 else [False]
   park = [placement.park_grads]
   if placement.park_grads == AUTO:
-    on_device_update = clipping and placement.optimizer_on == 'device' and placement.params != 'device'
+    on_device_update = (clipping and placement.optimizer_on == 'device'
+                        and placement.params != 'device')
     park = ['device', 'weights'] if on_device_update else ['weights']
   return [dataclasses.replace(placement, keep_layer_inputs=k, park_grads=g)
           for k in keep for g in park]

@@ -251,7 +251,8 @@ def multi_output_fusion() -> bool:
 
 
 def _jax_backends_exist() -> bool:
-  """Whether JAX has created its backends already (it reads XLA_FLAGS then), without creating them."""
+  """Whether JAX has created its backends already (it reads XLA_FLAGS then), without creating
+  them."""
   bridge = sys.modules.get('jax._src.xla_bridge')
   return bool(bridge is not None and getattr(bridge, 'backends_are_initialized', lambda: False)())
 

@@ -311,7 +311,8 @@ class StepSchedule:
     if p.opt_state != 'nvme':
       add(STATE, p.opt_state, 'layer Adam m, v', A, '8·L·P_l')
     if self.deferred_updates:
-      add(BACKWARD_TO_UPDATE, p.parked_grads_tier, 'parked gradients (exact clipping)', W, '4·L·P_l')
+      add(BACKWARD_TO_UPDATE, p.parked_grads_tier, 'parked gradients (exact clipping)', W,
+          '4·L·P_l')
     if p.params == 'nvme':
       add(STATE, 'nvme', 'layer params', L * sizes.layer_params, '4·L·P_l')
     if p.opt_state == 'nvme':

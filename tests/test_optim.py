@@ -161,7 +161,8 @@ def test_apply_adamw_matches_optax_under_multi_output_fusion():
 
 
 @pytest.mark.parametrize('release', ['0.10', '0.11.2'])
-def test_host_update_asks_compute_on_for_the_host_as_each_jax_release_spells_it(monkeypatch, release):
+def test_host_update_asks_compute_on_for_the_host_as_each_jax_release_spells_it(monkeypatch,
+                                                                               release):
   """engine/functions._on_host: jax 0.10's compute_on takes the compute type positionally (a
   context manager, also a decorator); 0.11.2's, the lent GPU image's, is a decorator with
   keyword-only compute_type and a required out_memory_spaces. CI runs 0.10 only, so 0.11.2's

@@ -42,12 +42,12 @@ def _on_host(fn):
   0.11.2 (the lent GPU machines' image) has only a decorator, with keyword-only `compute_type`
   and a required `out_memory_spaces` (one value for every output here)."""
   parameters = inspect.signature(compute_on_lib.compute_on).parameters
+  if 'compute_type' not in parameters:
+    return compute_on_lib.compute_on('device_host')(fn)
+  kwargs = {'compute_type': 'device_host'}
   if 'out_memory_spaces' in parameters:
-    return compute_on_lib.compute_on(compute_type='device_host',
-                                      out_memory_spaces=jax.memory.Space.Host)(fn)
-  if 'compute_type' in parameters:
-    return compute_on_lib.compute_on(compute_type='device_host')(fn)
-  return compute_on_lib.compute_on('device_host')(fn)
+    kwargs['out_memory_spaces'] = jax.memory.Space.Host
+  return compute_on_lib.compute_on(**kwargs)(fn)
 
 
 def step_inputs(batch) -> tuple[np.ndarray, np.ndarray | None]:
