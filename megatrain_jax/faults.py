@@ -19,6 +19,8 @@ The points (and how often each is passed per training step, with G layer groups)
               (the old state is donated, the new one not yet materialised) (1 per step).
   optimizer   streamed: between writing a group's new weights and its new Adam state to their
               stores (a torn group update; G per step), and after the embedding/head update (1).
+              With exact clipping a step's G group passes come in the next step's forward (or in
+              the flush before a checkpoint): still G + 1 per step over a run.
   checkpoint  twice per save (checkpoint.py): in `save`, right after the background write is
               submitted, and on the background writer once the in-memory leaves are written but
               before meta.json, the manifest and the commit rename (files partly written).

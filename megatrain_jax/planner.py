@@ -55,9 +55,11 @@ what the stages of schedule.py declare they hold, each row naming its stage):
 TRAFFIC (bytes moved per step; `traffic` sums what each stage of schedule.py declares, the same
 StepSchedule the engine takes its decisions from, and tests check it against the engine's own
 counters exactly):
-  weights off-device are fetched twice (forward, backward), three times with exact clipping and
-  the device optimizer (once more for the update); the Adam state crosses to the device optimizer
-  and back; the host optimizer receives each gradient (d2h) and touches nothing on the device.
+  weights off-device are fetched twice (forward, backward), with or without exact clipping (a
+  deferred update runs in the next forward: the device optimizer's fetch of the weights is the
+  forward's, the host optimizer hands the forward the weights it wrote); the Adam state crosses
+  to the device optimizer and back; the host optimizer receives each gradient (d2h) and touches
+  nothing on the device.
 
 TIME (seconds per step):
   compute = FLOPs / achieved layer FLOP/s, with FLOPs = tokens × (layer forwards × 2·(P_l − 2D)
@@ -74,7 +76,12 @@ TIME (seconds per step):
   On an accelerator (profile.overlap) the pipeline overlaps them: a step takes
     max over resources (compute + device optimizer, h2d, d2h, disk, host optimizer)
     + the pipeline fill (the first group's fetch in the forward and in the backward)
-  and with exact clipping the updates form a phase of their own after the backward.
+  With exact clipping the layer updates wait for the next step's forward and run beside it
+  (engine/updates.py): the step is two phases, each the max over its own resources,
+    max(f·compute + device optimizer, the forward phase's h2d, d2h, disk, host optimizer)
+    + max((1 − f)·compute, the rest's h2d, d2h, disk)  + fill
+  with f = the forward's share of the FLOPs (1 / (3 + recomputes) of the layers') and the
+  forward phase's bytes those of the stages embed, forward and update (FORWARD_PHASE).
   On the CPU backend the same cores do everything, so the terms add up, except disk I/O, whose
   background threads share the cores with compute: it adds disk / cores.
 
@@ -472,16 +479,28 @@ def _kept_layer_input_traffic(cfg: ModelConfig, p: Placement, micro: int, hidden
   return Traffic(h2d=extra, d2h=extra)
 
 
+# The stages that run in the forward's phase of a step when the layer updates wait for it
+# (schedule.StepSchedule.update_runs_in_forward): the rest run in the head's and backward's.
+FORWARD_PHASE = ('embed', 'forward', 'update')
+
+
 def traffic(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int, seq: int,
-            clipping: bool, devices: int = 1) -> dict:
+            clipping: bool, devices: int = 1, stages=None) -> dict:
   """Bytes per step per device: h2d, d2h (host<->device) and read, write (disk): the sum of what
-  every stage of the streamed step declares (schedule.py). On `devices` = N each device moves its
-  1/N shard of every piece and the activations of its batch / N sequences."""
+  every stage of the streamed step declares (schedule.py), or only `stages`. On `devices` = N
+  each device moves its 1/N shard of every piece and the activations of its batch / N
+  sequences."""
   if not p.streamed:
     return dict(h2d=0.0, d2h=0.0, read=0.0, write=0.0)
   schedule = StepSchedule(p, cfg, micro, clipping)
-  total = lambda hidden: sum(schedule.traffic(sizes, hidden).values(),
-                             _kept_layer_input_traffic(cfg, p, micro, hidden))
+
+  def total(hidden):
+    kept = _kept_layer_input_traffic(cfg, p, micro, hidden)  # to the host in the forward, back
+    if stages is not None:  # in the backward
+      kept = Traffic(h2d=kept.h2d * ('backward' in stages), d2h=kept.d2h * ('forward' in stages))
+    return sum((t for stage, t in schedule.traffic(sizes, hidden).items()
+                if stages is None or stage in stages), kept)
+
   moved = total(hidden_bytes(cfg, batch // devices, seq))
   if devices > 1:  # the activations' part is what the batch adds to the state's
     state = dataclasses.asdict(total(0))
@@ -505,10 +524,16 @@ def collective_bytes(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: i
           'reduce_scatter': micro * (1.0 * W + E + head)}
 
 
+def forward_flops(cfg: ModelConfig, micro: int, batch: int, seq: int) -> float:
+  """FLOPs of the streamed forward stage (every layer once; step_flops counts it in `executed`)."""
+  layer_fwd = (2.0 * (cfg.params_per_layer - 2 * cfg.d_model)
+               + 2.0 * seq * cfg.num_heads * cfg.head_dim)
+  return micro * batch * seq * cfg.num_layers * layer_fwd
+
+
 def step_flops(cfg: ModelConfig, p: Placement, micro: int, batch: int, seq: int) -> tuple:
   """(FLOPs the step executes, model FLOPs without recompute) per step."""
   tokens = micro * batch * seq
-  layer_fwd = 2.0 * (cfg.params_per_layer - 2 * cfg.d_model) + 2.0 * seq * cfg.num_heads * cfg.head_dim
   head_fwd = 2.0 * cfg.d_model * cfg.vocab_size
   if not p.streamed:
     recompute = 1 if cfg.remat == 'full' else 0
@@ -516,7 +541,7 @@ def step_flops(cfg: ModelConfig, p: Placement, micro: int, batch: int, seq: int)
     recompute = 1
   else:
     recompute = 1 + (1 if cfg.remat == 'full' else 0)
-  executed = tokens * (cfg.num_layers * layer_fwd * (3 + recompute) + 3 * head_fwd)
+  executed = forward_flops(cfg, micro, batch, seq) * (3 + recompute) + tokens * 3 * head_fwd
   if cfg.attention_chunk and seq > cfg.attention_chunk:  # each query block re-runs in its backward
     executed += tokens * cfg.num_layers * 2.0 * seq * cfg.num_heads * cfg.head_dim
   model = float(cfg.flops_per_token(seq)) * tokens
@@ -536,9 +561,12 @@ def _write_rate(hw: HardwareProfile, cached: bool) -> float:
 
 
 def _step_time(p: Placement, hw: HardwareProfile, times: dict, sizes: StateSizes,
-               devices: Devices, cached: bool, host_opt: bool, clipping: bool) -> tuple:
+               devices: Devices, cached: bool, host_opt: bool,
+               forward_phase: dict | None = None) -> tuple:
   """(step seconds, bottleneck) of placement `p` from the parts' `times` (per device): summed on
-  the CPU backend, overlapped on accelerators (see the module docstring's STEP TIME)."""
+  the CPU backend, overlapped on accelerators (see the module docstring's TIME). `forward_phase`
+  (exact clipping: the layer updates wait for the next forward): the forward's share of the
+  compute and the seconds of h2d, d2h and disk its phase carries."""
   n, local = devices.count, devices.local
   compute, optimizer, h2d, d2h, disk, dispatch = (
       times[k] for k in ('compute', 'optimizer', 'h2d', 'd2h', 'disk', 'dispatch'))
@@ -564,18 +592,35 @@ def _step_time(p: Placement, hw: HardwareProfile, times: dict, sizes: StateSizes
     device_work = compute + comm + (0 if host_opt else optimizer)
     copies = max(h2d, d2h)
     link = copies + (comm if hw.interconnect_shares_host_link else 0)
-    if clipping:
-      # Updates wait for the global norm: compute, then an update phase bounded by its transfers.
-      update_share = 0.5  # the update phase moves about half of a step's copies and disk I/O
-      overlapped = max(compute + comm, (1 - update_share) * max(link, disk))
-      update = max(optimizer, update_share * max(copies, disk))
-      step = overlapped + update + fill + dispatch
+    if forward_phase is not None:
+      # Updates wait for the global norm, then for the next forward: its phase overlaps their
+      # transfers, disk I/O and optimizer with the forward's compute, the rest of the step the
+      # rest. The pipeline overlaps within a phase, not across the head between them.
+      f = forward_phase
+      rest_link = max(times['h2d'] - f['h2d'], times['d2h'] - f['d2h'])
+      device_compute = compute + comm
+      step = (max(f['compute_share'] * device_compute + (0 if host_opt else optimizer),
+                  max(f['h2d'], f['d2h']), f['disk'], optimizer if host_opt else 0)
+              + max((1 - f['compute_share']) * device_compute,
+                    rest_link + (comm if hw.interconnect_shares_host_link else 0),
+                    disk - f['disk'])
+              + fill + dispatch)
     else:
       step = max(device_work, link, disk, optimizer if host_opt else 0) + fill + dispatch
     resources = {device_bound: device_work, 'host<->device': link, 'disk': disk,
                  'host optimizer': optimizer if host_opt else 0}
     bottleneck = max(resources.items(), key=lambda x: x[1])[0]
   return step, bottleneck
+
+
+def _disk_cached(rows: list, hw: HardwareProfile, budgets: dict, local: int) -> bool:
+  """Whether reads hit the page cache: the disk-resident state fits in the RAM the plan leaves
+  free."""
+  nvme_bytes = sum(r.bytes for r in rows if r.tier == 'nvme' and 'checkpoint' not in r.item)
+  host_free = budgets.get('host', 0) - sum(r.bytes for r in rows if r.tier == 'host')
+  if hw.unified_memory:
+    host_free -= local * sum(r.bytes for r in rows if r.tier == 'device')
+  return nvme_bytes > 0 and nvme_bytes < host_free
 
 
 def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwareProfile, *,
@@ -603,27 +648,30 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
   optimizer = (local * layer_params / n / (hw.host_adam_gparams * _GB)
                + shared * (params - layer_params) / n / (hw.device_adam_gparams * _GB)
                if host_opt else shared * params / n / (hw.device_adam_gparams * _GB))
-  h2d = shared * moved['h2d'] / (hw.h2d_gbps * _GB)
-  d2h = shared * moved['d2h'] / (hw.d2h_gbps * _GB)
-  # Reads hit the page cache when the disk-resident state fits in the RAM the plan leaves free.
-  nvme_bytes = sum(r.bytes for r in rows if r.tier == 'nvme' and 'checkpoint' not in r.item)
-  host_free = budgets.get('host', 0) - sum(r.bytes for r in rows if r.tier == 'host')
-  if hw.unified_memory:
-    host_free -= local * sum(r.bytes for r in rows if r.tier == 'device')
-  cached = nvme_bytes > 0 and nvme_bytes < host_free
-  # The process's drives serve the shards of its n devices.
-  disk = local * (moved['read'] / _read_rate(hw, cached) + moved['write'] / _write_rate(hw, cached))
+  cached = _disk_cached(rows, hw, budgets, local)
+  # Seconds of bytes `m` over the links and, the process's drives serving the shards of its n
+  # devices, the disk.
+  seconds = lambda m: {'h2d': shared * m['h2d'] / (hw.h2d_gbps * _GB),
+                       'd2h': shared * m['d2h'] / (hw.d2h_gbps * _GB),
+                       'disk': local * (m['read'] / _read_rate(hw, cached)
+                                        + m['write'] / _write_rate(hw, cached))}
   collectives = collective_bytes(cfg, sizes, p, micro) if n > 1 else {}
   link_rate, _ = hw.link_gbps()
   comm = (n - 1) / n * sum(collectives.values()) / (link_rate * _GB)
   calls = (1 if not p.streamed
            else sum(StepSchedule(p, cfg, micro, clipping).jitted_calls().values()))
   dispatch = calls * hw.dispatch_s
-  times = {'compute': compute, 'optimizer': optimizer, 'h2d': h2d, 'd2h': d2h, 'disk': disk,
-           'dispatch': dispatch}
+  times = {'compute': compute, 'optimizer': optimizer, **seconds(moved), 'dispatch': dispatch}
   if n > 1:
     times['interconnect'] = comm
-  step, bottleneck = _step_time(p, hw, times, sizes, devices, cached, host_opt, clipping)
+  forward_phase = None
+  if p.streamed and StepSchedule(p, cfg, micro, clipping).update_runs_in_forward:
+    # What the forward's phase of the step carries: its share of the compute, and the seconds
+    # of what its stages move (the embedding's, the forward's, the layer updates waiting for it).
+    forward_phase = dict(
+        seconds(traffic(cfg, sizes, p, micro, batch, seq, clipping, n, stages=FORWARD_PHASE)),
+        compute_share=forward_flops(cfg, micro, batch // n, seq) / executed)
+  step, bottleneck = _step_time(p, hw, times, sizes, devices, cached, host_opt, forward_phase)
   # The devices' peak together; CPU devices of one process are the same cores.
   peak = hw.peak(cfg.dtype, cfg.matmul_precision, cfg.d_model) * n / shared
   return Plan(placement=p, microbatches=micro, batch_size=batch, seq_len=seq, rows=rows,

@@ -11,15 +11,18 @@ One optimizer step over M microbatches, G groups of K layers (B batch, S seq, D 
 
   stage           what runs                                          weights moved
   embed           x[m] = Σ_c embed_chunk_c(tokens[m])                each embedding chunk once
-  forward         for g in 0..G-1: saved[g][m] = x[m]; x[m] = group_g(x[m])      each group once
+  forward         for g in 0..G-1: (update of group g waiting from the last step, deferred);
+                  saved[g][m] = x[m]; x[m] = group_g(x[m])           each group once
   head            n[m] = final_norm(x[m]); an online logsumexp over the head's vocabulary
                   chunks gives loss[m]; a second pass over them gives d n[m] and each chunk's
                   gradient (parked); dy[m] = vjp(final_norm)(d n[m])  each head chunk twice
   backward        for g in G-1..0: grad_g, dy[m] = vjp(group_g)(saved[g][m], dy[m])
                                                                      each group again
-  update          AdamW of group g: right after its backward (overlapped), or after the
-                  global norm (deferred, exact clipping: gradients parked in the weights' tier,
-                  or in device memory with offload.park_grads = device)
+  update          AdamW of group g: right after its backward (overlapped), or (deferred, exact
+                  clipping: gradients parked in the weights' tier, or in device memory with
+                  offload.park_grads = device, until the global norm is known) just ahead of
+                  group g's forward in the next step, sharing its fetch of the weights (device
+                  optimizer) or handing it the new ones (host optimizer)
   embed_backward  each embedding chunk's gradient (rows of the batch's tokens; + the tied head's
                   parked one), parked
   outer_update    AdamW of the final norm, then of every embedding / head chunk from its parked
@@ -176,11 +179,17 @@ class StepSchedule:
     return self.placement.optimizer_on == 'host'
 
   @property
-  def update_fetches_weights(self) -> bool:
-    """A deferred update on the device needs the group's weights again (the backward's copy is
-    gone by then); an overlapped one reuses the backward's copy; the host optimizer reads them
-    where they live."""
-    return self.deferred_updates and not self.host_optimizer
+  def forward_reads_weights_from_disk(self) -> bool:
+    """Whether the forward reads NVMe-resident weights: not when a deferred host update runs
+    ahead of it and hands it the new ones (a deferred device update's read of them is the
+    forward's)."""
+    return self.placement.params == 'nvme' and not (self.deferred_updates and self.host_optimizer)
+
+  @property
+  def update_runs_in_forward(self) -> bool:
+    """The layer groups' updates run in the next step's forward (deferred), not right after
+    each backward: their transfers and disk I/O share the forward's phase of the step."""
+    return self.deferred_updates
 
   @property
   def stash_activations(self) -> bool:
@@ -198,7 +207,8 @@ class StepSchedule:
     fetch_weights = Traffic(h2d=W * off[p.params], read=W * disk[p.params])
     boundary = G * self.microbatches * hidden_bytes * self.stash_activations
     stages = {stage: Traffic() for stage in STAGES}
-    stages['forward'] = fetch_weights + Traffic(d2h=boundary)
+    stages['forward'] = Traffic(h2d=W * off[p.params],
+                                read=W * self.forward_reads_weights_from_disk, d2h=boundary)
     stages['backward'] = fetch_weights + Traffic(h2d=boundary)
     stages['update'] = self._update_traffic(sizes)
     stages.update(self._outer_traffic(sizes))
@@ -250,11 +260,10 @@ class StepSchedule:
     parked = self.deferred_updates
     if self.host_optimizer:  # params and Adam are off the device; each gradient crosses once
       return adam + Traffic(d2h=W, read=W * P_disk * (1 + parked), write=W * P_disk * (1 + parked))
+    # (deferred: the weights are the forward's fetch, counted there)
     moved = adam + Traffic(h2d=A * O_off, d2h=A * O_off + W * P_off, write=W * P_disk)
-    if parked and P_off:  # the weights fetched a third time; the gradient out to its tier and back
-      moved += Traffic(h2d=W, read=W * P_disk)
-      if p.parked_grads_tier != 'device':
-        moved += Traffic(d2h=W, h2d=W, write=W * P_disk, read=W * P_disk)
+    if parked and P_off and p.parked_grads_tier != 'device':  # the gradient to its tier and back
+      moved += Traffic(d2h=W, h2d=W, write=W * P_disk, read=W * P_disk)
     return moved
 
   # --- what each stage holds (the planner's memory rows) -----------------------------------------
@@ -270,11 +279,13 @@ class StepSchedule:
     add('forward', 'device', f'weights in flight ({p.prefetch_depth + 1} groups)',
         (p.prefetch_depth + 1) * gw, '(prefetch_depth + 1)·K·P_l·4')
     add('backward', 'device', 'group gradient accumulator', gw, 'K·P_l·4')
+    # Deferred updates run in the next step's forward: what they hold coincides with its rows.
+    update = 'forward' if self.update_runs_in_forward else 'update'
     if not self.host_optimizer:
       if self.deferred_updates and p.parked_grads_tier == 'device':  # grads: the parked row's
-        add('update', 'device', 'update inputs (2 groups)', 2 * (gw + go), '2·(weights + Adam)')
+        add(update, 'device', 'update inputs (2 groups)', 2 * (gw + go), '2·(weights + Adam)')
       else:
-        add('update', 'device', 'update inputs (2 groups)', 2 * (2 * gw + go),
+        add(update, 'device', 'update inputs (2 groups)', 2 * (2 * gw + go),
             '2·(weights + grads + Adam)')
     add('backward', 'device', 'hidden states + their gradients', 2 * M * hidden, '2·M·B·S·D·c')
     add('backward', 'device', 'group backward working set',
@@ -287,10 +298,10 @@ class StepSchedule:
     if self.host_optimizer:
       if self.deferred_updates:  # band by band (engine/updates.py): p, g, m, v of each band
         band = min(gw, p.update_band_bytes())
-        add('update', 'host', f'host optimizer inputs ({p.prefetch_depth + 1} bands)',
+        add(update, 'host', f'host optimizer inputs ({p.prefetch_depth + 1} bands)',
             (p.prefetch_depth + 1) * 4 * band, '(prefetch_depth + 1)·4·min(K·P_l·4, band)')
         working = host_adamw_bytes(band, 2 * band, p.params, p.opt_state)
-        add('update', 'host', "host optimizer: the band in AdamW (outputs, NVMe inputs' copies)",
+        add(update, 'host', "host optimizer: the band in AdamW (outputs, NVMe inputs' copies)",
             working, f'{working / band:g}·min(K·P_l·4, band)')
       else:  # right after each backward: the weights and Adam state of the group
         add('update', 'host', f'host optimizer inputs ({p.prefetch_depth + 1} groups)',

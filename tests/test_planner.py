@@ -24,6 +24,7 @@ from megatrain_jax import train
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError
+from megatrain_jax.model import ModelConfig
 from megatrain_jax.placement import Placement
 
 from helpers import CFG, REPO_ROOT, TRAIN, batches, config_with, initial_state, make_tx
@@ -94,6 +95,7 @@ def _run_engine(micro, clip, placement, steps=4):
   engine = StreamedEngine(CFG, tx, schedule, clip, placement,
                           jax.tree.map(np.copy, initial_state()))
   metrics = [engine.train_step(b) for b in batches(micro)[:steps]]
+  engine.flush_updates()  # the last step's deferred updates (a checkpoint would run them)
   engine.close()  # flushes the write-behind
   return metrics, engine.stats
 
@@ -101,14 +103,19 @@ def _run_engine(micro, clip, placement, steps=4):
 @pytest.mark.parametrize('clip', [0.0, 1.0], ids=['noclip', 'clip'])
 @pytest.mark.parametrize('case', TRAFFIC_CASES, ids=lambda c: '-'.join(f'{v}' for v in c.values()))
 def test_traffic_equals_engine_counters(tmp_path, case, clip):
-  """The planner's bytes per step are exactly what the engine counts moving."""
+  """The planner's bytes per step are exactly what the engine counts moving. With clipping a
+  step's layer updates run in the next step's forward: the first step has none to run, and the
+  last one's run before the stores are read (`flush_updates`)."""
   micro, steps = 2, 4
   placement = Placement(**{'dir': str(tmp_path), **case})
   metrics, stats = _run_engine(micro, clip, placement, steps)
   want = planner.traffic(CFG, SIZES, placement, micro, 2, 16, clipping=clip > 0)
-  for m in metrics:
+  for m in metrics if not clip else metrics[1:]:
     assert m['io/h2d_gb'] * _GB == pytest.approx(want['h2d'], rel=1e-9, abs=1)
     assert m['io/d2h_gb'] * _GB == pytest.approx(want['d2h'], rel=1e-9, abs=1)
+  if clip:  # nothing waited for the first step's forward
+    first = metrics[0]['io/h2d_gb'] + metrics[0]['io/d2h_gb']
+    assert first * _GB <= want['h2d'] + want['d2h'] + 1
   if 'nvme' in (placement.params, placement.opt_state):
     # Reads finish inside their step; writes land behind it, so count them over the whole run:
     # the init writes the disk-resident leaves once, then every step writes want['write'].
@@ -468,3 +475,36 @@ def test_predicted_step_time_within_factor_two(tmp_path, calibrated_profile, pla
   measured = float(np.min([r['perf/step_time_s'] for r in timed]))
   predicted = timed[-1]['perf/predicted_step_time_s']
   assert 0.5 <= predicted / measured <= 2.0, (predicted, measured)
+
+
+def _fixed_plan(model: str, grad_clip: float, **offload):
+  config = config_lib.load_config(model, hardware='h100')
+  config.train.grad_clip = grad_clip
+  for field, value in offload.items():
+    setattr(config.offload, field, value)
+  return planner.plan_run(config, hardware.load_profile('h100'))
+
+
+def test_clipped_updates_are_priced_beside_the_next_forward():
+  """With exact clipping the layer updates run in the next step's forward (engine/updates.py), so
+  a step pays for their transfers and disk I/O only where the forward's compute cannot cover
+  them: never less than the unclipped step, less than compute plus all the update's I/O after
+  it (101B on one H100 with its Adam state on NVMe, where the updates carry all the disk
+  traffic); and where they fit under the forward (7B, everything in host RAM), nothing."""
+  fixed = dict(params='host', opt_state='nvme', activations='host', embed_head='device',
+               optimizer_on='host', layers_per_group=1, prefetch_depth=1)
+  clipped, unclipped = _fixed_plan('101b', 1.0, **fixed), _fixed_plan('101b', 0.0, **fixed)
+  times = clipped.times
+  assert times['disk'] > 0.2 * times['compute']
+  assert unclipped.step_time_s <= clipped.step_time_s < times['compute'] + times['disk']
+  # The forward's phase is bound by the updates' disk I/O (all of the step's), the rest by the
+  # compute after the forward.
+  cfg = ModelConfig.from_config_dict(config_lib.load_config('101b').model)
+  micro, batch, seq = clipped.microbatches, clipped.batch_size, clipped.seq_len
+  forward = (planner.forward_flops(cfg, micro, batch, seq)
+             / planner.step_flops(cfg, clipped.placement, micro, batch, seq)[0])
+  assert clipped.step_time_s >= times['disk'] + (1 - forward) * times['compute']
+  fixed = dict(params='host', opt_state='host', activations='host', embed_head='device',
+               optimizer_on='device', layers_per_group=1, prefetch_depth=1, park_grads='device')
+  clipped, unclipped = _fixed_plan('7b', 1.0, **fixed), _fixed_plan('7b', 0.0, **fixed)
+  assert clipped.step_time_s == pytest.approx(unclipped.step_time_s, rel=1e-9)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from megatrain_jax import train
+from megatrain_jax import partition, train
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError
@@ -89,21 +89,32 @@ def test_gradients_parked_on_the_device_match_resident(tmp_path, placement):
 
 
 @pytest.mark.parametrize('num_micro', [1, 8])
-@pytest.mark.parametrize('grad_clip, optimizer_on, fetches', [
-    (0.0, 'device', 2),  # forward + backward; the update reuses the backward's copy
-    (1.0, 'host', 2),  # the host optimizer updates the weights where they live
-    (1.0, 'device', 3),  # exact clipping on the device: one more fetch after the global norm
+@pytest.mark.parametrize('grad_clip, optimizer_on', [
+    (0.0, 'device'),  # forward + backward; the update reuses the backward's copy
+    (1.0, 'host'),  # the host optimizer updates the weights where they live
+    # exact clipping on the device: the update waits for the next forward, whose fetch it shares
+    (1.0, 'device'),
 ])
-def test_each_group_crosses_to_the_device_twice(num_micro, grad_clip, optimizer_on, fetches):
-  engine, _, _ = streamed_run(num_micro, grad_clip, layers_per_group=1, optimizer_on=optimizer_on)
+def test_each_group_crosses_to_the_device_twice(num_micro, grad_clip, optimizer_on):
+  """Per step (the last of 3: a clipped step's updates run in the next one's forward), each
+  group's weights are fetched twice, and its Adam state once by the device optimizer, never by
+  the host one."""
+  tx, schedule, clip = make_tx(grad_clip)
+  placement = Placement(params='host', opt_state='host', layers_per_group=1,
+                        optimizer_on=optimizer_on)
+  engine = StreamedEngine(CFG, tx, schedule, clip, placement,
+                          jax.tree.map(np.copy, initial_state()))
+  for batch in batches(num_micro)[:3]:
+    engine.train_step(batch)
   num_groups = CFG.num_layers
   assert {g: engine.stats.fetches[('params', g)] for g in range(num_groups)} == {
-      g: fetches for g in range(num_groups)}
+      g: 2 for g in range(num_groups)}
   opt_fetches = 0 if optimizer_on == 'host' else 1
   assert all(engine.stats.fetches[('opt_state', g)] == opt_fetches for g in range(num_groups))
-  # and the bytes: weights in, fetches times; new weights and Adam state out once (device optimizer)
+  # and the bytes: weights in twice; new weights and Adam state out once (device optimizer)
   group_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params.get(0)))
-  assert engine.stats.h2d_bytes >= fetches * num_groups * group_bytes
+  assert engine.stats.h2d_bytes >= 2 * num_groups * group_bytes
+  engine.close()
 
 
 @pytest.mark.parametrize('placement, kinds', [
@@ -141,6 +152,36 @@ def test_streamed_eval_matches_resident():
   streamed = StreamedEngine(CFG, tx, schedule, clip, Placement(params='host', opt_state='host',
                                                                layers_per_group=3), state)
   np.testing.assert_allclose(streamed.eval_losses(evals), res.eval_losses(evals), rtol=1e-6)
+
+
+@pytest.mark.parametrize('placement', [
+    dict(params='host', opt_state='host'),
+    dict(params='host', opt_state='host', optimizer_on='host'),
+    dict(params='nvme', opt_state='nvme', optimizer_on='host', shard_mb=0.004),  # in bands
+    dict(params='nvme', opt_state='host', park_grads='device', layers_per_group=2),
+])
+def test_updates_waiting_for_the_next_forward_reach_every_reader(tmp_path, placement):
+  """With exact clipping a step's layer updates wait for the next forward. An evaluation's
+  forward runs them (its losses are the resident engine's after the step), the next step's
+  forward does not run them twice, and an export flushes what still waits."""
+  tx, schedule, clip = make_tx(1.0)
+  evals = [b[0] for b in batches(1)[:2]]
+  steps = batches(4)[:2]
+  res = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, initial_state()))
+  placement = Placement(**{'layers_per_group': 1, 'dir': str(tmp_path), **placement})
+  placement.check(CFG)
+  streamed = StreamedEngine(CFG, tx, schedule, clip, placement,
+                            jax.tree.map(np.copy, initial_state()))
+  want, got = res.train_step(steps[0]), streamed.train_step(steps[0])
+  # Deferred: the stores still hold the initial weights until a forward (or a flush) runs them.
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, streamed.params.get(0)),
+               partition.group_of(initial_state()['params'], *streamed.slices[0]))
+  np.testing.assert_allclose(streamed.eval_losses(evals), res.eval_losses(evals), rtol=1e-6)
+  np.testing.assert_allclose(streamed.eval_losses(evals), res.eval_losses(evals), rtol=1e-6)
+  want, got = res.train_step(steps[1]), streamed.train_step(steps[1])
+  np.testing.assert_allclose(float(got['learning/loss']), float(want['learning/loss']), rtol=1e-6)
+  assert_states_match(streamed.export_state(), jax.tree.map(np.asarray, res.export_state()), 2)
+  streamed.close()
 
 
 @pytest.mark.parametrize('field, value, message', [

@@ -8,12 +8,15 @@ pieces while they run.
 
 `train_step` runs the stages of schedule.py, in order, each a method below:
 
-  embed -> forward (group by group) -> head (final norm, LM head, loss) -> backward (groups in
-  reverse; each group's update per the step's update policy, engine/updates.py) -> embed_backward
-  -> updates that waited for the global norm, and the outer pieces' updates.
+  embed -> forward (group by group; with exact clipping, each group's update from the step
+  before runs just ahead of it, engine/updates.PendingUpdates) -> head (final norm, LM head,
+  loss) -> backward (groups in reverse; without clipping each group's update follows its
+  backward, engine/updates.py) -> embed_backward -> the outer pieces' updates.
 
 Each group's weights cross to the device exactly twice per optimizer step, whatever M is
-(MegaTrain: 3 times per microbatch); with exact clipping and the device optimizer, three times.
+(MegaTrain: 3 times per microbatch), with or without clipping, on either optimizer. Layer updates
+that wait for the next forward are flushed before anything reads the stores whole (a checkpoint, an
+export), and an evaluation's forward runs them like a training step's.
 The forward stage is shared with evaluation. Arithmetic mirrors engine/resident.py (see
 engine/functions.py), so both engines train to the same numbers within float32 rounding.
 
@@ -117,6 +120,8 @@ class StreamedEngine:
                            bands=self._bands_of(kind))
         for kind, stores in self.stores.items()}
     self.updater = self.updaters['layers']
+    # A clipped step's layer updates, waiting for the next forward (updates.PendingUpdates).
+    self._pending = None
     self._disk_seen = {}
     if restore_from is not None:
       self.load_checkpoint(restore_from)
@@ -163,7 +168,8 @@ class StreamedEngine:
                      write_budget=self.write_budget)
 
   def close(self) -> None:
-    """Waits for pending writes and stops the stores' I/O threads."""
+    """Waits for pending writes and stops the stores' I/O threads. Layer updates still waiting
+    for a forward are dropped: what a run keeps is its checkpoints, which flush them."""
     for stores in self.stores.values():
       for store in stores.all():
         store.close()
@@ -175,7 +181,15 @@ class StreamedEngine:
   def _keys(self, kind: str) -> range:
     return range(len(self.kind_slices[kind]))
 
+  def flush_updates(self) -> None:
+    """Runs the layer updates still waiting for a forward, so the stores hold the state of the
+    steps taken."""
+    if self._pending is not None:
+      self._pending.flush()
+      self._pending = None
+
   def load_state(self, state: dict) -> None:
+    self._pending = None  # the stores get a new state: updates of the old one must not run
     for kind, pieces in partition.split_state(state, self.tx, self.kind_slices).items():
       for key, piece in enumerate(pieces):
         piece = self.layout.conform(piece)  # device arrays of a resident state: into shards
@@ -189,6 +203,7 @@ class StreamedEngine:
 
     Uses the same keys as resident.init_state, so both engines start from the same weights.
     """
+    self._pending = None
     init_key, rng = jax.random.split(jax.random.key(seed))
     layers_key = model_lib.param_keys(init_key)[1]
     init_opt = jax.jit(self.tx.init)
@@ -214,6 +229,7 @@ class StreamedEngine:
     Gathers every piece in host RAM (tests, export); checkpoints use `checkpoint_pieces`, which
     hands over one piece at a time and leaves the NVMe tier on disk.
     """
+    self.flush_updates()
     pieces = {kind: [{'params': self.stores[kind].params.get(key),
                       'opt_state': self.stores[kind].opt_state.get(key)} for key in self._keys(kind)]
               for kind in self.kinds}
@@ -224,6 +240,7 @@ class StreamedEngine:
     leaves piece by piece as the stores hold them (one store piece handed over at a time, so a save
     adds one piece of host memory, never the whole state), the NVMe tiers' live array directories
     (linked by the checkpointer, not read), and the small leaves (step counts, rng) whole."""
+    self.flush_updates()
     small = {"['step']": np.asarray(self.step, np.int32), "['rng']": np.array(self.rng)}
     leaves, disk, in_memory = {}, {}, []
     for kind in self.kinds:
@@ -260,6 +277,7 @@ class StreamedEngine:
   def load_checkpoint(self, reader) -> None:
     """Fills the stores from a verified checkpoint, piece by piece (never the whole state in RAM).
     An NVMe store whose snapshot has its on-disk layout links the snapshot's files instead."""
+    self._pending = None
     abstract = model_lib.abstract_params(self.cfg)
     for kind in self.kinds:
       for part in ('params', 'opt_state'):
@@ -305,7 +323,8 @@ class StreamedEngine:
     self._embed_backward(step, dys)
     grad_norm = jnp.sqrt(sum(step.squares))
     scale = optim.clip_scale(grad_norm, self.grad_clip)
-    updates.finish(scale)  # deferred updates run now; overlapped ones have run already
+    # Overlapped updates have run already; deferred ones wait for the next forward.
+    self._pending = updates.finish(scale)
     self._update_outer(step, scale)
     step.fetch_wait_s += updates.wait_s
     # Wait for the last update's results (not for write-behind to disk, which overlaps the next
@@ -352,13 +371,23 @@ class StreamedEngine:
 
   def _forward(self, hidden: list, positions, keep_inputs: bool):
     """Stage 'forward': every group in order, each fetched once (the next ones already in
-    flight). Returns (output hidden, what the backward needs per group and microbatch if
+    flight); a group whose update waits (exact clipping) is updated first, and its new weights
+    are the fetch. Returns (output hidden, what the backward needs per group and microbatch if
     `keep_inputs`, seconds stalled): the group's input [B, S, D], or with
     offload.keep_layer_inputs (K > 1) its layers' inputs [K, B, S, D]."""
     saved = []
     layer_inputs = keep_inputs and self.placement.keeps_layer_inputs
-    groups = Prefetcher(self.params.fetch, range(len(self.slices)), self.placement.prefetch_depth)
-    for _, group_params in groups:
+    pending = self._pending
+    source = (Prefetcher(self.params.fetch, range(len(self.slices)), self.placement.prefetch_depth)
+              if pending is None else pending.forward_weights())
+    # Waiting updates run in the main thread, so every device and process dispatches the same
+    # programs in the same order, and group g + 1's runs while group g computes (dispatched
+    # first). A plain fetch is drawn after: its Prefetcher keeps the next groups in flight.
+    draw_early = pending is not None
+    groups = iter(source)
+    drawn = next(groups, None)
+    while drawn is not None:
+      _, group_params = drawn
       if layer_inputs:
         outputs = [self.fn.group_forward_keeping_inputs(group_params, h, positions)
                    for h in hidden]
@@ -368,9 +397,15 @@ class StreamedEngine:
         if keep_inputs:
           saved.append([self._stash(h) for h in hidden])
         hidden = [self.fn.group_forward(group_params, h, positions) for h in hidden]
+      del group_params, drawn
+      if draw_early:
+        drawn = next(groups, None)
       faults.point('forward')
       jax.block_until_ready(hidden)
-    return hidden, saved, groups.wait_s
+      if not draw_early:
+        drawn = next(groups, None)
+    self._pending = None  # every group updated
+    return hidden, saved, (pending or source).wait_s
 
   def _head_losses(self, normed: list, targets, weights=None) -> tuple[list, list]:
     """The head's forward over its vocabulary chunks: ([loss], [logsumexp [B, S]]) per

@@ -5,13 +5,22 @@ The schedule (schedule.py) decides which policy a step uses:
                      runs while group g-1's backward computes; its inputs (Adam state; for the host
                      optimizer the weights too) are read one group ahead through a Prefetcher.
   DeferredUpdates    exact global-norm clipping: the clip scale needs the whole gradient's norm,
-                     so each group's summed gradient is parked in its weights' tier and the updates
-                     run after the backward, in group order, their inputs again read one group
-                     ahead through a Prefetcher. With the device optimizer the weights are fetched a
-                     third time (the backward's copy is gone by then).
-Both apply the same `PieceUpdater`, so the arithmetic is one function for both. The outer pieces
-(embedding and head vocabulary chunks, final norm) are updated by their own PieceUpdaters after the
-embedding's backward, always deferred (their gradients are complete only then).
+                     so each group's summed gradient is parked (in its weights' tier, or in device
+                     memory with offload.park_grads = device) until the backward is done. The
+                     updates then wait as `PendingUpdates` for the next forward: group g's update
+                     runs just ahead of group g's forward in the next step (or in an evaluation),
+                     on the engine's update thread while group g-1 computes, so its transfers and
+                     disk I/O overlap compute instead of forming a phase of their own after the
+                     backward, and it hands the forward the group's new weights: a device update's
+                     inputs include the weights (the forward fetches nothing more), a host
+                     update's output is the weights the forward copies to the device (not read back
+                     from NVMe). `PendingUpdates.flush` runs the ones still waiting, in group order,
+                     their inputs read one group ahead (before a checkpoint or an export reads the
+                     stores).
+Both apply the same `PieceUpdater`, so the arithmetic is one function for both, and the numbers do
+not depend on when an update runs: the same inputs, the same AdamW. The outer pieces (embedding and
+head vocabulary chunks, final norm) are updated by their own PieceUpdaters after the embedding's
+backward, always at the end of the step (their gradients are complete only then).
 
 Deferred host-optimizer updates run band by band: AdamW is elementwise, so a piece's update can
 run over a few of its leaves at a time (`Band`s of at most Placement.update_band_bytes of
@@ -31,7 +40,7 @@ from megatrain_jax.engine.functions import StageFunctions
 from megatrain_jax.layout import Layout, memory_kind
 from megatrain_jax.prefetch import Prefetcher
 from megatrain_jax.schedule import StepSchedule
-from megatrain_jax.tiers.base import TransferStats, keep_leaves, tree_nbytes
+from megatrain_jax.tiers.base import TransferStats, assemble, keep_leaves, tree_nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +131,11 @@ class PieceUpdater:
             self.parked_grads.get_async(key, band.params))
 
   def apply(self, key, inputs, *, scale, num_micro: int, grad_sum=None,
-            device_params=None, band: Band | None = None) -> None:
-    """AdamW on piece `key` (or on one `band` of it). Right after a group's backward, `grad_sum`
-    and `device_params` (the backward's device copy of the weights) are passed in; deferred
-    updates read them from `inputs`."""
+            device_params=None, band: Band | None = None):
+    """AdamW on piece `key` (or on one `band` of it); returns the new weights (in pinned host
+    memory from the host optimizer, on the device from the device one). Right after a group's
+    backward, `grad_sum` and `device_params` (the backward's device copy of the weights) are
+    passed in; deferred updates read them from `inputs`."""
     opt, params, parked = inputs
     grad_sum = parked if grad_sum is None else grad_sum
     if self.host_optimizer:
@@ -141,6 +151,11 @@ class PieceUpdater:
     faults.point('optimizer')  # the piece's new weights are queued, its Adam state not yet
     self.opt_state.put(key, opt, partial=band is not None)
     self.last = jax.tree.leaves(params)[:1]
+    return params
+
+  def weights_to_device(self, params):
+    """A host update's new weights (of a piece or one band) to the device, for the forward."""
+    return self._to_device(params)
 
   def _to_host(self, tree):
     """A device gradient to pinned host memory for the host optimizer, counting the bytes."""
@@ -180,30 +195,74 @@ class OverlappedUpdates:
   def finish(self, scale) -> None:
     """Nothing waits for the norm: every group was updated during the backward."""
     del scale
+    return None
 
 
 class DeferredUpdates:
-  """Gradients wait for the global norm, then every group updates (see module docstring)."""
+  """Gradients wait for the global norm, then the updates wait for the next forward (see module
+  docstring)."""
 
   def __init__(self, updater: PieceUpdater, schedule: StepSchedule, depth: int):
     self.updater, self.schedule, self.depth = updater, schedule, depth
     self.wait_s = 0.0
 
   def after_backward(self, g: int, grad_sum, device_params) -> None:
-    del device_params  # freed: a device update fetches the weights again after the norm
+    del device_params  # freed: the update runs in the next forward, which fetches the weights
     self.updater.parked_grads.put(g, grad_sum)
 
-  def finish(self, scale) -> None:
-    self.wait_s = update_parked(self.updater, range(self.schedule.num_groups), scale,
-                                self.schedule.microbatches, self.depth,
-                                refetch_weights=self.schedule.update_fetches_weights)
+  def finish(self, scale) -> 'PendingUpdates':
+    """The updates, with the global norm's clip `scale` (a device scalar), left to the next
+    forward."""
+    return PendingUpdates(self.updater, self.schedule.num_groups, scale,
+                          self.schedule.microbatches, self.depth)
 
 
-def update_parked(updater: PieceUpdater, keys, scale, num_micro: int, depth: int,
-                  refetch_weights: bool) -> float:
-  """Updates every piece in `keys` from its parked gradient, band by band where the updater has
-  bands, the inputs of the next `depth` pieces (bands) read ahead through a Prefetcher. Returns
-  the seconds stalled waiting for them."""
+class PendingUpdates:
+  """A clipped step's layer-group updates, waiting for the next forward (see module docstring).
+
+  The forward draws `forward_weights()` group by group; a checkpoint or an export calls `flush`.
+  A group is updated once, whichever runs it."""
+
+  def __init__(self, updater: PieceUpdater, num_groups: int, scale, num_micro: int, depth: int):
+    self.updater, self.scale, self.num_micro, self.depth = updater, scale, num_micro, depth
+    self.waiting = list(range(num_groups))
+    self._inputs = None  # the forward's Prefetcher of update inputs
+
+  @property
+  def wait_s(self) -> float:
+    """Seconds the forward's updates stalled waiting for their inputs."""
+    return self._inputs.wait_s if self._inputs is not None else 0.0
+
+  def forward_weights(self):
+    """Yields (g, group g's new weights on the device) in group order, running each update as
+    it is drawn, its inputs (and the next ones') read ahead: the device optimizer's include the
+    weights, the forward's fetch of them; the host optimizer's new weights go to the device band by
+    band as each band's update is dispatched (host memory holds the bands in AdamW, no more)."""
+    updater = self.updater
+    host = updater.host_optimizer
+    self._inputs = _update_inputs(updater, list(self.waiting), self.depth, refetch_weights=not host)
+    bands = []
+    for key, band, params in _apply_updates(updater, self._inputs, self.scale, self.num_micro):
+      if host:
+        bands.append(updater.weights_to_device(params))
+        if band is not None and not band.last:
+          continue
+        updater.stats.count_fetch(updater.params.name, key)  # the forward's fetch of the group
+        params, bands = assemble(bands), []
+      self.waiting.remove(key)
+      yield key, params
+
+  def flush(self) -> None:
+    """Runs the updates still waiting (without a forward): their inputs read one group ahead, the
+    device optimizer's weights fetched for them."""
+    waiting, self.waiting = self.waiting, []
+    update_parked(self.updater, waiting, self.scale, self.num_micro, self.depth,
+                  refetch_weights=not self.updater.host_optimizer)
+
+
+def _update_inputs(updater: PieceUpdater, keys, depth: int, refetch_weights: bool) -> Prefetcher:
+  """The update inputs of every piece in `keys` from its parked gradient, band by band where the
+  updater has bands, the next `depth` pieces (bands) read ahead."""
   units = [(key, band) for key in keys for band in (updater.bands(key) or [None])]
 
   def request(unit):
@@ -212,12 +271,27 @@ def update_parked(updater: PieceUpdater, keys, scale, num_micro: int, depth: int
       return updater.request_inputs(key, parked=True, refetch_weights=refetch_weights)
     return updater.request_band(key, band)
 
-  prefetcher = Prefetcher(request, units, depth)
-  for (key, band), inputs in prefetcher:
-    updater.apply(key, inputs, scale=scale, num_micro=num_micro, band=band)
+  return Prefetcher(request, units, depth)
+
+
+def _apply_updates(updater: PieceUpdater, inputs: Prefetcher, scale, num_micro: int):
+  """Yields (key, band or None, new weights) as each unit of `inputs` is updated."""
+  for (key, band), unit_inputs in inputs:
+    params = updater.apply(key, unit_inputs, scale=scale, num_micro=num_micro, band=band)
     if band is None or band.last:  # the gradient is spent: its memory is not held to the next step
       updater.parked_grads.release(key)
-  return prefetcher.wait_s
+    yield key, band, params
+
+
+def update_parked(updater: PieceUpdater, keys, scale, num_micro: int, depth: int,
+                  refetch_weights: bool) -> float:
+  """Updates every piece in `keys` from its parked gradient, band by band where the updater has
+  bands, the inputs of the next `depth` pieces (bands) read ahead through a Prefetcher. Returns
+  the seconds stalled waiting for them."""
+  inputs = _update_inputs(updater, keys, depth, refetch_weights)
+  for _ in _apply_updates(updater, inputs, scale, num_micro):
+    pass
+  return inputs.wait_s
 
 
 def update_policy(updater: PieceUpdater, schedule: StepSchedule):

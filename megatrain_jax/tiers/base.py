@@ -33,6 +33,16 @@ def merge_leaves(tree: PyTree, part: PyTree) -> PyTree:
       lambda path, x: new.get(jax.tree_util.keystr(path), x), tree)
 
 
+def assemble(parts: list) -> PyTree:
+  """One tree from keep_leaves parts of it that hold each leaf once (a piece's update bands'
+  outputs): each part has the whole tree's structure, None where another part holds the leaf."""
+  is_none = lambda x: x is None
+  flat = [jax.tree.flatten(part, is_leaf=is_none) for part in parts]
+  leaves = [next((x for x in column if x is not None), None)
+            for column in zip(*(leaves for leaves, _ in flat))]
+  return jax.tree.unflatten(flat[0][1], leaves)
+
+
 @dataclasses.dataclass
 class TransferStats:
   """Bytes moved between tiers, and fetch counts per (store, key), since the last `reset`.

@@ -217,8 +217,13 @@ class NvmeStore(Store):
           leaves.append(small[path] if path in wanted else None)
     self.stats.add(read_bytes=sum(x.nbytes for p, x in zip(paths, leaves) if p in reads))
     if self._processes > 1:
-      leaves = [self.layout.from_local(x, shapes[p], p, memory_kind) if p in reads else x
-                for p, x in zip(paths, leaves)]
+      # The small leaves (step counts) too, whole in every process: `device_put` of a numpy
+      # array to a sharding over several processes checks that they agree with a collective,
+      # which, run from this reader thread, could interleave with the programs the main thread
+      # runs in another order on each process and deadlock them.
+      leaves = [self.layout.from_local(x, shapes[p], p, memory_kind) if p in reads
+                else self.layout.from_local(x, np.shape(x), None, memory_kind) if x is not None
+                else x for p, x in zip(paths, leaves)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
   def _result(self, path, read, start, stop) -> np.ndarray:
