@@ -480,7 +480,7 @@ def _kept_layer_input_traffic(cfg: ModelConfig, p: Placement, micro: int, hidden
 
 
 # The stages that run in the forward's phase of a step when the layer updates wait for it
-# (schedule.StepSchedule.update_runs_in_forward): the rest run in the head's and backward's.
+# (schedule.StepSchedule.deferred_updates): the rest run in the head's and backward's.
 FORWARD_PHASE = ('embed', 'forward', 'update')
 
 
@@ -597,7 +597,7 @@ def _step_time(p: Placement, hw: HardwareProfile, times: dict, sizes: StateSizes
       # transfers, disk I/O and optimizer with the forward's compute, the rest of the step the
       # rest. The pipeline overlaps within a phase, not across the head between them.
       f = forward_phase
-      rest_link = max(times['h2d'] - f['h2d'], times['d2h'] - f['d2h'])
+      rest_link = max(h2d - f['h2d'], d2h - f['d2h'])
       device_compute = compute + comm
       step = (max(f['compute_share'] * device_compute + (0 if host_opt else optimizer),
                   max(f['h2d'], f['d2h']), f['disk'], optimizer if host_opt else 0)
@@ -665,7 +665,7 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
   if n > 1:
     times['interconnect'] = comm
   forward_phase = None
-  if p.streamed and StepSchedule(p, cfg, micro, clipping).update_runs_in_forward:
+  if p.streamed and StepSchedule(p, cfg, micro, clipping).deferred_updates:
     # What the forward's phase of the step carries: its share of the compute, and the seconds
     # of what its stages move (the embedding's, the forward's, the layer updates waiting for it).
     forward_phase = dict(

@@ -170,8 +170,9 @@ class StepSchedule:
   @property
   def deferred_updates(self) -> bool:
     """Exact clipping needs the whole gradient's norm before any update: each group's gradient is
-    parked (placement.parked_grads_tier) until the backward is done. Otherwise a group's update
-    runs right after its backward, overlapping the next group's."""
+    parked (placement.parked_grads_tier) until the backward is done, and the updates run in the
+    next step's forward (their transfers and disk I/O share its phase of the step). Otherwise a
+    group's update runs right after its backward, overlapping the next group's."""
     return self.clipping
 
   @property
@@ -184,12 +185,6 @@ class StepSchedule:
     ahead of it and hands it the new ones (a deferred device update's read of them is the
     forward's)."""
     return self.placement.params == 'nvme' and not (self.deferred_updates and self.host_optimizer)
-
-  @property
-  def update_runs_in_forward(self) -> bool:
-    """The layer groups' updates run in the next step's forward (deferred), not right after
-    each backward: their transfers and disk I/O share the forward's phase of the step."""
-    return self.deferred_updates
 
   @property
   def stash_activations(self) -> bool:
@@ -280,7 +275,7 @@ class StepSchedule:
         (p.prefetch_depth + 1) * gw, '(prefetch_depth + 1)·K·P_l·4')
     add('backward', 'device', 'group gradient accumulator', gw, 'K·P_l·4')
     # Deferred updates run in the next step's forward: what they hold coincides with its rows.
-    update = 'forward' if self.update_runs_in_forward else 'update'
+    update = 'forward' if self.deferred_updates else 'update'
     if not self.host_optimizer:
       if self.deferred_updates and p.parked_grads_tier == 'device':  # grads: the parked row's
         add(update, 'device', 'update inputs (2 groups)', 2 * (gw + go), '2·(weights + Adam)')

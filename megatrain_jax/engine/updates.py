@@ -9,8 +9,8 @@ The schedule (schedule.py) decides which policy a step uses:
                      memory with offload.park_grads = device) until the backward is done. The
                      updates then wait as `PendingUpdates` for the next forward: group g's update
                      runs just ahead of group g's forward in the next step (or in an evaluation),
-                     on the engine's update thread while group g-1 computes, so its transfers and
-                     disk I/O overlap compute instead of forming a phase of their own after the
+                     dispatched while group g-1 computes, so its transfers and disk I/O overlap
+                     compute instead of forming a phase of their own after the
                      backward, and it hands the forward the group's new weights: a device update's
                      inputs include the weights (the forward fetches nothing more), a host
                      update's output is the weights the forward copies to the device (not read back
@@ -157,6 +157,12 @@ class PieceUpdater:
     """A host update's new weights (of a piece or one band) to the device, for the forward."""
     return self._to_device(params)
 
+  def forward_fetch(self, key, on_device: list):
+    """Piece `key`'s weights for the forward from its bands' (`weights_to_device`) outputs:
+    the fetch from the store they replace, counted as one."""
+    self.stats.count_fetch(self.params.name, key)
+    return assemble(on_device)
+
   def _to_host(self, tree):
     """A device gradient to pinned host memory for the host optimizer, counting the bytes."""
     if memory_kind(tree) == 'pinned_host':
@@ -195,16 +201,16 @@ class OverlappedUpdates:
   def finish(self, scale) -> None:
     """Nothing waits for the norm: every group was updated during the backward."""
     del scale
-    return None
 
 
 class DeferredUpdates:
   """Gradients wait for the global norm, then the updates wait for the next forward (see module
   docstring)."""
 
+  wait_s = 0.0  # nothing is read in this step: its updates' stalls are PendingUpdates.wait_s
+
   def __init__(self, updater: PieceUpdater, schedule: StepSchedule, depth: int):
     self.updater, self.schedule, self.depth = updater, schedule, depth
-    self.wait_s = 0.0
 
   def after_backward(self, g: int, grad_sum, device_params) -> None:
     del device_params  # freed: the update runs in the next forward, which fetches the weights
@@ -247,8 +253,7 @@ class PendingUpdates:
         bands.append(updater.weights_to_device(params))
         if band is not None and not band.last:
           continue
-        updater.stats.count_fetch(updater.params.name, key)  # the forward's fetch of the group
-        params, bands = assemble(bands), []
+        params, bands = updater.forward_fetch(key, bands), []
       self.waiting.remove(key)
       yield key, params
 
