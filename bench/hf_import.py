@@ -14,7 +14,8 @@ that its peak RSS is its own (getrusage RUSAGE_CHILDREN of a one-child wrapper):
             head on NVMe (offload.dir under --dir), one layer per group, 1 step of 1 x 64 tokens
             (plus the step-0 evaluation), offload.shard_mb 32 (the 131 MB embedding and head
             move in 32 MB vocabulary chunks): the import (params read and written to the stores,
-            Adam state written as zeros, every write landed) is timed by the trainer itself
+            Adam state registered as zeros, not written: tiers/nvme.py; every write landed) is
+            timed by the trainer itself
 
 The page cache is dropped before each when permitted (root), so both read the checkpoint cold.
 Everything is deleted afterwards unless --keep. Prints a table and a JSON line.

@@ -83,6 +83,12 @@ class AdamWHyperparams(NamedTuple):
 _HYPERPARAMS = weakref.WeakKeyDictionary()
 
 
+def initial_state_is_zero(tx: optax.GradientTransformation) -> bool:
+  """Whether `tx.init` gives all zeros (step counts, m and v): a `make_optimizer` AdamW. What a
+  store may register instead of writing (tiers/nvme.py); other transformations are not assumed."""
+  return tx.update in _HYPERPARAMS
+
+
 def apply_adamw(tx: optax.GradientTransformation, grads, opt_state, params, num_micro: int = 1,
                 scale=None):
   """(new params, new opt_state): `tx.update` + `optax.apply_updates` of the gradient

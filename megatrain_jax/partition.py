@@ -139,15 +139,19 @@ def group_template(tx: optax.GradientTransformation, abstract_params, start: int
 
 
 def read_piece(read, tx: optax.GradientTransformation, abstract_params, kind: str, start: int,
-               stop: int, part: str) -> dict:
+               stop: int, part: str, known_zero=None) -> dict:
   """`part` ('params' or 'opt_state') of piece [start, stop) of `kind`, leaf by leaf from a
-  checkpoint's `read(full-state path[, start, stop])` (rows [start:stop] of a leaf's axis 0)."""
+  checkpoint's `read(full-state path[, start, stop])` (rows [start:stop] of a leaf's axis 0).
+  `known_zero(full-state path)`: split leaves it names are not read but given as their
+  jax.ShapeDtypeStruct (zeros, for a store that makes them: tiers/nvme.py)."""
   template = piece_template(tx, abstract_params, kind, start, stop)[part]
-  def leaf(path, _):
+  def leaf(path, abstract):
     key = f"['{part}']" + jax.tree_util.keystr(path)
     axis = split_axis(key)
     if axis is None:
       return read(key)
+    if known_zero is not None and known_zero(key):
+      return abstract
     return read(key, start, stop) if axis == 0 else read(key, start, stop, axis=axis)
   return jax.tree_util.tree_map_with_path(leaf, template)
 

@@ -12,15 +12,19 @@ import time
 import jax
 import numpy as np
 import pytest
+import tensorstore as ts
 
-from megatrain_jax import train
+from megatrain_jax import partition, train
+from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError, StoreCorruptionError
 from megatrain_jax.tiers import TransferStats
 from megatrain_jax.tiers import codecs
+from megatrain_jax.placement import Placement
 from megatrain_jax.tiers.nvme import NvmeStore
 
-from helpers import (AS_ROOT, assert_states_match, config_with, read_only_directory, read_rows,
-                     resident_run, small_config, streamed_run, tmpfs)
+from helpers import (AS_ROOT, CFG, assert_states_match, batches, config_with, initial_state,
+                     make_tx, read_only_directory, read_rows, resident_run, small_config,
+                     streamed_run, tmpfs)
 
 
 @pytest.mark.parametrize('codec', ['none', 'zstd'])
@@ -95,6 +99,72 @@ def test_round_trip_and_layout(tmp_path):
   # one file per layer per stacked leaf
   assert sorted(os.listdir(tmp_path / 'params' / 'layers.w' / 'c')) == ['0', '1', '2', '3']
   store.close()
+
+
+def zeros_of(tree):
+  """`tree` given by its leaves' shapes and dtypes: zeros for NvmeStore.put."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def stored_array(directory) -> np.ndarray:
+  """A store's zarr3 array as it is on disk (every chunk must be there)."""
+  spec = {'driver': 'zarr3', 'kvstore': {'driver': 'file', 'path': str(directory)},
+          'fill_missing_data_reads': False}
+  return ts.open(spec, open=True, read=True).result().read().result()
+
+
+def test_zeros_are_registered_not_written(tmp_path):
+  """Leaves put as ShapeDtypeStructs (AdamW's initial m and v) read as zeros with no disk read and
+  no file; a put replaces them; a checkpoint's array_dirs writes what is still zero."""
+  store = make_store(tmp_path)
+  store.put(0, zeros_of(group_tree(0.0)))
+  store.put(1, group_tree(2.0))
+  store.flush()
+  chunks = tmp_path / 'params' / 'layers.w' / 'c'
+  assert sorted(os.listdir(chunks)) == ['2', '3']  # key 0's layers were never written
+  read_before = store.stats.read_bytes
+  got = store.get(0)
+  jax.tree.map(np.testing.assert_array_equal, got, group_tree(0.0) | {'count': np.int32(0)})
+  assert {x.dtype for x in jax.tree.leaves(got)} == {np.dtype(np.float32), np.dtype(np.int32)}
+  assert store.stats.read_bytes == read_before  # nothing came from disk
+  on_device = store.fetch(0).result()
+  assert on_device['layers']['w'].sharding.memory_kind == 'device'
+  np.testing.assert_array_equal(on_device['layers']['w'], 0.0)
+  store.put(0, group_tree(3.0))  # the first update's write replaces the zeros
+  np.testing.assert_array_equal(store.get(0)['layers']['b'], -3.0)
+  store.put(1, zeros_of(group_tree(0.0)))  # zeros again over written layers: disk is stale
+  np.testing.assert_array_equal(store.get(1)['layers']['w'], 0.0)
+  dirs = store.array_dirs()
+  np.testing.assert_array_equal(stored_array(dirs["['layers']['w']"]),
+                                np.concatenate([np.full((2, 8, 16), 3.0), np.zeros((2, 8, 16))]))
+  np.testing.assert_array_equal(store.get(1)['layers']['b'], 0.0)
+  store.close()
+
+
+def test_a_fresh_run_writes_no_adam_zeros_and_matches_resident(tmp_path):
+  """init_state on NVMe writes the weights only (AdamW starts at zero: m and v are registered,
+  not written) and then trains to the resident engine's numbers; a checkpoint of the untrained
+  state links complete arrays."""
+  tx, schedule, clip = make_tx(1.0)
+  placement = Placement(params='nvme', opt_state='nvme', layers_per_group=2, dir=str(tmp_path))
+  engine = StreamedEngine(CFG, tx, schedule, clip, placement, seed=0)
+  engine.opt_state.flush()
+  layer_bytes = sum(x.nbytes for path, x in partition.by_path(initial_state()['params']).items()
+                    if 'layers' in path)
+  assert engine.stats.write_bytes == layer_bytes  # the weights; none of Adam's 2x as much
+  assert not list((tmp_path / 'opt_state').rglob('c/*'))
+  dirs = engine.checkpoint_pieces(1 << 20).disk  # a checkpoint now: Adam's files written first
+  for path, directory in dirs.items():
+    if path.startswith("['opt_state']"):
+      np.testing.assert_array_equal(stored_array(directory), 0.0)
+  engine.close()
+  engine = StreamedEngine(CFG, tx, schedule, clip, placement, seed=0)
+  losses = [float(engine.train_step(b)['learning/loss']) for b in batches(4)]
+  state = engine.export_state()
+  engine.close()
+  want_losses, want_state = resident_run(4, 1.0)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+  assert_states_match(state, want_state)
 
 
 class SlowWrites:

@@ -213,15 +213,23 @@ class StreamedEngine:
       for key, (start, stop) in enumerate(self.kind_slices[kind]):
         piece = self.layout.conform(init_piece(self.cfg, init_key, kind, start, stop))
         self.stores[kind].params.put(key, piece)
-        self.stores[kind].opt_state.put(key, self.layout.conform(init_opt(piece)))
+        self._put_initial_opt_state(self.stores[kind].opt_state, key, piece, init_opt)
     init_layers = jax.jit(model_lib.init_layers, static_argnums=(0, 3))
     for g, (start, stop) in enumerate(self.slices):
       layers = init_layers(self.cfg, layers_key, start, stop - start)
       group = self.layout.conform({'layers': layers})  # into its shards
       self.params.put(g, group)
-      self.opt_state.put(g, self.layout.conform(init_opt(group)))
+      self._put_initial_opt_state(self.opt_state, g, group, init_opt)
     self.step = 0
     self.rng = np.asarray(jax.random.key_data(rng))
+
+  def _put_initial_opt_state(self, store, key, piece, init_opt) -> None:
+    """`init_opt(piece)` into `store`; where that is zeros (AdamW: optim.initial_state_is_zero)
+    an NVMe store gets only its shapes and writes nothing (tiers/nvme.py)."""
+    if isinstance(store, NvmeStore) and optim.initial_state_is_zero(self.tx):
+      store.put(key, jax.eval_shape(init_opt, piece))
+    else:
+      store.put(key, self.layout.conform(init_opt(piece)))
 
   def export_state(self) -> dict:
     """The full train state as host numpy arrays (what the resident engine would hold).
@@ -301,9 +309,10 @@ class StreamedEngine:
       if linked:  # the split leaves are on disk already: read only the structure and step counts
         store.adopt(key, partition.read_piece(_small_leaves_of(reader), self.tx, abstract, kind,
                                               start, stop, part))
-      else:
+      else:  # AdamW's zeros of an imported model are not written to NVMe (tiers/nvme.py)
+        known_zero = reader.known_zero if isinstance(store, NvmeStore) else None
         store.put(key, partition.read_piece(reader.read, self.tx, abstract, kind, start, stop,
-                                            part))
+                                            part, known_zero))
 
   # --------------------------------------------------------------------------------------------
   # The step: the stages of schedule.py, in order.

@@ -182,6 +182,10 @@ class HfReader:
     """No leaf is an NVMe snapshot: the stores are written, never linked."""
     del path
 
+  def known_zero(self, path: str) -> bool:
+    """Whether leaf `path` is zeros without reading it: AdamW's state and step counts."""
+    return path not in self._tensors and path != "['rng']"
+
   def shape(self, path: str) -> tuple:
     return tuple(self._leaf(path).shape)
 

@@ -10,6 +10,12 @@ reads step n's values. `put(key, part, partial=True)` rewrites only the leaves `
 others None): the host optimizer updates a piece band by band (engine/updates.py), and a band's
 read ahead never waits on the previous band's write-behind.
 
+A leaf put as a `jax.ShapeDtypeStruct` is zeros of that shape that are never written (AdamW's m
+and v of a fresh or imported run: two thirds of the state, which would otherwise be written to
+disk only to be read back as zeros by the first update): reads return zeros until a put writes the
+leaf, and `array_dirs` (a checkpoint) writes whatever is still zero first, so a checkpoint never
+lacks a file and a missing chunk stays an error.
+
 Which leaves go to disk, and along which axis a key slices them, is the store's `axis_of(path)`:
 by default leaves whose tree path goes through 'layers' ([num_layers, ...], one file per layer, key
 g = layers slices[g]); vocabulary stores split the embedding [V, D] on axis 0 and the head kernel
@@ -71,6 +77,9 @@ class NvmeStore(Store):
     self._structure = {}  # key -> (treedef, [paths])
     self._small = {}  # key -> {path: small in-memory leaf}
     self._pending: dict = {}  # key -> {leaf path: Future of the newest write of that leaf}
+    self._zeros: dict = {}  # key -> {split leaf path: (piece shape, dtype)} zeros not on disk
+    # put registers a write and its zero leaves, _read takes both, as one step under this lock.
+    self._queue_lock = threading.Lock()
     # Queued writes are bounded by the engine's shared byte budget when there is one (a count of
     # writes would serialize an update's band-sized writes); alone, by `max_pending_writes`.
     self._write_slots = (threading.BoundedSemaphore(max_pending_writes) if write_budget is None
@@ -98,7 +107,8 @@ class NvmeStore(Store):
 
   def put(self, key, tree, partial: bool = False) -> None:
     """Queues `tree` for writing; blocks only while max_pending_writes writes are queued.
-    `partial`: `tree` holds some of key's leaves (None elsewhere) and only those are rewritten."""
+    `partial`: `tree` holds some of key's leaves (None elsewhere) and only those are rewritten.
+    `jax.ShapeDtypeStruct` leaves are zeros, registered and not written (module docstring)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
     leaves = [x for _, x in flat]
@@ -107,43 +117,56 @@ class NvmeStore(Store):
     pending = self._pending.setdefault(key, {})
     for path in paths:
       self._raise_failed(pending.get(path))
+    zeros = {p: (x.shape, x.dtype) for p, x in zip(paths, leaves)
+             if _is_zeros(x) and self._axis_of(p) is not None}
     if self._write_slots is not None:
       self._write_slots.acquire()
     budget = self._write_budget
     taken = budget.acquire(sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
-                               for p, x in zip(paths, leaves) if self._axis_of(p) is not None)
+                               for p, x in zip(paths, leaves)
+                               if self._axis_of(p) is not None and p not in zeros)
                            ) if budget is not None else 0
     if not partial:
       self._structure[key] = (treedef, paths)
     # Counted here, not when the writer thread copies: the copy belongs to this step's traffic.
     self.stats.add(d2h_bytes=sum(x.nbytes for x in leaves if isinstance(x, jax.Array)
                                  and x.sharding.memory_kind == 'device'))
-    # One writer thread: writes land in the order they were queued (a key's too).
-    future = self._writers.submit(self._write, key, paths, leaves)
-
     def written(_):
       if self._write_slots is not None:
         self._write_slots.release()
       if budget is not None:
         budget.release(taken)
 
+    with self._queue_lock:  # a read sees this write and its zero leaves together, or neither
+      # One writer thread: writes land in the order they were queued (a key's too).
+      future = self._writers.submit(self._write, key, paths, leaves)
+      pending.update(dict.fromkeys(paths, future))
+      key_zeros = self._zeros.setdefault(key, {})
+      for path in paths:
+        key_zeros.pop(path, None)
+      key_zeros.update(zeros)
     future.add_done_callback(written)
-    pending.update(dict.fromkeys(paths, future))
 
-  def _write(self, key, paths, leaves) -> None:
+  def _write(self, key, paths, leaves, write_zeros: bool = False) -> None:
+    """Writes `leaves` (at `paths`) of `key`; zero leaves (ShapeDtypeStructs) only with
+    `write_zeros`, part by part (this process's parts only, one at a time in memory)."""
     start, stop = self.slices[key]
     small, writes, nbytes, files = {}, [], 0, []
     with self._write_timer:
       try:
         for path, leaf in zip(paths, leaves):
           axis = self._axis_of(path)
-          if axis is None:
-            small[path] = replicated_value(leaf)  # waits for the update that produced it
+          if axis is None:  # waits for the update that produced it
+            small[path] = (np.zeros(leaf.shape, leaf.dtype) if _is_zeros(leaf)
+                           else replicated_value(leaf))
             continue
-          shape = tuple(np.shape(leaf))
+          shape = tuple(leaf.shape)
           array = self._array(path, shape[:axis] + shape[axis + 1:])
+          if _is_zeros(leaf) and not write_zeros:  # registered by put: nothing to write
+            continue
           for box in self._boxes_to_write(shape, path):
-            host = host_part(leaf, box)  # waits for the update that produced it
+            host = (_zeros_aligned(tuple(b - a for a, b in box), leaf.dtype) if _is_zeros(leaf)
+                    else host_part(leaf, box))  # waits for the update that produced it
             box = tuple((start, stop) if d == axis else b for d, b in enumerate(box))
             writes.append(array[slices(box)].write(host))
             nbytes += host.nbytes
@@ -153,7 +176,7 @@ class NvmeStore(Store):
       except Exception as error:  # pylint: disable=broad-except  (ENOSPC arrives as ValueError)
         if not is_disk_full(error):
           raise
-        needed = sum(int(np.prod(np.shape(x))) * 4 for p, x in zip(paths, leaves)
+        needed = sum(int(np.prod(x.shape)) * 4 for p, x in zip(paths, leaves)
                      if self._axis_of(p) is not None)
         raise DiskFullError(
             f'NVMe store {self.name!r}: the disk holding {self.directory} is full while writing '
@@ -180,11 +203,16 @@ class NvmeStore(Store):
       for future in set(pending.values()):
         future.result()
 
-  def _wait_written(self, key, paths) -> None:
-    """Read-after-write: waits for the queued writes of `paths` of `key`."""
-    pending = self._pending.get(key, {})
-    for future in {pending[p] for p in paths if p in pending}:
+  def _wait_written(self, key, paths) -> dict:
+    """Read-after-write: waits for the queued writes of `paths` of `key`; returns which of them
+    are zeros not on disk, as of those writes ({path: (piece shape, dtype)})."""
+    with self._queue_lock:
+      pending = self._pending.get(key, {})
+      futures = {pending[p] for p in paths if p in pending}
+      zeros = {p: z for p, z in self._zeros.get(key, {}).items() if p in paths}
+    for future in futures:
       future.result()
+    return zeros
 
   # --- reading ---------------------------------------------------------------------------------
 
@@ -194,7 +222,7 @@ class NvmeStore(Store):
     global jax.Array in `memory_kind`."""
     treedef, paths = self._structure[key]
     wanted = [p for p in paths if keep is None or p in keep]
-    self._wait_written(key, wanted)
+    zeros = self._wait_written(key, wanted)
     start, stop = self.slices[key]
     small = self._small[key]
     with self._read_timer:
@@ -208,14 +236,16 @@ class NvmeStore(Store):
         box = (self.layout.local_box(shapes[p], p) if self._processes > 1
                else tuple((0, n) for n in shapes[p]))
         box = tuple((start, stop) if d == axis else b for d, b in enumerate(box))
-        reads[p] = _read_aligned(array[slices(box)])
+        reads[p] = ((_zeros_aligned(tuple(b - a for a, b in box), zeros[p][1]), None)
+                    if p in zeros else _read_aligned(array[slices(box)]))
       leaves = []
       for path in paths:
         if path in reads:
           leaves.append(self._result(path, reads[path], start, stop))
         else:
           leaves.append(small[path] if path in wanted else None)
-    self.stats.add(read_bytes=sum(x.nbytes for p, x in zip(paths, leaves) if p in reads))
+    self.stats.add(read_bytes=sum(x.nbytes for p, x in zip(paths, leaves)
+                                  if p in reads and p not in zeros))
     if self._processes > 1:
       # The small leaves (step counts) too, whole in every process: `device_put` of a numpy
       # array to a sharding over several processes checks that they agree with a collective,
@@ -228,6 +258,8 @@ class NvmeStore(Store):
 
   def _result(self, path, read, start, stop) -> np.ndarray:
     out, future = read
+    if future is None:  # zeros not on disk
+      return out
     try:
       future.result()
       return out
@@ -275,8 +307,13 @@ class NvmeStore(Store):
   # --- checkpoints (checkpoint.py explains why linking the live files is safe) -----------------
 
   def array_dirs(self) -> dict:
-    """{tree path: live zarr3 array directory [L, ...]}, once every queued write has landed."""
+    """{tree path: live zarr3 array directory [L, ...]}, once every queued write has landed and
+    the zero leaves not on disk are written (one leaf of one key at a time)."""
     self.flush()
+    for key, zeros in self._zeros.items():
+      for path, (shape, dtype) in list(zeros.items()):
+        self._write(key, [path], [jax.ShapeDtypeStruct(shape, dtype)], write_zeros=True)
+        del zeros[path]
     return {path: self.directory / leaf_name(path) for path in self._arrays}
 
   def link_arrays(self, sources: dict) -> bool:
@@ -298,6 +335,7 @@ class NvmeStore(Store):
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
     self._structure[key] = (treedef, paths)
+    self._zeros.pop(key, None)
     self._small[key] = {p: np.asarray(x) for p, (_, x) in zip(paths, flat)
                         if self._axis_of(p) is None}
 
@@ -324,6 +362,18 @@ def _local_nbytes(x) -> int:
   if spread(x):
     return sum(s.data.nbytes for s in x.addressable_shards)
   return x.nbytes
+
+
+def _is_zeros(leaf) -> bool:
+  """A leaf given by its shape and dtype only: zeros (see `NvmeStore.put`)."""
+  return isinstance(leaf, jax.ShapeDtypeStruct)
+
+
+def _zeros_aligned(shape: tuple, dtype) -> np.ndarray:
+  """Zeros in an aligned array (as a disk read returns them)."""
+  out = aligned_empty(shape, np.dtype(dtype))
+  out.fill(0)
+  return out
 
 
 def _read_aligned(view: ts.TensorStore):
