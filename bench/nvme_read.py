@@ -2,8 +2,8 @@
 
     python bench/nvme_read.py --dir /path/on/local/disk [--passes 2]
 
-Initialises a 3.03B-parameter model (44 layers x 2560) into the NVMe tier (12 GB of FP32 weights,
-24 GB of Adam state), then runs forward passes (eval: 1 x 64 tokens, so the disk, not the
+Initialises a 3.03B-parameter model (44 layers x 2560) into the NVMe tier (12 GB of FP32 weights
+written; its 24 GB of Adam state start as zeros, registered and not written since 2026-12-05), then runs forward passes (eval: 1 x 64 tokens, so the disk, not the
 compute, sets the pace) with the page cache dropped before each, so every byte comes from disk
 through the engine's real read path: reader threads, prefetch_depth groups in flight,
 TensorStore zarr3 with crc32c, host staging, device_put. Reports the pass's read GB / wall time

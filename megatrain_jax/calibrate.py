@@ -23,7 +23,7 @@ from megatrain_jax import optim
 from megatrain_jax.hardware import (PRESETS, HardwareProfile, device_memory_gb, machine_memory_gb,
                                     preset_for)
 from megatrain_jax.runtime import process_rss_bytes
-from megatrain_jax.tiers import codecs
+from megatrain_jax.tiers import codecs, nvme
 
 _GB = 1e9
 
@@ -138,8 +138,7 @@ def _disk_gbps(directory: pathlib.Path, nbytes: int) -> tuple[float, float, floa
                                                    dtype=np.float32)
   path = directory / 'probe'
   spec = codecs.array_spec(str(path), (layers, *layer.shape))
-  context = ts.Context({'cache_pool': {'total_bytes_limit': 0}})
-  array = ts.open(spec, create=True, delete_existing=True, context=context).result()
+  array = ts.open(spec, create=True, delete_existing=True, context=nvme.live_context()).result()
   def write_all():
     for w in [array[i:i + 1].write(layer[None]) for i in range(layers)]:
       w.result()
