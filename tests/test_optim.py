@@ -93,6 +93,17 @@ def test_apply_adamw_falls_back_to_optax_for_other_transformations():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize('train', [_train(), _train(weight_decay=0.0, b2=0.999, warmup_steps=0)])
+def test_initial_state_is_zero_only_where_init_gives_zeros(train):
+  """The NVMe stores register make_optimizer's initial state as zeros without writing it
+  (tiers/nvme.py): every leaf of its init must be zero, and no other transformation is assumed."""
+  tx = optim.make_optimizer(train)
+  assert optim.initial_state_is_zero(tx)
+  leaves = jax.tree.leaves(tx.init(_tree(jax.random.key(0))))
+  assert leaves and all(not np.any(np.asarray(x)) for x in leaves)
+  assert not optim.initial_state_is_zero(optax.adam(1e-2))
+
+
 def _run_with_multi_output_fusion(code: str) -> str:
   """stdout of `code` run by a fresh CPU process with XLA:CPU's multi-output fusion on (an XLA
   flag is read once, when the backend starts)."""
