@@ -589,26 +589,24 @@ def _step_time(p: Placement, hw: HardwareProfile, times: dict, sizes: StateSizes
                 + (local * gw / _read_rate(hw, cached) if p.params == 'nvme' else 0))
     # The collectives run in the device's calls, before and after their compute; without a
     # peer link they also cross the host link.
-    device_work = compute + comm + (0 if host_opt else optimizer)
-    copies = max(h2d, d2h)
-    link = copies + (comm if hw.interconnect_shares_host_link else 0)
+    device_opt, host_opt_s = (0, optimizer) if host_opt else (optimizer, 0)
+    link_comm = comm if hw.interconnect_shares_host_link else 0
+    device_work = compute + comm + device_opt
+    link = max(h2d, d2h) + link_comm
     if forward_phase is not None:
       # Updates wait for the global norm, then for the next forward: its phase overlaps their
       # transfers, disk I/O and optimizer with the forward's compute, the rest of the step the
       # rest. The pipeline overlaps within a phase, not across the head between them.
-      f = forward_phase
-      rest_link = max(h2d - f['h2d'], d2h - f['d2h'])
-      device_compute = compute + comm
-      step = (max(f['compute_share'] * device_compute + (0 if host_opt else optimizer),
-                  max(f['h2d'], f['d2h']), f['disk'], optimizer if host_opt else 0)
-              + max((1 - f['compute_share']) * device_compute,
-                    rest_link + (comm if hw.interconnect_shares_host_link else 0),
-                    disk - f['disk'])
+      f, share = forward_phase, forward_phase['compute_share']
+      step = (max(share * (compute + comm) + device_opt, max(f['h2d'], f['d2h']), f['disk'],
+                  host_opt_s)
+              + max((1 - share) * (compute + comm),
+                    max(h2d - f['h2d'], d2h - f['d2h']) + link_comm, disk - f['disk'])
               + fill + dispatch)
     else:
-      step = max(device_work, link, disk, optimizer if host_opt else 0) + fill + dispatch
+      step = max(device_work, link, disk, host_opt_s) + fill + dispatch
     resources = {device_bound: device_work, 'host<->device': link, 'disk': disk,
-                 'host optimizer': optimizer if host_opt else 0}
+                 'host optimizer': host_opt_s}
     bottleneck = max(resources.items(), key=lambda x: x[1])[0]
   return step, bottleneck
 
@@ -658,14 +656,14 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
   collectives = collective_bytes(cfg, sizes, p, micro) if n > 1 else {}
   link_rate, _ = hw.link_gbps()
   comm = (n - 1) / n * sum(collectives.values()) / (link_rate * _GB)
-  calls = (1 if not p.streamed
-           else sum(StepSchedule(p, cfg, micro, clipping).jitted_calls().values()))
+  schedule = StepSchedule(p, cfg, micro, clipping) if p.streamed else None
+  calls = 1 if schedule is None else sum(schedule.jitted_calls().values())
   dispatch = calls * hw.dispatch_s
   times = {'compute': compute, 'optimizer': optimizer, **seconds(moved), 'dispatch': dispatch}
   if n > 1:
     times['interconnect'] = comm
   forward_phase = None
-  if p.streamed and StepSchedule(p, cfg, micro, clipping).deferred_updates:
+  if schedule is not None and schedule.deferred_updates:
     # What the forward's phase of the step carries: its share of the compute, and the seconds
     # of what its stages move (the embedding's, the forward's, the layer updates waiting for it).
     forward_phase = dict(

@@ -144,7 +144,7 @@ class PieceUpdater:
                                         self.layout.put(scale, 'pinned_host'), num_micro)
     else:
       params = device_params if device_params is not None else params
-      params, opt = self.fn.device_update(self._to_device(grad_sum), opt, params, scale, num_micro)
+      params, opt = self.fn.device_update(self.to_device(grad_sum), opt, params, scale, num_micro)
     if band is not None:
       opt = keep_leaves(opt, band.opt_writes)
     self.params.put(key, params, partial=band is not None)
@@ -153,12 +153,8 @@ class PieceUpdater:
     self.last = jax.tree.leaves(params)[:1]
     return params
 
-  def weights_to_device(self, params):
-    """A host update's new weights (of a piece or one band) to the device, for the forward."""
-    return self._to_device(params)
-
   def forward_fetch(self, key, on_device: list):
-    """Piece `key`'s weights for the forward from its bands' (`weights_to_device`) outputs:
+    """Piece `key`'s weights for the forward from its bands' outputs (`to_device`):
     the fetch from the store they replace, counted as one."""
     self.stats.count_fetch(self.params.name, key)
     return assemble(on_device)
@@ -170,7 +166,9 @@ class PieceUpdater:
     self.stats.add(d2h_bytes=sum(x.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)))
     return self.layout.put(tree, 'pinned_host')
 
-  def _to_device(self, tree):
+  def to_device(self, tree):
+    """`tree` on the device (a gradient for the device optimizer, a host update's new weights
+    for the forward), counting the bytes that cross."""
     if memory_kind(tree) == 'device':
       return tree
     self.stats.add(h2d_bytes=tree_nbytes(tree))
@@ -250,7 +248,7 @@ class PendingUpdates:
     bands = []
     for key, band, params in _apply_updates(updater, self._inputs, self.scale, self.num_micro):
       if host:
-        bands.append(updater.weights_to_device(params))
+        bands.append(updater.to_device(params))
         if band is not None and not band.last:
           continue
         params, bands = updater.forward_fetch(key, bands), []
