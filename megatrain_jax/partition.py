@@ -18,6 +18,8 @@ counts). This works for any optax transformation whose state is per-parameter or
 what "elementwise" means here.
 """
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -45,8 +47,15 @@ def split_axis(path: str) -> int | None:
 def vocab_slices(vocab_size: int, d_model: int, shard_mb: float) -> list[tuple[int, int]]:
   """Vocabulary chunks [(start, stop)] of at most `shard_mb` MiB of float32 rows (at least one row
   per chunk); all but the last have the same length."""
+  return list(_vocab_slices(vocab_size, d_model, shard_mb))
+
+
+@functools.lru_cache(maxsize=256)
+def _vocab_slices(vocab_size: int, d_model: int, shard_mb: float) -> tuple:
+  # Cached: the planner asks for the same few splits thousands of times per search (a 152k
+  # vocabulary in 1-row chunks is 152k tuples).
   rows = max(1, min(vocab_size, int(shard_mb * 2**20 // (4 * d_model))))
-  return [(s, min(s + rows, vocab_size)) for s in range(0, vocab_size, rows)]
+  return tuple((s, min(s + rows, vocab_size)) for s in range(0, vocab_size, rows))
 
 
 def kinds_of(params) -> tuple[str, ...]:

@@ -490,22 +490,41 @@ def traffic(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch
   every stage of the streamed step declares (schedule.py), or only `stages`. On `devices` = N
   each device moves its 1/N shard of every piece and the activations of its batch / N
   sequences."""
+  return _sum_stages(stage_traffic(cfg, sizes, p, micro, batch, seq, clipping, devices), stages)
+
+
+def stage_traffic(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int,
+                  seq: int, clipping: bool, devices: int = 1) -> dict[str, Traffic]:
+  """{stage: Traffic per step per device} (see `traffic`; empty for the resident engine). The
+  layer inputs kept for the backward (offload.keep_layer_inputs, activations on the host) count
+  as the forward's d2h and the backward's h2d."""
   if not p.streamed:
-    return dict(h2d=0.0, d2h=0.0, read=0.0, write=0.0)
+    return {}
   schedule = StepSchedule(p, cfg, micro, clipping)
 
-  def total(hidden):
+  def per_stage(hidden):
+    stages = schedule.traffic(sizes, hidden)
     kept = _kept_layer_input_traffic(cfg, p, micro, hidden)  # to the host in the forward, back
-    if stages is not None:  # in the backward
-      kept = Traffic(h2d=kept.h2d * ('backward' in stages), d2h=kept.d2h * ('forward' in stages))
-    return sum((t for stage, t in schedule.traffic(sizes, hidden).items()
-                if stages is None or stage in stages), kept)
+    stages['forward'] += Traffic(d2h=kept.d2h)  # in the backward
+    stages['backward'] += Traffic(h2d=kept.h2d)
+    return stages
 
-  moved = total(hidden_bytes(cfg, batch // devices, seq))
+  moved = per_stage(hidden_bytes(cfg, batch // devices, seq))
   if devices > 1:  # the activations' part is what the batch adds to the state's
-    state = dataclasses.asdict(total(0))
-    return {k: state[k] / devices + (v - state[k]) for k, v in dataclasses.asdict(moved).items()}
-  return dataclasses.asdict(moved)
+    state = per_stage(0)
+    moved = {stage: Traffic(*(getattr(state[stage], f) / devices
+                              + getattr(t, f) - getattr(state[stage], f) for f in _TRAFFIC_FIELDS))
+             for stage, t in moved.items()}
+  return moved
+
+
+_TRAFFIC_FIELDS = ('h2d', 'd2h', 'read', 'write')
+
+
+def _sum_stages(stages: dict[str, Traffic], only=None) -> dict:
+  """{h2d, d2h, read, write}: the bytes of every stage in `stages`, or of those in `only`."""
+  total = sum((t for stage, t in stages.items() if only is None or stage in only), Traffic())
+  return {f: getattr(total, f) for f in _TRAFFIC_FIELDS}
 
 
 def collective_bytes(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int) -> dict:
@@ -632,7 +651,8 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
   n, local = devices.count, devices.local
   rows = _memory_rows(cfg, sizes, p, micro, batch, seq, clipping, checkpoint_copies, devices)
   rows += runtime_rows(hw, baseline_bytes, init_programs(cfg, p))
-  moved = traffic(cfg, sizes, p, micro, batch, seq, clipping, n)  # per device
+  stages = stage_traffic(cfg, sizes, p, micro, batch, seq, clipping, n)  # per device
+  moved = _sum_stages(stages)
   executed, model_flops = step_flops(cfg, p, micro, batch // n, seq)  # per device
   model_flops *= n
   # On the CPU backend the process's devices are the same cores: their work adds up.
@@ -667,7 +687,7 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
     # What the forward's phase of the step carries: its share of the compute, and the seconds
     # of what its stages move (the embedding's, the forward's, the layer updates waiting for it).
     forward_phase = dict(
-        seconds(traffic(cfg, sizes, p, micro, batch, seq, clipping, n, stages=FORWARD_PHASE)),
+        seconds(_sum_stages(stages, FORWARD_PHASE)),
         compute_share=forward_flops(cfg, micro, batch // n, seq) / executed)
   step, bottleneck = _step_time(p, hw, times, sizes, devices, cached, host_opt, forward_phase)
   # The devices' peak together; CPU devices of one process are the same cores.

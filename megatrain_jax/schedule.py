@@ -146,7 +146,8 @@ class Traffic:
   write: float = 0.0
 
   def __add__(self, other: 'Traffic') -> 'Traffic':
-    return Traffic(*(getattr(self, f) + getattr(other, f) for f in ('h2d', 'd2h', 'read', 'write')))
+    return Traffic(self.h2d + other.h2d, self.d2h + other.d2h, self.read + other.read,
+                   self.write + other.write)
 
 
 @dataclasses.dataclass(frozen=True)
