@@ -4,6 +4,9 @@ a stopped run resumes to bitwise-identical metrics; a diverging run stops with a
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -16,7 +19,7 @@ from megatrain_jax.errors import ConfigError, TrainingDivergedError
 from megatrain_jax.layout import Layout
 from megatrain_jax.model import ModelConfig
 
-from helpers import read_rows, run_until_crash, small_config
+from helpers import REPO_ROOT, read_rows, run_until_crash, small_config
 
 
 def test_training_on_shakespeare_lowers_validation_loss(tmp_path, shared_data):
@@ -46,6 +49,17 @@ def test_training_on_shakespeare_lowers_validation_loss(tmp_path, shared_data):
   peaks = [r['perf/host_peak_gb'] for r in train_rows]
   assert all(0.1 < r['perf/host_rss_gb'] <= r['perf/host_peak_gb'] * 1.001 for r in train_rows)
   assert peaks == sorted(peaks)
+
+
+def test_the_trainer_starts_without_importing_torch_and_leaves_it_importable():
+  """tensorboardX imports torch when it is installed (1.4 s and ~180 MB of a launch.py start);
+  metrics imports it without, and torch still imports afterwards for code that wants it."""
+  probe = ('import sys; import megatrain_jax.train; print("torch" in sys.modules); '
+           'import torch; print(torch.ones(2).sum().item())')
+  env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), JAX_PLATFORMS='cpu')
+  out = subprocess.run([sys.executable, '-c', probe], env=env, capture_output=True, text=True,
+                       timeout=120, check=True).stdout.split()
+  assert out == ['False', '2.0']
 
 
 def _learning_rows(rows):
