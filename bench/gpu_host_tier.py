@@ -1,12 +1,13 @@
 """GPU benchmark of the host tier (run on a machine with one NVIDIA GPU, e.g. a lent H200).
 
-    python bench/gpu_host_tier.py [--models 1b,7b] [--steps 3] [--out DIR]
+    python bench/gpu_host_tier.py [--models 1b,7b] [--steps 3] [--precisions highest,default] [--out DIR]
 
 For each model: the resident engine where the FP32 state fits the GPU, and the streamed engine
 with layer weights and Adam state in pinned host RAM (K=1, prefetch depth 1, optimizer on the
 device, the gradients waiting for the global norm in device memory: offload.park_grads='device',
 which keeps 7b's host share at 81 GB of the lent machines' 128 GiB of RAM), each at matmul
-precision 'highest' (true FP32) and 'default' (TF32 on Hopper). Prints step time, tokens/s, TFLOP/s, MFU (against the datasheet peak for the precision) and the
+precision 'highest' (true FP32) and 'default' (TF32 on Hopper; --precisions picks). Prints step
+time, tokens/s, TFLOP/s, MFU (against the datasheet peak for the precision) and the
 streamed engine's I/O and time split; writes gpu_host_tier.json to --out (default $OUT or .).
 
 XLA caps pinned host memory at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default); this script
@@ -57,6 +58,8 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument('--models', default='1b,7b')
   parser.add_argument('--steps', type=int, default=3)
+  parser.add_argument('--precisions', default='highest,default',
+                      help="matmul precisions to run, comma-separated ('highest': true FP32)")
   parser.add_argument('--out', default=os.environ.get('OUT', '.'))
   args = parser.parse_args()
   names = args.models.split(',')
@@ -86,7 +89,7 @@ def main():
     device_bytes = 2**40  # a smoke run: the resident engine too
   for name in names:
     seq, batch_size, micro = SHAPES.get(name, (SEQ, BATCH, MICRO))
-    for precision in ('highest', 'default'):
+    for precision in args.precisions.split(','):
       cfg = ModelConfig(**MODELS[name], matmul_precision=precision, remat='full')
       state_gb = 16 * cfg.num_params / 1e9
       runs = [('streamed-host', Placement(params='host', opt_state='host', layers_per_group=1,

@@ -863,12 +863,13 @@ def checkpoint_copies(ckpt, steps: int) -> int:
 
 
 def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
-             devices: Devices | None = None) -> Plan:
+             devices: Devices | None = None, suggest_presets: bool = True) -> Plan:
   """The plan for `config`: its placement if fully specified, else the best `auto` choice, on
   `devices` (default: parallel.devices, `devices_for`).
 
-  Raises ConfigError when nothing fits, naming needed vs available per tier, what to change, and
-  the hardware presets it would fit.
+  Raises NoPlacementFits (a ConfigError) when nothing fits, naming needed vs available per tier,
+  what to change, and (`suggest_presets`: one more search per preset) the hardware presets it
+  would fit.
   """
   devices = devices or devices_for(config)
   plans, rejected, invalid = _search(config, hw, disk_free_gb, devices)
@@ -884,7 +885,8 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
       message += (f'\nRaising {PINNED_LIMIT_ENV} to {math.ceil(best.over_budget()[PINNED_ROW][0] / 2 ** 30)}'
                   f' (GiB) would fit: {best.placement.summary()}, M={best.microbatches}, '
                   f'{best.step_time_s:,.4g} s/step.')
-    message += presets_that_fit(config, hw, devices)
+    if suggest_presets:
+      message += presets_that_fit(config, hw, devices)
     raise NoPlacementFits(message, closest)
   return _fastest(plans)
 

@@ -112,13 +112,13 @@ def test_gpu_benchmark_runs_without_packages_the_gpu_image_lacks(tmp_path):
   unimportable: both engines run, report the same loss, and the JSON the device run returns is
   written."""
   env = {**os.environ, 'PYTHONPATH': str(REPO_ROOT)}
+  # One precision: on CPU both compile the same arithmetic (the GPU run does both by default).
   subprocess.run([sys.executable, '-c', _WITHOUT_MISSING_PACKAGES, '--models', 'tiny', '--steps',
-                  '1', '--out', str(tmp_path)], cwd=REPO_ROOT, env=env, check=True,
-                 capture_output=True, text=True, timeout=600)
+                  '1', '--precisions', 'highest', '--out', str(tmp_path)], cwd=REPO_ROOT,
+                 env=env, check=True, capture_output=True, text=True, timeout=600)
   rows = json.loads((tmp_path / 'gpu_host_tier.json').read_text())
   assert [(r['precision'], r['engine']) for r in rows] == [
-      ('highest', 'resident'), ('highest', 'streamed-host'),
-      ('default', 'resident'), ('default', 'streamed-host')]
-  for resident_row, streamed_row in (rows[:2], rows[2:]):
-    assert abs(streamed_row['loss'] - resident_row['loss']) <= 1e-5 * abs(resident_row['loss'])
-    assert streamed_row['io/h2d_gb'] > 0 and streamed_row['step_s'] > 0
+      ('highest', 'resident'), ('highest', 'streamed-host')]
+  resident_row, streamed_row = rows
+  assert abs(streamed_row['loss'] - resident_row['loss']) <= 1e-5 * abs(resident_row['loss'])
+  assert streamed_row['io/h2d_gb'] > 0 and streamed_row['step_s'] > 0

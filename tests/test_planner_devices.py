@@ -260,6 +260,13 @@ def test_a_refusal_names_the_presets_it_would_fit():
   for preset in ('rtx4090', 'a100', 'h100', 'h200'):  # each with its sizes and fastest plan
     assert f'--config.hardware={preset} (' in message
   assert '--config.hardware=h200 (141 GB device, 2,048 GB RAM, 30,000 GB disk): ' in message
+  # A caller that wants only the closest plan skips the presets' searches: same refusal, no list.
+  with pytest.raises(planner.NoPlacementFits) as quiet:
+    planner.plan_run(config_lib.load_config('7b', hardware='cpu'), small, disk_free_gb=80.0,
+                     suggest_presets=False)
+  assert str(quiet.value).splitlines()[0] == message.splitlines()[0]
+  assert 'hardware preset' not in str(quiet.value)
+  assert quiet.value.closest.placement == e.value.closest.placement
   # Settings that no preset can help: said so.
   with pytest.raises(planner.NoPlacementFits, match='No hardware preset .* fits it either'):
     planner.plan_run(config_lib.load_config('tiny', offload__device_memory_gb=1e-4), small,
