@@ -31,8 +31,8 @@ import resource, sys, time
 started = time.perf_counter()
 import megatrain_jax.train
 import json
-print(json.dumps({{'seconds': time.perf_counter() - started, 'torch_loaded': 'torch' in sys.modules,
-                  'max_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+print(json.dumps({'seconds': time.perf_counter() - started, 'torch_loaded': 'torch' in sys.modules,
+                  'max_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 '''
 
 
