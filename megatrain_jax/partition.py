@@ -52,8 +52,7 @@ def vocab_slices(vocab_size: int, d_model: int, shard_mb: float) -> list[tuple[i
 
 @functools.lru_cache(maxsize=256)
 def _vocab_slices(vocab_size: int, d_model: int, shard_mb: float) -> tuple:
-  # Cached: the planner asks for the same few splits thousands of times per search (a 152k
-  # vocabulary in 1-row chunks is 152k tuples).
+  # Cached: a planner search asks for the same few splits tens of thousands of times.
   rows = max(1, min(vocab_size, int(shard_mb * 2**20 // (4 * d_model))))
   return tuple((s, min(s + rows, vocab_size)) for s in range(0, vocab_size, rows))
 

@@ -504,9 +504,9 @@ def stage_traffic(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int,
 
   def per_stage(hidden):
     stages = schedule.traffic(sizes, hidden)
-    kept = _kept_layer_input_traffic(cfg, p, micro, hidden)  # to the host in the forward, back
-    stages['forward'] += Traffic(d2h=kept.d2h)  # in the backward
-    stages['backward'] += Traffic(h2d=kept.h2d)
+    kept = _kept_layer_input_traffic(cfg, p, micro, hidden)
+    stages['forward'] += Traffic(d2h=kept.d2h)  # to the host in the forward,
+    stages['backward'] += Traffic(h2d=kept.h2d)  # back in the backward
     return stages
 
   moved = per_stage(hidden_bytes(cfg, batch // devices, seq))
