@@ -6,7 +6,7 @@ one device long before, so the test runs this script as a subprocess (its enviro
 flag) and reads back what it prints: one JSON object, on the last line.
 
     python tests/distributed_runs.py OFFLOAD_DIR WORKDIR DATA_PATH
-    python tests/distributed_runs.py --process I COORDINATOR_ADDRESS     # I = 0, 1; see below
+    python tests/distributed_runs.py --process I COORDINATOR_ADDRESS WORKDIR  # I = 0, 1; below
     python tests/distributed_runs.py --train I COORDINATOR_ADDRESS WORKDIR DATA_PATH STEPS PLACEMENT
     python tests/distributed_runs.py --continue WORKDIR DATA_PATH STEPS PLACEMENT DEVICES
 
@@ -36,7 +36,9 @@ For each: its losses, the error of its final state against the reference
 With --process, this is process I of 2, each with 2 CPU devices, joined by jax.distributed
 (gloo): the resident engine and the streamed engine with host and NVMe placements on a Layout over
 the 4 devices of both, each process feeding its 2 rows of every microbatch; it reports the losses
-(the final state is sharded across the processes: no one process can read it whole).
+(the final state is sharded across the processes: no one process can read it whole). Then both
+checkpoint a fresh NVMe init at step 0 into the shared WORKDIR, which the test reads back on one
+device.
 
 With --train, process I of 2 (2 CPU devices each) runs train.train_and_evaluate of the small
 config to STEPS in the shared WORKDIR with PLACEMENT ('resident', 'host' or 'nvme'); process 0
@@ -67,6 +69,7 @@ import numpy as np  # noqa: E402
 from helpers import (CFG, JAX_CACHE_DIR, STEPS, assert_states_match, initial_state,  # noqa: E402
                      make_tx, small_config)
 from megatrain_jax import distributed, train  # noqa: E402
+from megatrain_jax.checkpoint import Checkpointer  # noqa: E402
 from megatrain_jax.engine import resident  # noqa: E402
 from megatrain_jax.engine.functions import StageFunctions  # noqa: E402
 from megatrain_jax.engine.streamed import StreamedEngine  # noqa: E402
@@ -225,8 +228,9 @@ def main(offload_dir: str, workdir: str, data_path: str) -> dict:
   return out
 
 
-def process_main(process_id: str, coordinator: str) -> dict:
-  """Process `process_id` of 2: the resident and host runs on the 4 devices of both."""
+def process_main(process_id: str, coordinator: str, workdir: str) -> dict:
+  """Process `process_id` of 2: the resident and streamed runs on the 4 devices of both; then a
+  fresh NVMe init checkpointed at step 0 into `workdir` (shared)."""
   distributed.initialize(coordinator, 2, int(process_id))
   jax.config.update('jax_compilation_cache_dir', JAX_CACHE_DIR)
   layout = Layout.for_devices(jax.devices())
@@ -237,7 +241,23 @@ def process_main(process_id: str, coordinator: str) -> dict:
     for name, placement in PLACEMENTS.items():
       losses, _, splits = streamed_run(layout, f'{offload}/{name}', export=False, **placement)
       out[name] = {'losses': losses, 'splits': splits}
+  fresh_nvme_checkpoint(layout, workdir)
   return out
+
+
+def fresh_nvme_checkpoint(layout: Layout, workdir: str) -> None:
+  """A fresh init (seed 0) on NVMe, checkpointed before any step: AdamW's zeros are registered,
+  not written (tiers/nvme.py), so each process must write its own parts of them for the
+  checkpoint to hold whole arrays."""
+  tx, schedule, clip = make_tx(1.0)
+  placement = Placement(**PLACEMENTS['nvme'], dir=f'{workdir}/offload')
+  engine = StreamedEngine(CFG, tx, schedule, clip, placement, seed=0, layout=layout)
+  checkpointer = Checkpointer(pathlib.Path(workdir), keep=1)
+  try:
+    checkpointer.save(0, engine, data_position=0, model_cfg=CFG, placement=placement)
+  finally:
+    checkpointer.close()
+    engine.close()
 
 
 TRAINER_PLACEMENTS = {
@@ -299,7 +319,7 @@ def trainer_process_main(process_id: str, coordinator: str, workdir: str, data_p
 
 if __name__ == '__main__':
   if sys.argv[1] == '--process':
-    print(json.dumps(process_main(*sys.argv[2:4])))
+    print(json.dumps(process_main(*sys.argv[2:5])))
   elif sys.argv[1] == '--train':
     print(json.dumps(trainer_process_main(*sys.argv[2:8])))
   elif sys.argv[1] == '--continue':

@@ -9,8 +9,9 @@ clipping; then a 2-step train.train_and_evaluate with parallel.devices = 4. And 
 engines in 2 processes x 2 devices joined by jax.distributed (gloo), each process feeding its half
 of every microbatch, against the same one-device losses. Then the trainer itself
 (train.train_and_evaluate) in 2 processes sharing a workdir, against its one-device run; a
-checkpoint of 1 device resumed on 4, one of 2 processes resumed on 1; and one of 2 processes
-killed mid-run.
+checkpoint of 1 device resumed on 4, one of 2 processes resumed on 1, one of a fresh NVMe init
+written by 2 processes before any step (AdamW's zeros not yet on disk) read on 1; and one of 2
+processes killed mid-run.
 
 Bad input for parallel.devices is checked here, in this one-device process.
 """
@@ -24,10 +25,15 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
-from helpers import JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, SMALL_MODEL, config_with
+from helpers import (CFG, JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, SMALL_MODEL, config_with,
+                     initial_state, make_tx)
 from megatrain_jax import distributed, train
+from megatrain_jax.checkpoint import Checkpointer
+from megatrain_jax.engine import resident
 from megatrain_jax.errors import ConfigError
 
 LOSS_RTOL = 1e-5
@@ -85,9 +91,15 @@ def _reports(processes) -> list[dict]:
 
 
 @pytest.fixture(scope='module')
-def process_runs() -> list[dict]:
+def process_workdir(tmp_path_factory):
+  """Where the 2-process engine runs checkpoint a fresh NVMe init (tests/distributed_runs.py)."""
+  return tmp_path_factory.mktemp('processes')
+
+
+@pytest.fixture(scope='module')
+def process_runs(process_workdir) -> list[dict]:
   """The 2-process x 2-device engine runs: each process's report."""
-  return _reports(_two_processes('--process'))
+  return _reports(_two_processes('--process', str(process_workdir)))
 
 
 TRAIN_DATA = str(SHARED_DATA / 'tinyshakespeare' / 'input.txt')
@@ -164,6 +176,21 @@ def test_two_processes_train_like_one_device(runs, process_runs, name):
     _assert_losses_match(report[name]['losses'], runs['reference'])
     for leaf, split in report[name]['splits'].items():
       assert split['devices'] == 4 and "'data'" in split['spec'], (leaf, split)
+
+
+def test_a_fresh_nvme_checkpoint_of_two_processes_holds_the_initial_state(process_runs,
+                                                                         process_workdir):
+  """Both processes checkpointed a fresh NVMe init before any step, while AdamW's zeros were
+  registered in their stores, not on disk (tiers/nvme.py): each wrote its own parts of them, so
+  read on one device the checkpoint is the resident engine's initial state, zeros included."""
+  assert len(process_runs) == 2  # both processes finished (and saved)
+  reader = Checkpointer(process_workdir, keep=1).restore(CFG)
+  assert reader is not None
+  tx, _, _ = make_tx(1.0)
+  state = jax.tree.map(np.asarray, reader.device_state(resident.abstract_state(CFG, tx)))
+  want = initial_state()
+  jax.tree.map(np.testing.assert_array_equal, state['params'], want['params'])
+  jax.tree.map(np.testing.assert_array_equal, state['opt_state'], want['opt_state'])
 
 
 def test_trainer_in_two_processes_trains_like_one_device(runs, trainer_process_runs):
