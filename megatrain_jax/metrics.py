@@ -13,7 +13,6 @@ import json
 import math
 import pathlib
 import resource
-import sys
 import time
 
 import tqdm
@@ -21,29 +20,11 @@ import tqdm
 from megatrain_jax import fs
 from megatrain_jax import runtime
 from megatrain_jax.errors import TrainingDivergedError
+from megatrain_jax.imports import import_without
 
 
-def _import_tensorboardx():
-  """tensorboardX, imported without torch unless torch is loaded already.
-
-  tensorboardX's writer imports torch whenever it is installed (it is, beside most Hugging Face
-  models) only so that it can take torch tensors, which this package never logs; on the 2-core
-  CI VM that import was 1.4 of the 4.1 s it takes to import megatrain_jax.train (`python -X
-  importtime`). A `None` in sys.modules makes `import torch` raise ImportError, which
-  tensorboardX catches; it is removed right after, so the process can still import torch."""
-  if 'torch' in sys.modules:
-    import tensorboardX
-    return tensorboardX
-  sys.modules['torch'] = None
-  try:
-    import tensorboardX
-  finally:
-    if sys.modules.get('torch', 0) is None:
-      del sys.modules['torch']
-  return tensorboardX
-
-
-tensorboardX = _import_tensorboardx()
+# Without torch, which tensorboardX imports whenever installed (megatrain_jax/imports.py).
+tensorboardX = import_without('tensorboardX', absent=('torch',))
 
 
 def due(step: int, every: int, last: int) -> bool:

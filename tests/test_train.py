@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from megatrain_jax import hardware
+from megatrain_jax import imports
 from megatrain_jax import metrics
 from megatrain_jax import runtime
 from megatrain_jax import train
@@ -51,15 +52,29 @@ def test_training_on_shakespeare_lowers_validation_loss(tmp_path, shared_data):
   assert peaks == sorted(peaks)
 
 
-def test_the_trainer_starts_without_importing_torch_and_leaves_it_importable():
-  """tensorboardX imports torch when it is installed (1.4 s and ~180 MB of a launch.py start);
-  metrics imports it without, and torch still imports afterwards for code that wants it."""
-  probe = ('import sys; import megatrain_jax.train; print("torch" in sys.modules); '
-           'import torch; print(torch.ones(2).sum().item())')
+def test_the_trainer_starts_without_torch_or_ipython_and_leaves_them_importable():
+  """tensorboardX imports torch and flax.nnx imports IPython whenever installed (1.4 s and ~180
+  MB, and 0.3 s, of a launch.py start); the package imports both without them
+  (megatrain_jax/imports.py), and they still import afterwards for code that wants them."""
+  probe = ('import sys; import megatrain_jax.train; '
+           'print("torch" in sys.modules, "IPython" in sys.modules); '
+           'import torch, IPython; print(torch.ones(2).sum().item(), callable(IPython.get_ipython))')
   env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), JAX_PLATFORMS='cpu')
   out = subprocess.run([sys.executable, '-c', probe], env=env, capture_output=True, text=True,
                        timeout=120, check=True).stdout.split()
-  assert out == ['False', '2.0']
+  assert out == ['False', 'False', '2.0', 'True']
+
+
+def test_import_without_leaves_loaded_packages_alone():
+  """A package loaded already is not hidden (a notebook's IPython), and the marks of the hidden
+  ones are gone after the import, whether it succeeded or not."""
+  loaded = sys.modules['json']
+  module = imports.import_without('megatrain_jax.fs', absent=('json', 'not_a_package_xyz'))
+  assert module.__name__ == 'megatrain_jax.fs' and sys.modules['json'] is loaded
+  assert 'not_a_package_xyz' not in sys.modules
+  with pytest.raises(ImportError):
+    imports.import_without('not_a_package_xyz', absent=('other_missing_xyz',))
+  assert 'other_missing_xyz' not in sys.modules
 
 
 def _learning_rows(rows):

@@ -1,5 +1,12 @@
 """Llama-family decoder: config, NNX layer modules, and pure stage functions over plain params."""
 
+from megatrain_jax.imports import import_without
+
+# flax.nnx, before the modules below import it: without IPython, which it imports to colour its
+# reprs in notebooks (megatrain_jax/imports.py).
+import_without('flax.nnx', absent=('IPython',))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from megatrain_jax.model.config import ModelConfig
 from megatrain_jax.model.decoder import (abstract_params, apply_group, apply_layer, count_params,
                                          cross_entropy, default_positions, embed, final_norm,
