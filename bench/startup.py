@@ -7,7 +7,7 @@ with --baseline (e.g. a `git worktree` of an older commit), for that one in the 
 
   import    `import megatrain_jax.train` (what launch.py and a notebook import): wall time and
             peak RSS, each reported by the child itself (`resource.getrusage(RUSAGE_SELF)`: the
-            whole process), and whether torch got loaded on the way
+            whole process), and whether torch or IPython got loaded on the way (megatrain_jax/imports.py)
   dry run   `python launch.py --config tiny --dry_run` end to end (imports, config, the
             planner's search, the printed plan), timed from outside
 
@@ -31,7 +31,8 @@ import resource, sys, time
 started = time.perf_counter()
 import megatrain_jax.train
 import json
-print(json.dumps({'seconds': time.perf_counter() - started, 'torch_loaded': 'torch' in sys.modules,
+print(json.dumps({'seconds': time.perf_counter() - started,
+                  'loaded': [m for m in ('torch', 'IPython') if m in sys.modules],
                   'max_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 '''
 
@@ -78,8 +79,9 @@ def main():
           f'{", ".join(f"{s:.2f}" for s in seconds)} | '
           f'{f"{statistics.median(rss):,.0f}" if rss else "n/a"} |')
   for name, rows in results.items():
-    if any(row.get('torch_loaded') for row in rows):
-      print(f'{name}: torch got imported on the way')
+    loaded = sorted({m for row in rows for m in row.get('loaded', [])})
+    if loaded:
+      print(f'{name}: {", ".join(loaded)} got imported on the way')
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 

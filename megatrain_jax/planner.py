@@ -493,6 +493,9 @@ def traffic(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch
   return _sum_stages(stage_traffic(cfg, sizes, p, micro, batch, seq, clipping, devices), stages)
 
 
+_TRAFFIC_FIELDS = tuple(f.name for f in dataclasses.fields(Traffic))  # h2d, d2h, read, write
+
+
 def stage_traffic(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int,
                   seq: int, clipping: bool, devices: int = 1) -> dict[str, Traffic]:
   """{stage: Traffic per step per device} (see `traffic`; empty for the resident engine). The
@@ -516,9 +519,6 @@ def stage_traffic(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int,
                               + getattr(t, f) - getattr(state[stage], f) for f in _TRAFFIC_FIELDS))
              for stage, t in moved.items()}
   return moved
-
-
-_TRAFFIC_FIELDS = ('h2d', 'd2h', 'read', 'write')
 
 
 def _sum_stages(stages: dict[str, Traffic], only=None) -> dict:
