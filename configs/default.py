@@ -72,7 +72,8 @@ def get_config() -> ml_collections.ConfigDict:
   train.eval_every = 100  # Steps between validation passes; 0 = only at the end.
   train.eval_batches = 8  # Validation batches (of batch_size sequences) per evaluation.
   train.seed = 0  # Seeds the parameter init and the data order.
-  train.progress_bar = True  # Show a progress bar with ETA on stderr.
+  train.progress_bar = True  # A progress bar with ETA on stderr, drawn on a terminal or in a notebook
+  #                             (not into a log file or pipe: the console line has the ETA there).
 
   # ---------------------------------------------------------------------------------------------
   # Data.

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
+from megatrain_jax import metrics
 from megatrain_jax import model as model_lib
 from megatrain_jax import partition
 from megatrain_jax.data import document_format
@@ -288,7 +289,7 @@ def perplexity(evaluator: Evaluator, tokens: np.ndarray, max_len: int, stride: i
   d = evaluator.cfg.d_model
   per_pass = max(1, PASS_BYTES // (batch_size * max_len * d * 4))
   started, total, count = time.perf_counter(), 0.0, 0
-  bar = tqdm.tqdm(total=len(chosen), unit='window', desc='eval', disable=not progress,
+  bar = tqdm.tqdm(total=len(chosen), unit='window', desc='eval', disable=not metrics.bar_visible(progress),
                   dynamic_ncols=True)
   with bar:
     for first in range(0, len(chosen), per_pass * batch_size):

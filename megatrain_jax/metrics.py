@@ -13,6 +13,7 @@ import json
 import math
 import pathlib
 import resource
+import sys
 import time
 
 import tqdm
@@ -33,8 +34,9 @@ def due(step: int, every: int, last: int) -> bool:
   return bool(every and step % every == 0) or step == last
 
 
-def format_console_line(step: int, total: int, scalars: dict) -> str:
-  """e.g. 'step 120/600 | loss 2.3456 | grad_norm 0.812 | lr 2.99e-03 | 12,345 tok/s | 0.166 s/step'."""
+def format_console_line(step: int, total: int, scalars: dict, eta_s: float | None = None) -> str:
+  """e.g. 'step 120/600 | loss 2.3456 | grad_norm 0.812 | lr 2.99e-03 | 12,345 tok/s | 0.166 s/step |
+  eta 01:20' (`eta_s`: seconds to the last step, when known)."""
   parts = [f'step {step}/{total}']
   if 'learning/loss' in scalars:
     parts.append(f'loss {scalars["learning/loss"]:.4f}')
@@ -50,7 +52,19 @@ def format_console_line(step: int, total: int, scalars: dict) -> str:
     parts.append(f'{scalars["perf/step_time_s"]:.3f} s/step')
   if 'perf/mfu' in scalars:
     parts.append(f'mfu {100 * scalars["perf/mfu"]:.1f}%')
+  if eta_s is not None:
+    parts.append(f'eta {tqdm.tqdm.format_interval(eta_s)}')
   return ' | '.join(parts)
+
+
+def bar_visible(enabled: bool, stream=None) -> bool:
+  """Whether a progress bar that is `enabled` is drawn on `stream` (stderr): on a terminal or in a
+  Jupyter kernel, where each redraw replaces the line. Not into a file or a pipe (a SLURM job's
+  output, `| tee run.log`), where every redraw appends a `\\r`-joined copy of the bar and the
+  console line every `train.log_every` steps, with its ETA, already says how far the run is."""
+  stream = stream or sys.stderr
+  isatty = getattr(stream, 'isatty', None)
+  return enabled and (bool(isatty and isatty()) or 'ipykernel' in sys.modules)
 
 
 def describe_workdir(workdir: pathlib.Path, *, checkpoint_every: int, checkpoint_keep: int,
@@ -107,7 +121,10 @@ class MetricsWriter:
     self._jsonl = open(self.jsonl_path, 'a', encoding='utf-8')
     self._tensorboard = tensorboardX.SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'))
     self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True,
-                          disable=not progress_bar, leave=True)
+                          disable=not bar_visible(progress_bar), leave=True)
+    # (step, perf_counter) when this process's first step was done (after its compilation): the
+    # ETA's origin, so that it counts evaluations and checkpoints but not compiling.
+    self._step, self._eta_origin = start_step, None
 
   def _drop_rows_after(self, step: int) -> None:
     """On resume, forget rows a killed run logged after its last checkpoint (they get redone)."""
@@ -128,12 +145,23 @@ class MetricsWriter:
       if name != 'step' and math.isfinite(value):
         self._tensorboard.add_scalar(name, value, step)
     if console:
-      self.print(format_console_line(step, self.total_steps, scalars))
+      self.print(format_console_line(step, self.total_steps, scalars, self.eta_s(step)))
 
   def advance(self, steps: int = 1, loss: float | None = None) -> None:
     if loss is not None:
       self._bar.set_postfix(loss=f'{loss:.4f}', refresh=False)
     self._bar.update(steps)
+    self._step += steps
+    if self._eta_origin is None:
+      self._eta_origin = (self._step, time.perf_counter())
+
+  def eta_s(self, step: int) -> float | None:
+    """Seconds to the last step at this process's pace since its first step (None before a second
+    step is done, and at the end)."""
+    if self._eta_origin is None or not self._eta_origin[0] < step < self.total_steps:
+      return None
+    origin_step, origin_time = self._eta_origin
+    return (time.perf_counter() - origin_time) / (step - origin_step) * (self.total_steps - step)
 
   def print(self, line: str) -> None:
     """A console line that does not break the progress bar."""

@@ -2,11 +2,13 @@
 a stopped run resumes to bitwise-identical metrics; a diverging run stops with a clear error."""
 
 import dataclasses
+import io
 import json
 import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -111,6 +113,54 @@ def test_metrics_rows_past_the_restart_step_are_dropped(tmp_path, start_step, ke
   assert read_rows(tmp_path) == [r for r in earlier if r['step'] in kept] + [
       {'step': start_step + 1, 'learning/loss': 1.5},
       {'step': start_step + 2, 'learning/loss': 1.25}]
+
+
+class _Stream(io.StringIO):
+  def __init__(self, tty: bool):
+    super().__init__()
+    self.tty = tty
+
+  def isatty(self):
+    return self.tty
+
+
+@pytest.mark.parametrize('tty', [True, False])
+def test_the_bar_is_drawn_on_a_terminal_and_left_out_of_log_files(tmp_path, monkeypatch, tty):
+  """A SLURM job's output or `| tee` is a file: a tqdm bar there appends a copy of itself per
+  redraw. It is drawn only on a terminal (or in a notebook's kernel); the console lines go out
+  either way, with an ETA at the pace since the first step."""
+  stderr, stdout = _Stream(tty), _Stream(tty)
+  monkeypatch.setattr(sys, 'stderr', stderr)
+  monkeypatch.setattr(sys, 'stdout', stdout)
+  monkeypatch.delitem(sys.modules, 'ipykernel', raising=False)
+  now = [100.0]  # the first step done at 100 s, then 15 s per step
+  monkeypatch.setattr(metrics.time, 'perf_counter', lambda: now[0])
+  with metrics.MetricsWriter(tmp_path, total_steps=10, start_step=0) as writer:
+    writer.advance(1, loss=2.0)  # step 1: the ETA's origin (after compiling)
+    writer.write(1, {'learning/loss': 2.0})  # no pace yet
+    now[0] = 130.0
+    writer.advance(2, loss=1.5)
+    writer.write(3, {'learning/loss': 1.5})  # 30 s for 2 steps, 7 to go: 105 s
+    now[0] = 160.0
+    writer.advance(2, loss=1.0)
+    writer.write(5, {'learning/loss': 1.0})  # 60 s for 4 steps, 5 to go: 75 s
+  lines = stdout.getvalue().splitlines()
+  assert lines == ['step 1/10 | loss 2.0000', 'step 3/10 | loss 1.5000 | eta 01:45',
+                   'step 5/10 | loss 1.0000 | eta 01:15']
+  bar = stderr.getvalue()
+  if tty:
+    assert '\r' in bar and '5/10' in bar and 'loss=1.0000' in bar
+  else:
+    assert bar == ''
+
+
+def test_the_bar_follows_a_notebook_kernel_and_the_switch(monkeypatch):
+  file = _Stream(False)
+  monkeypatch.delitem(sys.modules, 'ipykernel', raising=False)
+  assert not metrics.bar_visible(True, file)
+  monkeypatch.setitem(sys.modules, 'ipykernel', types.ModuleType('ipykernel'))
+  assert metrics.bar_visible(True, file)
+  assert not metrics.bar_visible(False, _Stream(True))
 
 
 def test_resume_refuses_other_model_shapes(tmp_path, shared_data):
