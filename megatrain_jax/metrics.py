@@ -111,6 +111,9 @@ class MetricsWriter:
     self.jsonl_path = pathlib.Path(workdir) / 'metrics.jsonl'
     self.total_steps = total_steps
     self.writes = writes
+    # (step, perf_counter) when this process's first step was done (after its compilation): the
+    # ETA's origin, so that it counts evaluations and checkpoints but not compiling.
+    self._step, self._eta_origin = start_step, None
     if not writes:
       self._jsonl = self._tensorboard = None
       self._bar = tqdm.tqdm(total=total_steps, disable=True)
@@ -122,9 +125,6 @@ class MetricsWriter:
     self._tensorboard = tensorboardX.SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'))
     self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True,
                           disable=not bar_visible(progress_bar), leave=True)
-    # (step, perf_counter) when this process's first step was done (after its compilation): the
-    # ETA's origin, so that it counts evaluations and checkpoints but not compiling.
-    self._step, self._eta_origin = start_step, None
 
   def _drop_rows_after(self, step: int) -> None:
     """On resume, forget rows a killed run logged after its last checkpoint (they get redone)."""

@@ -152,6 +152,11 @@ def test_the_bar_is_drawn_on_a_terminal_and_left_out_of_log_files(tmp_path, monk
     assert '\r' in bar and '5/10' in bar and 'loss=1.0000' in bar
   else:
     assert bar == ''
+  # Process 1 of a multi-process run counts its steps too, and prints nothing.
+  with metrics.MetricsWriter(tmp_path, total_steps=10, start_step=0, writes=False) as writer:
+    writer.advance(1, loss=2.0)
+    writer.write(1, {'learning/loss': 2.0})
+  assert stdout.getvalue().splitlines() == lines and stderr.getvalue() == bar
 
 
 def test_the_bar_follows_a_notebook_kernel_and_the_switch(monkeypatch):
