@@ -24,6 +24,7 @@ training started (nothing trained yet). docs/preemption.md.
 import os
 import signal
 import sys
+import traceback
 
 from absl import app
 from absl import logging
@@ -124,36 +125,55 @@ def _train(train):
     signal.signal(signal.SIGINT, previous)
 
 
+def _fail(message: str, several_processes: bool) -> None:
+  """Ends the process with `message` on stderr and status 1. A process of a multi-process run
+  ends at once (os._exit): jax.distributed's exit handler would wait at a shutdown barrier for the
+  other processes while they wait for this one in their next collective, and the run would hang
+  until the barrier timed out (minutes), then abort with a page of C++ log. Gone at once, it is
+  seen as lost within distributed.HEARTBEAT_S, and the others stop with their own error."""
+  if not several_processes:
+    sys.exit(message)
+  print(message, file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(1)  # pylint: disable=protected-access
+
+
 def main(argv):
   del argv
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  if _NUM_PROCESSES.value > 1 or _COORDINATOR.value or _DISTRIBUTED.value:  # before any device
+  several = bool(_NUM_PROCESSES.value > 1 or _COORDINATOR.value or _DISTRIBUTED.value)
+  if several:  # before any device
     from megatrain_jax import distributed  # pylint: disable=g-import-not-at-top
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from megatrain_jax import train  # imported after flag parsing: `--help` stays fast
   try:
-    if _PREPARE.value:
-      from megatrain_jax import data  # pylint: disable=g-import-not-at-top
-      info, _ = data.load_data(_CONFIG.value.data, _WORKDIR.value, progress=True)
-      print(data.prepare_summary(info))
-    elif _CALIBRATE.value:
-      train.calibrate(_CONFIG.value, _WORKDIR.value, _PROFILE_OUT.value)
-    elif _DRY_RUN.value:
-      train.dry_run(_CONFIG.value, _WORKDIR.value, _overrides())
-    elif _EXPORT_HF.present:
-      train.export_hf(_CONFIG.value, _WORKDIR.value, _EXPORT_HF.value)
-    elif _EVAL.value:
-      train.evaluate(_CONFIG.value, _WORKDIR.value, _overrides())
-    else:
-      _train(train)
-  except (ConfigError, TrainingDivergedError, StoreCorruptionError, DiskFullError) as e:
-    sys.exit(f'error: {e}')
-  except ProcessLostError as e:
-    print(f'error: {e}', file=sys.stderr, flush=True)
-    # Not sys.exit: jax.distributed's exit handler would wait at a shutdown barrier for the lost
-    # process and then abort the interpreter with a page of C++ log over this one line.
-    os._exit(1)  # pylint: disable=protected-access
+    _run(train)
+  except (ConfigError, TrainingDivergedError, StoreCorruptionError, DiskFullError,
+          ProcessLostError) as e:
+    _fail(f'error: {e}', several or isinstance(e, ProcessLostError))
+  except Exception:  # pylint: disable=broad-except  (a bug: its traceback, then the same exit)
+    if not several:
+      raise
+    _fail(traceback.format_exc().rstrip(), several)
+
+
+def _run(train):
+  """The job the flags ask for."""
+  if _PREPARE.value:
+    from megatrain_jax import data  # pylint: disable=g-import-not-at-top
+    info, _ = data.load_data(_CONFIG.value.data, _WORKDIR.value, progress=True)
+    print(data.prepare_summary(info))
+  elif _CALIBRATE.value:
+    train.calibrate(_CONFIG.value, _WORKDIR.value, _PROFILE_OUT.value)
+  elif _DRY_RUN.value:
+    train.dry_run(_CONFIG.value, _WORKDIR.value, _overrides())
+  elif _EXPORT_HF.present:
+    train.export_hf(_CONFIG.value, _WORKDIR.value, _EXPORT_HF.value)
+  elif _EVAL.value:
+    train.evaluate(_CONFIG.value, _WORKDIR.value, _overrides())
+  else:
+    _train(train)
 
 
 if __name__ == '__main__':

@@ -5,6 +5,9 @@ unless the environment variable MEGATRAIN_FAULT names it:
 
     MEGATRAIN_FAULT=backward:5     # SIGKILL this process the 5th time it passes 'backward'
 
+    MEGATRAIN_FAULT=backward:5:raise   # raise InjectedFault there instead: an error in this
+                                       # process (a bug, a full disk), not a dead machine
+
 Counting starts at 1 in each process. The kill is `os.kill(os.getpid(), SIGKILL)`: no Python
 cleanup, no `finally`, no flush of buffered files, no atexit, background threads (orbax's async
 checkpoint writer, the NVMe write-behind) stopped wherever they are. That is what a crash, an
@@ -42,28 +45,36 @@ _counts: dict[str, int] = {}
 _lock = threading.Lock()  # the checkpoint point may be passed from a background thread
 
 
-def _target() -> tuple[str, int] | None:
-  """(phase, n) from $MEGATRAIN_FAULT, or None. Read at each pass: cheap, and tests may set it."""
+class InjectedFault(RuntimeError):
+  """What a `PHASE:N:raise` fault point raises."""
+
+
+def _target() -> tuple[str, int, str] | None:
+  """(phase, n, action) from $MEGATRAIN_FAULT ('kill' or 'raise'), or None. Read at each pass:
+  cheap, and tests may set it."""
   spec = os.environ.get(ENV)
   if not spec:
     return None
-  phase, _, n = spec.partition(':')
-  if phase not in PHASES or not n.isdigit() or int(n) < 1:
+  phase, n, *action = spec.split(':')
+  if (phase not in PHASES or not n.isdigit() or int(n) < 1
+      or action not in ([], ['kill'], ['raise'])):
     # A typo must not silently turn a fault test into a clean run.
-    raise ValueError(f'{ENV}={spec!r}: expected PHASE:N with PHASE one of {", ".join(PHASES)} '
-                     'and N >= 1')
-  return phase, int(n)
+    raise ValueError(f'{ENV}={spec!r}: expected PHASE:N or PHASE:N:raise with PHASE one of '
+                     f'{", ".join(PHASES)} and N >= 1')
+  return phase, int(n), action[0] if action else 'kill'
 
 
 def point(phase: str) -> None:
-  """Passes the fault point `phase`; SIGKILLs the process if this is the pass $MEGATRAIN_FAULT
-  names. A no-op (one dict lookup) when the variable is unset."""
+  """Passes the fault point `phase`; SIGKILLs the process (or raises InjectedFault) if this is the
+  pass $MEGATRAIN_FAULT names. A no-op (one dict lookup) when the variable is unset."""
   target = _target()
   if target is None or target[0] != phase:
     return
   with _lock:
     _counts[phase] = _counts.get(phase, 0) + 1
     hit = _counts[phase] == target[1]
+  if hit and target[2] == 'raise':
+    raise InjectedFault(f'injected fault at {phase} pass {target[1]} ({ENV})')
   if hit:
     # Unbuffered, so the parent can see where the run died; then no cleanup of any kind.
     os.write(2, f'\nfaults: SIGKILL at {phase} pass {target[1]}\n'.encode())

@@ -31,7 +31,7 @@ import pytest
 
 from helpers import (CFG, JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, SMALL_MODEL, config_with,
                      initial_state, make_tx)
-from megatrain_jax import distributed, train
+from megatrain_jax import distributed, faults, train
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
 from megatrain_jax.errors import ConfigError
@@ -215,15 +215,18 @@ def test_checkpoint_of_two_processes_resumes_on_one_device(runs, trainer_process
                             range(1, 5))
 
 
-def _launch_process(i: int, coordinator: str, workdir, steps: int) -> subprocess.Popen:
+def _launch_process(i: int, coordinator: str, workdir, steps: int,
+                    fault: str = '') -> subprocess.Popen:
   """Process `i` of 2 of `launch.py` (2 CPU devices) training the small model with the host
-  placement: the command a user runs on each machine."""
+  placement: the command a user runs on each machine (`fault`: its MEGATRAIN_FAULT)."""
   fields = {**SMALL_MODEL, 'data__path': TRAIN_DATA, 'train__steps': steps,
             'train__batch_size': 4, 'train__seq_len': 64, 'train__log_every': 1,
             'train__eval_every': 0, 'train__progress_bar': False, 'checkpoint__every': 2,
             'offload__params': 'host', 'offload__opt_state': 'host', 'jax_cache_dir': JAX_CACHE_DIR}
   args = [f'--config.{key.replace("__", ".")}={value}' for key, value in fields.items()]
   env = dict(ENV, XLA_FLAGS='--xla_force_host_platform_device_count=2', PYTHONUNBUFFERED='1')
+  if fault:
+    env[faults.ENV] = fault
   return subprocess.Popen(
       [sys.executable, str(REPO_ROOT / 'launch.py'), '--config', 'tiny', f'--workdir={workdir}',
        f'--coordinator_address={coordinator}', '--num_processes=2', f'--process_id={i}', *args],
@@ -257,3 +260,27 @@ def test_killing_one_process_stops_the_other_with_a_clear_error(tmp_path):
   assert len(errors) == 1 and 'process 0 of 2 lost contact with the other process (1)' in errors[0]
   assert 'rerun all 2 processes with the same command' in errors[0], errors
   assert 'resume from the last checkpoint (step ' in errors[0], stderr[-3000:]
+
+
+def test_an_error_in_one_process_stops_both_with_clear_errors(tmp_path):
+  """An exception in process 1 mid-run (a bug, a full local disk): it prints its traceback and
+  exits 1 at once instead of waiting at jax.distributed's shutdown barrier for process 0, which
+  waits for it in the next collective (both hung for minutes); process 0 then learns from the
+  heartbeat that it is gone and exits 1 with its one `error:` line."""
+  coordinator = f'127.0.0.1:{_free_port()}'
+  processes = [_launch_process(0, coordinator, tmp_path / 'run', 400),
+               _launch_process(1, coordinator, tmp_path / 'run', 400, fault='backward:10:raise')]
+  try:
+    _, failed_stderr = processes[1].communicate(timeout=TIMEOUT_S)
+    failed = time.monotonic()
+    _, stderr = processes[0].communicate(timeout=120)
+    elapsed = time.monotonic() - failed
+  finally:
+    for p in processes:
+      p.kill()
+  assert processes[1].returncode == 1, failed_stderr[-3000:]
+  assert 'InjectedFault: injected fault at backward pass 10' in failed_stderr, failed_stderr[-3000:]
+  errors = [line for line in stderr.splitlines() if line.startswith('error:')]
+  assert processes[0].returncode == 1, stderr[-3000:]
+  assert elapsed <= 60, elapsed
+  assert len(errors) == 1 and 'process 0 of 2 lost contact with the other process (1)' in errors[0]

@@ -18,6 +18,7 @@ import signal
 
 import pytest
 
+from megatrain_jax import faults
 from megatrain_jax import metrics
 from megatrain_jax.reliability import (EXTERNAL, PLACEMENTS, STEPS, final_state, kill_chain,
                                        kill_plan, launch, learning_rows, phases_for,
@@ -60,3 +61,18 @@ def test_a_fresh_start_drops_the_rows_of_a_killed_first_attempt(tmp_path):
   with metrics.MetricsWriter(tmp_path, total_steps=4, start_step=0, progress_bar=False) as writer:
     writer.write(0, {'eval/loss': 5.5}, console=False)
   assert read_rows(tmp_path) == [{'step': 0, 'eval/loss': 5.5}]
+
+
+def test_a_raise_fault_point_raises_on_its_pass_and_typos_are_refused(monkeypatch):
+  """MEGATRAIN_FAULT=PHASE:N:raise raises InjectedFault at the N-th pass (an error inside one
+  process, test_distributed.py); a misspelt action is refused, not ignored."""
+  monkeypatch.setattr(faults, '_counts', {})
+  monkeypatch.setenv(faults.ENV, 'backward:2:raise')
+  faults.point('forward')  # other phases do not count
+  faults.point('backward')
+  with pytest.raises(faults.InjectedFault, match='backward pass 2'):
+    faults.point('backward')
+  faults.point('backward')  # the third pass is past it
+  monkeypatch.setenv(faults.ENV, 'backward:2:rais')
+  with pytest.raises(ValueError, match='PHASE:N:raise'):
+    faults.point('backward')
