@@ -37,7 +37,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tqdm
 
 from megatrain_jax import metrics
 from megatrain_jax import model as model_lib
@@ -289,8 +288,7 @@ def perplexity(evaluator: Evaluator, tokens: np.ndarray, max_len: int, stride: i
   d = evaluator.cfg.d_model
   per_pass = max(1, PASS_BYTES // (batch_size * max_len * d * 4))
   started, total, count = time.perf_counter(), 0.0, 0
-  bar = tqdm.tqdm(total=len(chosen), unit='window', desc='eval', disable=not metrics.bar_visible(progress),
-                  dynamic_ncols=True)
+  bar = metrics.progress_bar(len(chosen), progress, unit='window', desc='eval')
   with bar:
     for first in range(0, len(chosen), per_pass * batch_size):
       part = chosen[first:first + per_pass * batch_size]

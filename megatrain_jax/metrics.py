@@ -67,6 +67,37 @@ def bar_visible(enabled: bool, stream=None) -> bool:
   return enabled and (bool(isatty and isatty()) or 'ipykernel' in sys.modules)
 
 
+# How often a progress bar writes a line into a log file or pipe (where it cannot redraw).
+LOG_LINE_S = 30.0
+
+
+class _Lines:
+  """A file for tqdm that turns each redraw into a line of its own (a log file or a pipe)."""
+
+  def __init__(self, stream):
+    self.stream = stream
+
+  def write(self, text: str) -> None:
+    text = text.replace('\r', '').rstrip()
+    if text:
+      self.stream.write(text + '\n')
+
+  def flush(self) -> None:
+    self.stream.flush()
+
+
+def progress_bar(total: int, enabled: bool = True, **kwargs) -> tqdm.tqdm:
+  """A tqdm bar on stderr for work with no console line of its own (`--eval`'s windows): redrawn
+  in place on a terminal or in a notebook; into a log file or a pipe, one line every LOG_LINE_S
+  seconds and at the end, so that a long job's log still says how far it is."""
+  if not enabled:
+    return tqdm.tqdm(total=total, disable=True)
+  if bar_visible(True):
+    return tqdm.tqdm(total=total, dynamic_ncols=True, **kwargs)
+  return tqdm.tqdm(total=total, file=_Lines(sys.stderr), mininterval=LOG_LINE_S, ncols=100,
+                   **kwargs)
+
+
 def describe_workdir(workdir: pathlib.Path, *, checkpoint_every: int, checkpoint_keep: int,
                      checkpoint_minutes: float, data_dir: str, nvme_dir: str | None) -> str:
   """A run's first console lines: its workdir and what goes there (docs/outputs.md describes

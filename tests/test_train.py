@@ -159,6 +159,25 @@ def test_the_bar_is_drawn_on_a_terminal_and_left_out_of_log_files(tmp_path, monk
   assert stdout.getvalue().splitlines() == lines and stderr.getvalue() == bar
 
 
+def test_a_progress_bar_in_a_log_file_writes_lines(monkeypatch):
+  """`--eval` has no console line of its own: into a file its bar writes whole lines (at most
+  every LOG_LINE_S seconds, and at the end) instead of redraws joined by carriage returns."""
+  stderr = _Stream(False)
+  monkeypatch.setattr(sys, 'stderr', stderr)
+  monkeypatch.delitem(sys.modules, 'ipykernel', raising=False)
+  monkeypatch.setattr(metrics, 'LOG_LINE_S', 0.0)
+  with metrics.progress_bar(3, unit='window', desc='eval') as bar:
+    for _ in range(3):
+      bar.update(1)
+  lines = stderr.getvalue().split('\n')
+  assert '\r' not in stderr.getvalue() and lines[-1] == ''
+  assert lines[0].startswith('eval:   0%') and lines[-2].startswith('eval: 100%')
+  assert '3/3' in lines[-2]
+  with metrics.progress_bar(3, enabled=False, desc='eval') as bar:
+    bar.update(3)
+  assert stderr.getvalue().split('\n') == lines
+
+
 def test_the_bar_follows_a_notebook_kernel_and_the_switch(monkeypatch):
   file = _Stream(False)
   monkeypatch.delitem(sys.modules, 'ipykernel', raising=False)
