@@ -151,7 +151,7 @@ def main(argv):
     _run(train)
   except (ConfigError, TrainingDivergedError, StoreCorruptionError, DiskFullError,
           ProcessLostError) as e:
-    _fail(f'error: {e}', several or isinstance(e, ProcessLostError))
+    _fail(f'error: {e}', several)  # ProcessLostError: only ever with several
   except Exception:  # pylint: disable=broad-except  (a bug: its traceback, then the same exit)
     if not several:
       raise
