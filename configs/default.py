@@ -42,6 +42,14 @@ def get_config() -> ml_collections.ConfigDict:
   #                         block (online logsumexp, each block recomputed in the backward), so it
   #                         holds [tokens, chunk] float32 logits instead of [tokens, vocab_size].
   #                         Same math; 0 = auto = min(vocab_size, 8192); must be <= vocab_size.
+  model.document_mask = False  # Training rows are windows of the packed token stream, where every
+  #                               document ends with EOS (data.eos_token). False: attention runs
+  #                               across the documents of a row, positions 0..seq_len-1 (GPT-style
+  #                               packing). True: each token attends only to its own document and
+  #                               positions restart after each EOS, so a packed row computes what
+  #                               each document would alone (instruction and chat data, short
+  #                               documents). Validation uses it; --eval uses the value it is
+  #                               given (pass the run's). docs/data.md: Packed rows.
   model.init_std = 0.02  # Std of the normal init of every matrix (HF initializer_range).
   model.dtype = 'float32'  # Compute dtype: 'float32' or 'bfloat16'. Params are always float32.
   model.matmul_precision = 'highest'  # 'highest' = true FP32 matmuls on GPU (no TF32); 'default'.

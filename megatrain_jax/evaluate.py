@@ -200,7 +200,7 @@ class _Functions:
         cfg, rows, tokens, start), donate_argnums=3)
     self.group = jax.jit(lambda layers, x, positions: model_lib.apply_group(cfg, layers, x,
                                                                             positions))
-    self.rope_positions = jax.jit(functools.partial(model_lib.rope_positions, cfg))
+    self.token_positions = jax.jit(functools.partial(model_lib.token_positions, cfg))
     self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg))
     self.lse_init = jax.jit(head_chunks.lse_init)
     self.lse_update = jax.jit(lambda weight, normed, targets, start, carry: head_chunks.lse_update(
@@ -258,14 +258,14 @@ class Evaluator:
     inputs = [jnp.asarray(b[:, :-1]) for b, _ in batches]
     targets = [jnp.asarray(b[:, 1:]) for b, _ in batches]
     # Positions with their RoPE tables, computed once for every group (model.RopePositions).
-    positions = self.fn.rope_positions(model_lib.default_positions(inputs[0]))
+    positions = model_lib.positions_of_batches(self.cfg, inputs, self.fn.token_positions)
     hidden = None
     for c, piece in self._pieces('embed', len(self.vocab)):
       start, rows = jnp.int32(self.vocab[c][0]), piece['embed']['embedding']
       hidden = ([self.fn.embed(rows, t, start) for t in inputs] if hidden is None else
                 [self.fn.embed_add(rows, t, start, h) for t, h in zip(inputs, hidden)])
     for _, group in self._pieces('layers', len(self.groups)):
-      hidden = [self.fn.group(group['layers'], h, positions) for h in hidden]
+      hidden = [self.fn.group(group['layers'], h, p) for h, p in zip(hidden, positions)]
     norm = jax.device_put(_read_piece(self.reader, self.abstract, 'final_norm', 0, 0))
     normed = [self.fn.final_norm(norm, h) for h in hidden]
     del hidden

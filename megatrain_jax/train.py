@@ -289,8 +289,18 @@ def _validate(config, workdir: str) -> tuple[model_lib.ModelConfig, pathlib.Path
   workdir = config_lib.check_workdir(workdir)
   if requested.uses_nvme:
     _check_offload_dir(config, model_cfg, workdir, requested)  # named tiers: say what's wrong
-  _check_tokenizer(config, model_cfg)
+  model_cfg = with_document_mask(config, model_cfg, _check_tokenizer(config, model_cfg))
   return model_cfg, workdir
+
+
+def with_document_mask(config, model_cfg, tokenizer):
+  """model_cfg, with model.document_mask its document_eos_id: the EOS the data stores after every
+  document (data.eos_token, else the tokenizer's; data/documents.py), which ends each document
+  of a packed row."""
+  if not config.model.document_mask:
+    return model_cfg
+  eos = data_lib.document_format(tokenizer, eos_token=config.data.eos_token).eos
+  return model_cfg.replace(document_eos_id=int(eos))
 
 
 def _check_tokenizer(config, model_cfg):
@@ -537,8 +547,9 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   if max_len > model_cfg.max_seq_len:
     raise ConfigError(f'eval.max_len: {max_len} is longer than the model maximum '
                       f'model.max_seq_len={model_cfg.max_seq_len}; lower eval.max_len.')
-  tokens, mask = evaluate_lib.read_eval_data(config.eval.path, _check_tokenizer(config, model_cfg),
-                                             config.data)
+  tokenizer = _check_tokenizer(config, model_cfg)
+  model_cfg = with_document_mask(config, model_cfg, tokenizer)
+  tokens, mask = evaluate_lib.read_eval_data(config.eval.path, tokenizer, config.data)
   enable_compilation_cache(config.jax_cache_dir)
   with locks.hold_workdir(path):
     if meta is not None:

@@ -6,6 +6,8 @@ their completions. A .jsonl eval file gives the eval/loss of the equivalent toke
 import gzip
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,6 +16,7 @@ import zstandard
 
 from megatrain_jax import config as config_lib
 from megatrain_jax import evaluate as evaluate_lib
+from megatrain_jax import model as model_lib
 from megatrain_jax import partition
 from megatrain_jax import train
 from megatrain_jax.checkpoint import Checkpointer
@@ -144,3 +147,31 @@ def test_prompt_completion_eval_scores_the_completions(trained, tmp_path):
   assert got['eval/loss'] == pytest.approx(want['eval/loss'], rel=1e-6)
   everything = _direct_perplexity(config, workdir, tokens)
   assert everything['eval/tokens'] == tokens.size - 1 > got['eval/tokens']
+
+
+def test_document_mask_eval_scores_each_document_in_its_own_context(trained, tmp_path):
+  """--eval with model.document_mask: the evaluator's positions and segments come from each
+  window's EOS (the byte tokenizer's NUL here), giving the loss of model.forward with the mask on
+  the checkpoint's params; without the mask the documents see each other (another loss)."""
+  config, workdir = trained
+  config = config.copy_and_resolve_references()
+  (tmp_path / 'docs.jsonl').write_bytes(_jsonl([{'text': d} for d in DOCS]))
+  stream = _stream(DOCS)
+  config.eval.path, config.eval.max_len = str(tmp_path / 'docs.jsonl'), stream.size - 1
+  config.eval.stride, config.eval.batch_size = stream.size - 1, 1  # one window: the whole stream
+  config.model.document_mask = True
+  got = train.evaluate(config, str(workdir))
+  assert got['eval/windows'] == 1 and got['eval/tokens'] == stream.size - 1
+
+  model_cfg = config_lib.validate(config).replace(document_eos_id=EOS)
+  reader = Checkpointer(workdir, keep=2).restore(model_cfg)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, _: reader.read("['params']" + jax.tree_util.keystr(path)),
+      model_lib.abstract_params(model_cfg))
+  logits = model_lib.forward(model_cfg, params, jnp.asarray(stream[None, :-1]))
+  nll = -jnp.take_along_axis(jax.nn.log_softmax(logits[0]), jnp.asarray(stream[1:, None]), -1)
+  assert got['eval/loss'] == pytest.approx(float(jnp.mean(nll)), rel=1e-5)
+
+  config.model.document_mask = False
+  unmasked = train.evaluate(config, str(workdir))
+  assert abs(unmasked['eval/loss'] - got['eval/loss']) > 1e-3

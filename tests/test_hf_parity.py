@@ -149,6 +149,32 @@ def test_rope_scaling_and_window_are_exercised(saved, tokens):
   assert _max_err(_torch_logits(windowed, tokens), _torch_logits(full, tokens)) > 1e-2
 
 
+@pytest.mark.parametrize('case, chunk', [('qwen2_bias', 0), ('mistral_window', 0),
+                                         ('llama_gqa_tied', 5)])
+def test_document_mask_packed_row_matches_each_document_alone_in_transformers(case, saved, chunk):
+  """model.document_mask: each document of a packed row (ending with EOS; the last runs on past
+  the row's end) gets the logits transformers gives it alone, from position 0; attention_chunk 5
+  puts document boundaries inside and across query blocks, and Mistral's window of 8 applies
+  within each document."""
+  directory, model = saved(case)
+  cfg, params = hf.load_hf(directory)
+  eos = 7
+  cfg = cfg.replace(document_eos_id=eos, attention_chunk=chunk)
+  rng = np.random.default_rng(3)
+  documents = [np.append(rng.integers(8, VOCAB, n), eos) for n in (2, 11, 0, 6)] + [
+      rng.integers(8, VOCAB, 4)]  # an empty document (a lone EOS) and one cut off by the row
+  row = np.concatenate(documents)[None]
+  packed = _our_logits(cfg, params, row)[0]
+  start = 0
+  for document in documents:
+    alone = _torch_logits(model, document[None])[0]
+    _assert_parity(f'{case} document at {start}', packed[start:start + len(document)], alone)
+    start += len(document)
+  # Without the mask the later documents see the earlier ones.
+  unmasked = _our_logits(cfg.replace(document_eos_id=-1), params, row)[0]
+  assert _max_err(unmasked[len(documents[0]):], packed[len(documents[0]):]) > 1e-2
+
+
 @pytest.mark.parametrize('changes', [dict(remat='none'), dict(scan_layers=False)])
 def test_remat_and_unrolled_layers_give_same_logits(changes, saved, tokens):
   cfg, params = hf.load_hf(saved('llama_gqa_tied')[0])

@@ -233,3 +233,22 @@ def test_train_and_evaluate_on_prompt_completion_jsonl(tmp_path):
   assert math.isfinite(last['learning/loss'])
   # Untrained, the masked loss is about log(vocab) (the byte model's 256 ids, model.vocab_size).
   assert abs(evals[0] - math.log(config.model.vocab_size)) < 1.5
+
+
+def test_document_mask_takes_the_datas_eos(tmp_path):
+  """model.document_mask: the run's model ends documents at the EOS its data stores
+  (data.eos_token '~' here, byte 126, not the byte tokenizer's default NUL), in the engine and in
+  the checkpoint's model config; the default run has no mask."""
+  records = [{'text': f'record {i}: ' + 'xyz' * (i % 7)} for i in range(600)]
+  path = tmp_path / 'docs.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in records))
+  config = small_config(path, train__steps=2, train__eval_every=0, checkpoint__every=2,
+                        data__eos_token='~', model__document_mask=True)
+  validate = train._validate  # pylint: disable=protected-access
+  assert validate(config, str(tmp_path / 'run'))[0].document_eos_id == ord('~')
+  last = train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert math.isfinite(last['learning/loss'])
+  meta = train.newest_checkpoint_meta(tmp_path / 'run')
+  assert meta['model_config']['document_eos_id'] == ord('~')
+  config.model.document_mask = False
+  assert validate(config, str(tmp_path / 'other'))[0].document_eos_id == -1

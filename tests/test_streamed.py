@@ -246,3 +246,43 @@ def test_checkpoints_move_between_engines(tmp_path, shared_data, monkeypatch, fi
   streamed_rows = [got[s] for s in (range(1, 5) if first else range(5, 9))]
   assert all(r['io/h2d_gb'] > 0 and r['io/d2h_gb'] > 0 and r['perf/compute_s'] > 0
              and r['perf/fetch_wait_s'] >= 0 and r['perf/optimizer_s'] >= 0 for r in streamed_rows)
+
+
+DOCUMENTS_CFG = CFG.replace(document_eos_id=3)
+
+
+def _document_batches(num_micro: int) -> list:
+  """batches(num_micro) with EOS (3) at random places, so each microbatch and row packs its own
+  documents."""
+  rng = np.random.default_rng(11)
+  out = []
+  for batch in batches(num_micro):
+    batch = np.where(batch == 3, 4, batch)
+    out.append(np.where(rng.random(batch.shape) < 0.2, 3, batch).astype(np.int32))
+  return out
+
+
+@pytest.mark.parametrize('placement', [
+    dict(layers_per_group=1, park_grads='device'),
+    dict(layers_per_group=2, keep_layer_inputs=True),
+    dict(layers_per_group=3, optimizer_on='host', activations='host'),
+], ids=['K=1', 'K=2-layer-inputs', 'K=3-host-optimizer'])
+def test_document_mask_streamed_matches_resident(placement):
+  """model.document_mask: every microbatch has its own positions and segments, in the forward,
+  the backward and evaluation, as in the resident step."""
+  tx, schedule, clip = make_tx(1.0)
+  data = _document_batches(2)
+  res = resident.ResidentEngine(DOCUMENTS_CFG, tx, schedule, clip,
+                                jax.tree.map(np.copy, initial_state()))
+  streamed = StreamedEngine(DOCUMENTS_CFG, tx, schedule, clip,
+                            Placement(params='host', opt_state='host', **placement),
+                            jax.tree.map(np.copy, initial_state()))
+  evals = [b[m] for b in data[:2] for m in range(2)]
+  np.testing.assert_allclose(streamed.eval_losses(evals), res.eval_losses(evals), rtol=1e-6)
+  want = [float(res.train_step(b)['learning/loss']) for b in data]
+  got = [float(streamed.train_step(b)['learning/loss']) for b in data]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert_states_match(streamed.export_state(), jax.tree.map(np.asarray, res.export_state()))
+  # The mask changes the numbers (the same batches without it).
+  plain = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, initial_state()))
+  assert abs(float(plain.train_step(data[0])['learning/loss']) - want[0]) > 1e-3

@@ -130,8 +130,10 @@ class StageFunctions:
         lambda group, x, positions: decoder.apply_group_keeping_inputs(cfg, group['layers'], x,
                                                                        positions, shard),
         batch=[0], stacked=[1]))
-    # A step's positions [B, S] with their RoPE tables, computed once for every group program.
-    self.rope_positions = jax.jit(functools.partial(model_lib.rope_positions, cfg))
+    # A microbatch's positions [B, S] (model.token_positions: with a document mask, each
+    # document's own, and its segments) with their RoPE tables, computed once for every group
+    # program.
+    self.token_positions = jax.jit(functools.partial(model_lib.token_positions, cfg))
     self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg))
     self.final_norm_backward = jax.jit(on(functools.partial(_final_norm_backward, cfg),
                                           state=[0], batch=[1]))

@@ -62,7 +62,9 @@ class _Step:
   schedule: StepSchedule
   tokens: list  # M x [B, S] int32
   targets: list  # M x [B, S] int32
-  positions: model_lib.RopePositions  # [B, S] int32 and their RoPE tables [B, S, Dh]
+  # M x RopePositions: [B, S] int32 positions and their RoPE tables [B, S, Dh] (one shared
+  # object unless a document mask makes each microbatch's its own).
+  positions: list
   norm: dict  # the final norm's params, on the device
   # M x [B, S] float32 per-token loss weights of a masked batch (functions.step_inputs), or None:
   # every target learned, each microbatch's loss its mean.
@@ -349,16 +351,16 @@ class StreamedEngine:
     batch = np.asarray(batch)  # host [M, B, S+1]; weights host [M, B, S] or None
     put = self.layout.put_batch  # each microbatch split along B over the devices
     schedule = StepSchedule(self.placement, self.cfg, len(batch), self.grad_clip > 0)
-    return _Step(schedule, [put(b[:, :-1]) for b in batch], [put(b[:, 1:]) for b in batch],
-                 self._positions(batch[0, :, :-1]),
+    tokens = [put(b[:, :-1]) for b in batch]
+    return _Step(schedule, tokens, [put(b[:, 1:]) for b in batch], self._positions(tokens),
                  norm=resolve(self.stores['final_norm'].params.fetch(0)),
                  weights=None if weights is None else [put(w) for w in weights])
 
-  def _positions(self, tokens) -> model_lib.RopePositions:
-    """[B, S] positions 0..S-1 of host [B, S] tokens, split along B like them, with their RoPE
-    tables (computed once here, not in every group program)."""
-    return self.fn.rope_positions(
-        self.layout.put_batch(np.asarray(model_lib.default_positions(tokens))))
+  def _positions(self, tokens: list) -> list:
+    """The layers' positions (model.token_positions) of each of M [B, S] token arrays on the
+    device, split along B like them, with their RoPE tables (computed once here, not in every
+    group program)."""
+    return model_lib.positions_of_batches(self.cfg, tokens, self.fn.token_positions)
 
   def _chunks(self, store, order=None) -> Prefetcher:
     """The vocabulary chunks of `store` in `order`, read ahead like layer groups."""
@@ -398,14 +400,14 @@ class StreamedEngine:
     while drawn is not None:
       _, group_params = drawn
       if layer_inputs:
-        outputs = [self.fn.group_forward_keeping_inputs(group_params, h, positions)
-                   for h in hidden]
+        outputs = [self.fn.group_forward_keeping_inputs(group_params, h, p)
+                   for h, p in zip(hidden, positions)]
         saved.append([self._stash(inputs) for _, inputs in outputs])
         hidden = [y for y, _ in outputs]
       else:
         if keep_inputs:
           saved.append([self._stash(h) for h in hidden])
-        hidden = [self.fn.group_forward(group_params, h, positions) for h in hidden]
+        hidden = [self.fn.group_forward(group_params, h, p) for h, p in zip(hidden, positions)]
       del group_params, drawn
       if draw_early:
         drawn = next(groups, None)
@@ -472,7 +474,7 @@ class StreamedEngine:
       for m in range(step.num_micro):
         # The last microbatch's program also returns the sum of squares for the global norm.
         grad_sum, dys[m], squares = group_backward(
-            group_params, self._unstash(saved[g][m]), dys[m], step.positions, grad_sum,
+            group_params, self._unstash(saved[g][m]), dys[m], step.positions[m], grad_sum,
             step.num_micro if m == last else None)
       saved[g] = None
       faults.point('backward')
@@ -562,8 +564,7 @@ class StreamedEngine:
     tokens = [self.layout.put_batch(b[:, :-1]) for b, _ in inputs]  # [B, S], split along B
     weights = [self.layout.put_batch(w) for _, w in inputs]
     norm = resolve(self.stores['final_norm'].params.fetch(0))
-    first = np.asarray(inputs[0][0])[:, :-1]  # host [B, S]
-    hidden, _, _ = self._forward(self._embed(tokens), self._positions(first), keep_inputs=False)
+    hidden, _, _ = self._forward(self._embed(tokens), self._positions(tokens), keep_inputs=False)
     losses, _ = self._head_losses([self.fn.final_norm(norm, h) for h in hidden],
                                   [self.layout.put_batch(b[:, 1:]) for b, _ in inputs], weights)
     return [float(loss) for loss in losses]

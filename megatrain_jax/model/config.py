@@ -45,6 +45,9 @@ class ModelConfig:
   matmul_precision: str = 'highest'
   remat: str = 'full'
   scan_layers: bool = True
+  # >= 0: the token id that ends each document of a packed row (data's EOS): attention stays
+  # inside a document and positions restart after it (model.document_mask). -1 = off.
+  document_eos_id: int = -1
 
   def __post_init__(self):
     _check_positive(self, ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads',
@@ -99,6 +102,10 @@ class ModelConfig:
       raise ConfigError(f'model.attention_chunk={self.attention_chunk} must be >= 0 (queries per '
                         'attention block; 0 = all queries at once).')
     _check_vocab_chunk(self.vocab_chunk, self.vocab_size)
+    if not -1 <= self.document_eos_id < self.vocab_size:
+      raise ConfigError(f'document_eos_id={self.document_eos_id} is not a token id of the '
+                        f'{self.vocab_size}-token vocabulary (-1 = no document mask): '
+                        'model.document_mask takes it from data.eos_token.')
 
   @classmethod
   def from_config_dict(cls, model) -> 'ModelConfig':

@@ -129,6 +129,39 @@ def default_positions(tokens):
   return jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
 
 
+def document_positions(tokens, eos_id: int):
+  """[B, S] int tokens of packed rows -> (positions, segments), each [B, S] int32.
+
+  A row is a window of the token stream, where every document ends with `eos_id` (the row's
+  first document may have begun before it and its last may go on after). segments numbers the
+  row's documents 0, 1, ... (an EOS belongs to the document it ends); positions counts from 0 at
+  each document's first token in the row. E.g. eos 0, tokens [5 6 0 7 0 8] -> segments
+  [0 0 0 1 1 2], positions [0 1 2 0 1 0]."""
+  b, s = tokens.shape
+  index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  starts = jnp.pad(tokens[:, :-1] == eos_id, ((0, 0), (1, 0)))  # the token after an EOS
+  segments = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+  first = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)  # its document's first index
+  return index - first, segments
+
+
+def token_positions(cfg: ModelConfig, tokens) -> layers_lib.RopePositions:
+  """The layers' positions of [B, S] tokens: 0..S-1, or with `cfg.document_eos_id` (>= 0) each
+  document's own positions and the segments that keep attention inside it; RoPE tables once."""
+  if cfg.document_eos_id < 0:
+    return layers_lib.rope_positions(cfg, default_positions(tokens))
+  return layers_lib.rope_positions(cfg, *document_positions(tokens, cfg.document_eos_id))
+
+
+def positions_of_batches(cfg: ModelConfig, tokens: list, positions_fn) -> list:
+  """positions_fn(t) (a jitted token_positions) of each [B, S] tokens t of a list, for programs
+  that run several batches by the same weights. Without a document mask all are 0..S-1: the
+  first batch's object serves all (its RoPE tables [B, S, Dh] held once)."""
+  if cfg.document_eos_id < 0:
+    return [positions_fn(tokens[0])] * len(tokens)
+  return [positions_fn(t) for t in tokens]
+
+
 def embed(cfg: ModelConfig, params, tokens):
   """tokens [B, S] -> hidden [B, S, D] in the compute dtype."""
   return _merge(cfg, 'embed', params['embed'])(tokens)
@@ -266,10 +299,12 @@ def head_loss(cfg: ModelConfig, params, x, targets, mask=None, weights=None):
 
 
 def forward(cfg: ModelConfig, params, tokens, positions=None):
-  """tokens [B, S] int -> logits [B, S, V] float32, all layers in one scan."""
-  positions = default_positions(tokens) if positions is None else positions
+  """tokens [B, S] int -> logits [B, S, V] float32, all layers in one scan. `positions` [B, S]:
+  instead of token_positions' (then without a document mask)."""
+  positions = (token_positions(cfg, tokens) if positions is None
+               else layers_lib.rope_positions(cfg, positions))
   x = embed(cfg, params, tokens)
-  x = apply_group(cfg, params['layers'], x, layers_lib.rope_positions(cfg, positions))
+  x = apply_group(cfg, params['layers'], x, positions)
   return head(cfg, params, x)
 
 
@@ -283,6 +318,6 @@ def loss_fn(cfg: ModelConfig, params, batch, weights=None, shard_layer=None):
   """
   tokens, targets = batch[:, :-1], batch[:, 1:]
   x = embed(cfg, params, tokens)
-  positions = layers_lib.rope_positions(cfg, default_positions(tokens))  # tables once per batch
+  positions = token_positions(cfg, tokens)  # RoPE tables once per batch
   x = apply_group(cfg, params['layers'], x, positions, shard_layer)
   return head_loss(cfg, params, x, targets, weights=weights)

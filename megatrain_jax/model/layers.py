@@ -94,18 +94,22 @@ class RopePositions(NamedTuple):
   ids: jax.Array  # [B, S] int32: causal masking, query blocks
   cos: jax.Array  # [B, S, Dh] float32
   sin: jax.Array  # [B, S, Dh] float32
+  # [B, S] int32 document of each token in its packed row (decoder.document_positions), or None:
+  # with it a query attends only to keys of its own document (model.document_mask).
+  segments: jax.Array | None = None
 
 
-def rope_positions(cfg: ModelConfig, positions) -> RopePositions:
-  """positions [B, S] int -> RopePositions (ids and their rope_cos_sin tables)."""
-  return RopePositions(positions, *rope_cos_sin(cfg, positions))
+def rope_positions(cfg: ModelConfig, positions, segments=None) -> RopePositions:
+  """positions [B, S] int (and optional segments [B, S]) -> RopePositions (ids, their
+  rope_cos_sin tables, segments)."""
+  return RopePositions(positions, *rope_cos_sin(cfg, positions), segments)
 
 
 def _ids_and_tables(cfg: ModelConfig, positions):
-  """(ids [B, S], (cos, sin)) of plain positions or of a RopePositions."""
+  """(ids [B, S], segments [B, S] or None, (cos, sin)) of plain positions or of a RopePositions."""
   if isinstance(positions, RopePositions):
-    return positions.ids, (positions.cos, positions.sin)
-  return positions, rope_cos_sin(cfg, positions)
+    return positions.ids, positions.segments, (positions.cos, positions.sin)
+  return positions, None, rope_cos_sin(cfg, positions)
 
 
 def apply_rope(x, cos, sin):
@@ -135,7 +139,7 @@ class Attention(nnx.Module):
     q = checkpoint_name(self.q_proj(x), 'q_proj').reshape(b, s, cfg.num_heads, hd)
     k = checkpoint_name(self.k_proj(x), 'k_proj').reshape(b, s, kv, hd)
     v = checkpoint_name(self.v_proj(x), 'v_proj').reshape(b, s, kv, hd)
-    positions, (cos, sin) = _ids_and_tables(cfg, positions)
+    positions, segments, (cos, sin) = _ids_and_tables(cfg, positions)
     # Head-major from here on (the transposes fuse into RoPE; v's is one copy): q [B, KV, G, S, hd],
     # k and v [B, KV, S, hd], so that both attention matmuls and their gradients contract the
     # minor dimensions of operands batched over (B, KV). In the [B, S, KV, ...] layout XLA:CPU
@@ -146,7 +150,7 @@ class Attention(nnx.Module):
     v = v.transpose(0, 2, 1, 3)
     chunk = cfg.attention_chunk
     if not chunk or s <= chunk:
-      out = _attend(cfg, q, k, v, positions, positions)
+      out = _attend(cfg, q, k, v, (positions, segments), (positions, segments))
     else:
       # Query blocks of `chunk` rows, each against all keys: the same softmax per row. Each block
       # is recomputed in the backward (jax.checkpoint), so only one block's scores
@@ -154,28 +158,36 @@ class Attention(nnx.Module):
       blocks = -(-s // chunk)
       pad = blocks * chunk - s  # padded query rows repeat the last position; dropped below
       q_blocks = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
-      q_pos = jnp.pad(positions, ((0, 0), (0, pad)), mode='edge')
       q_blocks = jnp.moveaxis(q_blocks.reshape(b, kv, g, blocks, chunk, hd), 3, 0)
-      q_pos = q_pos.reshape(b, blocks, chunk).swapaxes(0, 1)
-      attend = jax.checkpoint(lambda qc, pc: _attend(cfg, qc, k, v, pc, positions))
-      out = jax.lax.map(lambda xs: attend(*xs), (q_blocks, q_pos))  # [blocks, B, KV, G, chunk, hd]
+      # The blocks' positions and segments [blocks, B, chunk] (segments may be None).
+      q_where = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), mode='edge').reshape(
+          b, blocks, chunk).swapaxes(0, 1), (positions, segments))
+      attend = jax.checkpoint(lambda qc, wc: _attend(cfg, qc, k, v, wc, (positions, segments)))
+      # out [blocks, B, KV, G, chunk, hd]
+      out = jax.lax.map(lambda xs: attend(*xs), (q_blocks, q_where))
       out = jnp.moveaxis(out, 0, 3).reshape(b, kv, g, blocks * chunk, hd)[:, :, :, :s]
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, cfg.num_heads * hd)  # heads in q_proj's order
     out = checkpoint_name(out, 'attn_out')
     return checkpoint_name(self.o_proj(out), 'o_proj')
 
 
-def _attend(cfg: ModelConfig, q, k, v, q_positions, k_positions):
-  """Causal (optionally windowed) softmax attention of queries q [B, KV, G, Q, hd] at
-  q_positions [B, Q] over keys/values k, v [B, KV, S, hd] at k_positions [B, S]
-  -> [B, KV, G, Q, hd]."""
+def _attend(cfg: ModelConfig, q, k, v, q_where, k_where):
+  """Causal (optionally windowed) softmax attention of queries q [B, KV, G, Q, hd] over keys and
+  values k, v [B, KV, S, hd] -> [B, KV, G, Q, hd]. q_where = (positions [B, Q], segments [B, Q]
+  or None) of the queries, k_where the same [B, S] of the keys: a query sees the keys at or
+  before its position (within `sliding_window`) and, given segments, in its own document."""
   # scores [B, KV, G, Q, S], in float32 for a stable softmax.
   scores = jnp.einsum('bkgqd,bksd->bkgqs', q, k, precision=cfg.matmul_precision,
                       preferred_element_type=jnp.float32) * (cfg.head_dim ** -0.5)
+  (q_positions, q_segments), (k_positions, k_segments) = q_where, k_where
   q_pos, k_pos = q_positions[:, :, None], k_positions[:, None, :]  # [B, Q, 1], [B, 1, S]
   allowed = k_pos <= q_pos
   if cfg.sliding_window:
     allowed &= (q_pos - k_pos) < cfg.sliding_window
+  if q_segments is not None:
+    # Positions restart in each document, so `k_pos <= q_pos` alone would let a query see the
+    # earlier documents' first tokens; within one document it is the causal order.
+    allowed &= k_segments[:, None, :] == q_segments[:, :, None]
   scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   return jnp.einsum('bkgqs,bksd->bkgqd', probs, v, precision=cfg.matmul_precision)
