@@ -69,7 +69,10 @@ def get_config() -> ml_collections.ConfigDict:
   train.batch_size = 16  # Sequences per microbatch.
   train.seq_len = 128  # Tokens per sequence (each sample holds seq_len + 1 for the shifted target).
   train.lr = 3e-3  # Peak learning rate of AdamW.
-  train.warmup_steps = 50  # Linear warmup from 0 to lr, then cosine decay to lr * min_lr_ratio.
+  train.warmup_steps = 50  # Linear warmup from 0 to lr, then train.lr_schedule.
+  train.lr_schedule = 'cosine'  # After the warmup: 'cosine' or 'linear' decay to lr * min_lr_ratio
+  #                                at train.steps (Hugging Face Trainer's default is linear to 0:
+  #                                min_lr_ratio=0), or 'constant' (lr held; min_lr_ratio unused).
   train.min_lr_ratio = 0.1  # Final learning rate as a fraction of lr.
   train.weight_decay = 0.1  # Decoupled weight decay on matrices and embeddings (not norms, biases).
   train.b1 = 0.9  # AdamW first-moment decay.

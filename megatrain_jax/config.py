@@ -18,6 +18,7 @@ import sys
 
 import ml_collections
 
+from megatrain_jax import optim
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.fs import nearest_existing
 from megatrain_jax.model.config import ModelConfig
@@ -225,6 +226,8 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   _require(t.lr > 0, 'train.lr', f'must be > 0, got {t.lr}.')
   _require(t.warmup_steps >= 0, 'train.warmup_steps', f'must be >= 0, got {t.warmup_steps}.')
   _require(0 <= t.min_lr_ratio <= 1, 'train.min_lr_ratio', f'must be in [0, 1], got {t.min_lr_ratio}.')
+  _require(t.lr_schedule in optim.LR_SCHEDULES, 'train.lr_schedule',
+           f'must be one of {", ".join(optim.LR_SCHEDULES)}, got {t.lr_schedule!r}.')
   _require(t.weight_decay >= 0, 'train.weight_decay', f'must be >= 0, got {t.weight_decay}.')
   for name in ('b1', 'b2'):
     _require(0 <= t[name] < 1, f'train.{name}', f'must be in [0, 1), got {t[name]}.')

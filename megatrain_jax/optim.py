@@ -1,4 +1,5 @@
-"""The optimizer, shared by every engine: AdamW (FP32) with warmup + cosine, and exact clipping.
+"""The optimizer, shared by every engine: AdamW (FP32) with warmup + cosine, linear or constant
+learning rate, and exact clipping.
 
 Clipping is not part of the optax chain: the global gradient norm needs *every* gradient, which a
 streaming engine only has after the whole backward pass, while AdamW itself is elementwise and can
@@ -20,12 +21,25 @@ from megatrain_jax import runtime
 _DECAYED_LEAVES = ('kernel', 'embedding')
 
 
+# train.lr_schedule: what follows the linear warmup.
+LR_SCHEDULES = ('cosine', 'linear', 'constant')
+
+
 def lr_schedule(train) -> optax.Schedule:
-  """Linear warmup 0 -> lr over warmup_steps, then cosine decay to lr * min_lr_ratio at `steps`."""
+  """Linear warmup 0 -> lr over warmup_steps, then by `train.lr_schedule` ('cosine' when the
+  object has none): cosine or linear decay to lr * min_lr_ratio at `steps`, or lr held."""
   warmup = min(train.warmup_steps, train.steps - 1)
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=train.lr, warmup_steps=warmup,
-      decay_steps=max(train.steps, warmup + 1), end_value=train.lr * train.min_lr_ratio)
+  kind = getattr(train, 'lr_schedule', 'cosine')
+  if kind == 'cosine':
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=train.lr, warmup_steps=warmup,
+        decay_steps=max(train.steps, warmup + 1), end_value=train.lr * train.min_lr_ratio)
+  if kind == 'constant':
+    after = optax.constant_schedule(train.lr)
+  else:  # 'linear' (config.validate refuses other names)
+    after = optax.linear_schedule(train.lr, train.lr * train.min_lr_ratio,
+                                  max(train.steps - warmup, 1))
+  return optax.join_schedules([optax.linear_schedule(0.0, train.lr, warmup), after], [warmup])
 
 
 def weight_decay_mask(params):

@@ -149,6 +149,8 @@ CONFIG_CASES = [
     ('train.b1>=1', dict(train__b1=1.0), ['train.b1', 'must be in [0, 1)']),
     ('train.b2<0', dict(train__b2=-0.1), ['train.b2', 'must be in [0, 1)']),
     ('train.min_lr_ratio>1', dict(train__min_lr_ratio=2.0), ['train.min_lr_ratio', '[0, 1]']),
+    ('train.lr_schedule unknown', dict(train__lr_schedule='step'),
+     ['train.lr_schedule', 'cosine, linear, constant', "'step'"]),
     ('train.warmup_steps<0', dict(train__warmup_steps=-1), ['train.warmup_steps', '>= 0']),
     ('train.weight_decay<0', dict(train__weight_decay=-0.1), ['train.weight_decay', '>= 0']),
     ('train.grad_clip<0', dict(train__grad_clip=-1.0), ['train.grad_clip', '>= 0 (0 = off)']),

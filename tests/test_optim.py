@@ -46,7 +46,9 @@ def mof(request, monkeypatch):
   return request.param
 
 
-@pytest.mark.parametrize('train', [_train(), _train(weight_decay=0.0, b2=0.999, warmup_steps=0)])
+@pytest.mark.parametrize('train', [_train(), _train(weight_decay=0.0, b2=0.999, warmup_steps=0),
+                                   _train(lr_schedule='linear'), _train(lr_schedule='constant')],
+                         ids=['cosine', 'cosine-no-decay', 'linear', 'constant'])
 def test_apply_adamw_matches_optax(train, mof):
   tx = optim.make_optimizer(train)
   params = _tree(jax.random.key(0))
@@ -93,7 +95,8 @@ def test_apply_adamw_falls_back_to_optax_for_other_transformations():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize('train', [_train(), _train(weight_decay=0.0, b2=0.999, warmup_steps=0)])
+@pytest.mark.parametrize('train', [_train(), _train(weight_decay=0.0, b2=0.999, warmup_steps=0),
+                                   _train(lr_schedule='linear')])
 def test_initial_state_is_zero_only_where_init_gives_zeros(train):
   """The NVMe stores register make_optimizer's initial state as zeros without writing it
   (tiers/nvme.py): every leaf of its init must be zero, and no other transformation is assumed."""
@@ -193,3 +196,30 @@ def test_host_update_asks_compute_on_for_the_host_as_each_jax_release_spells_it(
   assert functions._on_host(lambda x: x + 1)(1) == 2  # pylint: disable=protected-access
   want = ('device_host',) if release == '0.10' else ('device_host', jax.memory.Space.Host)
   assert calls == [want]
+
+
+@pytest.mark.parametrize('kind', optim.LR_SCHEDULES)
+def test_learning_rate_schedules(kind):
+  """train.lr_schedule after a linear warmup of 4 steps (lr 0, 0.25, 0.5, 0.75): cosine and linear
+  reach lr * min_lr_ratio at train.steps (linear in equal steps, as Hugging Face's Trainer with
+  min_lr_ratio 0), constant holds lr; every engine takes the same function (make_optimizer)."""
+  schedule = optim.lr_schedule(_train(lr=1.0, warmup_steps=4, steps=14, min_lr_ratio=0.2,
+                                      lr_schedule=kind))
+  lrs = np.array([float(schedule(i)) for i in range(16)])
+  np.testing.assert_allclose(lrs[:5], [0.0, 0.25, 0.5, 0.75, 1.0], atol=1e-7)
+  after = lrs[4:15]  # steps 4..14
+  if kind == 'constant':
+    np.testing.assert_allclose(after, 1.0)
+  else:
+    assert np.all(np.diff(after) < 0) and after[-1] == pytest.approx(0.2)
+    steps = np.diff(after)
+    if kind == 'linear':
+      np.testing.assert_allclose(steps, -0.08, rtol=1e-5)
+    else:  # cosine: slow, fast, slow
+      assert abs(steps[0]) < abs(steps[5]) > abs(steps[-1])
+  assert lrs[15] == pytest.approx(lrs[14])  # past train.steps: held
+  # No warmup, linear to 0: Hugging Face's get_linear_schedule_with_warmup(0, 10).
+  hf_like = optim.lr_schedule(_train(lr=1.0, warmup_steps=0, steps=10, min_lr_ratio=0.0,
+                                     lr_schedule='linear'))
+  np.testing.assert_allclose([float(hf_like(i)) for i in range(10)], 1.0 - np.arange(10) / 10,
+                             atol=1e-7)
