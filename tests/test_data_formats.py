@@ -463,3 +463,33 @@ def test_launch_prepare_prints_counts_and_throughput(tmp_path, documents):
   assert 'train tokens' in run.stdout and 'MB/s' in run.stdout, run.stdout
   assert (tmp_path / 'run' / 'data' / 'meta.json').is_file()
   assert not (tmp_path / 'run' / 'checkpoints').exists()
+
+
+def test_document_mask_ends_documents_at_the_tokenizers_eos(tmp_path, tokenizer_dir):
+  """model.document_mask with a Hugging Face tokenizer: documents end at the EOS its
+  tokenizer_config.json names (or data.eos_token); without either the run is refused, naming
+  data.eos_token, before anything is written."""
+  from megatrain_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from megatrain_jax import train  # pylint: disable=import-outside-toplevel
+  source = _write_jsonl(tmp_path / 'docs.jsonl', [{'text': 'a short record'}] * 4)
+  config = config_lib.load_config('tiny', data__path=str(source), model__vocab_size=600,
+                                  data__tokenizer=str(tokenizer_dir), model__document_mask=True)
+  tokenizer = load_tokenizer(str(tokenizer_dir))
+  model_cfg = config_lib.validate(config)
+  assert train.with_document_mask(config, model_cfg, tokenizer).document_eos_id == (
+      tokenizer.token_id(EOS))
+  config.data.eos_token = '<|im_end|>'
+  assert train.with_document_mask(config, model_cfg, tokenizer).document_eos_id == (
+      tokenizer.token_id('<|im_end|>'))
+  bare = tmp_path / 'bare'
+  bare.mkdir()
+  (bare / 'tokenizer.json').write_bytes((tokenizer_dir / 'tokenizer.json').read_bytes())
+  config.data.tokenizer, config.data.eos_token = str(bare), ''
+  config.data.path = str(tmp_path / 'plain.txt')  # text needs no EOS: only the mask asks for one
+  (tmp_path / 'plain.txt').write_text('a short text ' * 400)
+  with pytest.raises(ConfigError, match='data.eos_token'):
+    train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert not (tmp_path / 'run').exists()
+  config.model.document_mask = False
+  validate = train._validate  # pylint: disable=protected-access
+  assert validate(config, str(tmp_path / 'run'))[0].document_eos_id == -1  # fine without it
