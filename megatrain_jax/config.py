@@ -217,6 +217,8 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   t = config.train
   for name in ('steps', 'batch_size', 'seq_len', 'log_every', 'eval_batches'):
     _require(t[name] >= 1, f'train.{name}', f'must be >= 1, got {t[name]}.')
+  _require(t.epochs >= 0, 'train.epochs',
+           f'must be >= 0 (passes over the training data; 0 = train.steps), got {t.epochs}.')
   _require(t.microbatches >= 0, 'train.microbatches',
            f'must be >= 1, or 0 for auto (the planner chooses), got {t.microbatches}.')
   _require(t.seq_len <= model_cfg.max_seq_len, 'train.seq_len',

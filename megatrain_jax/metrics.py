@@ -124,12 +124,14 @@ def describe_workdir(workdir: pathlib.Path, *, checkpoint_every: int, checkpoint
   return f'workdir: {workdir} ({resume}docs/outputs.md)\n  {", ".join(parts)}'
 
 
-def nothing_to_do(step: int, total: int) -> str:
-  """What a rerun of a finished run prints instead of a full progress bar."""
+def nothing_to_do(step: int, total: int, field: str = 'train.steps') -> str:
+  """What a rerun of a finished run prints instead of a full progress bar; `field` sets its length
+  (train.steps, or train.epochs, which counts them)."""
   if step == total:
-    return f'nothing to do: step {step} of {total}; raise --config.train.steps to continue'
+    return f'nothing to do: step {step} of {total}; raise --config.{field} to continue'
   return (f'nothing to do: step {step} of {total} (the newest checkpoint is past train.steps); '
-          f'raise --config.train.steps above {step} to continue')
+          f'raise --config.{field}' + (f' above {step}' if field == 'train.steps' else '') +
+          ' to continue')
 
 
 class MetricsWriter:

@@ -900,7 +900,8 @@ def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: De
   budgets = budgets_for(hw, offload, disk_free_gb)
   clipping = train.grad_clip > 0
   ckpt = config.get('checkpoint')
-  copies = checkpoint_copies(ckpt, train.steps)
+  # train.epochs: the steps are counted once the data is prepared; plan for keep copies.
+  copies = checkpoint_copies(ckpt, 1 << 62 if train.get('epochs') else train.steps)
   micro_options = ([1, 2, 4, 8, 16, 32, 64] if train.microbatches == 0
                    else [train.microbatches])
   # Once the shapes are traced (state_sizes): what this process holds now, for every candidate.

@@ -330,12 +330,12 @@ def _main_first(name: str, make):
 def _workdir_data(config, checkpoint, workdir: pathlib.Path, microbatches: int):
   """(config, train sampler, eval batches): the tokenizer adopted (`_adopt_tokenizer`) and the
   data opened (`_open_data`)."""
-  config = _adopt_tokenizer(config, checkpoint, workdir)
-  return (config, *_open_data(config, workdir, microbatches))
+  return _open_data(_adopt_tokenizer(config, checkpoint, workdir), workdir, microbatches)
 
 
 def _open_data(config, workdir: pathlib.Path, microbatches: int):
-  """(train sampler, eval batches) over the token files prepared (or reused) in <workdir>/data."""
+  """(config, train sampler, eval batches) over the token files prepared (or reused) in
+  <workdir>/data; with train.epochs, the config's train.steps are the epochs' (`epoch_steps`)."""
   train_cfg = config.train
   info, _ = data_lib.load_data(config.data, workdir)
   sampler = data_lib.BatchSampler(
@@ -344,7 +344,21 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int):
   eval_data = data_lib.eval_batches(
       data_lib.load_split(info, 'val'), seq_len=train_cfg.seq_len,
       batch_size=train_cfg.batch_size, num_batches=train_cfg.eval_batches)
-  return sampler, eval_data
+  if train_cfg.epochs:
+    steps = epoch_steps(train_cfg.epochs, sampler.n_windows, sampler.samples_per_step)
+    config = ml_collections.ConfigDict(config.to_dict())
+    config_lib.set_field(config, 'train.steps', steps)
+    if distributed.is_main():
+      print(f'train.epochs={train_cfg.epochs:g}: {steps:,} steps of {sampler.samples_per_step} '
+            f'samples over {sampler.n_windows:,} windows of {train_cfg.seq_len + 1} tokens',
+            flush=True)
+  return config, sampler, eval_data
+
+
+def epoch_steps(epochs: float, windows: int, samples_per_step: int) -> int:
+  """Steps that take `epochs` passes over `windows` training windows (the last step completes
+  the last pass; at least one step)."""
+  return max(1, math.ceil(epochs * windows / samples_per_step))
 
 
 def _open_run_log(config, model_cfg, hw, plan, workdir: pathlib.Path, samples_per_step: int,
@@ -460,9 +474,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
     if main:
       _print_workdir(config, plan, workdir)
-    if restored is not None and restored.step >= config.train.steps:  # a finished run, rerun
-      if main:
-        print(metrics_lib.nothing_to_do(restored.step, config.train.steps), flush=True)
+    if not config.train.epochs and _finished(restored, config, main):  # a finished run, rerun
       return {}
     # A streamed run's heap is trimmed above the plan's host peak (runtime.trim_limit).
     runtime.configure(config, streamed=plan.placement.streamed,
@@ -470,12 +482,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if plan.placement.uses_nvme:  # before the stores are written (each process: its own)
       locked.enter_context(locks.hold_offload_dir(
           distributed.process_dir(plan.placement.dir), workdir))
-    train_cfg = config.train
     enable_compilation_cache(config.jax_cache_dir)
     workdir.mkdir(parents=True, exist_ok=True)
     # Process 0 copies the tokenizer and prepares the data; the others then read what it wrote.
     config, sampler, eval_data = _main_first('workdir data', lambda: _workdir_data(
         config, checkpoint, workdir, plan.microbatches))
+    if config.train.epochs and _finished(restored, config, main):  # its steps: counted just now
+      return {}
     layout = distributed.run_layout(config)
     engine = _build_engine(model_cfg, config, plan, restored, checkpoint, layout)
     locked.callback(engine.close)  # before the checkpointer's: waits for write-behind, stops I/O
@@ -492,6 +505,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log, position,
              stop)
     return log.last
+
+
+def _finished(restored, config, main: bool) -> bool:
+  """Whether the run's newest checkpoint (`restored`) is already at train.steps (said by process
+  0)."""
+  if restored is None or restored.step < config.train.steps:
+    return False
+  if main:
+    print(metrics_lib.nothing_to_do(restored.step, config.train.steps,
+                                    'train.epochs' if config.train.epochs else 'train.steps'),
+          flush=True)
+  return True
 
 
 def _print_workdir(config, plan, workdir: pathlib.Path) -> None:

@@ -253,6 +253,34 @@ def test_console_names_the_workdir_and_a_rerun_has_nothing_to_do(tmp_path, share
   assert {p: p.stat().st_mtime_ns for p in workdir.rglob('*') if p.is_file()} == written
 
 
+def test_epochs_count_the_steps_from_the_prepared_data(tmp_path, shared_data, capsys):
+  """train.epochs: the run takes ceil(epochs * windows / samples per step) steps of the data it
+  prepared (said on the console), a rerun counts the same and has nothing to do (writing
+  nothing), and more epochs continue the run."""
+  text = (shared_data / 'tinyshakespeare' / 'input.txt').read_text()
+  (tmp_path / 'train.txt').write_text(text[:3300])  # 50 windows of 65 tokens
+  (tmp_path / 'val.txt').write_text(text[-3000:])
+  workdir = tmp_path / 'run'
+  config = small_config(tmp_path / 'train.txt', data__val_path=str(tmp_path / 'val.txt'),
+                        train__epochs=0.5, train__steps=1000, checkpoint__every=0)
+  train.train_and_evaluate(config, str(workdir))
+  assert train.epoch_steps(0.5, 50, 8) == 4  # ceil(25 / 8)
+  out = capsys.readouterr().out
+  assert 'train.epochs=0.5: 4 steps of 8 samples over 50 windows of 65 tokens' in out
+  assert Checkpointer(workdir, keep=1).latest_step() == 4
+  assert json.loads((workdir / 'config.json').read_text())['train']['steps'] == 4
+
+  written = {p: p.stat().st_mtime_ns for p in workdir.rglob('*') if p.is_file()}
+  assert train.train_and_evaluate(config, str(workdir)) == {}
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      'nothing to do: step 4 of 4; raise --config.train.epochs to continue')
+  assert {p: p.stat().st_mtime_ns for p in workdir.rglob('*') if p.is_file()} == written
+
+  config.train.epochs = 1.0
+  last = train.train_and_evaluate(config, str(workdir))
+  assert last['step'] == 7 == train.epoch_steps(1.0, 50, 8)  # ceil(50 / 8)
+
+
 @pytest.mark.parametrize('peak', [None, 0.5])
 def test_mfu_only_against_a_datasheet_peak(tmp_path, capsys, peak):
   """`perf/mfu` (and the console's `mfu`) is a fraction of a datasheet peak, or absent."""
