@@ -186,7 +186,8 @@ def _attend(cfg: ModelConfig, q, k, v, q_where, k_where):
     allowed &= (q_pos - k_pos) < cfg.sliding_window
   if q_segments is not None:
     # Positions restart in each document, so `k_pos <= q_pos` alone would let a query see the
-    # earlier documents' first tokens; within one document it is the causal order.
+    # first tokens of the row's other documents, later ones included; within one document it is
+    # the causal order.
     allowed &= k_segments[:, None, :] == q_segments[:, :, None]
   scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
