@@ -73,6 +73,8 @@ def get_config() -> ml_collections.ConfigDict:
   train.seq_len = 128  # Tokens per sequence (each sample holds seq_len + 1 for the shifted target).
   train.lr = 3e-3  # Peak learning rate of AdamW.
   train.warmup_steps = 50  # Linear warmup from 0 to lr, then train.lr_schedule.
+  train.warmup_ratio = 0.0  # > 0: the warmup is this fraction of train.steps instead (e.g. 0.03;
+  #                           a run sized by train.epochs does not know its steps in advance).
   train.lr_schedule = 'cosine'  # After the warmup: 'cosine' or 'linear' decay to lr * min_lr_ratio
   #                                at train.steps (Hugging Face Trainer's default is linear to 0:
   #                                min_lr_ratio=0), or 'constant' (lr held; min_lr_ratio unused).

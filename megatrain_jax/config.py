@@ -227,6 +227,9 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
            'may need model.rope_scaling to work beyond their trained length).')
   _require(t.lr > 0, 'train.lr', f'must be > 0, got {t.lr}.')
   _require(t.warmup_steps >= 0, 'train.warmup_steps', f'must be >= 0, got {t.warmup_steps}.')
+  _require(0 <= t.warmup_ratio < 1, 'train.warmup_ratio',
+           f'must be in [0, 1) (a fraction of train.steps; 0 = train.warmup_steps), got '
+           f'{t.warmup_ratio}.')
   _require(0 <= t.min_lr_ratio <= 1, 'train.min_lr_ratio', f'must be in [0, 1], got {t.min_lr_ratio}.')
   _require(t.lr_schedule in optim.LR_SCHEDULES, 'train.lr_schedule',
            f'must be one of {", ".join(optim.LR_SCHEDULES)}, got {t.lr_schedule!r}.')

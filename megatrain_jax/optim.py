@@ -21,14 +21,23 @@ from megatrain_jax import runtime
 _DECAYED_LEAVES = ('kernel', 'embedding')
 
 
+def warmup_steps(train) -> int:
+  """train.warmup_ratio of train.steps (rounded) when set, else train.warmup_steps; at most
+  steps - 1, so that the run reaches its peak learning rate."""
+  ratio = getattr(train, 'warmup_ratio', 0.0)
+  warmup = round(ratio * train.steps) if ratio else train.warmup_steps
+  return min(warmup, train.steps - 1)
+
+
 # train.lr_schedule: what follows the linear warmup.
 LR_SCHEDULES = ('cosine', 'linear', 'constant')
 
 
 def lr_schedule(train) -> optax.Schedule:
-  """Linear warmup 0 -> lr over warmup_steps, then by `train.lr_schedule` ('cosine' when the
-  object has none): cosine or linear decay to lr * min_lr_ratio at `steps`, or lr held."""
-  warmup = min(train.warmup_steps, train.steps - 1)
+  """Linear warmup 0 -> lr over `warmup_steps(train)`, then by `train.lr_schedule` ('cosine'
+  when the object has none): cosine or linear decay to lr * min_lr_ratio at `steps`, or lr
+  held."""
+  warmup = warmup_steps(train)
   kind = getattr(train, 'lr_schedule', 'cosine')
   if kind == 'cosine':
     return optax.warmup_cosine_decay_schedule(

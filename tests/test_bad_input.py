@@ -153,6 +153,7 @@ CONFIG_CASES = [
      ['train.lr_schedule', 'cosine, linear, constant', "'step'"]),
     ('train.warmup_steps<0', dict(train__warmup_steps=-1), ['train.warmup_steps', '>= 0']),
     ('train.epochs<0', dict(train__epochs=-1.0), ['train.epochs', '>= 0']),
+    ('train.warmup_ratio>=1', dict(train__warmup_ratio=1.0), ['train.warmup_ratio', '[0, 1)']),
     ('train.weight_decay<0', dict(train__weight_decay=-0.1), ['train.weight_decay', '>= 0']),
     ('train.grad_clip<0', dict(train__grad_clip=-1.0), ['train.grad_clip', '>= 0 (0 = off)']),
     ('train.eval_every<0', dict(train__eval_every=-1), ['train.eval_every', '>= 0']),

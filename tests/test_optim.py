@@ -218,6 +218,11 @@ def test_learning_rate_schedules(kind):
     else:  # cosine: slow, fast, slow
       assert abs(steps[0]) < abs(steps[5]) > abs(steps[-1])
   assert lrs[15] == pytest.approx(lrs[14])  # past train.steps: held
+  # train.warmup_ratio: a fraction of the steps (rounded) instead of warmup_steps.
+  ratio = optim.lr_schedule(_train(lr=1.0, warmup_steps=50, steps=14, min_lr_ratio=0.2,
+                                   warmup_ratio=0.3, lr_schedule=kind))
+  np.testing.assert_allclose([float(ratio(i)) for i in range(16)], lrs, atol=1e-7)  # 4 steps
+  assert optim.warmup_steps(_train(warmup_steps=50, steps=14)) == 13  # clamped to steps - 1
   # No warmup, linear to 0: Hugging Face's get_linear_schedule_with_warmup(0, 10).
   hf_like = optim.lr_schedule(_train(lr=1.0, warmup_steps=0, steps=10, min_lr_ratio=0.0,
                                      lr_schedule='linear'))
