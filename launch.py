@@ -8,6 +8,7 @@
   python launch.py --config.init.from_hf=/models/llama --workdir runs/ft   # fine-tune an HF model
   python launch.py --eval --workdir runs/ft --config.eval.path=test.txt   # sliding-window perplexity
   python launch.py --export_hf=/tmp/ft-hf --workdir runs/ft               # newest checkpoint -> HF
+  python launch.py --sample --workdir runs/ft --config.sample.prompt='Once'  # text from the model
   python launch.py --config.parallel.devices=4                             # 4 local devices
 
 A bare config name resolves to configs/<name>.py. Every config field can be overridden with
@@ -62,6 +63,9 @@ _EVAL = flags.DEFINE_bool('eval', False,
                            'glob) of the newest '
                            'checkpoint in --workdir (or of config.init.from_hf when it has none), '
                            'write <workdir>/eval.json, then exit.')
+_SAMPLE = flags.DEFINE_bool('sample', False,
+                            'Print config.sample.prompt continued by the newest checkpoint in '
+                            '--workdir (or config.init.from_hf when it has none), then exit.')
 _EXPORT_HF = flags.DEFINE_string('export_hf', '',
                                  'Write the newest checkpoint in --workdir as a Hugging Face '
                                  'checkpoint into this new (or empty) directory, then exit.')
@@ -172,6 +176,8 @@ def _run(train):
     train.export_hf(_CONFIG.value, _WORKDIR.value, _EXPORT_HF.value)
   elif _EVAL.value:
     train.evaluate(_CONFIG.value, _WORKDIR.value, _overrides())
+  elif _SAMPLE.value:
+    train.sample(_CONFIG.value, _WORKDIR.value, _overrides())
   else:
     _train(train)
 

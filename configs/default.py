@@ -222,6 +222,21 @@ def get_config() -> ml_collections.ConfigDict:
   evaluation.batch_size = 0  # Windows per forward batch; 0 = train.batch_size.
 
   # ---------------------------------------------------------------------------------------------
+  # Text from the model (`launch.py --sample`, megatrain_jax/sample.py): continues a prompt with
+  # the newest checkpoint of --workdir, or else init.from_hf. The weights are held whole in device
+  # memory (models that fit there); no KV cache: each new token reruns the prompt and the tokens
+  # so far.
+  # ---------------------------------------------------------------------------------------------
+  config.sample = sample = ml_collections.ConfigDict()
+  sample.prompt = ''  # The text to continue (required), tokenized as training tokenizes data.
+  sample.chat = False  # True: the prompt is a user turn of the tokenizer's chat template, and the
+  #                      model writes the assistant's reply.
+  sample.max_new_tokens = 200  # The most tokens to add; it stops earlier at the data's EOS.
+  sample.temperature = 0.8  # Softmax temperature; 0 = greedy (always the most likely token).
+  sample.top_k = 50  # Sample among the k most likely tokens; 0 = among all.
+  sample.seed = 0  # Seeds the sampling: the same seed, prompt and checkpoint give the same text.
+
+  # ---------------------------------------------------------------------------------------------
   # Export (`launch.py --export_hf=<dir>`, megatrain_jax/export.py): the newest checkpoint of
   # --workdir as a Hugging Face checkpoint that transformers loads.
   # ---------------------------------------------------------------------------------------------

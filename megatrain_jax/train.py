@@ -47,6 +47,7 @@ from megatrain_jax import partition
 from megatrain_jax import planner
 from megatrain_jax import preemption
 from megatrain_jax import runtime
+from megatrain_jax import sample as sample_lib
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
@@ -599,6 +600,49 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
         f' | eval/tokens {result["eval/tokens"]} | {source} | '
         f'{result["eval/seconds_per_1k_tokens"]:.3f} s per 1k tokens', flush=True)
   return result
+
+
+def sample(config: ml_collections.ConfigDict, workdir: str,
+           overrides: Iterable[str] | None = None) -> dict:
+  """Continues sample.prompt with the newest checkpoint in `workdir` (or init.from_hf when it has
+  none; sample.py): prints the prompt and its continuation, returns {'sample/prompt',
+  'sample/text', 'sample/tokens', 'sample/source'}. Reads the weights whole; writes nothing."""
+  config, path, meta, checkpoint = _eval_config(config, workdir, overrides)
+  settings = config.sample
+  model_cfg = config_lib.validate(config)
+  if not settings.prompt:
+    raise ConfigError('sample.prompt is empty: pass --config.sample.prompt="<text to continue>".')
+  for field in ('temperature', 'top_k'):
+    if settings[field] < 0:
+      raise ConfigError(f'sample.{field}={settings[field]} must be >= 0.')
+  tokenizer = _check_tokenizer(config, model_cfg)
+  model_cfg = with_document_mask(config, model_cfg, tokenizer)
+  fmt = data_lib.document_format(tokenizer, eos_token=config.data.eos_token)
+  prompt = data_lib.prompt_ids(settings.prompt, tokenizer, fmt, settings.chat)
+  weights_gb = 4 * model_cfg.num_params / 1e9
+  device_gb = hardware.load_profile(config.hardware).device_memory_gb
+  if weights_gb > 0.8 * device_gb:
+    raise ConfigError(f'--sample holds the weights whole in device memory: {weights_gb:.1f} GB '
+                      f'of {device_gb:.0f} GB ({config.hardware or "this machine"}). Export '
+                      'the model (--export_hf) and generate with a serving stack instead.')
+  with locks.hold_workdir(path):
+    if meta is not None:
+      reader = Checkpointer(path, keep=config.checkpoint.keep).restore(model_cfg)
+      source = f'{reader.directory} (step {reader.meta["step"]})'
+    else:
+      reader = hf.HfReader(checkpoint, resident.abstract_state(
+          model_cfg, optim.make_optimizer(config.train)))
+      source = str(checkpoint.directory)
+    params = jax.tree_util.tree_map_with_path(
+        lambda key, _: np.asarray(reader.read("['params']" + jax.tree_util.keystr(key))),
+        model_lib.abstract_params(model_cfg))
+  ids = sample_lib.generate(model_cfg, params, prompt, max_new_tokens=settings.max_new_tokens,
+                            temperature=settings.temperature, top_k=settings.top_k,
+                            seed=settings.seed, eos_id=fmt.eos)
+  text = tokenizer.decode(ids[:-1] if ids.size and ids[-1] == fmt.eos else ids)
+  print(f'{settings.prompt}{text}', flush=True)
+  return {'sample/prompt': settings.prompt, 'sample/text': text, 'sample/tokens': int(ids.size),
+          'sample/source': source}
 
 
 def export_hf(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> list:

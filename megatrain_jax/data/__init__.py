@@ -13,7 +13,7 @@ Typical use by the trainer:
 """
 
 from megatrain_jax.data.corpus import default_corpus_text
-from megatrain_jax.data.documents import DocumentFormat, document_format
+from megatrain_jax.data.documents import DocumentFormat, document_format, prompt_ids
 from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, eval_batches, load_split,
                                        open_tokens)
 from megatrain_jax.data.pipeline import check_data_config, load_data, prepare_summary
@@ -40,6 +40,7 @@ __all__ = [
     'open_tokens',
     'prepare_dataset',
     'prepare_summary',
+    'prompt_ids',
     'read_dataset_info',
     'TokenStream',
 ]

@@ -250,6 +250,22 @@ def chat_parts(messages: Any, fmt: DocumentFormat) -> Parts:
   return [(text, learned) for text, learned in parts if text]
 
 
+def prompt_ids(text: str, tokenizer: Tokenizer, fmt: DocumentFormat, chat: bool = False) -> list:
+  """The token ids a document starting with `text` begins with in training ([BOS] text), or with
+  `chat`, a user turn of `text` rendered by the tokenizer's chat template up to the assistant's
+  reply (what `--sample` continues).
+
+  Raises:
+    ConfigError: (naming `sample.chat`) `chat` without a chat template.
+  """
+  if chat:
+    if not fmt.chat_template:
+      raise ConfigError('sample.chat: data.tokenizer has no chat template (tokenizer_config.json '
+                        "'chat_template'); set sample.chat=False to continue the plain text.")
+    text = _render([{'role': 'user', 'content': text}], fmt, generation_prompt=True)
+  return ([] if fmt.bos is None else [fmt.bos]) + list(encode_batch(tokenizer, [text])[0])
+
+
 # --- parts -> tokens ---------------------------------------------------------------------------
 
 

@@ -1,0 +1,138 @@
+"""`launch.py --sample` (sample.py, train.sample): greedy continuations equal transformers'
+`generate` on tiny random models (nothing downloaded); sampling follows softmax(logits / T) over
+the top k; EOS stops it; the command reads a run's checkpoint or a Hugging Face one and refuses
+bad settings by name."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from megatrain_jax import hardware
+from megatrain_jax import hf
+from megatrain_jax import sample
+from megatrain_jax import train
+from megatrain_jax.errors import ConfigError
+
+from helpers import config_with, small_config
+
+PROMPT = np.array([5, 17, 99, 3, 42, 7])
+_ARCHS = {
+    'llama': (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+              dict(tie_word_embeddings=False)),
+    'qwen2': (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(tie_word_embeddings=True)),
+}
+
+
+@pytest.fixture(scope='module')
+def checkpoints(tmp_path_factory):
+  """arch -> (Hugging Face directory, torch model): 2 layers, GQA, vocabulary 256."""
+  out = {}
+  for arch, (config_cls, model_cls, extra) in _ARCHS.items():
+    config = config_cls(vocab_size=256, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=64, initializer_range=0.2,
+                        attn_implementation='eager', **extra)
+    torch.manual_seed(0)
+    model = model_cls(config).float().eval()
+    directory = tmp_path_factory.mktemp(arch)
+    model.save_pretrained(directory)
+    out[arch] = directory, model
+  return out
+
+
+@pytest.mark.parametrize('arch', list(_ARCHS))
+def test_greedy_continuation_equals_transformers_generate(arch, checkpoints):
+  directory, model = checkpoints[arch]
+  cfg, params = hf.load_hf(directory)
+  ours = sample.generate(cfg, params, PROMPT, max_new_tokens=24)
+  with torch.no_grad():
+    theirs = model.generate(torch.from_numpy(PROMPT[None]), max_new_tokens=24, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, PROMPT.size:].numpy()
+  np.testing.assert_array_equal(ours, theirs)
+  assert len(set(ours.tolist())) > 3  # not a degenerate repeat that any model would produce
+  # top_k 1 at any temperature is greedy; EOS (here the 4th greedy token) ends the text with it.
+  np.testing.assert_array_equal(
+      sample.generate(cfg, params, PROMPT, max_new_tokens=24, temperature=1.5, top_k=1), ours)
+  eos = int(ours[3])
+  stopped = sample.generate(cfg, params, PROMPT, max_new_tokens=24, eos_id=eos)
+  np.testing.assert_array_equal(stopped, ours[:list(ours).index(eos) + 1])
+
+
+def test_sampling_draws_from_the_top_k_softmax(checkpoints):
+  """The first new token over 1500 seeds: its frequencies match softmax(logits / T) renormalised
+  over transformers' top k logits (within 4 standard errors), and no token outside them."""
+  directory, model = checkpoints['llama']
+  cfg, params = hf.load_hf(directory)
+  temperature, k, draws = 0.7, 5, 1500
+  with torch.no_grad():
+    logits = model(torch.from_numpy(PROMPT[None])).logits[0, -1].double().numpy()
+  top = np.argsort(logits)[::-1][:k]
+  want = np.exp((logits[top] - logits[top].max()) / temperature)
+  want /= want.sum()
+  got = np.array([sample.generate(cfg, params, PROMPT, max_new_tokens=1, temperature=temperature,
+                                  top_k=k, seed=seed)[0] for seed in range(draws)])
+  assert set(got.tolist()) <= set(top.tolist())
+  freq = np.array([(got == t).mean() for t in top])
+  np.testing.assert_array_less(np.abs(freq - want), 4 * np.sqrt(want * (1 - want) / draws) + 1e-9)
+  # The same seed gives the same text; another seed another one.
+  a, b, c = (sample.generate(cfg, params, PROMPT, max_new_tokens=16, temperature=1.0, seed=s)
+             for s in (3, 3, 4))
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c)
+
+
+def test_generate_refuses_prompts_without_room(checkpoints):
+  cfg, params = hf.load_hf(checkpoints['llama'][0])
+  with pytest.raises(ConfigError, match='sample.prompt: it encodes to no tokens'):
+    sample.generate(cfg, params, [], max_new_tokens=4)
+  with pytest.raises(ConfigError, match=r'= 70 tokens exceed model.max_seq_len=64'):
+    sample.generate(cfg, params, PROMPT, max_new_tokens=64)
+
+
+def test_sample_command_reads_a_run_or_a_hugging_face_checkpoint(checkpoints, tmp_path, capsys):
+  """train.sample (`launch.py --sample`): the newest checkpoint of a run (here one trained step
+  of the byte model), printed after the prompt and reproducible by seed; or init.from_hf in a
+  workdir without one, greedily equal to generate() on load_hf's params."""
+  workdir = tmp_path / 'run'
+  config = small_config('', train__steps=1, checkpoint__every=1, train__eval_every=0,
+                        train__batch_size=2, train__seq_len=32, sample__prompt='The ',
+                        sample__max_new_tokens=20)
+  train.train_and_evaluate(config, str(workdir))
+  capsys.readouterr()
+  first = train.sample(config, str(workdir))
+  assert capsys.readouterr().out == 'The ' + first['sample/text'] + '\n'
+  assert 0 < first['sample/tokens'] <= 20 and 'step 1' in first['sample/source']
+  assert train.sample(config, str(workdir)) == first
+  config.sample.seed = 1
+  assert train.sample(config, str(workdir))['sample/text'] != first['sample/text']
+
+  directory, _ = checkpoints['llama']
+  hf_config = config_with(init__from_hf=str(directory), train__seq_len=32, sample__prompt='ab',
+                           sample__temperature=0.0, sample__max_new_tokens=10,
+                           data__tokenizer='byte')
+  got = train.sample(hf_config, str(tmp_path / 'empty'))
+  cfg, params = hf.load_hf(directory)
+  want = sample.generate(cfg, params, np.frombuffer(b'ab', np.uint8), max_new_tokens=10, eos_id=0)
+  assert got['sample/tokens'] == want.size and got['sample/source'] == str(directory)
+
+
+def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):
+  directory, _ = checkpoints['llama']
+  base = dict(init__from_hf=str(directory), data__tokenizer='byte', train__seq_len=32)
+  for overrides, message in [
+      (dict(), 'sample.prompt is empty'),
+      (dict(sample__prompt='x', sample__temperature=-1.0), 'sample.temperature=-1.0 must be >= 0'),
+      (dict(sample__prompt='x', sample__chat=True), 'sample.chat: data.tokenizer has no chat'),
+  ]:
+    with pytest.raises(ConfigError, match=message):
+      train.sample(config_with(**base, **overrides), str(tmp_path / 'w'))
+  small = dataclasses.replace(hardware.PRESETS['cpu'], name='small', device_memory_gb=1e-4)
+  hardware.save_profile(small, tmp_path / 'small.json')
+  with pytest.raises(ConfigError, match=r'holds the weights whole in device memory.*--export_hf'):
+    train.sample(config_with(**base, sample__prompt='x', hardware=str(tmp_path / 'small.json')),
+                 str(tmp_path / 'w'))
+  assert not (tmp_path / 'w').exists()
