@@ -42,7 +42,7 @@ def generate(cfg: model_lib.ModelConfig, params, prompt, *, max_new_tokens: int,
                       f'{cfg.max_seq_len}; shorten the prompt or lower sample.max_new_tokens.')
   buffer = np.zeros((1, length), np.int32)
   buffer[0, :prompt.size] = prompt
-  loop = _generation_loop(cfg, float(temperature), int(top_k), int(eos_id))
+  loop = _generation_loop(cfg, float(temperature), min(int(top_k), cfg.vocab_size), int(eos_id))
   tokens, end = loop(params, jnp.asarray(buffer), jnp.int32(prompt.size), jax.random.key(seed))
   return np.asarray(tokens)[0, prompt.size:int(end)]
 

@@ -295,9 +295,9 @@ def _validate(config, workdir: str) -> tuple[model_lib.ModelConfig, pathlib.Path
 
 
 def with_document_mask(config, model_cfg, tokenizer):
-  """model_cfg, with model.document_mask its document_eos_id: the EOS the data stores after every
-  document (data.eos_token, else the tokenizer's; data/documents.py), which ends each document
-  of a packed row."""
+  """model_cfg, and with model.document_mask on, its document_eos_id set to the EOS the data
+  stores after every document (data.eos_token, else the tokenizer's; data/documents.py): the id
+  that ends each document of a packed row."""
   if not config.model.document_mask:
     return model_cfg
   eos = data_lib.document_format(tokenizer, eos_token=config.data.eos_token).eos
@@ -625,7 +625,9 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
     raise ConfigError(f'--sample holds the weights whole in device memory: {weights_gb:.1f} GB '
                       f'of {device_gb:.0f} GB ({config.hardware or "this machine"}). Export '
                       'the model (--export_hf) and generate with a serving stack instead.')
-  with locks.hold_workdir(path):
+  # A run's workdir is locked while its checkpoint is read (a run there would prune it); a
+  # Hugging Face checkpoint needs no workdir at all.
+  with locks.hold_workdir(path) if meta is not None else contextlib.nullcontext():
     if meta is not None:
       reader = Checkpointer(path, keep=config.checkpoint.keep).restore(model_cfg)
       source = f'{reader.directory} (step {reader.meta["step"]})'

@@ -118,6 +118,7 @@ def test_sample_command_reads_a_run_or_a_hugging_face_checkpoint(checkpoints, tm
   cfg, params = hf.load_hf(directory)
   want = sample.generate(cfg, params, np.frombuffer(b'ab', np.uint8), max_new_tokens=10, eos_id=0)
   assert got['sample/tokens'] == want.size and got['sample/source'] == str(directory)
+  assert not (tmp_path / 'empty').exists()  # a Hugging Face checkpoint needs no workdir
 
 
 def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):
