@@ -99,25 +99,26 @@ def split(x) -> dict:
           'memory_kind': x.sharding.memory_kind, 'shape': list(x.shape)}
 
 
-def resident_run(layout: Layout, export: bool = True):
+def resident_run(layout: Layout, export: bool = True, cfg=CFG, data=None):
   tx, schedule, clip = make_tx(1.0)
-  engine = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, initial_state()),
+  engine = resident.ResidentEngine(cfg, tx, schedule, clip, jax.tree.map(np.copy, initial_state()),
                                    layout=layout)
-  losses = [float(engine.train_step(b)['learning/loss']) for b in batches()]
+  losses = [float(engine.train_step(b)['learning/loss']) for b in data or batches()]
   kernel = engine.state['params']['layers']['mlp']['gate_proj']['kernel']  # [L, D, F]
   moment = engine.state['opt_state'][0].mu['layers']['mlp']['gate_proj']['kernel']
   splits = {'params gate_proj': split(kernel), 'adam mu gate_proj': split(moment)}
   return losses, jax.tree.map(np.asarray, engine.export_state()) if export else None, splits
 
 
-def streamed_run(layout: Layout, offload_dir: str, export: bool = True, **placement):
+def streamed_run(layout: Layout, offload_dir: str, export: bool = True, cfg=CFG, data=None,
+                 **placement):
   tx, schedule, clip = make_tx(1.0)
   placement = Placement(**placement, dir=offload_dir)
-  placement.check(CFG)
-  engine = StreamedEngine(CFG, tx, schedule, clip, placement,
+  placement.check(cfg)
+  engine = StreamedEngine(cfg, tx, schedule, clip, placement,
                           jax.tree.map(np.copy, initial_state()), layout=layout)
   try:
-    losses = [float(engine.train_step(b)['learning/loss']) for b in batches()]
+    losses = [float(engine.train_step(b)['learning/loss']) for b in data or batches()]
     group = resolve(engine.stores['layers'].params.fetch(0))  # [K, D, F] kernels, fetched
     chunk = resolve(engine.stores['embed'].params.fetch(0))  # [Vc, D]
     splits = {'fetched gate_proj': split(group['layers']['mlp']['gate_proj']['kernel']),
@@ -128,6 +129,24 @@ def streamed_run(layout: Layout, offload_dir: str, export: bool = True, **placem
     return losses, engine.export_state() if export else None, splits
   finally:
     engine.close()
+
+
+def document_mask_runs(four: Layout, offload_dir: str) -> dict:
+  """model.document_mask (EOS 3, at random places: each microbatch and row packs its own
+  documents) on one device, and the resident and host-tier streamed engines on the 4 devices:
+  {'reference': losses, name: {'losses', 'state_error'}}."""
+  cfg = CFG.replace(document_eos_id=3)
+  rng = np.random.default_rng(17)
+  data = [np.where(rng.random(b.shape) < 0.2, 3, np.where(b == 3, 4, b)).astype(np.int32)
+          for b in batches()]
+  ref_losses, ref_state, _ = resident_run(Layout.single_device(), cfg=cfg, data=data)
+  out = {'reference': ref_losses}
+  for name, run in [('resident', lambda: resident_run(four, cfg=cfg, data=data)),
+                    ('host', lambda: streamed_run(four, offload_dir, cfg=cfg, data=data,
+                                                  **PLACEMENTS['host']))]:
+    losses, state, _ = run()
+    out[name] = {'losses': losses, 'state_error': state_error(state, ref_state)}
+  return out
 
 
 def train_run(workdir: str, data_path: str) -> dict:
@@ -219,6 +238,9 @@ def main(offload_dir: str, workdir: str, data_path: str) -> dict:
     losses, state, splits = run()
     out[name] = {'losses': losses, 'state_error': state_error(state, ref_state), 'splits': splits}
     out['seconds'][name] = time.perf_counter() - started
+  started = time.perf_counter()
+  out['document_mask'] = document_mask_runs(four, str(pathlib.Path(offload_dir) / 'documents'))
+  out['seconds']['document_mask'] = time.perf_counter() - started
   started = time.perf_counter()
   out['train'] = train_run(workdir, data_path)
   out['seconds']['train'] = time.perf_counter() - started

@@ -143,6 +143,15 @@ def test_four_devices_train_like_one(runs, name):
   assert runs[name]['state_error'] is None, runs[name]['state_error']
 
 
+@pytest.mark.parametrize('name', ['resident', 'host'])
+def test_four_devices_with_a_document_mask_train_like_one(runs, name):
+  """model.document_mask: positions and segments of batches split along B over the devices give
+  the one-device numbers, resident and streamed."""
+  runs = runs['document_mask']
+  _assert_losses_match(runs[name]['losses'], runs['reference'])
+  assert runs[name]['state_error'] is None, runs[name]['state_error']
+
+
 @pytest.mark.parametrize('name', ['resident', 'host', 'nvme'])
 def test_state_is_split_over_the_four_devices(runs, name):
   """Large leaves (weights, Adam moments; in device and pinned host memory) span the 4 devices
