@@ -532,12 +532,18 @@ def _print_workdir(config, plan, workdir: pathlib.Path) -> None:
 # ------------------------------------------------------------------------------------------------
 
 def _eval_config(config, workdir: str, overrides):
-  """(config, workdir path, run checkpoint meta or None, HF checkpoint or None) of an --eval: the
-  run's newest checkpoint if it has one (its shape and tokenizer), else init.from_hf."""
+  """(config, workdir path, run checkpoint meta or None, HF checkpoint or None) of an --eval or a
+  --sample: the run's newest checkpoint if it has one (its shape, its tokenizer and its
+  model.document_mask), else init.from_hf."""
   path = config_lib.check_workdir(workdir)
   meta = newest_checkpoint_meta(path)
   if meta is not None:
-    return _config_from_run(config, path, meta, overrides), path, meta, None
+    config = _config_from_run(config, path, meta, overrides)
+    # A run trained with model.document_mask is read with it, unless the command line says not.
+    if (meta['model_config'].get('document_eos_id', -1) >= 0 and not config.model.document_mask
+        and 'model.document_mask' not in (overrides or ())):
+      config_lib.set_field(config, 'model.document_mask', True)
+    return config, path, meta, None
   if not config.init.from_hf:
     raise ConfigError(f'--eval: {path} holds no checkpoint and init.from_hf is not set, so there '
                       'is no model to evaluate. Pass the --workdir of a run, or '
@@ -593,7 +599,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
           mask=mask)
     finally:
       evaluator.close()
-    result = {**result, 'eval/source': source, 'eval/path': str(config.eval.path)}
+    result = {**result, 'eval/source': source, 'eval/path': str(config.eval.path),
+              'eval/document_mask': bool(config.model.document_mask)}
     path.mkdir(parents=True, exist_ok=True)
     fs.write_json_atomic(path / 'eval.json', result)
   print(f'eval/loss {result["eval/loss"]:.6f} | eval/perplexity {result["eval/perplexity"]:.4f}'

@@ -238,7 +238,7 @@ def test_train_and_evaluate_on_prompt_completion_jsonl(tmp_path):
 def test_document_mask_takes_the_datas_eos(tmp_path):
   """model.document_mask: the run's model ends documents at the EOS its data stores
   (data.eos_token '~' here, byte 126, not the byte tokenizer's default NUL), in the engine and in
-  the checkpoint's model config; the default run has no mask."""
+  the checkpoint's model config; the default run has no mask; --eval of the run applies it."""
   records = [{'text': f'record {i}: ' + 'xyz' * (i % 7)} for i in range(600)]
   path = tmp_path / 'docs.jsonl'
   path.write_text(''.join(json.dumps(r) + '\n' for r in records))
@@ -252,3 +252,8 @@ def test_document_mask_takes_the_datas_eos(tmp_path):
   assert meta['model_config']['document_eos_id'] == ord('~')
   config.model.document_mask = False
   assert validate(config, str(tmp_path / 'other'))[0].document_eos_id == -1
+  # --eval (and --sample) of the run read it with its mask unless the command line says not.
+  config.eval.path, config.eval.max_len = str(path), 32
+  assert train.evaluate(config, str(tmp_path / 'run'))['eval/document_mask']
+  assert not train.evaluate(config, str(tmp_path / 'run'),
+                            overrides=['model.document_mask'])['eval/document_mask']
