@@ -242,9 +242,28 @@ def _launch_process(i: int, coordinator: str, workdir, steps: int,
       cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _assert_stopped_for_the_lost_process(process, stderr: str, elapsed: float, resume: bool):
+  """Process 0 stopped within 60 s of losing process 1, saying why. Mostly a collective fails
+  first: exit 1 with one `error:` line naming itself, the lost process and how to rerun. On a
+  loaded machine JAX's distributed service sometimes notices the lost process first (its
+  heartbeat check, distributed.HEARTBEAT_S) and aborts the process with its own fatal message:
+  jax 0.10 offers no hook to turn that into our error (seen once in ~10 suite runs)."""
+  assert elapsed <= 60, elapsed
+  if process.returncode == -6:  # SIGABRT from the distributed service
+    assert 'JAX distributed service detected fatal errors' in stderr, stderr[-3000:]
+    return
+  errors = [line for line in stderr.splitlines() if line.startswith('error:')]
+  assert process.returncode == 1, stderr[-3000:]
+  assert len(errors) == 1 and 'process 0 of 2 lost contact with the other process (1)' in errors[0]
+  assert 'rerun all 2 processes with the same command' in errors[0], errors
+  if resume:
+    assert 'resume from the last checkpoint (step ' in errors[0], stderr[-3000:]
+
+
 def test_killing_one_process_stops_the_other_with_a_clear_error(tmp_path):
-  """kill -9 of process 1 mid-run: process 0 exits 1 within 60 s with one `error:` line naming
-  itself, the lost process and how to resume, instead of hanging in a collective."""
+  """kill -9 of process 1 mid-run: process 0 stops within 60 s with one `error:` line naming
+  itself, the lost process and how to resume (_assert_stopped_for_the_lost_process), instead of
+  hanging in a collective."""
   coordinator = f'127.0.0.1:{_free_port()}'
   processes = [_launch_process(i, coordinator, tmp_path / 'run', 400) for i in range(2)]
   main, other = processes
@@ -263,19 +282,14 @@ def test_killing_one_process_stops_the_other_with_a_clear_error(tmp_path):
   finally:
     for p in processes:
       p.kill()
-  errors = [line for line in stderr.splitlines() if line.startswith('error:')]
-  assert main.returncode == 1, stderr[-3000:]
-  assert elapsed <= 60, elapsed
-  assert len(errors) == 1 and 'process 0 of 2 lost contact with the other process (1)' in errors[0]
-  assert 'rerun all 2 processes with the same command' in errors[0], errors
-  assert 'resume from the last checkpoint (step ' in errors[0], stderr[-3000:]
+  _assert_stopped_for_the_lost_process(main, stderr, elapsed, resume=True)
 
 
 def test_an_error_in_one_process_stops_both_with_clear_errors(tmp_path):
   """An exception in process 1 mid-run (a bug, a full local disk): it prints its traceback and
   exits 1 at once instead of waiting at jax.distributed's shutdown barrier for process 0, which
-  waits for it in the next collective (both hung for minutes); process 0 then learns from the
-  heartbeat that it is gone and exits 1 with its one `error:` line."""
+  waits for it in the next collective (both hung for minutes); process 0 then stops too, within
+  60 s, saying why (_assert_stopped_for_the_lost_process)."""
   coordinator = f'127.0.0.1:{_free_port()}'
   processes = [_launch_process(0, coordinator, tmp_path / 'run', 400),
                _launch_process(1, coordinator, tmp_path / 'run', 400, fault='backward:10:raise')]
@@ -289,7 +303,4 @@ def test_an_error_in_one_process_stops_both_with_clear_errors(tmp_path):
       p.kill()
   assert processes[1].returncode == 1, failed_stderr[-3000:]
   assert 'InjectedFault: injected fault at backward pass 10' in failed_stderr, failed_stderr[-3000:]
-  errors = [line for line in stderr.splitlines() if line.startswith('error:')]
-  assert processes[0].returncode == 1, stderr[-3000:]
-  assert elapsed <= 60, elapsed
-  assert len(errors) == 1 and 'process 0 of 2 lost contact with the other process (1)' in errors[0]
+  _assert_stopped_for_the_lost_process(processes[0], stderr, elapsed, resume=False)
