@@ -129,9 +129,9 @@ def nothing_to_do(step: int, total: int, field: str = 'train.steps') -> str:
   (train.steps, or train.epochs, which counts them)."""
   if step == total:
     return f'nothing to do: step {step} of {total}; raise --config.{field} to continue'
+  above = f' above {step}' if field == 'train.steps' else ''
   return (f'nothing to do: step {step} of {total} (the newest checkpoint is past train.steps); '
-          f'raise --config.{field}' + (f' above {step}' if field == 'train.steps' else '') +
-          ' to continue')
+          f'raise --config.{field}{above} to continue')
 
 
 class MetricsWriter:

@@ -215,7 +215,7 @@ def train_key(train) -> tuple:
   """The optimizer-relevant train fields as a hashable key (for the state_sizes cache)."""
   names = ('lr', 'warmup_steps', 'warmup_ratio', 'steps', 'min_lr_ratio', 'lr_schedule',
            'weight_decay', 'b1', 'b2', 'eps')
-  return tuple((n, train[n]) for n in names if n in train)
+  return tuple((n, train[n]) for n in names)
 
 
 # -------------------------------------------------------------------------------------------------

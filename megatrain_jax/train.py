@@ -290,8 +290,27 @@ def _validate(config, workdir: str) -> tuple[model_lib.ModelConfig, pathlib.Path
   workdir = config_lib.check_workdir(workdir)
   if requested.uses_nvme:
     _check_offload_dir(config, model_cfg, workdir, requested)  # named tiers: say what's wrong
-  model_cfg = with_document_mask(config, model_cfg, _check_tokenizer(config, model_cfg))
+  model_cfg, _ = _model_and_tokenizer(config, model_cfg)
   return model_cfg, workdir
+
+
+def _model_and_tokenizer(config, model_cfg):
+  """(model_cfg with its document mask, tokenizer): data.tokenizer checked against the model
+  (`_check_tokenizer`), and model.document_mask resolved from it (`with_document_mask`)."""
+  tokenizer = _check_tokenizer(config, model_cfg)
+  return with_document_mask(config, model_cfg, tokenizer), tokenizer
+
+
+def _weights_reader(config, model_cfg, path: pathlib.Path, meta, checkpoint):
+  """(reader, source) of an --eval or --sample (`_eval_config`'s path, meta and checkpoint): the
+  run's newest checkpoint if it has one, else the Hugging Face checkpoint, read as a fresh run's
+  full state."""
+  if meta is not None:
+    reader = Checkpointer(path, keep=config.checkpoint.keep).restore(model_cfg)
+    return reader, f'{reader.directory} (step {reader.meta["step"]})'
+  tx = optim.make_optimizer(config.train)
+  return (hf.HfReader(checkpoint, resident.abstract_state(model_cfg, tx)),
+          str(checkpoint.directory))
 
 
 def with_document_mask(config, model_cfg, tokenizer):
@@ -579,18 +598,11 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   if max_len > model_cfg.max_seq_len:
     raise ConfigError(f'eval.max_len: {max_len} is longer than the model maximum '
                       f'model.max_seq_len={model_cfg.max_seq_len}; lower eval.max_len.')
-  tokenizer = _check_tokenizer(config, model_cfg)
-  model_cfg = with_document_mask(config, model_cfg, tokenizer)
+  model_cfg, tokenizer = _model_and_tokenizer(config, model_cfg)
   tokens, mask = evaluate_lib.read_eval_data(config.eval.path, tokenizer, config.data)
   enable_compilation_cache(config.jax_cache_dir)
   with locks.hold_workdir(path):
-    if meta is not None:
-      reader = Checkpointer(path, keep=config.checkpoint.keep).restore(model_cfg)
-      source = f'{reader.directory} (step {reader.meta["step"]})'
-    else:
-      tx = optim.make_optimizer(config.train)
-      reader = hf.HfReader(checkpoint, resident.abstract_state(model_cfg, tx))
-      source = str(checkpoint.directory)
+    reader, source = _weights_reader(config, model_cfg, path, meta, checkpoint)
     evaluator = evaluate_lib.Evaluator(reader, model_cfg, *_eval_pieces(config, model_cfg, path))
     try:
       result = evaluate_lib.perplexity(
@@ -622,8 +634,7 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
   for field in ('temperature', 'top_k'):
     if settings[field] < 0:
       raise ConfigError(f'sample.{field}={settings[field]} must be >= 0.')
-  tokenizer = _check_tokenizer(config, model_cfg)
-  model_cfg = with_document_mask(config, model_cfg, tokenizer)
+  model_cfg, tokenizer = _model_and_tokenizer(config, model_cfg)
   fmt = data_lib.document_format(tokenizer, eos_token=config.data.eos_token)
   prompt = data_lib.prompt_ids(settings.prompt, tokenizer, fmt, settings.chat)
   weights_gb = 4 * model_cfg.num_params / 1e9
@@ -635,16 +646,9 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
   # A run's workdir is locked while its checkpoint is read (a run there would prune it); a
   # Hugging Face checkpoint needs no workdir at all.
   with locks.hold_workdir(path) if meta is not None else contextlib.nullcontext():
-    if meta is not None:
-      reader = Checkpointer(path, keep=config.checkpoint.keep).restore(model_cfg)
-      source = f'{reader.directory} (step {reader.meta["step"]})'
-    else:
-      reader = hf.HfReader(checkpoint, resident.abstract_state(
-          model_cfg, optim.make_optimizer(config.train)))
-      source = str(checkpoint.directory)
-    params = jax.tree_util.tree_map_with_path(
-        lambda key, _: np.asarray(reader.read("['params']" + jax.tree_util.keystr(key))),
-        model_lib.abstract_params(model_cfg))
+    reader, source = _weights_reader(config, model_cfg, path, meta, checkpoint)
+    # Built on the device leaf by leaf (one host piece at a time), as a restore builds them.
+    params = reader.device_state({'params': model_lib.abstract_params(model_cfg)})['params']
   ids = sample_lib.generate(model_cfg, params, prompt, max_new_tokens=settings.max_new_tokens,
                             temperature=settings.temperature, top_k=settings.top_k,
                             seed=settings.seed, eos_id=fmt.eos)

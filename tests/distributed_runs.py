@@ -66,8 +66,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from helpers import (CFG, JAX_CACHE_DIR, STEPS, assert_states_match, initial_state,  # noqa: E402
-                     make_tx, small_config)
+from helpers import (CFG, DOCUMENTS_CFG, JAX_CACHE_DIR, STEPS,  # noqa: E402
+                     assert_states_match, initial_state, make_tx, small_config, with_documents)
 from megatrain_jax import distributed, train  # noqa: E402
 from megatrain_jax.checkpoint import Checkpointer  # noqa: E402
 from megatrain_jax.engine import resident  # noqa: E402
@@ -135,10 +135,7 @@ def document_mask_runs(four: Layout, offload_dir: str) -> dict:
   """model.document_mask (EOS 3, at random places: each microbatch and row packs its own
   documents) on one device, and the resident and host-tier streamed engines on the 4 devices:
   {'reference': losses, name: {'losses', 'state_error'}}."""
-  cfg = CFG.replace(document_eos_id=3)
-  rng = np.random.default_rng(17)
-  data = [np.where(rng.random(b.shape) < 0.2, 3, np.where(b == 3, 4, b)).astype(np.int32)
-          for b in batches()]
+  cfg, data = DOCUMENTS_CFG, with_documents(batches(), seed=17)
   ref_losses, ref_state, _ = resident_run(Layout.single_device(), cfg=cfg, data=data)
   out = {'reference': ref_losses}
   for name, run in [('resident', lambda: resident_run(four, cfg=cfg, data=data)),

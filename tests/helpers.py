@@ -57,6 +57,18 @@ def batches(num_micro: int) -> list[np.ndarray]:
           for _ in range(STEPS)]
 
 
+# The document mask's runs: CFG ending documents at token 3 (model.document_mask).
+DOCUMENTS_CFG = CFG.replace(document_eos_id=3)
+
+
+def with_documents(token_batches: list, seed: int) -> list:
+  """`token_batches` with DOCUMENTS_CFG's EOS (3) at random places (1 token in 5), so each
+  microbatch and row packs documents of its own; other 3s become 4s."""
+  rng = np.random.default_rng(seed)
+  return [np.where(rng.random(b.shape) < 0.2, 3, np.where(b == 3, 4, b)).astype(np.int32)
+          for b in token_batches]
+
+
 def make_tx(grad_clip: float):
   """(optimizer, learning-rate schedule, grad_clip) of `TRAIN`: the engines' first arguments."""
   return optim.make_optimizer(TRAIN), optim.lr_schedule(TRAIN), grad_clip

@@ -165,9 +165,7 @@ def test_document_mask_eval_scores_each_document_in_its_own_context(trained, tmp
 
   model_cfg = config_lib.validate(config).replace(document_eos_id=EOS)
   reader = Checkpointer(workdir, keep=2).restore(model_cfg)
-  params = jax.tree_util.tree_map_with_path(
-      lambda path, _: reader.read("['params']" + jax.tree_util.keystr(path)),
-      model_lib.abstract_params(model_cfg))
+  params = reader.full_state({'params': model_lib.abstract_params(model_cfg)})['params']
   logits = model_lib.forward(model_cfg, params, jnp.asarray(stream[None, :-1]))
   nll = -jnp.take_along_axis(jax.nn.log_softmax(logits[0]), jnp.asarray(stream[1:, None]), -1)
   assert got['eval/loss'] == pytest.approx(float(jnp.mean(nll)), rel=1e-5)

@@ -15,8 +15,9 @@ from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.placement import Placement
 
-from helpers import (CFG, assert_states_match, batches, initial_state, make_tx, read_rows,
-                     resident_run, run_until_crash, small_config, streamed_run)
+from helpers import (CFG, DOCUMENTS_CFG, assert_states_match, batches, initial_state, make_tx,
+                     read_rows, resident_run, run_until_crash, small_config, streamed_run,
+                     with_documents)
 
 
 # K = 1, 2 (even split), 3 (a remainder group of 1), 4 (all layers) over 4 layers.
@@ -248,20 +249,6 @@ def test_checkpoints_move_between_engines(tmp_path, shared_data, monkeypatch, fi
              and r['perf/fetch_wait_s'] >= 0 and r['perf/optimizer_s'] >= 0 for r in streamed_rows)
 
 
-DOCUMENTS_CFG = CFG.replace(document_eos_id=3)
-
-
-def _document_batches(num_micro: int) -> list:
-  """batches(num_micro) with EOS (3) at random places, so each microbatch and row packs its own
-  documents."""
-  rng = np.random.default_rng(11)
-  out = []
-  for batch in batches(num_micro):
-    batch = np.where(batch == 3, 4, batch)
-    out.append(np.where(rng.random(batch.shape) < 0.2, 3, batch).astype(np.int32))
-  return out
-
-
 @pytest.mark.parametrize('placement', [
     dict(layers_per_group=1, park_grads='device'),
     dict(layers_per_group=2, keep_layer_inputs=True),
@@ -271,7 +258,7 @@ def test_document_mask_streamed_matches_resident(placement):
   """model.document_mask: every microbatch has its own positions and segments, in the forward,
   the backward and evaluation, as in the resident step."""
   tx, schedule, clip = make_tx(1.0)
-  data = _document_batches(2)
+  data = with_documents(batches(2), seed=11)
   res = resident.ResidentEngine(DOCUMENTS_CFG, tx, schedule, clip,
                                 jax.tree.map(np.copy, initial_state()))
   streamed = StreamedEngine(DOCUMENTS_CFG, tx, schedule, clip,
