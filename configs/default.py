@@ -48,8 +48,10 @@ def get_config() -> ml_collections.ConfigDict:
   #                               packing). True: each token attends only to its own document and
   #                               positions restart after each EOS, so a packed row computes what
   #                               each document would alone (instruction and chat data, short
-  #                               documents). Validation uses it, and --eval / --sample of a run
-  #                               trained with it unless set. docs/data.md: Packed rows.
+  #                               documents); the target after each EOS (the next document's
+  #                               first token) is then not learned. Validation uses it, and
+  #                               --eval / --sample of a run trained with it unless set.
+  #                               docs/data.md: Packed rows.
   model.init_std = 0.02  # Std of the normal init of every matrix (HF initializer_range).
   model.dtype = 'float32'  # Compute dtype: 'float32' or 'bfloat16'. Params are always float32.
   model.matmul_precision = 'highest'  # 'highest' = true FP32 matmuls on GPU (no TF32); 'default'.

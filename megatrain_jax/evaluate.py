@@ -41,7 +41,7 @@ import numpy as np
 from megatrain_jax import metrics
 from megatrain_jax import model as model_lib
 from megatrain_jax import partition
-from megatrain_jax.data import document_format
+from megatrain_jax.data import document_format, unlearn_document_starts
 from megatrain_jax.data import formats
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import head_chunks
@@ -115,12 +115,15 @@ def read_tokens(path: str, tokenizer, data_config=None) -> np.ndarray:
   return read_eval_data(path, tokenizer, data_config)[0]
 
 
-def read_eval_data(path: str, tokenizer, data_config=None) -> tuple[np.ndarray, np.ndarray | None]:
+def read_eval_data(path: str, tokenizer, data_config=None,
+                   document_eos: int = -1) -> tuple[np.ndarray, np.ndarray | None]:
   """(tokens int32 [N], mask uint8 [N] or None) of eval.path: its files in order (module
   docstring) as one stream; mask[i] = 1 when token i is scored as a target (None: all are).
 
   `data_config` (config.data) gives the record fields and EOS of record files (text_field,
   prompt_field, completion_field, eos_token, skip_bad_records); None: their defaults.
+  `document_eos` (the model's document_eos_id; -1: none): the token after each EOS is not scored,
+  as training does not learn it (data.unlearn_document_starts).
 
   Raises:
     ConfigError: naming eval.path: it is empty or does not exist, a file is not UTF-8 text, a
@@ -144,6 +147,9 @@ def read_eval_data(path: str, tokenizer, data_config=None) -> tuple[np.ndarray, 
   mask = None
   if any(m is not None for _, m in pieces):
     mask = np.concatenate([np.ones(t.size, np.uint8) if m is None else m for t, m in pieces])
+  if document_eos >= 0 and tokens.size:
+    mask = np.concatenate([np.ones(1, np.uint8), unlearn_document_starts(
+        tokens, None if mask is None else mask[1:], document_eos)])
   if tokens.size < 2:
     raise ConfigError(f'eval.path: {path} has {tokens.size} token(s); perplexity needs at least 2.')
   if mask is not None and not mask[1:].any():

@@ -347,23 +347,29 @@ def _main_first(name: str, make):
   return made
 
 
-def _workdir_data(config, checkpoint, workdir: pathlib.Path, microbatches: int):
+def _workdir_data(config, checkpoint, workdir: pathlib.Path, microbatches: int,
+                  document_eos: int):
   """(config, train sampler, eval batches): the tokenizer adopted (`_adopt_tokenizer`) and the
   data opened (`_open_data`)."""
-  return _open_data(_adopt_tokenizer(config, checkpoint, workdir), workdir, microbatches)
+  return _open_data(_adopt_tokenizer(config, checkpoint, workdir), workdir, microbatches,
+                    document_eos)
 
 
-def _open_data(config, workdir: pathlib.Path, microbatches: int):
+def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: int):
   """(config, train sampler, eval batches) over the token files prepared (or reused) in
-  <workdir>/data; with train.epochs, the config's train.steps are the epochs' (`epoch_steps`)."""
+  <workdir>/data; with train.epochs, the config's train.steps are the epochs' (`epoch_steps`).
+  `document_eos` (the model's document_eos_id, -1 without model.document_mask): the target after
+  each EOS is neither learned nor scored (data.unlearn_document_starts)."""
   train_cfg = config.train
   info, _ = data_lib.load_data(config.data, workdir)
   sampler = data_lib.BatchSampler(
       data_lib.load_split(info, 'train'), seq_len=train_cfg.seq_len,
-      batch_size=train_cfg.batch_size, microbatches=microbatches, seed=train_cfg.seed)
+      batch_size=train_cfg.batch_size, microbatches=microbatches, seed=train_cfg.seed,
+      document_eos=document_eos)
   eval_data = data_lib.eval_batches(
       data_lib.load_split(info, 'val'), seq_len=train_cfg.seq_len,
-      batch_size=train_cfg.batch_size, num_batches=train_cfg.eval_batches)
+      batch_size=train_cfg.batch_size, num_batches=train_cfg.eval_batches,
+      document_eos=document_eos)
   if train_cfg.epochs:
     steps = epoch_steps(train_cfg.epochs, sampler.n_windows, sampler.samples_per_step)
     config = ml_collections.ConfigDict(config.to_dict())
@@ -506,7 +512,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     workdir.mkdir(parents=True, exist_ok=True)
     # Process 0 copies the tokenizer and prepares the data; the others then read what it wrote.
     config, sampler, eval_data = _main_first('workdir data', lambda: _workdir_data(
-        config, checkpoint, workdir, plan.microbatches))
+        config, checkpoint, workdir, plan.microbatches, model_cfg.document_eos_id))
     if config.train.epochs and _finished(restored, config, main):  # its steps: counted just now
       return {}
     layout = distributed.run_layout(config)
@@ -599,7 +605,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
     raise ConfigError(f'eval.max_len: {max_len} is longer than the model maximum '
                       f'model.max_seq_len={model_cfg.max_seq_len}; lower eval.max_len.')
   model_cfg, tokenizer = _model_and_tokenizer(config, model_cfg)
-  tokens, mask = evaluate_lib.read_eval_data(config.eval.path, tokenizer, config.data)
+  tokens, mask = evaluate_lib.read_eval_data(config.eval.path, tokenizer, config.data,
+                                             document_eos=model_cfg.document_eos_id)
   enable_compilation_cache(config.jax_cache_dir)
   with locks.hold_workdir(path):
     reader, source = _weights_reader(config, model_cfg, path, meta, checkpoint)

@@ -16,7 +16,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from megatrain_jax.data import (BatchSampler, ByteTokenizer, HFTokenizer, check_data_config,
                                 default_corpus_text, eval_batches, load_data, load_split,
-                                load_tokenizer, open_tokens, prepare_dataset, read_dataset_info)
+                                load_tokenizer, open_tokens, prepare_dataset, read_dataset_info,
+                                unlearn_document_starts)
 from megatrain_jax.data import prepare as prepare_module
 from megatrain_jax.errors import ConfigError
 
@@ -326,6 +327,32 @@ def test_eval_batches(prepared):
   # The split runs out: only the full batches that fit come back.
   big = eval_batches(val, seq_len=1023, batch_size=8, num_batches=1000)
   assert len(big) == len(val) // (8 * 1024)
+
+
+def test_document_eos_unlearns_the_target_after_each_eos():
+  """With model.document_mask (document_eos), plain token batches come as Batch whose loss mask is
+  0 exactly where the input is the EOS (its target starts the next document), at a row's first
+  and last input too; eval batches alike. unlearn_document_starts keeps a given mask's zeros."""
+  rng = np.random.default_rng(4)
+  tokens = rng.integers(1, 9, 8 * 40).astype(np.uint16)
+  tokens[rng.random(tokens.size) < 0.2] = 0  # EOS 0
+  tokens[::8] = 0  # every window starts with an EOS input...
+  tokens[6::8] = 0  # ...and ends with one (window 8 = 7 inputs, input 6 the last)
+  sampler = BatchSampler(tokens, seq_len=7, batch_size=3, microbatches=2, seed=1, document_eos=0)
+  plain = BatchSampler(tokens, seq_len=7, batch_size=3, microbatches=2, seed=1).batch(6)
+  batch = sampler.batch(6)
+  np.testing.assert_array_equal(batch.tokens, plain)
+  assert batch.loss_mask.shape == (2, 3, 7) and batch.loss_mask.dtype == np.uint8
+  np.testing.assert_array_equal(batch.loss_mask, plain[..., :-1] != 0)
+  assert not batch.loss_mask[..., 0].any() and not batch.loss_mask[..., 6].any()
+  for got, want in zip(eval_batches(tokens, seq_len=7, batch_size=3, num_batches=2,
+                                    document_eos=0),
+                       eval_batches(tokens, seq_len=7, batch_size=3, num_batches=2)):
+    np.testing.assert_array_equal(got.tokens, want)
+    np.testing.assert_array_equal(got.loss_mask, want[:, :-1] != 0)
+  given = np.array([[0, 1, 1, 1]], np.uint8)
+  np.testing.assert_array_equal(
+      unlearn_document_starts(np.array([[5, 0, 7, 0, 8]]), given, 0), [[0, 0, 1, 0]])
 
 
 def test_sampler_errors(prepared):

@@ -152,7 +152,9 @@ def test_prompt_completion_eval_scores_the_completions(trained, tmp_path):
 def test_document_mask_eval_scores_each_document_in_its_own_context(trained, tmp_path):
   """--eval with model.document_mask: the evaluator's positions and segments come from each
   window's EOS (the byte tokenizer's NUL here), giving the loss of model.forward with the mask on
-  the checkpoint's params; without the mask the documents see each other (another loss)."""
+  the checkpoint's params over every target but the first token of each later document (its
+  EOS input sees only the document before: training does not learn it either); without the mask
+  the documents see each other and every target is scored (another loss)."""
   config, workdir = trained
   config = config.copy_and_resolve_references()
   (tmp_path / 'docs.jsonl').write_bytes(_jsonl([{'text': d} for d in DOCS]))
@@ -161,15 +163,18 @@ def test_document_mask_eval_scores_each_document_in_its_own_context(trained, tmp
   config.eval.stride, config.eval.batch_size = stream.size - 1, 1  # one window: the whole stream
   config.model.document_mask = True
   got = train.evaluate(config, str(workdir))
-  assert got['eval/windows'] == 1 and got['eval/tokens'] == stream.size - 1
+  after_eos = stream[:-1] == EOS  # the targets not scored: one per document but the last
+  assert after_eos.sum() == len(DOCS) - 1
+  assert got['eval/windows'] == 1 and got['eval/tokens'] == stream.size - 1 - after_eos.sum()
 
   model_cfg = config_lib.validate(config).replace(document_eos_id=EOS)
   reader = Checkpointer(workdir, keep=2).restore(model_cfg)
   params = reader.full_state({'params': model_lib.abstract_params(model_cfg)})['params']
   logits = model_lib.forward(model_cfg, params, jnp.asarray(stream[None, :-1]))
   nll = -jnp.take_along_axis(jax.nn.log_softmax(logits[0]), jnp.asarray(stream[1:, None]), -1)
-  assert got['eval/loss'] == pytest.approx(float(jnp.mean(nll)), rel=1e-5)
+  assert got['eval/loss'] == pytest.approx(float(jnp.mean(nll[~after_eos])), rel=1e-5)
 
   config.model.document_mask = False
   unmasked = train.evaluate(config, str(workdir))
+  assert unmasked['eval/tokens'] == stream.size - 1
   assert abs(unmasked['eval/loss'] - got['eval/loss']) > 1e-3

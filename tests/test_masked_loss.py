@@ -257,3 +257,72 @@ def test_document_mask_takes_the_datas_eos(tmp_path):
   assert train.evaluate(config, str(tmp_path / 'run'))['eval/document_mask']
   assert not train.evaluate(config, str(tmp_path / 'run'),
                             overrides=['model.document_mask'])['eval/document_mask']
+
+
+def _documents_alone_loss(model_cfg, params, rows: list, eos: int) -> float:
+  """Σ mask·nll / Σ mask over rows of (tokens [S+1], loss mask [S]), each document of a row run
+  alone by model.forward (no document mask, its positions from 0), its targets scored from its
+  own tokens only: the target after an EOS belongs to no document and is not scored."""
+  forward = jax.jit(model_lib.forward, static_argnums=0)
+  total = count = 0.0
+  for tokens, mask in rows:
+    ends = [i for i in range(len(tokens) - 1) if tokens[i] == eos] + [len(tokens) - 2]
+    start = 0
+    for end in ends:
+      if end < start:
+        continue
+      piece = tokens[start:end + 1]  # the document's inputs, its EOS last (when in the row)
+      logits = np.asarray(forward(model_cfg, params, jnp.asarray(piece[None])), np.float64)[0]
+      logp = logits - logits.max(-1, keepdims=True)
+      logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+      scored = np.arange(start, end + 1)
+      scored = scored[(tokens[scored] != eos) & (mask[scored] != 0)]
+      total -= logp[scored - start, tokens[scored + 1]].sum()
+      count += scored.size
+      start = end + 1
+  return total / count
+
+
+def test_document_mask_learns_and_scores_no_target_across_documents(tmp_path):
+  """A run with model.document_mask on prompt/completion and text records (the byte tokenizer's
+  EOS NUL after each): its first step's learning/loss and its step-0 eval/loss equal each
+  document run alone through model.forward, scoring the learned targets inside documents only
+  (not the first token of the next document, which its EOS input cannot see)."""
+  records = []
+  for i in range(300):
+    records.append({'prompt': f'Q{i}: {i % 13}*3=', 'completion': f' {3 * (i % 13)}.'})
+    if i % 3 == 0:
+      records.append({'text': f'plain text number {i}, ' + 'ab' * (i % 5)})
+  path = tmp_path / 'mixed.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in records))
+  workdir = tmp_path / 'run'
+  config = small_config(path, train__steps=1, train__eval_every=0, train__microbatches=2,
+                        train__batch_size=2, train__seq_len=48, train__eval_batches=2,
+                        checkpoint__every=1, model__document_mask=True)
+  last = train.train_and_evaluate(config, str(workdir))
+  model_cfg = train._validate(config, str(workdir))[0]  # pylint: disable=protected-access
+  assert model_cfg.document_eos_id == 0
+  params = resident.init_state(model_cfg, make_tx(1.0)[0], config.train.seed)['params']
+  plain = model_cfg.replace(document_eos_id=-1)
+
+  info, _ = data_lib.load_data(config.data, workdir)
+  sampler = data_lib.BatchSampler(data_lib.load_split(info, 'train'), seq_len=48, batch_size=2,
+                                  microbatches=2, seed=config.train.seed, document_eos=0)
+  batch = sampler.batch(0)
+  stored = data_lib.BatchSampler(data_lib.load_split(info, 'train'), seq_len=48, batch_size=2,
+                                 microbatches=2, seed=config.train.seed).batch(0)
+  np.testing.assert_array_equal(batch.tokens, stored.tokens)
+  after_eos = stored.tokens[..., :-1] == 0
+  assert after_eos.any() and (stored.loss_mask == 0).any()  # both kinds of unlearned target
+  np.testing.assert_array_equal(batch.loss_mask, stored.loss_mask * ~after_eos)
+  rows = list(zip(batch.tokens.reshape(4, -1), stored.loss_mask.reshape(4, -1)))
+  assert last['learning/loss'] == pytest.approx(_documents_alone_loss(plain, params, rows, 0),
+                                                rel=1e-5)
+
+  evals = data_lib.eval_batches(data_lib.load_split(info, 'val'), seq_len=48, batch_size=2,
+                                num_batches=2)
+  rows = [row for b in evals for row in zip(b.tokens, b.loss_mask)]
+  baseline = read_rows(workdir)[0]
+  assert baseline['step'] == 0
+  assert baseline['eval/loss'] == pytest.approx(_documents_alone_loss(plain, params, rows, 0),
+                                                rel=1e-5)

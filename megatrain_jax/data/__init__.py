@@ -15,7 +15,7 @@ Typical use by the trainer:
 from megatrain_jax.data.corpus import default_corpus_text
 from megatrain_jax.data.documents import DocumentFormat, document_format, prompt_ids
 from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, eval_batches, load_split,
-                                       open_tokens)
+                                       open_tokens, unlearn_document_starts)
 from megatrain_jax.data.pipeline import check_data_config, load_data, prepare_summary
 from megatrain_jax.data.prepare import DatasetInfo, prepare_dataset, read_dataset_info
 from megatrain_jax.data.shards import TokenStream
@@ -38,6 +38,7 @@ __all__ = [
     'load_tokenizer',
     'MixtureSplit',
     'open_tokens',
+    'unlearn_document_starts',
     'prepare_dataset',
     'prepare_summary',
     'prompt_ids',

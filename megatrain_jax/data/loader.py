@@ -32,6 +32,17 @@ class Batch(NamedTuple):
   loss_mask: np.ndarray
 
 
+def unlearn_document_starts(tokens: np.ndarray, target_mask: np.ndarray | None,
+                            eos_id: int) -> np.ndarray:
+  """target_mask [..., S] (None: every target learned) with 0 at each target whose input is the
+  EOS `eos_id` in tokens [..., S + 1]: under model.document_mask the EOS sees only its own
+  document, so the next document's first token is not its to predict (as transformers'
+  DataCollatorWithFlattening and MaxText's packed targets leave it out). E.g. eos 0, tokens
+  [5 0 7 8] -> mask [1 0 1]; the EOS itself stays a target."""
+  keep = (tokens[..., :-1] != eos_id).astype(np.uint8)
+  return keep if target_mask is None else (target_mask * keep).astype(np.uint8)
+
+
 def open_tokens(path: str | Path) -> np.ndarray:
   """Opens a prepared token file (a shard, or format 1's `<split>.bin`) read-only, with the dtype
   from the meta.json beside it."""
@@ -171,7 +182,8 @@ class BatchSampler:
   from the `data_position` a checkpoint stores replays the batches exactly, mixture included.
   """
 
-  def __init__(self, tokens, *, seq_len: int, batch_size: int, microbatches: int, seed: int):
+  def __init__(self, tokens, *, seq_len: int, batch_size: int, microbatches: int, seed: int,
+               document_eos: int = -1):
     """Creates the sampler.
 
     Args:
@@ -180,6 +192,9 @@ class BatchSampler:
       batch_size: Sequences per microbatch.
       microbatches: Microbatches per step (gradient accumulation).
       seed: Shuffle seed, >= 0.
+      document_eos: With model.document_mask, the EOS id that ends every document (-1: none):
+        batches then carry a loss mask without the targets that follow an EOS
+        (`unlearn_document_starts`).
 
     Raises:
       ConfigError: If an argument is out of range, or (naming `train.seq_len`) if a stream is too
@@ -197,7 +212,8 @@ class BatchSampler:
     else:
       self._streams = [_Windows(tokens, self._seq_len, self._seed, None)]
       self._mixture = None
-    self.has_mask = any(stream.has_mask for stream in self._streams)
+    self._document_eos = document_eos
+    self.has_mask = any(stream.has_mask for stream in self._streams) or document_eos >= 0
 
   @property
   def n_windows(self) -> int:
@@ -255,18 +271,22 @@ class BatchSampler:
     tokens = tokens.reshape(*shape, window)
     if mask is None:
       return tokens
+    if self._document_eos >= 0:
+      mask = unlearn_document_starts(tokens.reshape(-1, window), mask, self._document_eos)
     return Batch(tokens, mask.reshape(*shape, window - 1))
 
 
-def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int) -> list:
+def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
+                 document_eos: int = -1) -> list:
   """Returns deterministic validation batches taken in order from the start of `tokens`.
 
   Windows of `seq_len + 1` tokens do not overlap. Fewer than `num_batches` batches are returned if
   the split runs out; only full batches are returned so that every batch has the same shape.
 
   Returns:
-    A list of int32 arrays [batch_size, seq_len + 1]; for a split with a loss mask, of Batch
-    (tokens as above, loss_mask uint8 [batch_size, seq_len] aligned to the targets).
+    A list of int32 arrays [batch_size, seq_len + 1]; for a split with a loss mask, or with
+    `document_eos` >= 0 (BatchSampler's), of Batch (tokens as above, loss_mask uint8
+    [batch_size, seq_len] aligned to the targets).
 
   Raises:
     ConfigError: If an argument is out of range, or (naming `data.val_path`, `data.val_fraction`
@@ -284,8 +304,10 @@ def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int) -> 
   for i in range(min(num_batches, available)):
     span = slice(i * batch_tokens, (i + 1) * batch_tokens)
     batch = np.array(tokens[span], dtype=np.int32).reshape(batch_size, seq_len + 1)
+    mask = None
     if has_mask:
-      mask = tokens.mask(span).reshape(batch_size, seq_len + 1)[:, 1:]
-      batch = Batch(batch, np.ascontiguousarray(mask))
-    out.append(batch)
+      mask = np.ascontiguousarray(tokens.mask(span).reshape(batch_size, seq_len + 1)[:, 1:])
+    if document_eos >= 0:
+      mask = unlearn_document_starts(batch, mask, document_eos)
+    out.append(batch if mask is None else Batch(batch, mask))
   return out
