@@ -81,6 +81,7 @@ crc32 of every orbax file. The next checkpoint a resumed run writes is format 3.
 
 import collections
 import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -101,6 +102,7 @@ import tensorstore as ts
 from megatrain_jax import distributed
 from megatrain_jax import faults
 from megatrain_jax import fs
+from megatrain_jax import locks
 from megatrain_jax import partition
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.layout import Layout, host_part, slices, spread
@@ -622,9 +624,7 @@ class Checkpointer:
 
   def steps(self) -> list[int]:
     """Committed checkpoints, oldest first."""
-    if not self.directory.is_dir():
-      return []
-    return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+    return committed_steps(self.directory)
 
   def latest_step(self) -> int | None:
     self.wait()
@@ -723,8 +723,11 @@ class Checkpointer:
     os.rename(tmp, final)
     fs.fsync(self.directory, directory=True)
     for old in self.steps()[:-self.keep]:  # only now that the new one is complete
-      doomed = self.directory / f'{_TMP_PREFIX}delete-{old}'  # a kill mid-delete leaves no
-      os.rename(self.directory / str(old), doomed)            # half checkpoint behind
+      with locks.unless_read(self.directory / str(old)) as free:
+        if not free:  # an --eval, --sample or --export_hf is reading it: a later commit deletes it
+          continue
+        doomed = self.directory / f'{_TMP_PREFIX}delete-{old}'  # a kill mid-delete leaves no
+        os.rename(self.directory / str(old), doomed)            # half checkpoint behind
       shutil.rmtree(doomed, ignore_errors=True)
 
   def _raise_disk_full(self, step: int, error: BaseException, needed: int) -> None:
@@ -758,27 +761,60 @@ class Checkpointer:
     """The newest intact checkpoint (verified), or None if there is none. A damaged one is
     reported on stderr and skipped; a checkpoint of other model shapes is a ConfigError."""
     self.wait()
-    steps = self.steps()
-    damaged = []
-    for step in reversed(steps):
+    return _newest_intact(self.directory, model_cfg)
+
+
+def committed_steps(directory: pathlib.Path) -> list[int]:
+  """The committed checkpoints in `directory` (<workdir>/checkpoints), oldest first."""
+  if not directory.is_dir():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+@contextlib.contextmanager
+def read_newest(workdir, model_cfg: ModelConfig):
+  """The newest intact checkpoint of `workdir` (a CheckpointReader, or None), held for reading
+  for the `with` block: a run training in `workdir` keeps it until the block ends
+  (locks.read_hold). For --eval, --sample and --export_hf beside a run; constructs no
+  Checkpointer (whose start-up deletes a run's unfinished .tmp- saves)."""
+  with contextlib.ExitStack() as held:
+    yield _newest_intact(pathlib.Path(workdir).absolute() / 'checkpoints', model_cfg, held)
+
+
+def _newest_intact(directory: pathlib.Path, model_cfg: ModelConfig,
+                   held: contextlib.ExitStack | None = None) -> CheckpointReader | None:
+  """The newest checkpoint in `directory` that verifies (Checkpointer.restore). With `held`, each
+  is first locked for reading, and the one returned stays locked in `held`; one deleted by a
+  run's commit as it was locked (a newer one exists then) starts the walk again."""
+  steps = committed_steps(directory)
+  damaged = []
+  for step in reversed(steps):
+    hold = contextlib.ExitStack()
+    if held is not None and not hold.enter_context(locks.read_hold(directory / str(step))):
+      hold.close()
+      return _newest_intact(directory, model_cfg, held)
+    with hold:
       try:
-        reader = CheckpointReader(self.directory / str(step))
+        reader = CheckpointReader(directory / str(step))
         reader.verify_files()
         reader.check_model(model_cfg)
         reader.verify_data()
-        return reader
       except DamagedCheckpoint as error:
         damaged.append(step)
         older = [s for s in steps if s < step]
         then = (f'trying the previous one (step {older[-1]})' if older else 'no older one is left')
-        print(f'warning: checkpoint step {step} in {self.directory} is damaged: {error.file}: '
+        print(f'warning: checkpoint step {step} in {directory} is damaged: {error.file}: '
               f'{error.reason}; {then}.', file=sys.stderr, flush=True)
-    if damaged:
-      raise StoreCorruptionError(
-          f'every checkpoint in {self.directory} is damaged (steps '
-          f'{", ".join(map(str, sorted(damaged)))}; see the warnings above for the bad files). '
-          f'Delete {self.directory} to start training from scratch, or use a new --workdir.')
-    return None
+        continue
+      if held is not None:
+        held.enter_context(hold.pop_all())
+      return reader
+  if damaged:
+    raise StoreCorruptionError(
+        f'every checkpoint in {directory} is damaged (steps '
+        f'{", ".join(map(str, sorted(damaged)))}; see the warnings above for the bad files). '
+        f'Delete {directory} to start training from scratch, or use a new --workdir.')
+  return None
 
 
 def _write_manifest(tmp: pathlib.Path) -> None:

@@ -23,6 +23,13 @@ host, start time, workdir: the holder writes them into the lock file).
   a local disk (it should be anyway) and give each run its own --workdir.
 - Processes of one multi-process run (issue 13) share the run's locks: only process 0 takes the
   workdir lock, and each host its own offload.dir's.
+
+Reading a checkpoint beside the run (`--eval`, `--sample`, `--export_hf`) takes no workdir lock:
+the reader holds a shared flock on the committed checkpoint directory itself (`read_hold`), and
+the run, before it deletes a checkpoint beyond checkpoint.keep, tries an exclusive one on it
+(`unless_read`) and keeps the checkpoint while a reader holds it (a later commit deletes it). A
+reader that opens a checkpoint as the run renames it away for deletion sees another inode at the
+path once it holds its lock, and takes the newest again.
 """
 
 import contextlib
@@ -160,3 +167,56 @@ def hold_offload_dir(offload_dir, workdir):
   if same:
     return contextlib.nullcontext()
   return hold(offload_dir, 'offload.dir', 'point offload.dir at another directory', workdir)
+
+
+def _lock_directory(directory: pathlib.Path, operation: int):
+  """An open descriptor of `directory` with `operation` (fcntl.LOCK_SH / LOCK_EX, maybe | LOCK_NB)
+  taken on it; None when the directory is gone, or no longer the one at its path once locked;
+  'busy' when LOCK_NB found it held; 'unsupported' when the filesystem has no flock."""
+  try:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+  except FileNotFoundError:
+    return None
+  try:
+    fcntl.flock(fd, operation)
+  except OSError as error:
+    os.close(fd)
+    if error.errno in _UNSUPPORTED or error.errno == errno.EBADF:  # EBADF: NFS's emulation
+      return 'unsupported'
+    if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+      return 'busy'
+    raise
+  if not _same_file(fd, directory):
+    os.close(fd)
+    return None
+  return fd
+
+
+@contextlib.contextmanager
+def read_hold(directory):
+  """Holds a shared lock on a committed checkpoint `directory` while it is read; yields False
+  (holding nothing) if it was deleted before the lock was taken. Where the filesystem has no
+  flock, warns and yields True unprotected."""
+  directory = pathlib.Path(directory)
+  fd = _lock_directory(directory, fcntl.LOCK_SH)
+  if fd == 'unsupported':
+    print(f'warning: cannot lock checkpoint {directory} (the filesystem does not support flock); '
+          'a run training in its workdir may delete it while it is read.', file=sys.stderr,
+          flush=True)
+  try:
+    yield fd is not None
+  finally:
+    if isinstance(fd, int):
+      os.close(fd)
+
+
+@contextlib.contextmanager
+def unless_read(directory):
+  """Yields True, holding an exclusive lock on checkpoint `directory` (for its deletion), unless
+  a reader holds it (`read_hold`): then False. True where the filesystem has no flock."""
+  fd = _lock_directory(pathlib.Path(directory), fcntl.LOCK_EX | fcntl.LOCK_NB)
+  try:
+    yield fd != 'busy'
+  finally:
+    if isinstance(fd, int):
+      os.close(fd)

@@ -30,6 +30,7 @@ import ml_collections
 import numpy as np
 
 from megatrain_jax import calibrate as calibrate_lib
+from megatrain_jax import checkpoint as checkpoint_lib
 from megatrain_jax import config as config_lib
 from megatrain_jax import data as data_lib
 from megatrain_jax import distributed
@@ -301,16 +302,31 @@ def _model_and_tokenizer(config, model_cfg):
   return with_document_mask(config, model_cfg, tokenizer), tokenizer
 
 
+@contextlib.contextmanager
 def _weights_reader(config, model_cfg, path: pathlib.Path, meta, checkpoint):
   """(reader, source) of an --eval or --sample (`_eval_config`'s path, meta and checkpoint): the
-  run's newest checkpoint if it has one, else the Hugging Face checkpoint, read as a fresh run's
-  full state."""
-  if meta is not None:
-    reader = Checkpointer(path, keep=config.checkpoint.keep).restore(model_cfg)
-    return reader, f'{reader.directory} (step {reader.meta["step"]})'
-  tx = optim.make_optimizer(config.train)
-  return (hf.HfReader(checkpoint, resident.abstract_state(model_cfg, tx)),
-          str(checkpoint.directory))
+  run's newest checkpoint if it has one, held for the `with` block so that a run training there
+  keeps it meanwhile (checkpoint.read_newest), else the Hugging Face checkpoint, read as a fresh
+  run's full state."""
+  if meta is None:
+    tx = optim.make_optimizer(config.train)
+    yield (hf.HfReader(checkpoint, resident.abstract_state(model_cfg, tx)),
+           str(checkpoint.directory))
+    return
+  with _run_checkpoint(path, model_cfg) as reader:
+    yield reader, f'{reader.directory} (step {reader.meta["step"]})'
+
+
+@contextlib.contextmanager
+def _run_checkpoint(path: pathlib.Path, model_cfg):
+  """The newest intact checkpoint of the run in `path`, held for reading for the `with` block (a
+  run training there keeps it meanwhile: checkpoint.read_newest)."""
+  with checkpoint_lib.read_newest(path, model_cfg) as reader:
+    if reader is None:  # its checkpoints were deleted since newest_checkpoint_meta saw them
+      raise ConfigError(f'{path} holds no checkpoint any more; pass the --workdir of a run that '
+                        'has saved one (checkpoints/<step>/).')
+    yield reader
+
 
 
 def with_document_mask(config, model_cfg, tokenizer):
@@ -608,8 +624,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   tokens, mask = evaluate_lib.read_eval_data(config.eval.path, tokenizer, config.data,
                                              document_eos=model_cfg.document_eos_id)
   enable_compilation_cache(config.jax_cache_dir)
-  with locks.hold_workdir(path):
-    reader, source = _weights_reader(config, model_cfg, path, meta, checkpoint)
+  with _weights_reader(config, model_cfg, path, meta, checkpoint) as (reader, source):
     evaluator = evaluate_lib.Evaluator(reader, model_cfg, *_eval_pieces(config, model_cfg, path))
     try:
       result = evaluate_lib.perplexity(
@@ -650,10 +665,7 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
     raise ConfigError(f'--sample holds the weights whole in device memory: {weights_gb:.1f} GB '
                       f'of {device_gb:.0f} GB ({config.hardware or "this machine"}). Export '
                       'the model (--export_hf) and generate with a serving stack instead.')
-  # A run's workdir is locked while its checkpoint is read (a run there would prune it); a
-  # Hugging Face checkpoint needs no workdir at all.
-  with locks.hold_workdir(path) if meta is not None else contextlib.nullcontext():
-    reader, source = _weights_reader(config, model_cfg, path, meta, checkpoint)
+  with _weights_reader(config, model_cfg, path, meta, checkpoint) as (reader, source):
     # Built on the device leaf by leaf (one host piece at a time), as a restore builds them.
     params = reader.device_state({'params': model_lib.abstract_params(model_cfg)})['params']
   ids = sample_lib.generate(model_cfg, params, prompt, max_new_tokens=settings.max_new_tokens,
@@ -677,8 +689,7 @@ def export_hf(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> 
     raise ConfigError(f'--export_hf: {path} holds no checkpoint to export. Pass the --workdir of '
                       'a run that has saved one (checkpoints/<step>/).')
   model_cfg = model_lib.ModelConfig(**meta['model_config'])
-  with locks.hold_workdir(path):
-    reader = Checkpointer(path, keep=config.checkpoint.keep).restore(model_cfg)
+  with _run_checkpoint(path, model_cfg) as reader:
     files = export_lib.export(reader, model_cfg, out, dtype=config.export.dtype,
                               max_shard_bytes=int(config.export.max_shard_gb * 1e9),
                               tokenizer=_run_tokenizer(path) or 'byte')

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from megatrain_jax import partition, train
+from megatrain_jax import checkpoint, locks, partition, train
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.partition import split_axis
@@ -129,6 +129,57 @@ def test_keep_deletes_the_oldest_only_after_a_new_commit(tmp_path):
     assert checkpointer.steps() == [max(1, step - 1), step][-min(step, 2):]
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '3']  # no leftover temp dirs
   checkpointer.close()
+
+
+LEAF = "['params']['layers']['attn']['q_proj']['kernel']"
+
+
+def test_a_checkpoint_being_read_is_kept_until_its_reader_is_done(tmp_path):
+  """read_newest (--eval, --sample, --export_hf beside a run) holds the checkpoint it reads: the
+  run's commits delete the others beyond checkpoint.keep but keep it, and the first commit after
+  the reader is done deletes it. Opening it deletes no unfinished save of the run."""
+  engine, _, _ = streamed_run(1, 1.0, layers_per_group=2)
+  checkpointer = Checkpointer(tmp_path, keep=1)
+  checkpointer.save(1, engine, data_position=1, model_cfg=CFG)
+  checkpointer.wait()
+  in_flight = tmp_path / 'checkpoints' / '.tmp-2'  # the run's next save, being written
+  in_flight.mkdir()
+  with checkpoint.read_newest(tmp_path, CFG) as reader:
+    assert reader.step == 1 and in_flight.is_dir()
+    in_flight.rmdir()
+    want = reader.read(LEAF)
+    for step in (2, 3):
+      checkpointer.save(step, engine, data_position=step, model_cfg=CFG)
+      checkpointer.wait()
+      assert checkpointer.steps() == [1, step]
+    np.testing.assert_array_equal(reader.read(LEAF), want)
+  checkpointer.save(4, engine, data_position=4, model_cfg=CFG)
+  checkpointer.wait()
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['4']
+  checkpointer.close()
+
+
+def test_a_reader_that_locks_a_checkpoint_as_it_is_deleted_takes_the_newest_again(
+    tmp_path, monkeypatch):
+  """The race read_newest closes: the run renames the checkpoint away (to delete it) between the
+  reader's open and its lock. The reader sees another inode at the path and walks again."""
+  engine, _, _ = streamed_run(1, 1.0, layers_per_group=2)
+  checkpointer = Checkpointer(tmp_path, keep=2)
+  for step in (1, 2):
+    checkpointer.save(step, engine, data_position=step, model_cfg=CFG)
+  checkpointer.close()
+  flock = locks.fcntl.flock
+  deleted = []
+
+  def deleted_first(fd, operation):
+    if not deleted:  # the first lock: checkpoint 2, renamed away just before it is taken
+      os.rename(tmp_path / 'checkpoints' / '2', tmp_path / 'checkpoints' / '.tmp-delete-2')
+      deleted.append(True)
+    return flock(fd, operation)
+
+  monkeypatch.setattr(locks.fcntl, 'flock', deleted_first)
+  with checkpoint.read_newest(tmp_path, CFG) as reader:
+    assert deleted and reader.step == 1
 
 
 # ------------------------------------------------------------------------------------------------

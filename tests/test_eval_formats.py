@@ -16,6 +16,7 @@ import zstandard
 
 from megatrain_jax import config as config_lib
 from megatrain_jax import evaluate as evaluate_lib
+from megatrain_jax import locks
 from megatrain_jax import model as model_lib
 from megatrain_jax import partition
 from megatrain_jax import train
@@ -178,3 +179,21 @@ def test_document_mask_eval_scores_each_document_in_its_own_context(trained, tmp
   unmasked = train.evaluate(config, str(workdir))
   assert unmasked['eval/tokens'] == stream.size - 1
   assert abs(unmasked['eval/loss'] - got['eval/loss']) > 1e-3
+
+
+def test_eval_sample_and_export_read_a_run_that_is_training(trained, tmp_path):
+  """--eval, --sample and --export_hf take no workdir lock: they run while the run's own lock is
+  held (a run training there), each holding only the checkpoint it reads (checkpoint.read_newest,
+  tests/test_checkpoint.py). The training run's lock is not disturbed."""
+  config, workdir = trained
+  config = config.copy_and_resolve_references()
+  (tmp_path / 'eval.txt').write_text('Some text to score while the run trains. ' * 8)
+  config.eval.path, config.eval.max_len = str(tmp_path / 'eval.txt'), 32
+  config.sample.prompt, config.sample.max_new_tokens = 'The ', 4
+  with locks.hold_workdir(workdir):
+    assert train.evaluate(config, str(workdir))['eval/tokens'] > 0
+    assert train.sample(config, str(workdir))['sample/tokens'] >= 1
+    files = train.export_hf(config, str(workdir), str(tmp_path / 'hf'))
+    assert any(f.name.endswith('.safetensors') for f in files)
+    with pytest.raises(locks.DirectoryInUseError):  # a second training run is still refused
+      train.train_and_evaluate(config, str(workdir))
