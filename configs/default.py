@@ -136,6 +136,13 @@ def get_config() -> ml_collections.ConfigDict:
   #                                 machines and SLURM).
   checkpoint.keep = 3  # Newest checkpoints kept on disk. NVMe runs: each kept checkpoint pins one
   #                      full copy of the NVMe state on disk (hard links to the stores' files).
+  checkpoint.keep_best = False  # Also keep the checkpoint of the lowest validation loss, older
+  #                               than the newest `keep` or not (Hugging Face's
+  #                               load_best_model_at_end): each checkpoint records its step's
+  #                               eval/loss, so checkpoint.every must be a multiple of
+  #                               train.eval_every. Read it with checkpoint.read=best.
+  checkpoint.read = 'newest'  # The checkpoint --eval, --sample and --export_hf read: 'newest',
+  #                             'best' (the lowest eval/loss recorded), or a step number ('1200').
 
   # ---------------------------------------------------------------------------------------------
   # Placement: where each part of the train state lives between uses. All 'device' = the resident

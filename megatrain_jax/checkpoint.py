@@ -611,9 +611,10 @@ class Checkpointer:
   `piece_mb`: the largest piece `save` cuts from an in-memory leaf (default DEFAULT_PIECE_MB,
   capped by the placement's offload.shard_mb)."""
 
-  def __init__(self, workdir: pathlib.Path, keep: int, piece_mb: float | None = None):
+  def __init__(self, workdir: pathlib.Path, keep: int, piece_mb: float | None = None,
+               keep_best: bool = False):
     self.directory = pathlib.Path(workdir).absolute() / 'checkpoints'
-    self.keep = keep
+    self.keep, self.keep_best = keep, keep_best
     self.piece_mb = piece_mb
     self._committer = concurrent.futures.ThreadPoolExecutor(1, 'checkpoint-commit')
     self._pending = None
@@ -640,10 +641,12 @@ class Checkpointer:
   # --- saving ----------------------------------------------------------------------------------
 
   def save(self, step: int, engine, *, data_position: int, model_cfg: ModelConfig, seed: int = 0,
-           placement=None, microbatches: int | None = None) -> None:
+           placement=None, microbatches: int | None = None,
+           eval_loss: float | None = None) -> None:
     """Checkpoints `engine` (or a full state dict) at `step`. Returns once the state may change:
     NVMe files linked (or linked beside the live store, to be copied behind), every in-memory
-    leaf written piece by piece; the fsyncs, the manifest and the commit run behind."""
+    leaf written piece by piece; the fsyncs, the manifest and the commit run behind. `eval_loss`:
+    the step's validation loss, recorded in meta.json (checkpoint.keep_best, `best_step`)."""
     self.wait()  # one checkpoint in flight; raises the previous one's error
     piece_mb = self.piece_mb_for(placement)
     parts = _parts_of(engine, int(piece_mb * 2**20))
@@ -663,6 +666,8 @@ class Checkpointer:
                            'dtype': np.dtype(layout.dtype).name}
                        for p, layout in parts.leaves.items()},
             'disk': {p: f'nvme/{fs.leaf_name(p)}' for p in parts.disk}}
+    if eval_loss is not None:
+      meta['eval_loss'] = float(eval_loss)
     needed = sum(layout.nbytes for layout in parts.leaves.values())
     copies = {}  # staging snapshot on offload.dir's filesystem -> its place in the checkpoint
     try:
@@ -722,7 +727,10 @@ class Checkpointer:
       shutil.rmtree(stale, ignore_errors=True)
     os.rename(tmp, final)
     fs.fsync(self.directory, directory=True)
+    best = best_step(self.directory) if self.keep_best else None
     for old in self.steps()[:-self.keep]:  # only now that the new one is complete
+      if old == best:  # checkpoint.keep_best
+        continue
       with locks.unless_read(self.directory / str(old)) as free:
         if not free:  # an --eval, --sample or --export_hf is reading it: a later commit deletes it
           continue
@@ -771,14 +779,64 @@ def committed_steps(directory: pathlib.Path) -> list[int]:
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
 
 
+def best_step(directory: pathlib.Path) -> int | None:
+  """The committed checkpoint in `directory` with the lowest eval_loss its meta.json records (the
+  earliest of equal ones), or None if none records one (checkpoint.keep_best)."""
+  losses = []
+  for step in committed_steps(directory):
+    try:
+      loss = json.loads((directory / str(step) / 'meta.json').read_text()).get('eval_loss')
+    except (OSError, ValueError, AttributeError):
+      continue  # being deleted, or damaged (its restore reports it)
+    if isinstance(loss, (int, float)) and math.isfinite(loss):
+      losses.append((loss, step))
+  return min(losses)[1] if losses else None
+
+
 @contextlib.contextmanager
-def read_newest(workdir, model_cfg: ModelConfig):
-  """The newest intact checkpoint of `workdir` (a CheckpointReader, or None), held for reading
-  for the `with` block: a run training in `workdir` keeps it until the block ends
-  (locks.read_hold). For --eval, --sample and --export_hf beside a run; constructs no
-  Checkpointer (whose start-up deletes a run's unfinished .tmp- saves)."""
+def read_checkpoint(workdir, model_cfg: ModelConfig, which: str = 'newest'):
+  """A checkpoint of `workdir` (a CheckpointReader; None if it has none) held for reading for the
+  `with` block: a run training in `workdir` keeps it until the block ends (locks.read_hold). For
+  --eval, --sample and --export_hf beside a run; constructs no Checkpointer (whose start-up
+  deletes a run's unfinished .tmp- saves).
+
+  `which` (checkpoint.read): 'newest' (the newest intact one, as a resume takes), 'best' (the
+  lowest eval_loss recorded: `best_step`) or a step number; those two are read as asked or
+  refused (ConfigError naming the steps there are; StoreCorruptionError if it is damaged)."""
+  directory = pathlib.Path(workdir).absolute() / 'checkpoints'
   with contextlib.ExitStack() as held:
-    yield _newest_intact(pathlib.Path(workdir).absolute() / 'checkpoints', model_cfg, held)
+    if which == 'newest':
+      yield _newest_intact(directory, model_cfg, held)
+    else:
+      yield _chosen(directory, model_cfg, which, held)
+
+
+def _chosen(directory: pathlib.Path, model_cfg: ModelConfig, which: str,
+            held: contextlib.ExitStack) -> CheckpointReader:
+  """read_checkpoint's 'best' or step-number checkpoint, verified and held in `held`."""
+  steps = committed_steps(directory)
+  step = best_step(directory) if which == 'best' else int(which)
+  if step is None:
+    raise ConfigError(f'checkpoint.read=best: no checkpoint in {directory} records an eval/loss '
+                      '(a run records it with checkpoint.keep_best); pass a step number '
+                      f'({", ".join(map(str, steps)) or "none there"}) or newest.')
+  if step not in steps:
+    raise ConfigError(f'checkpoint.read={which}: {directory} has no checkpoint of step {step} '
+                      f'(it has {", ".join(map(str, steps)) or "none"}); pass one of those.')
+  if not held.enter_context(locks.read_hold(directory / str(step))):
+    if which == 'best':  # a better one was committed as this one was deleted
+      return _chosen(directory, model_cfg, which, held)
+    raise ConfigError(f'checkpoint.read={which}: the run training in {directory.parent} deleted '
+                      'that checkpoint as it was opened (checkpoint.keep); pass a newer step.')
+  reader = CheckpointReader(directory / str(step))
+  try:
+    reader.verify_files()
+    reader.check_model(model_cfg)
+    reader.verify_data()
+  except DamagedCheckpoint as error:
+    raise StoreCorruptionError(f'checkpoint step {step} in {directory} is damaged: {error.file}: '
+                               f'{error.reason}. Read another one (checkpoint.read).') from error
+  return reader
 
 
 def _newest_intact(directory: pathlib.Path, model_cfg: ModelConfig,

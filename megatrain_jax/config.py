@@ -241,13 +241,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   _require(t.eval_every >= 0, 'train.eval_every', f'must be >= 0 (0 = at the end), got {t.eval_every}.')
   _require(0 <= t.seed <= MAX_SEED, 'train.seed',
            f'must be in [0, 2**31 - 1] (it seeds a 32-bit PRNG key), got {t.seed}.')
-  _require(config.checkpoint.every >= -1, 'checkpoint.every',
-           f'must be >= 0 (0 = at the end only) or -1 (never), got {config.checkpoint.every}.')
-  _require(config.checkpoint.keep >= 1, 'checkpoint.keep',
-           f'must be >= 1, got {config.checkpoint.keep}.')
-  _require(config.checkpoint.every_minutes >= 0, 'checkpoint.every_minutes',
-           'must be >= 0 (minutes between time-based checkpoints; 0 = off), got '
-           f'{config.checkpoint.every_minutes}.')
+  _validate_checkpoint(config.checkpoint, t.eval_every)
   _require(0 < config.data.val_fraction <= 0.5, 'data.val_fraction',
            f'must be in (0, 0.5], got {config.data.val_fraction}.')
   _validate_eval_export(config)
@@ -257,6 +251,26 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
              f'{existing} is a file, not a directory. Point jax_cache_dir at a directory '
              "(created if missing), or set it to '' to turn the compile cache off.")
   return model_cfg
+
+
+def _validate_checkpoint(c: ml_collections.ConfigDict, eval_every: int) -> None:
+  """The checkpoint section: a best checkpoint needs a validation loss at every checkpoint step."""
+  _require(c.every >= -1, 'checkpoint.every',
+           f'must be >= 0 (0 = at the end only) or -1 (never), got {c.every}.')
+  _require(c.keep >= 1, 'checkpoint.keep', f'must be >= 1, got {c.keep}.')
+  _require(c.every_minutes >= 0, 'checkpoint.every_minutes',
+           f'must be >= 0 (minutes between time-based checkpoints; 0 = off), got {c.every_minutes}.')
+  read = str(c.read)
+  _require(read in ('newest', 'best') or read.isdigit(), 'checkpoint.read',
+           f"{read!r} is not 'newest', 'best' or a step number.")
+  if not c.keep_best:
+    return
+  _require(c.every >= 0, 'checkpoint.keep_best',
+           'needs checkpoints, and checkpoint.every=-1 writes none; set checkpoint.every.')
+  _require(c.every == 0 or (eval_every > 0 and c.every % eval_every == 0), 'checkpoint.keep_best',
+           f'compares the eval/loss of each checkpoint step, but checkpoint.every={c.every} is '
+           f'not a multiple of train.eval_every={eval_every} (0 = at the end only), so some '
+           'checkpoints have none. Make checkpoint.every a multiple of train.eval_every.')
 
 
 EXPORT_DTYPES = ('float32', 'bfloat16')

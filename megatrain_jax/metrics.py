@@ -99,7 +99,8 @@ def progress_bar(total: int, enabled: bool = True, **kwargs) -> tqdm.tqdm:
 
 
 def describe_workdir(workdir: pathlib.Path, *, checkpoint_every: int, checkpoint_keep: int,
-                     checkpoint_minutes: float, data_dir: str, nvme_dir: str | None) -> str:
+                     checkpoint_minutes: float, data_dir: str, nvme_dir: str | None,
+                     checkpoint_best: bool = False) -> str:
   """A run's first console lines: its workdir and what goes there (docs/outputs.md describes
   each). `data_dir`: data.cache_dir ('' = <workdir>/data); `nvme_dir`: an NVMe tier's
   offload.dir."""
@@ -115,7 +116,8 @@ def describe_workdir(workdir: pathlib.Path, *, checkpoint_every: int, checkpoint
     when = f'every {checkpoint_every} steps and at the end' if checkpoint_every else 'at the end'
     if checkpoint_minutes:
       when += f', every {checkpoint_minutes:g} min'
-    checkpoints = f'checkpoints/ ({when}, newest {checkpoint_keep} kept)'
+    best = ' and the best eval/loss' if checkpoint_best else ''
+    checkpoints = f'checkpoints/ ({when}, newest {checkpoint_keep}{best} kept)'
   parts = ['metrics.jsonl and tensorboard/ (a row per logged step)', checkpoints, 'config.json',
            f'{where(data_dir) if data_dir else "data/"} (tokenized data)']
   if nvme_dir:

@@ -851,16 +851,24 @@ def _offloaded_bytes(plan: Plan) -> float:
   return sum(r.bytes for r in plan.rows if r.tier in ('host', 'nvme'))
 
 
+def kept_checkpoints(ckpt) -> int:
+  """Checkpoints a run keeps at most: checkpoint.keep, one more with checkpoint.keep_best (the
+  best may be older than the newest `keep`), none with every = -1."""
+  if ckpt is None or ckpt.every < 0:
+    return 0
+  return ckpt.keep + int(bool(ckpt.get('keep_best', False)))
+
+
 def checkpoint_copies(ckpt, steps: int) -> int:
-  """Checkpoints that pin a copy of the NVMe stores: checkpoint.keep, or fewer when the run writes
-  fewer (every = 0: the end only, one; every = -1: none). Time-based and preemption checkpoints
-  may add one more before the end: counted while keep allows."""
+  """Checkpoints that pin a copy of the NVMe stores: `kept_checkpoints`, or fewer when the run
+  writes fewer (every = 0: the end only, one; every = -1: none). Time-based and preemption
+  checkpoints may add one more before the end: counted while keep allows."""
   if ckpt is None or ckpt.every < 0:
     return 0
   written = 1 if ckpt.every == 0 else -(-steps // ckpt.every)
   if ckpt.get('every_minutes', 0.0) > 0:
     written += 1
-  return min(ckpt.keep, written)
+  return min(kept_checkpoints(ckpt), written)
 
 
 def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,

@@ -335,7 +335,8 @@ class StepSchedule:
       # Each kept checkpoint hard-links the stores; the next write-back unshares them.
       live = sum(r.bytes for r in rows if r.tier == 'nvme')
       extra.append(Row('nvme', f'checkpoint snapshots (keep={checkpoint_copies})',
-                       checkpoint_copies * live, 'checkpoint.keep × the stores above'))
+                       checkpoint_copies * live,
+                       'checkpoint.keep (+1 with keep_best) × the stores above'))
     extra.append(Row('host', STAGING_ROW, self.placement.host_buffer_gb * 1e9,
                      'offload.host_buffer_gb (numpy, unpinned)'))
     return extra

@@ -137,7 +137,7 @@ def _check_offload_dir(config, model_cfg, workdir: pathlib.Path, placement) -> N
             + nvme.nvme_bytes(outer_bytes, placement.embed_head, placement.embed_head))
   nvme.check_offload_dir(offload_dir, needed,
                          checkpoint_dir=workdir / 'checkpoints',
-                         keep=config.checkpoint.keep if config.checkpoint.every >= 0 else 0)
+                         keep=planner.kept_checkpoints(config.checkpoint))
 
 
 def plan_for(config, workdir: pathlib.Path | None, dry_run: bool):
@@ -305,28 +305,27 @@ def _model_and_tokenizer(config, model_cfg):
 @contextlib.contextmanager
 def _weights_reader(config, model_cfg, path: pathlib.Path, meta, checkpoint):
   """(reader, source) of an --eval or --sample (`_eval_config`'s path, meta and checkpoint): the
-  run's newest checkpoint if it has one, held for the `with` block so that a run training there
-  keeps it meanwhile (checkpoint.read_newest), else the Hugging Face checkpoint, read as a fresh
-  run's full state."""
+  run's checkpoint (checkpoint.read) if it has one, held for the `with` block (`_run_checkpoint`),
+  else the Hugging Face checkpoint, read as a fresh run's full state."""
   if meta is None:
     tx = optim.make_optimizer(config.train)
     yield (hf.HfReader(checkpoint, resident.abstract_state(model_cfg, tx)),
            str(checkpoint.directory))
     return
-  with _run_checkpoint(path, model_cfg) as reader:
+  with _run_checkpoint(config, path, model_cfg) as reader:
     yield reader, f'{reader.directory} (step {reader.meta["step"]})'
 
 
 @contextlib.contextmanager
-def _run_checkpoint(path: pathlib.Path, model_cfg):
-  """The newest intact checkpoint of the run in `path`, held for reading for the `with` block (a
-  run training there keeps it meanwhile: checkpoint.read_newest)."""
-  with checkpoint_lib.read_newest(path, model_cfg) as reader:
+def _run_checkpoint(config, path: pathlib.Path, model_cfg):
+  """The checkpoint of the run in `path` that checkpoint.read names (newest, best, a step), held
+  for reading for the `with` block: a run training there keeps it meanwhile
+  (checkpoint.read_checkpoint)."""
+  with checkpoint_lib.read_checkpoint(path, model_cfg, config.checkpoint.read) as reader:
     if reader is None:  # its checkpoints were deleted since newest_checkpoint_meta saw them
       raise ConfigError(f'{path} holds no checkpoint any more; pass the --workdir of a run that '
                         'has saved one (checkpoints/<step>/).')
     yield reader
-
 
 
 def with_document_mask(config, model_cfg, tokenizer):
@@ -472,7 +471,7 @@ def _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, lo
     if every >= 0 and (metrics_lib.due(done, every, train_cfg.steps) or on_time or stopping):
       checkpointer.save(done, engine, data_position=position, model_cfg=model_cfg,
                         seed=train_cfg.seed, placement=plan.placement,
-                        microbatches=plan.microbatches)
+                        microbatches=plan.microbatches, eval_loss=scalars.get('eval/loss'))
       clock.reset()
     if stopping:
       raise _stopped(log, checkpointer, done, stop.received, saved=every >= 0)
@@ -510,7 +509,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   with contextlib.ExitStack() as locked:
     if main:
       locked.enter_context(locks.hold_workdir(workdir))  # before anything is written
-    checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep)
+    checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep,
+                                keep_best=config.checkpoint.keep_best)
     # Closed last, however the run ends: commits the checkpoint in flight.
     locked.callback(checkpointer.close)
     config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
@@ -564,6 +564,7 @@ def _finished(restored, config, main: bool) -> bool:
 def _print_workdir(config, plan, workdir: pathlib.Path) -> None:
   print(metrics_lib.describe_workdir(
       workdir, checkpoint_every=config.checkpoint.every, checkpoint_keep=config.checkpoint.keep,
+      checkpoint_best=config.checkpoint.keep_best,
       checkpoint_minutes=config.checkpoint.every_minutes, data_dir=config.data.cache_dir,
       nvme_dir=plan.placement.dir if plan.placement.uses_nvme else None), flush=True)
 
@@ -689,7 +690,7 @@ def export_hf(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> 
     raise ConfigError(f'--export_hf: {path} holds no checkpoint to export. Pass the --workdir of '
                       'a run that has saved one (checkpoints/<step>/).')
   model_cfg = model_lib.ModelConfig(**meta['model_config'])
-  with _run_checkpoint(path, model_cfg) as reader:
+  with _run_checkpoint(config, path, model_cfg) as reader:
     files = export_lib.export(reader, model_cfg, out, dtype=config.export.dtype,
                               max_shard_bytes=int(config.export.max_shard_gb * 1e9),
                               tokenizer=_run_tokenizer(path) or 'byte')

@@ -135,7 +135,7 @@ LEAF = "['params']['layers']['attn']['q_proj']['kernel']"
 
 
 def test_a_checkpoint_being_read_is_kept_until_its_reader_is_done(tmp_path):
-  """read_newest (--eval, --sample, --export_hf beside a run) holds the checkpoint it reads: the
+  """read_checkpoint (--eval, --sample, --export_hf beside a run) holds the checkpoint it reads: the
   run's commits delete the others beyond checkpoint.keep but keep it, and the first commit after
   the reader is done deletes it. Opening it deletes no unfinished save of the run."""
   engine, _, _ = streamed_run(1, 1.0, layers_per_group=2)
@@ -144,7 +144,7 @@ def test_a_checkpoint_being_read_is_kept_until_its_reader_is_done(tmp_path):
   checkpointer.wait()
   in_flight = tmp_path / 'checkpoints' / '.tmp-2'  # the run's next save, being written
   in_flight.mkdir()
-  with checkpoint.read_newest(tmp_path, CFG) as reader:
+  with checkpoint.read_checkpoint(tmp_path, CFG) as reader:
     assert reader.step == 1 and in_flight.is_dir()
     in_flight.rmdir()
     want = reader.read(LEAF)
@@ -161,7 +161,7 @@ def test_a_checkpoint_being_read_is_kept_until_its_reader_is_done(tmp_path):
 
 def test_a_reader_that_locks_a_checkpoint_as_it_is_deleted_takes_the_newest_again(
     tmp_path, monkeypatch):
-  """The race read_newest closes: the run renames the checkpoint away (to delete it) between the
+  """The race read_checkpoint closes: the run renames the checkpoint away (to delete it) between the
   reader's open and its lock. The reader sees another inode at the path and walks again."""
   engine, _, _ = streamed_run(1, 1.0, layers_per_group=2)
   checkpointer = Checkpointer(tmp_path, keep=2)
@@ -178,8 +178,92 @@ def test_a_reader_that_locks_a_checkpoint_as_it_is_deleted_takes_the_newest_agai
     return flock(fd, operation)
 
   monkeypatch.setattr(locks.fcntl, 'flock', deleted_first)
-  with checkpoint.read_newest(tmp_path, CFG) as reader:
+  with checkpoint.read_checkpoint(tmp_path, CFG) as reader:
     assert deleted and reader.step == 1
+
+
+def test_keep_best_keeps_the_lowest_eval_loss_beside_the_newest(tmp_path):
+  """checkpoint.keep_best: the commits keep the newest `keep` and the checkpoint whose meta.json
+  records the lowest eval_loss (the earliest of equal ones); a checkpoint without one (a
+  time-based save) is never the best. read_checkpoint reads 'best' or a step number."""
+  engine, _, _ = streamed_run(1, 1.0, layers_per_group=2)
+  checkpointer = Checkpointer(tmp_path, keep=1, keep_best=True)
+  losses = {1: 3.0, 2: 2.0, 3: None, 4: 2.0, 5: 2.5}
+  kept = {1: [1], 2: [2], 3: [2, 3], 4: [2, 4], 5: [2, 5]}
+  for step, loss in losses.items():
+    checkpointer.save(step, engine, data_position=step, model_cfg=CFG, eval_loss=loss)
+    checkpointer.wait()
+    assert checkpointer.steps() == kept[step], step
+  assert checkpoint.best_step(tmp_path / 'checkpoints') == 2
+  with checkpoint.read_checkpoint(tmp_path, CFG, 'best') as reader:
+    assert reader.step == 2 and reader.meta['eval_loss'] == 2.0
+  with checkpoint.read_checkpoint(tmp_path, CFG, '5') as reader:
+    assert reader.step == 5
+  with pytest.raises(ConfigError, match=r'checkpoint.read=4: .* has no checkpoint of step 4 '
+                                        r'\(it has 2, 5\); pass one of those.'):
+    with checkpoint.read_checkpoint(tmp_path, CFG, '4'):
+      pass
+  checkpointer.save(6, engine, data_position=6, model_cfg=CFG, eval_loss=1.5)
+  checkpointer.wait()
+  assert checkpointer.steps() == [6]
+  checkpointer.close()
+  without = Checkpointer(tmp_path / 'plain', keep=1)
+  without.save(1, engine, data_position=1, model_cfg=CFG)
+  without.close()
+  with pytest.raises(ConfigError, match='checkpoint.read=best: no checkpoint in .* records an '
+                                        'eval/loss'):
+    with checkpoint.read_checkpoint(tmp_path / 'plain', CFG, 'best'):
+      pass
+
+
+def test_a_run_with_keep_best_evaluates_and_exports_its_best_step(tmp_path, data, monkeypatch):
+  """A run with checkpoint.keep_best whose validation loss is lowest at step 4 of 8 (the losses
+  set here) keeps checkpoints 4 and 8 with keep=1; --eval and --export_hf with checkpoint.read
+  read the best, or a step, and a deleted step is refused naming those there are."""
+  losses = iter([5.0, 3.0, 1.0, 4.0, 6.0])  # steps 0, 2, 4, 6, 8
+  def evaluate(engine, batches):
+    loss = next(losses)
+    return {'eval/loss': loss, 'eval/perplexity': np.exp(loss)}
+
+  monkeypatch.setattr(train, '_evaluate', evaluate)
+  run = config(data, steps=8, train__eval_every=2, checkpoint__every=2, checkpoint__keep=1,
+               checkpoint__keep_best=True)
+  train.train_and_evaluate(run, str(tmp_path))
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['4', '8']
+  run.eval.path, run.eval.max_len = str(data), 32
+  run.checkpoint.read = 'best'
+  assert train.evaluate(run, str(tmp_path))['eval/source'].endswith('checkpoints/4 (step 4)')
+  run.checkpoint.read = '8'
+  assert train.evaluate(run, str(tmp_path))['eval/source'].endswith('checkpoints/8 (step 8)')
+  run.checkpoint.read = 'best'
+  train.export_hf(run, str(tmp_path), str(tmp_path / 'hf'))
+  with checkpoint.read_checkpoint(tmp_path, train._validate(run, str(tmp_path))[0], '4') as reader:  # pylint: disable=protected-access
+    exported = reader.read(LEAF)
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  weights = {}
+  for f in (tmp_path / 'hf').glob('*.safetensors'):
+    weights.update(load_file(f))
+  np.testing.assert_array_equal(weights['model.layers.0.self_attn.q_proj.weight'],
+                                exported[0].T)
+  run.checkpoint.read = '2'
+  with pytest.raises(ConfigError, match=r'no checkpoint of step 2 \(it has 4, 8\)'):
+    train.export_hf(run, str(tmp_path), str(tmp_path / 'other'))
+
+
+def test_keep_best_needs_an_eval_at_every_checkpoint(tmp_path):
+  for fields, message in [
+      (dict(checkpoint__every=3, train__eval_every=2), 'checkpoint.every=3 is not a multiple of '
+                                                       'train.eval_every=2'),
+      (dict(checkpoint__every=4, train__eval_every=0), 'not a multiple of train.eval_every=0'),
+      (dict(checkpoint__every=-1), 'checkpoint.every=-1 writes none')]:
+    with pytest.raises(ConfigError, match=f'checkpoint.keep_best: .*{re.escape(message)}'):
+      train.train_and_evaluate(small_config('', checkpoint__keep_best=True, **fields),
+                               str(tmp_path / 'run'))
+    assert not (tmp_path / 'run').exists()
+  with pytest.raises(ConfigError, match="checkpoint.read: 'last' is not 'newest', 'best' or a "
+                                        'step number.'):
+    train.train_and_evaluate(small_config('', checkpoint__read='last'), str(tmp_path / 'run'))
+  assert not (tmp_path / 'run').exists()
 
 
 # ------------------------------------------------------------------------------------------------

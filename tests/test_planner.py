@@ -289,6 +289,18 @@ def test_refusal_disk_too_small():
   assert 'nvme:' in str(e.value) and 'offload.dir' in str(e.value)
 
 
+def test_nvme_plan_counts_the_best_checkpoint_as_one_more_copy():
+  """checkpoint.keep_best may keep one checkpoint older than the newest `keep`: one more snapshot
+  of the NVMe stores on disk."""
+  def snapshots(**fields):
+    plan = _plan(offload__params='nvme', offload__opt_state='nvme', checkpoint__keep=2,
+                 checkpoint__every=10, train__eval_every=10, train__steps=100, **fields)
+    return [r for r in plan.rows if r.item.startswith('checkpoint snapshots')]
+  plain, best = snapshots(), snapshots(checkpoint__keep_best=True)
+  assert len(plain) == len(best) == 1
+  assert best[0].bytes == pytest.approx(1.5 * plain[0].bytes)
+
+
 def test_refusal_through_train_and_evaluate_writes_nothing(tmp_path):
   workdir = tmp_path / 'run'
   with pytest.raises(ConfigError, match='fits no placement'):
