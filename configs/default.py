@@ -267,6 +267,15 @@ def get_config() -> ml_collections.ConfigDict:
   #                               glibc's defaults. Applied when the package is imported
   #                               (MEGATRAIN_JAX_ALLOCATOR=system opts out from the start) and
   #                               again with this value when training starts.
+  # ---------------------------------------------------------------------------------------------
+  # A jax.profiler trace of a few training steps (megatrain_jax/profiling.py): XLA ops, copies
+  # between memory kinds and host threads on one timeline, into <workdir>/profile/ (TensorBoard's
+  # Profile tab). docs/outputs.md: Profiling.
+  # ---------------------------------------------------------------------------------------------
+  config.profile = profile = ml_collections.ConfigDict()
+  profile.start_step = 0  # The first step traced; 0 = off. Not 1: a process's first step compiles.
+  profile.steps = 3  # Steps traced from start_step on (the trace grows by each step's ops).
+
   config.jax_cache_dir = '~/.cache/megatrain_jax/jax'  # Persistent XLA compile cache; '' = off.
   config.hardware = ''  # Hardware profile the planner predicts from: a preset (h100, h200, a100,
   #                       rtx4090, cpu), a JSON file from `launch.py --calibrate`, or '' = auto

@@ -242,6 +242,10 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   _require(0 <= t.seed <= MAX_SEED, 'train.seed',
            f'must be in [0, 2**31 - 1] (it seeds a 32-bit PRNG key), got {t.seed}.')
   _validate_checkpoint(config.checkpoint, t.eval_every)
+  _require(config.profile.start_step >= 0, 'profile.start_step',
+           f'must be >= 0 (0 = off), got {config.profile.start_step}.')
+  _require(config.profile.steps >= 1, 'profile.steps',
+           f'must be >= 1, got {config.profile.steps}.')
   _require(0 < config.data.val_fraction <= 0.5, 'data.val_fraction',
            f'must be in (0, 0.5], got {config.data.val_fraction}.')
   _validate_eval_export(config)

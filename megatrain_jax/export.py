@@ -19,6 +19,8 @@ is the one `safetensors` itself writes.
 import dataclasses
 import json
 import math
+import os
+import shutil
 import struct
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +28,7 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
+from megatrain_jax import fs
 from megatrain_jax import hf
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.hf.format import tensor_map
@@ -126,7 +129,8 @@ def _write_shard(reader, file: Path, entries: list[_Entry], dtype: np.dtype, tag
 def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
            max_shard_bytes: int = 5 * 10**9, tokenizer: str = 'byte') -> list[Path]:
   """Writes the params of `reader` (a checkpoint reader of a run of `cfg`) as a Hugging Face
-  checkpoint in `out_dir` (new or empty); returns the files written.
+  checkpoint in `out_dir` (new or empty), all at once: the files are written and fsynced in a
+  hidden directory beside it, which is then renamed to `out_dir`; returns the files written.
 
   Args:
     reader: `read(full-state path, start, stop, axis=)`, e.g. checkpoint.CheckpointReader.
@@ -136,25 +140,43 @@ def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
     max_shard_bytes: Largest safetensors file.
     tokenizer: The run's data.tokenizer: its tokenizer files are copied unless it is 'byte'.
   """
+  # Written into a hidden directory beside out_dir, then renamed to it: a killed export leaves no
+  # partial checkpoint that from_pretrained could half-load, and the rerun is not refused for a
+  # non-empty out_dir (it deletes the leftover instead).
+  staging = out_dir.parent / f'.{out_dir.name}.export-tmp'
+  shutil.rmtree(staging, ignore_errors=True)
+  staging.mkdir(parents=True)
+  names = _write_files(reader, cfg, staging, dtype, max_shard_bytes, tokenizer)
+  for name in names:
+    fs.fsync(staging / name)
+  fs.fsync(staging, directory=True)
+  if out_dir.is_dir():
+    out_dir.rmdir()  # empty (check_destination)
+  os.rename(staging, out_dir)
+  fs.fsync(out_dir.parent, directory=True)
+  return [out_dir / name for name in names]
+
+
+def _write_files(reader, cfg: ModelConfig, out_dir: Path, dtype: str, max_shard_bytes: int,
+                 tokenizer: str) -> list[str]:
+  """`export`'s files written into `out_dir`; returns their names."""
   np_dtype, tag = _DTYPES[dtype]
   shards = _shards(_entries(cfg), np_dtype.itemsize, max_shard_bytes)
   names = ([_SINGLE_FILE] if len(shards) == 1 else
            [f'model-{k + 1:05d}-of-{len(shards):05d}.safetensors' for k in range(len(shards))])
-  out_dir.mkdir(parents=True, exist_ok=True)
-  written = []
   for name, entries in zip(names, shards):
     _write_shard(reader, out_dir / name, entries, np_dtype, tag)
-    written.append(out_dir / name)
+  written = list(names)
   if len(shards) > 1:
     index = {'metadata': {'total_size': sum(e.nbytes(np_dtype.itemsize) for s in shards
                                             for e in s)},
              'weight_map': {e.name: name for name, s in zip(names, shards) for e in s}}
     (out_dir / _INDEX_FILE).write_text(json.dumps(index, indent=2) + '\n')
-    written.append(out_dir / _INDEX_FILE)
+    written.append(_INDEX_FILE)
   config = hf.hf_config_from_model_config(cfg) | {'dtype': dtype}
   (out_dir / 'config.json').write_text(json.dumps(config, indent=2) + '\n')
-  written.append(out_dir / 'config.json')
+  written.append('config.json')
   if tokenizer != 'byte':
-    written += hf.copy_tokenizer(Path(tokenizer), out_dir)
+    written += [p.name for p in hf.copy_tokenizer(Path(tokenizer), out_dir)]
   return written
 

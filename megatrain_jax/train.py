@@ -47,6 +47,7 @@ from megatrain_jax import optim
 from megatrain_jax import partition
 from megatrain_jax import planner
 from megatrain_jax import preemption
+from megatrain_jax import profiling
 from megatrain_jax import runtime
 from megatrain_jax import sample as sample_lib
 from megatrain_jax.checkpoint import Checkpointer
@@ -454,15 +455,16 @@ def _evaluate(engine, batches) -> dict:
 
 
 def _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log, position,
-           stop: preemption.StopSignals) -> None:
+           stop: preemption.StopSignals, profiler: profiling.StepProfiler) -> None:
   """Steps to `train.steps`: each step logged, evaluated and checkpointed when due (every
   `checkpoint.every` steps, once `checkpoint.every_minutes` have passed since the last checkpoint,
-  at the end). A stop request (`stop`: SIGTERM, SIGINT) is acted on once the step in flight is
-  done: its checkpoint is committed and TrainingStopped raised."""
+  at the end), and traced when `profiler` says. A stop request (`stop`: SIGTERM, SIGINT) is acted
+  on once the step in flight is done: its checkpoint is committed and TrainingStopped raised."""
   train_cfg, every = config.train, config.checkpoint.every
   clock = preemption.CheckpointClock(config.checkpoint.every_minutes)
   for done in range(engine.step + 1, train_cfg.steps + 1):
-    scalars = log.timed_step(done, engine.train_step, sampler.batch(position))
+    with profiler.step(done):
+      scalars = log.timed_step(done, engine.train_step, sampler.batch(position))
     position += sampler.samples_per_step
     if metrics_lib.due(done, train_cfg.eval_every, train_cfg.steps):
       scalars.update(_evaluate(engine, eval_data))
@@ -544,8 +546,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         checkpointer, layout) as log, distributed.lost_process_error(checkpointer):
       if start_step == 0:  # the baseline every later eval is compared with
         log.write(0, _evaluate(engine, eval_data))
-      _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log, position,
-             stop)
+      with profiling.StepProfiler(config.profile.start_step, config.profile.steps, workdir,
+                                  log.print) as profiler:
+        _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log,
+               position, stop, profiler)
     return log.last
 
 

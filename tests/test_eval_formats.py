@@ -16,6 +16,7 @@ import zstandard
 
 from megatrain_jax import config as config_lib
 from megatrain_jax import evaluate as evaluate_lib
+from megatrain_jax import export as export_lib
 from megatrain_jax import locks
 from megatrain_jax import model as model_lib
 from megatrain_jax import partition
@@ -197,3 +198,30 @@ def test_eval_sample_and_export_read_a_run_that_is_training(trained, tmp_path):
     assert any(f.name.endswith('.safetensors') for f in files)
     with pytest.raises(locks.DirectoryInUseError):  # a second training run is still refused
       train.train_and_evaluate(config, str(workdir))
+
+
+def test_an_export_killed_midway_leaves_nothing_at_its_destination(trained, tmp_path, monkeypatch):
+  """--export_hf writes into a hidden directory beside the destination and renames it there at
+  the end: an export that dies after its first shard leaves the destination absent (nothing for
+  from_pretrained to half-load), and the rerun replaces the leftover and writes every file."""
+  config, workdir = trained
+  config = config.copy_and_resolve_references()
+  config.export.max_shard_gb = 2e-5  # several shards
+  out = tmp_path / 'hf'
+  write_shard = export_lib._write_shard  # pylint: disable=protected-access
+  shards = []
+
+  def dies_after_one(*args):
+    if shards:
+      raise KeyboardInterrupt('killed')
+    shards.append(write_shard(*args))
+
+  monkeypatch.setattr(export_lib, '_write_shard', dies_after_one)
+  with pytest.raises(KeyboardInterrupt):
+    train.export_hf(config, str(workdir), str(out))
+  assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ['.hf.export-tmp']
+  monkeypatch.setattr(export_lib, '_write_shard', write_shard)
+  files = train.export_hf(config, str(workdir), str(out))
+  assert len([f for f in files if f.suffix == '.safetensors']) > 1
+  assert sorted(p.name for p in out.iterdir()) == sorted(f.name for f in files)
+  assert [p.name for p in tmp_path.iterdir()] == ['hf']

@@ -2,6 +2,7 @@
 a stopped run resumes to bitwise-identical metrics; a diverging run stops with a clear error."""
 
 import dataclasses
+import gzip
 import io
 import json
 import math
@@ -251,6 +252,34 @@ def test_console_names_the_workdir_and_a_rerun_has_nothing_to_do(tmp_path, share
   assert lines[0].startswith('workdir: ')
   assert lines[2:] == ['nothing to do: step 2 of 2; raise --config.train.steps to continue']
   assert {p: p.stat().st_mtime_ns for p in workdir.rglob('*') if p.is_file()} == written
+
+
+def _traces(workdir) -> list:
+  files = list((workdir / 'profile' / 'plugins' / 'profile').glob('*/*.trace.json.gz'))
+  assert len(files) == 1 and list(files[0].parent.glob('*.xplane.pb')), files
+  return json.loads(gzip.decompress(files[0].read_bytes()))['traceEvents']
+
+
+@pytest.mark.parametrize('placement', [{}, dict(offload__params='host', offload__opt_state='host',
+                                               offload__layers_per_group=1)],
+                         ids=['resident', 'streamed'])
+def test_profile_traces_the_steps_asked(tmp_path, shared_data, capsys, placement):
+  """profile.start_step=2, steps=2 of a 4-step run: one trace in <workdir>/profile whose step
+  annotations are steps 2 and 3 only, holding the engine's jitted step functions by name; the
+  console says where it is."""
+  workdir = tmp_path / 'run'
+  config = small_config(shared_data / 'tinyshakespeare' / 'input.txt', train__steps=4,
+                        checkpoint__every=0, train__eval_every=0, profile__start_step=2,
+                        profile__steps=2, **placement)
+  train.train_and_evaluate(config, str(workdir))
+  assert f'profile: steps 2-3 traced into {workdir / "profile"}' in capsys.readouterr().out
+  events = _traces(workdir)
+  steps = sorted(int(e['args']['step_num']) for e in events if e.get('name') == 'train')
+  assert steps == [2, 3]
+  functions = {e['name'] for e in events if e.get('name', '').startswith('PjitFunction(')}
+  # The streamed engine's programs by their stage names (not their sharding wrapper's).
+  want = ['train_step'] if not placement else ['group_forward', 'group_backward']
+  assert {f'PjitFunction({name})' for name in want} <= functions, '; '.join(sorted(functions))
 
 
 def test_epochs_count_the_steps_from_the_prepared_data(tmp_path, shared_data, capsys):

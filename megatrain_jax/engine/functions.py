@@ -81,8 +81,8 @@ def adamw_update(tx, grad_sum, opt_state, params, scale, num_micro: int):
   return optax.apply_updates(params, updates), opt_state
 
 
-def _sharded_outputs(fn, state=(), batch=(), stacked=()):
-  """`fn` with its outputs at the indices in `state` (train-state-shaped trees) held to the
+def _sharded_outputs(name: str, fn, state=(), batch=(), stacked=()):
+  """`fn`, named `name`, with its outputs at the indices in `state` (train-state-shaped trees) held to the
   layout's per-leaf specs, those in `batch` (activations [B, S, ...]) split along B and those in
   `stacked` (per-layer activations [K, B, S, ...]) split along B too (axis 1); `fn` takes the
   layout as its first argument. Applied inside jit: sharding constraints."""
@@ -97,6 +97,7 @@ def _sharded_outputs(fn, state=(), batch=(), stacked=()):
     for i in stacked:
       out[i] = jax.lax.with_sharding_constraint(out[i], layout.split_along(1, 'device'))
     return out[0] if single else tuple(out)
+  constrained.__name__ = constrained.__qualname__ = name
   return constrained
 
 
@@ -105,28 +106,33 @@ class StageFunctions:
 
   def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, layout: Layout):
     self.tx, self.layout = tx, layout
-    on = lambda fn, **where: functools.partial(_sharded_outputs(fn, **where), layout)
+    # Programs named by stage, as profiles show them: PjitFunction(group_backward), not the wrapper.
+    on = lambda name, fn, **where: functools.partial(_sharded_outputs(name, fn, **where), layout)
     # On N devices each layer gathers its weights whole and keeps its input split along B.
     shard = layout.shard_layer if layout.num_devices > 1 else None
     # Vocabulary chunks: `start` (the chunk's first id) is traced, so chunks of one length share
     # one compiled function; pieces are trees at full-state paths (partition.py).
-    self.embed_chunk = jax.jit(on(functools.partial(_embed_chunk, cfg), batch=[0]))
-    self.embed_chunk_add = jax.jit(on(functools.partial(_embed_chunk_add, cfg), batch=[0]),
-                                   donate_argnums=(3,))
+    self.embed_chunk = jax.jit(on('embed_chunk', functools.partial(_embed_chunk, cfg), batch=[0]))
+    self.embed_chunk_add = jax.jit(on('embed_chunk_add', functools.partial(_embed_chunk_add, cfg),
+                                      batch=[0]), donate_argnums=(3,))
     self.lse_init = jax.jit(head_chunks.lse_init)
     self.lse_update = jax.jit(functools.partial(_lse_update, cfg))
     self.lse_finish = jax.jit(head_chunks.lse_finish)
-    self.head_chunk_backward = jax.jit(on(functools.partial(_head_chunk_backward, cfg),
+    self.head_chunk_backward = jax.jit(on('head_chunk_backward',
+                                          functools.partial(_head_chunk_backward, cfg),
                                           state=[0], batch=[1]))
-    self.embed_chunk_backward = jax.jit(on(functools.partial(_embed_chunk_backward, cfg),
+    self.embed_chunk_backward = jax.jit(on('embed_chunk_backward',
+                                           functools.partial(_embed_chunk_backward, cfg),
                                            state=[0]), static_argnums=0)  # the chunk's shape
     self.group_forward = jax.jit(on(
+        'group_forward',
         lambda group, x, positions: model_lib.apply_group(cfg, group['layers'], x, positions,
                                                           shard),
         batch=[0]))
     # offload.keep_layer_inputs (K > 1): the forward also returns the K layer inputs [K, B, S, D]
     # for the backward, which then recomputes each layer once (not the whole group first).
     self.group_forward_keeping_inputs = jax.jit(on(
+        'group_forward_keeping_inputs',
         lambda group, x, positions: decoder.apply_group_keeping_inputs(cfg, group['layers'], x,
                                                                        positions, shard),
         batch=[0], stacked=[1]))
@@ -135,23 +141,27 @@ class StageFunctions:
     # program.
     self.token_positions = jax.jit(functools.partial(model_lib.token_positions, cfg))
     self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg))
-    self.final_norm_backward = jax.jit(on(functools.partial(_final_norm_backward, cfg),
+    self.final_norm_backward = jax.jit(on('final_norm_backward',
+                                          functools.partial(_final_norm_backward, cfg),
                                           state=[0], batch=[1]))
     # A group's backward for one microbatch: (grad_sum, dx, squares). The first microbatch's
     # gradient starts the sum (grad_sum None: no zeros to fill and add), and the last one also
     # returns the sum of squares of the mean gradient (`squares_of` = M; None: squares None),
     # so neither costs a pass over the group's gradient of its own.
     self.group_backward = jax.jit(
-        on(_with_squares(functools.partial(_group_backward, cfg, shard)), state=[0], batch=[1]),
+        on('group_backward', _with_squares(functools.partial(_group_backward, cfg, shard)),
+           state=[0], batch=[1]),
         donate_argnums=(2, 4), static_argnums=5)
     self.group_backward_from_inputs = jax.jit(
-        on(_with_squares(functools.partial(_group_backward_from_inputs, cfg, shard)), state=[0],
+        on('group_backward_from_inputs',
+           _with_squares(functools.partial(_group_backward_from_inputs, cfg, shard)), state=[0],
            batch=[1]), donate_argnums=(2, 4), static_argnums=5)
-    self.add = jax.jit(on(tree_add, state=[0]), donate_argnums=(0,))
+    self.add = jax.jit(on('add_gradients', tree_add, state=[0]), donate_argnums=(0,))
     self.sum_of_squares = jax.jit(mean_sum_of_squares, static_argnums=1)
     # Donates the Adam state and the weights (the new ones reuse their buffers); the gradient has
     # no output of its shape left to alias, so it is freed rather than donated.
-    self.device_update = jax.jit(on(functools.partial(adamw_update, tx), state=[0, 1]),
+    self.device_update = jax.jit(on('device_update', functools.partial(adamw_update, tx),
+                                    state=[0, 1]),
                                  static_argnums=4, donate_argnums=(1, 2))
     self._host_updates = {}  # (tree structure, leaf shapes, M) -> jitted host update
 
