@@ -10,7 +10,7 @@ each token (after the first window) with at least max_len - stride of them.
     loss = (1/T) Σ_scored -log p(t_i | context),  perplexity = exp(loss),  T = N - 1.
 
 eval.path takes what data.path takes (data/formats.py): a file, a directory (its non-hidden files,
-sorted) or a glob pattern of .txt (or any other text), .jsonl, .jsonl.zst, .jsonl.gz and .parquet.
+sorted) or a glob pattern of .txt (or any other text), .jsonl(.zst/.gz), .parquet and .arrow.
 The files are read in order into one stream. A text file is tokenized whole, as is (no EOS: the
 perplexity guide's definition, and what eval.path always meant). Record files are read by the data
 package's readers, each record one document stored as training stores it ([BOS] tokens EOS,
@@ -84,13 +84,11 @@ def _text_tokens(file: Path, tokenizer) -> np.ndarray:
 
 
 def _record_tokens(file: Path, tokenizer, fmt) -> tuple[np.ndarray, np.ndarray | None]:
-  """A JSONL(.zst/.gz) or Parquet file's documents as training stores them: (tokens, loss mask
-  or None when every token is learned). Bad records are errors naming file and line/row, or
+  """A JSONL(.zst/.gz), Parquet or Arrow file's documents as training stores them: (tokens,
+  loss mask or None when every token is learned). Bad records are errors naming file and line/row, or
   skipped with data.skip_bad_records."""
-  tasks = (formats.jsonl_tasks(file, _FIELD) if formats.source_format(file) == formats.JSONL else
-           formats.parquet_tasks(file, fmt, _FIELD))
   tokens, masks, skipped = [], [], 0
-  for task, _ in tasks:
+  for task, _ in formats.record_tasks(file, fmt, _FIELD):
     result = formats.run_task(task, tokenizer, fmt, np.dtype(np.int32))
     if result.bad and not fmt.skip_bad_records:
       raise formats.bad_records_error(result.bad, result.skipped, _FIELD)
@@ -131,8 +129,8 @@ def read_eval_data(path: str, tokenizer, data_config=None,
   """
   if not path:
     raise ConfigError('eval.path is empty: set it to the text to evaluate on (a text file, a '
-                      '.jsonl, .jsonl.zst, .jsonl.gz or .parquet file, a directory or a glob '
-                      'pattern).')
+                      '.jsonl, .jsonl.zst, .jsonl.gz, .parquet or .arrow file, a directory or a '
+                      'glob pattern).')
   files = formats.expand_sources([path], _FIELD)
   fmt = None
   pieces = []

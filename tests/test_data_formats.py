@@ -132,6 +132,89 @@ def test_jsonl_zst_and_parquet_token_counts(tmp_path, documents, tokenizer_dir):
     assert not info.has_mask and isinstance(load_split(info, 'train'), TokenStream)
 
 
+def _save_to_disk(directory: Path, columns: dict, shards: int = 2, batch_rows: int = 50) -> Path:
+  """A directory as `datasets.Dataset.save_to_disk` writes one: data-0000k-of-0000n.arrow files
+  in Arrow's IPC stream format, record batches of `batch_rows` rows (datasets' writer_batch_size),
+  the features in the schema's 'huggingface' metadata; state.json listing the files (in an order
+  other than their names', which is the one to follow), dataset_info.json."""
+  directory.mkdir(parents=True)
+  table = pa.table(columns).replace_schema_metadata({'huggingface': json.dumps({'info': {}})})
+  rows = -(-table.num_rows // shards)
+  names = [f'data-{k:05d}-of-{shards:05d}.arrow' for k in range(shards)]
+  for k, name in enumerate(names):
+    with pa.OSFile(str(directory / name), 'wb') as sink, \
+        pa.ipc.new_stream(sink, table.schema) as writer:
+      for batch in table.slice(k * rows, rows).to_batches(max_chunksize=batch_rows):
+        writer.write_batch(batch)
+  order = names if shards < 2 else [names[1], names[0], *names[2:]]
+  (directory / 'state.json').write_text(json.dumps(
+      {'_data_files': [{'filename': n} for n in order], '_fingerprint': 'f', '_split': 'train'}))
+  (directory / 'dataset_info.json').write_text(json.dumps({'features': {}}))
+  return directory
+
+
+def test_arrow_files_of_datasets_save_to_disk(tmp_path, documents, tokenizer_dir, monkeypatch):
+  """A `save_to_disk` directory (its shards in state.json's order, several batches per task and
+  several tasks per file), and one Arrow file in the IPC file format, give the tokens of the
+  same records in that order as JSONL gives them; prompt/completion columns their mask."""
+  monkeypatch.setattr(formats, 'CHUNK_BYTES', 20_000)
+  tok = load_tokenizer(str(tokenizer_dir))
+  half = len(documents) // 2
+  saved = _save_to_disk(tmp_path / 'saved', {'text': documents, 'id': list(range(len(documents)))},
+                        batch_rows=10)
+  in_order = documents[half:] + documents[:half]  # state.json lists shard 1 first
+  want = prepare_dataset(tmp_path / 'want', tok, shard_tokens=7000,
+                         train_sources=[_write_jsonl(tmp_path / 'docs.jsonl',
+                                                     [{'text': d} for d in in_order])])
+  tasks = [t for f in formats.expand_sources([saved], 'data.path')
+           for t, _ in formats.arrow_tasks(f, document_format(tok), 'data.path')]
+  assert len(tasks) > 2 and max(t.batches for t in tasks) > 1
+  info = prepare_dataset(tmp_path / 'got', tok, train_sources=[saved], shard_tokens=7000)
+  np.testing.assert_array_equal(_stream(info), _stream(want))
+  assert info.stats['documents'] == len(documents) and not info.has_mask
+
+  single = tmp_path / 'docs.arrow'  # the IPC file (random access) format
+  with pa.OSFile(str(single), 'wb') as sink, pa.ipc.new_file(sink, pa.table(
+      {'text': in_order}).schema) as writer:
+    writer.write_table(pa.table({'text': in_order}), max_chunksize=30)
+  info = prepare_dataset(tmp_path / 'file', tok, train_sources=[single], shard_tokens=7000)
+  np.testing.assert_array_equal(_stream(info), _stream(want))
+
+  records = [{'prompt': f'Q{i}:', 'completion': f' a{i}.'} for i in range(300)]
+  sft = _save_to_disk(tmp_path / 'sft', {k: [r[k] for r in records] for k in records[0]},
+                      shards=1)
+  got = prepare_dataset(tmp_path / 'sft_got', ByteTokenizer(), train_sources=[sft])
+  want = prepare_dataset(tmp_path / 'sft_want', ByteTokenizer(),
+                         train_sources=[_write_jsonl(tmp_path / 'sft.jsonl', records)])
+  assert got.has_mask
+  a = TokenStream(got.splits['train'] + got.splits['val'], got.dtype)
+  b = TokenStream(want.splits['train'] + want.splits['val'], want.dtype)
+  np.testing.assert_array_equal(a[:], b[:])
+  np.testing.assert_array_equal(a.mask(slice(0, len(a))), b.mask(slice(0, len(b))))
+
+
+def test_arrow_bad_input_is_named(tmp_path):
+  """A DatasetDict's directory is refused naming its splits; a .arrow file that is not Arrow, and
+  one without a text column, are refused naming the file, before anything is written."""
+  root = tmp_path / 'dict'
+  _save_to_disk(root / 'train', {'text': ['a', 'b']}, shards=1)
+  _save_to_disk(root / 'test', {'text': ['c']}, shards=1)
+  (root / 'dataset_dict.json').write_text(json.dumps({'splits': ['train', 'test']}))
+  with pytest.raises(ConfigError, match=r'data.path: .*/dict is a Hugging Face DatasetDict '
+                                        r'\(splits: train, test\); point data.path at one '
+                                        r'split.s directory, e.g. .*/dict/train\.'):
+    check_data_config(_data_config(path=str(root)))
+  fake = tmp_path / 'fake.arrow'
+  fake.write_bytes(b'not arrow at all')
+  with pytest.raises(ConfigError, match=r'data.path: .*fake.arrow is not a readable Arrow IPC '
+                                        'file'):
+    check_data_config(_data_config(path=str(fake)))
+  other = _save_to_disk(tmp_path / 'other', {'body': ['x', 'y']}, shards=1)
+  with pytest.raises(ConfigError, match=r"has no column 'text'.*its columns: body"):
+    check_data_config(_data_config(path=str(other)))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['dict', 'fake.arrow', 'other']
+
+
 def test_parallel_prepare_equals_single_process(tmp_path, documents, tokenizer_dir, monkeypatch):
   monkeypatch.setattr(prepare_module, '_POOL_MIN_BYTES', 0)
   monkeypatch.setattr(formats, 'CHUNK_BYTES', 20_000)  # many tasks (read at call time)

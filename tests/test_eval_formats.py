@@ -42,13 +42,16 @@ def _jsonl(records) -> bytes:
 
 
 def _write_formats(directory):
-  """The same documents as .jsonl, .jsonl.gz, .jsonl.zst and .parquet."""
+  """The same documents as .jsonl, .jsonl.gz, .jsonl.zst, .parquet and .arrow (IPC stream)."""
   directory.mkdir(parents=True, exist_ok=True)
   data = _jsonl([{'text': d} for d in DOCS])
   (directory / 'a.jsonl').write_bytes(data)
   (directory / 'b.jsonl.gz').write_bytes(gzip.compress(data))
   (directory / 'c.jsonl.zst').write_bytes(zstandard.ZstdCompressor().compress(data))
   pq.write_table(pa.table({'text': DOCS}), directory / 'd.parquet', row_group_size=3)
+  with pa.OSFile(str(directory / 'e.arrow'), 'wb') as sink, \
+      pa.ipc.new_stream(sink, pa.schema([('text', pa.string())])) as writer:
+    writer.write_table(pa.table({'text': DOCS}), max_chunksize=2)
   return directory
 
 
@@ -56,13 +59,13 @@ def test_every_format_reads_as_the_documents_stream(tmp_path):
   files = _write_formats(tmp_path / 'src')
   tok = ByteTokenizer()
   want = _stream(DOCS)
-  for name in ('a.jsonl', 'b.jsonl.gz', 'c.jsonl.zst', 'd.parquet'):
+  for name in ('a.jsonl', 'b.jsonl.gz', 'c.jsonl.zst', 'd.parquet', 'e.arrow'):
     tokens, mask = evaluate_lib.read_eval_data(str(files / name), tok)
     np.testing.assert_array_equal(tokens, want)
     assert mask is None
   # A directory and a glob: the files in sorted order, one stream.
   tokens, _ = evaluate_lib.read_eval_data(str(files), tok)
-  np.testing.assert_array_equal(tokens, np.tile(want, 4))
+  np.testing.assert_array_equal(tokens, np.tile(want, 5))
   tokens, _ = evaluate_lib.read_eval_data(str(files / '*.jsonl*'), tok)
   np.testing.assert_array_equal(tokens, np.tile(want, 3))
   # A text file stays one stream tokenized whole, no EOS (as before).

@@ -6,7 +6,14 @@ A source is a file, a directory (its non-hidden files, sorted) or a glob pattern
   *.jsonl, *.jsonl.zst, *.jsonl.gz   one JSON record per line (zstd / gzip streams decompressed
                                      on the fly; a truncated stream is an error)
   *.parquet                          one record per row, read a row group at a time (pyarrow)
+  *.arrow                            one record per row: Arrow IPC files as Hugging Face
+                                     `datasets` writes them (`save_to_disk`: the stream format;
+                                     the file format too), memory-mapped, a few batches at a time
   anything else                      UTF-8 text, a continuous stream (no documents)
+
+A directory that `datasets.Dataset.save_to_disk` wrote (state.json beside .arrow files) means its
+.arrow files, in state.json's order; a DatasetDict's (dataset_dict.json) is refused naming its
+splits, one of which to point at.
 
 Reading is cut into *tasks* (about `CHUNK_BYTES` of lines, or one Parquet row group), in a fixed
 order that depends only on the files: the prepare step tokenizes tasks in parallel and resumes
@@ -31,7 +38,7 @@ from megatrain_jax.data.documents import BadRecord, DocumentFormat
 from megatrain_jax.data.tokenizer import Tokenizer
 from megatrain_jax.errors import ConfigError
 
-TEXT, JSONL, PARQUET = 'text', 'jsonl', 'parquet'
+TEXT, JSONL, PARQUET, ARROW = 'text', 'jsonl', 'parquet', 'arrow'
 _JSONL_SUFFIXES = ('.jsonl', '.jsonl.zst', '.jsonl.zstd', '.jsonl.gz')
 # Bytes of input per task: large enough that a task amortises its trip to a worker, small enough
 # that (workers x in-flight tasks) of them stay well within the memory bound.
@@ -50,6 +57,8 @@ def source_format(path: Path) -> str:
     return PARQUET
   if name.endswith(_JSONL_SUFFIXES):
     return JSONL
+  if name.endswith('.arrow'):
+    return ARROW
   return TEXT
 
 
@@ -78,11 +87,13 @@ def expand_sources(sources, field: str) -> list[Path]:
       files.extend(p.resolve() for p in matches)
     elif not path.exists():
       raise ConfigError(f'{field}: {path} does not exist; set {field} to an existing file '
-                        '(.txt, .jsonl, .jsonl.zst, .jsonl.gz, .parquet), a directory or a glob '
-                        'pattern.')
+                        '(.txt, .jsonl, .jsonl.zst, .jsonl.gz, .parquet, .arrow), a directory or a '
+                        'glob pattern.')
     elif path.is_dir():
-      children = sorted(child for child in path.iterdir()
-                        if child.is_file() and not child.name.startswith('.'))
+      children = _saved_dataset_files(path, field)
+      if children is None:
+        children = sorted(child for child in path.iterdir()
+                          if child.is_file() and not child.name.startswith('.'))
       if not children:
         raise ConfigError(f'{field}: directory {path} contains no (non-hidden) files; put data '
                           f'files in it or point {field} at a file.')
@@ -90,6 +101,30 @@ def expand_sources(sources, field: str) -> list[Path]:
     else:
       files.append(path.resolve())
   return files
+
+
+def _saved_dataset_files(path: Path, field: str) -> list[Path] | None:
+  """The .arrow files of a directory `datasets.Dataset.save_to_disk` wrote (its state.json
+  lists them in order), or None if it is not one. A DatasetDict's directory is refused."""
+  if (path / 'dataset_dict.json').is_file():
+    try:
+      splits = json.loads((path / 'dataset_dict.json').read_text())['splits']
+    except (OSError, ValueError, KeyError, TypeError):
+      splits = sorted(p.name for p in path.iterdir() if (p / 'state.json').is_file())
+    raise ConfigError(f'{field}: {path} is a Hugging Face DatasetDict (splits: '
+                      f'{", ".join(splits)}); point {field} at one split\'s directory, e.g. '
+                      f'{path / splits[0] if splits else path / "train"}.')
+  if not (path / 'state.json').is_file():
+    return None
+  try:
+    names = [f['filename'] for f in json.loads((path / 'state.json').read_text())['_data_files']]
+  except (OSError, ValueError, KeyError, TypeError):
+    names = sorted(p.name for p in path.glob('*.arrow'))
+  missing = [n for n in names if not (path / n).is_file()]
+  if missing:
+    raise ConfigError(f'{field}: {path}/state.json lists {", ".join(missing)}, which is not '
+                      'there; save the dataset again (save_to_disk) or copy it whole.')
+  return [path / n for n in names]
 
 
 # --- text --------------------------------------------------------------------------------------
@@ -267,6 +302,11 @@ def parquet_columns(path: Path, fmt: DocumentFormat, field: str) -> list[str]:
     names = pq.ParquetFile(path).schema_arrow.names
   except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...
     raise ConfigError(f'{field}: {path} is not a readable Parquet file ({e}).') from e
+  return _record_columns(names, path, fmt, field)
+
+
+def _record_columns(names: list[str], path: Path, fmt: DocumentFormat, field: str) -> list[str]:
+  """Of a table's column `names`: those its records are read from (`parquet_columns`)."""
   if fmt.prompt_field in names and fmt.completion_field in names:
     return [fmt.prompt_field, fmt.completion_field]
   for column in (fmt.text_field, documents.MESSAGES_FIELD):
@@ -308,14 +348,94 @@ def _parquet_documents(task: ParquetTask, fmt: DocumentFormat, bad: list) -> lis
   batches = pq.ParquetFile(task.file).iter_batches(
       batch_size=_PARQUET_BATCH_ROWS, row_groups=[task.row_group], columns=list(task.columns))
   for batch in batches:
-    values = [batch.column(name).to_pylist() for name in task.columns]
-    for record_values in zip(*values):
-      try:
-        docs.append(documents.record_parts(dict(zip(task.columns, record_values)), fmt))
-      except BadRecord as e:
-        bad.append(f'{task.file}: row {row}: {e}')
-      row += 1
+    row = _batch_documents(batch, task.columns, task.file, row, fmt, docs, bad)
   return docs
+
+
+def _batch_documents(batch, columns, file: str, row: int, fmt: DocumentFormat, docs: list,
+                     bad: list) -> int:
+  """Appends the documents of an Arrow record batch's rows (their `columns`) to `docs`, a bad
+  record's 'file: row N: why' to `bad`; returns the next row's index."""
+  values = [batch.column(name).to_pylist() for name in columns]
+  for record_values in zip(*values):
+    try:
+      docs.append(documents.record_parts(dict(zip(columns, record_values)), fmt))
+    except BadRecord as e:
+      bad.append(f'{file}: row {row}: {e}')
+    row += 1
+  return row
+
+
+# --- Arrow IPC (Hugging Face datasets' save_to_disk) -----------------------------------------------
+
+
+def _arrow_batches(path: Path, field: str):
+  """(schema, iterator of the record batches) of an Arrow IPC file, stream or file format,
+  memory-mapped: a batch is read only when reached, and not copied.
+
+  Raises:
+    ConfigError: (naming `field` and the file) if it is neither.
+  """
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top  (only Arrow and Parquet need it)
+  source = pa.memory_map(str(path))
+  try:
+    reader = pa.ipc.open_stream(source)
+    return reader.schema, iter(reader)
+  except pa.ArrowInvalid:
+    pass
+  try:
+    reader = pa.ipc.open_file(source)
+  except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...
+    raise ConfigError(f'{field}: {path} is not a readable Arrow IPC file ({e}).') from e
+  return reader.schema, (reader.get_batch(i) for i in range(reader.num_record_batches))
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrowTask:
+  """Record batches first_batch .. first_batch + batches - 1 of an Arrow file; `first_row` is the
+  first one's first row's index in the file."""
+  file: str
+  first_batch: int
+  batches: int
+  first_row: int
+  columns: tuple[str, ...]
+
+
+def arrow_tasks(path: Path, fmt: DocumentFormat, field: str) -> Iterator[tuple[ArrowTask, int]]:
+  """(task, bytes of the records' columns so far): consecutive batches of about CHUNK_BYTES."""
+  schema, batches = _arrow_batches(path, field)
+  columns = tuple(_record_columns(schema.names, path, fmt, field))
+  first = count = row = first_row = done = size = 0
+  for count, batch in enumerate(batches, 1):
+    size += sum(batch.column(name).nbytes for name in columns)
+    row += batch.num_rows
+    if size >= CHUNK_BYTES:
+      done += size
+      yield ArrowTask(str(path), first, count - first, first_row, columns), done
+      first, first_row, size = count, row, 0
+  if count > first:
+    yield ArrowTask(str(path), first, count - first, first_row, columns), done + size
+
+
+def _arrow_documents(task: ArrowTask, fmt: DocumentFormat, bad: list) -> list:
+  docs, row = [], task.first_row
+  _, batches = _arrow_batches(Path(task.file), 'data.path')
+  for index, batch in enumerate(batches):
+    if index >= task.first_batch + task.batches:
+      break
+    if index >= task.first_batch:
+      row = _batch_documents(batch, task.columns, task.file, row, fmt, docs, bad)
+  return docs
+
+
+def record_tasks(path: Path, fmt: DocumentFormat, field: str) -> Iterator[tuple[Any, int]]:
+  """(task, input bytes so far) of a record file: JSONL(.zst/.gz), Parquet or Arrow."""
+  kind = source_format(path)
+  if kind == JSONL:
+    return jsonl_tasks(path, field)
+  if kind == PARQUET:
+    return parquet_tasks(path, fmt, field)
+  return arrow_tasks(path, fmt, field)
 
 
 # --- the worker side -----------------------------------------------------------------------------
@@ -343,7 +463,8 @@ def run_task(task: Any, tokenizer: Tokenizer, fmt: DocumentFormat | None,
   if isinstance(task, JsonlTask):
     docs, size = _jsonl_documents(task, fmt, bad), len(task.data)
   else:
-    docs = _parquet_documents(task, fmt, bad)
+    docs = (_parquet_documents(task, fmt, bad) if isinstance(task, ParquetTask) else
+            _arrow_documents(task, fmt, bad))
     size = sum(len(text) for parts in docs for text, _ in parts)
   tokens, mask = documents.encode_documents(docs, tokenizer, fmt, dtype)
   documents.check_ids(tokens, tokenizer)
@@ -374,8 +495,9 @@ def _check_jsonl_head(path: Path, fmt: DocumentFormat, field: str) -> int:
 
 def check_head(path: Path, fmt: DocumentFormat | None, field: str) -> int:
   """Checks what can be checked cheaply before writing: text is UTF-8, the first JSON records
-  parse and hold the fields, a Parquet file has the column. Returns the file's record count when
-  known (a small JSONL file, any Parquet file; the byte size for text), else -1."""
+  parse and hold the fields, a Parquet or Arrow file has the column. Returns the file's record
+  count when known (a small JSONL file, any Parquet or Arrow file; the byte size for text), else
+  -1."""
   kind = source_format(path)
   if kind == TEXT:
     check_text_head(path, field)
@@ -384,6 +506,10 @@ def check_head(path: Path, fmt: DocumentFormat | None, field: str) -> int:
     raise ValueError('a document format is needed for record sources')
   if kind == JSONL:
     return _check_jsonl_head(path, fmt, field)
+  if kind == ARROW:
+    schema, batches = _arrow_batches(path, field)
+    _record_columns(schema.names, path, fmt, field)
+    return sum(batch.num_rows for batch in batches)
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   parquet_columns(path, fmt, field)
   return pq.ParquetFile(path).metadata.num_rows

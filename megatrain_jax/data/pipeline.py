@@ -2,7 +2,8 @@
 
 Fields of the section (configs/default.py documents each):
   path: '' for the embedded default corpus; a file, directory or glob pattern of .txt, .jsonl,
-    .jsonl.zst, .jsonl.gz, .parquet (formats.py); or a directory already holding a prepared
+    .jsonl.zst, .jsonl.gz, .parquet, .arrow or a `datasets` save_to_disk directory (formats.py);
+    or a directory already holding a prepared
     dataset (meta.json), which is then used as is.
   val_path: '' to split validation off the end of `path`, else like `path`.
   val_fraction: Share of the training stream held out when `val_path` is ''.

@@ -352,17 +352,17 @@ def _stream_tasks(job: _Job, name: str, files: Sequence[Path]) -> Iterator[tuple
     elif kind == formats.JSONL:
       tasks = formats.jsonl_tasks(path, field)
     else:
-      tasks = _parquet_progress(path, job.fmt, field)
+      tasks = _scaled_progress(path, job.fmt, field)
     for task, position in tasks:
       yield task, position - done
       done = position
     yield None, path.stat().st_size - done  # the rest of the file (compression framing)
 
 
-def _parquet_progress(path: Path, fmt, field: str) -> Iterator[tuple[Any, int]]:
-  """Parquet tasks with progress scaled to the file's size on disk."""
+def _scaled_progress(path: Path, fmt, field: str) -> Iterator[tuple[Any, int]]:
+  """Parquet or Arrow tasks with progress scaled to the file's size on disk."""
   size = path.stat().st_size
-  tasks = list(formats.parquet_tasks(path, fmt, field))
+  tasks = list(formats.record_tasks(path, fmt, field))
   uncompressed = max(tasks[-1][1], 1) if tasks else 1
   for task, done in tasks:
     yield task, min(size, done * size // uncompressed)
