@@ -12,7 +12,7 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
 
   # ---------------------------------------------------------------------------------------------
-  # Model: a Llama-family decoder (Llama 2/3, Mistral, Qwen2 shapes).
+  # Model: a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 shapes).
   # ---------------------------------------------------------------------------------------------
   config.model = model = ml_collections.ConfigDict()
   model.vocab_size = 256  # Token ids [0, vocab_size). 256 = the byte-level tokenizer.
@@ -31,6 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
   model.rope_scaling.high_freq_factor = 4.0  # 'llama3': wavelengths below old_len/this are kept.
   model.rope_scaling.original_max_len = 8192  # 'llama3': the pre-extension context length.
   model.qkv_bias = False  # Bias on the q/k/v projections (Qwen2).
+  model.qk_norm = False  # RMSNorm of each head's q and k (scales [head_dim]) before RoPE (Qwen3).
   model.tie_embeddings = True  # LM head = embedding transposed (no separate head matrix).
   model.norm_eps = 1e-5  # RMSNorm epsilon.
   model.sliding_window = 0  # Attend only to the last N positions (Mistral); 0 = full causal.
@@ -205,9 +206,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.init = init = ml_collections.ConfigDict()
   init.from_hf = ''  # '' = random init (model.init_std). Else a local Hugging Face checkpoint
   #                    directory (config.json + model.safetensors or a sharded index; Llama, Qwen2,
-  #                    Mistral; F16/BF16/F32 weights, cast to float32): the model's shape fields
-  #                    come from its config.json (a model.* shape field you set that disagrees is
-  #                    an error; runtime fields such as remat, dtype, matmul_precision,
+  #                    Qwen3, Mistral; F16/BF16/F32 weights, cast to float32): the model's shape
+  #                    fields come from its config.json (a model.* shape field you set that
+  #                    disagrees is an error; runtime fields such as remat, dtype, matmul_precision,
   #                    attention_chunk, vocab_chunk still apply), data.tokenizer defaults to its
   #                    tokenizer.json (copied into <workdir>/hf_tokenizer), and its weights are
   #                    read piece by piece straight into the planned tiers, Adam state zero. Read

@@ -117,7 +117,9 @@ VERIFY_BYTES = 4 * INNER_MB * 2**20  # inner chunks verify_data reads at once (a
 _TMP_PREFIX = '.tmp-'
 _SNAPSHOT_PREFIX = '.checkpoint-snapshot-'  # in offload.dir, when the workdir is elsewhere
 _SHAPE_FIELDS = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'd_ff',
-                 'head_dim', 'qkv_bias', 'tie_embeddings')
+                 'head_dim', 'qkv_bias', 'qk_norm', 'tie_embeddings')
+# Shape fields newer than some checkpoints: a meta.json without one was written with this value.
+_SHAPE_DEFAULTS = {'qk_norm': False}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -406,6 +408,7 @@ class CheckpointReader:
 
   def check_model(self, model_cfg: ModelConfig) -> None:
     saved, current = self.meta['model_config'], dataclasses.asdict(model_cfg)
+    saved = {**_SHAPE_DEFAULTS, **saved}
     changed = [f'model.{k}: checkpoint {saved.get(k)!r}, config {current[k]!r}'
                for k in _SHAPE_FIELDS if saved.get(k) != current[k]]
     if changed:

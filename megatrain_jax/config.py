@@ -263,7 +263,8 @@ def _validate_checkpoint(c: ml_collections.ConfigDict, eval_every: int) -> None:
            f'must be >= 0 (0 = at the end only) or -1 (never), got {c.every}.')
   _require(c.keep >= 1, 'checkpoint.keep', f'must be >= 1, got {c.keep}.')
   _require(c.every_minutes >= 0, 'checkpoint.every_minutes',
-           f'must be >= 0 (minutes between time-based checkpoints; 0 = off), got {c.every_minutes}.')
+           'must be >= 0 (minutes between time-based checkpoints; 0 = off), got '
+           f'{c.every_minutes}.')
   read = str(c.read)
   _require(read in ('newest', 'best') or read.isdigit(), 'checkpoint.read',
            f"{read!r} is not 'newest', 'best' or a step number.")

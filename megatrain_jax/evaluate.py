@@ -85,8 +85,8 @@ def _text_tokens(file: Path, tokenizer) -> np.ndarray:
 
 def _record_tokens(file: Path, tokenizer, fmt) -> tuple[np.ndarray, np.ndarray | None]:
   """A JSONL(.zst/.gz), Parquet or Arrow file's documents as training stores them: (tokens,
-  loss mask or None when every token is learned). Bad records are errors naming file and line/row, or
-  skipped with data.skip_bad_records."""
+  loss mask or None when every token is learned). Bad records are errors naming file and
+  line/row, or skipped with data.skip_bad_records."""
   tokens, masks, skipped = [], [], 0
   for task, _ in formats.record_tasks(file, fmt, _FIELD):
     result = formats.run_task(task, tokenizer, fmt, np.dtype(np.int32))

@@ -237,7 +237,8 @@ def test_a_run_with_keep_best_evaluates_and_exports_its_best_step(tmp_path, data
   assert train.evaluate(run, str(tmp_path))['eval/source'].endswith('checkpoints/8 (step 8)')
   run.checkpoint.read = 'best'
   train.export_hf(run, str(tmp_path), str(tmp_path / 'hf'))
-  with checkpoint.read_checkpoint(tmp_path, train._validate(run, str(tmp_path))[0], '4') as reader:  # pylint: disable=protected-access
+  model_cfg = train._validate(run, str(tmp_path))[0]  # pylint: disable=protected-access
+  with checkpoint.read_checkpoint(tmp_path, model_cfg, '4') as reader:
     exported = reader.read(LEAF)
   from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
   weights = {}

@@ -187,8 +187,9 @@ def test_document_mask_eval_scores_each_document_in_its_own_context(trained, tmp
 
 def test_eval_sample_and_export_read_a_run_that_is_training(trained, tmp_path):
   """--eval, --sample and --export_hf take no workdir lock: they run while the run's own lock is
-  held (a run training there), each holding only the checkpoint it reads (checkpoint.read_checkpoint,
-  tests/test_checkpoint.py). The training run's lock is not disturbed."""
+  held (a run training there), each holding only the checkpoint it reads
+  (checkpoint.read_checkpoint, tests/test_checkpoint.py); a second training run is still
+  refused."""
   config, workdir = trained
   config = config.copy_and_resolve_references()
   (tmp_path / 'eval.txt').write_text('Some text to score while the run trains. ' * 8)

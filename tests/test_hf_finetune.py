@@ -1,6 +1,6 @@
 """Issue 11: fine-tune from a Hugging Face checkpoint, export back, sliding-window perplexity.
 
-Tiny random Llama, Qwen2 and Mistral checkpoints are made by transformers on CPU (nothing is
+Tiny random Llama, Qwen2, Mistral and Qwen3 checkpoints are made by transformers on CPU (nothing is
 downloaded), with a byte-level BPE tokenizer trained here on tinyshakespeare. Checked:
 - `init.from_hf` fills every engine (resident, host, NVMe) with exactly the checkpoint's weights
   and zero Adam state, piece by piece, and takes the model shape and tokenizer from the directory;
@@ -47,6 +47,8 @@ ARCHS = {
               dict(tie_word_embeddings=True)),
     'mistral': (transformers.MistralConfig, transformers.MistralForCausalLM,
                 dict(tie_word_embeddings=False, sliding_window=12)),
+    'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(tie_word_embeddings=True, head_dim=16)),
 }
 TOL = 1e-4
 
@@ -80,7 +82,8 @@ def _hf_model(arch: str, **extra):
 
 @pytest.fixture(scope='module')
 def checkpoints(tmp_path_factory):
-  """{arch: directory}: llama sharded in 7 files, qwen2 tied single-file, mistral in bfloat16."""
+  """{arch: directory}: llama sharded in 7 files, qwen2 and qwen3 tied single-file, mistral in
+  bfloat16."""
   root = tmp_path_factory.mktemp('hf')
   _tokenizer(root)
   out = {}
@@ -202,7 +205,7 @@ STREAMED = dict(offload__params='host', offload__opt_state='host', offload__embe
 
 
 @pytest.mark.parametrize('arch, stride, placement', [
-    ('llama', 16, STREAMED), ('qwen2', 32, {}), ('mistral', 10, {})])
+    ('llama', 16, STREAMED), ('qwen2', 32, {}), ('mistral', 10, {}), ('qwen3', 16, STREAMED)])
 def test_eval_equals_transformers(arch, stride, placement, checkpoints, eval_text, tmp_path):
   config = _config(init__from_hf=str(checkpoints[arch]), eval__path=str(eval_text),
                    eval__max_len=32, eval__stride=stride, eval__batch_size=3, **placement)

@@ -1,4 +1,4 @@
-"""`hf.load_hf` + `model.forward` against transformers' own Llama, Qwen2 and Mistral.
+"""`hf.load_hf` + `model.forward` against transformers' own Llama, Qwen2, Qwen3 and Mistral.
 
 Tiny randomly initialised transformers models (built from configs; nothing is downloaded) are
 saved with `save_pretrained`, loaded with `load_hf` and run on the same random tokens: the logits
@@ -20,7 +20,8 @@ import transformers
 
 from megatrain_jax import hf
 from megatrain_jax.errors import ConfigError, UnsupportedModelError
-from megatrain_jax.model import abstract_params, forward
+from megatrain_jax.hf.format import tensor_map
+from megatrain_jax.model import abstract_params, forward, loss_fn
 from megatrain_jax.model.config import rope_inverse_frequencies
 
 VOCAB, BATCH, SEQ = 256, 2, 24
@@ -31,6 +32,7 @@ _forward = jax.jit(forward, static_argnums=0)
 
 _LLAMA = (transformers.LlamaConfig, transformers.LlamaForCausalLM)
 _QWEN2 = (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
+_QWEN3 = (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)
 _MISTRAL = (transformers.MistralConfig, transformers.MistralForCausalLM)
 
 # name -> (transformers classes, config overrides, ModelConfig fields the mapping must produce).
@@ -51,6 +53,10 @@ CASES = {
                           dict(rope_scaling_type='linear', rope_scaling_factor=4.0)),
     'qwen2_bias': (_QWEN2, dict(num_key_value_heads=2, tie_word_embeddings=False),
                    dict(qkv_bias=True, num_kv_heads=2, sliding_window=0)),
+    # q_norm / k_norm over head_dim 32 (!= d_model / num_heads, as Qwen3's 128 is for most sizes),
+    # tied as Qwen3's small models are.
+    'qwen3_qk_norm': (_QWEN3, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+                      dict(qk_norm=True, qkv_bias=False, head_dim=32, tie_embeddings=True)),
     # A window of 8 < SEQ makes it matter; head_dim 32 != d_model / num_heads tests that path.
     'mistral_window': (_MISTRAL, dict(num_key_value_heads=2, head_dim=32, sliding_window=8),
                        dict(sliding_window=8, head_dim=32, num_kv_heads=2)),
@@ -127,6 +133,34 @@ def test_logits_match_transformers(case, saved, tokens):
   _assert_parity(case, _our_logits(cfg, params, tokens), _torch_logits(model, tokens))
 
 
+@pytest.mark.parametrize('case', ['qwen3_qk_norm', 'qwen2_bias', 'llama_mha_untied'])
+def test_loss_and_every_gradient_match_transformers(case, saved, tokens):
+  """The mean next-token cross-entropy (model.loss_fn, the chunked head the engines train with)
+  and its gradient with respect to every tensor of the checkpoint equal torch autograd's through
+  transformers' model: Qwen3's q/k norms, Qwen2's biases, an untied head."""
+  directory, model = saved(case)
+  cfg, params = hf.load_hf(directory)
+  cfg = cfg.replace(vocab_chunk=100)  # the head in 3 vocabulary blocks
+  loss, grads = jax.value_and_grad(lambda p: loss_fn(cfg, p, jnp.asarray(tokens, jnp.int32)))(
+      params)
+  model.zero_grad()
+  batch = torch.from_numpy(tokens).long()
+  logits = model(batch[:, :-1]).logits
+  want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+  want.backward()
+  assert abs(float(loss) - want.item()) <= 1e-5 * want.item()
+  theirs = dict(model.named_parameters())
+  for t in tensor_map(cfg):
+    ours = grads
+    for key in t.path:
+      ours = ours[key]
+    ours = np.asarray(ours if t.layer is None else ours[t.layer], np.float64)
+    want_grad = theirs[t.hf_name].grad.double().numpy()
+    want_grad = want_grad.T if t.transpose else want_grad
+    err = np.linalg.norm(ours - want_grad) / np.linalg.norm(want_grad)
+    assert err <= 1e-4, (t.hf_name, err)
+
+
 def test_sharded_checkpoint(saved, tokens, tmp_path):
   _, model = saved('llama_mha_untied')
   model.save_pretrained(tmp_path, max_shard_size='20KB')
@@ -150,7 +184,7 @@ def test_rope_scaling_and_window_are_exercised(saved, tokens):
 
 
 @pytest.mark.parametrize('case, chunk', [('qwen2_bias', 0), ('mistral_window', 0),
-                                         ('llama_gqa_tied', 5)])
+                                         ('llama_gqa_tied', 5), ('qwen3_qk_norm', 5)])
 def test_document_mask_packed_row_matches_each_document_alone_in_transformers(case, saved, chunk):
   """model.document_mask: each document of a packed row (ending with EOS; the last runs on past
   the row's end) gets the logits transformers gives it alone, from position 0; attention_chunk 5
@@ -311,6 +345,7 @@ def test_transformers4_rope_layout():
     ({'rope_scaling': {'type': 'dynamic', 'factor': 2.0}}, 'dynamic'),
     ({'mlp_bias': True}, 'mlp_bias'),
     ({'attention_bias': True}, 'o_proj'),
+    ({'architectures': ['Qwen3ForCausalLM'], 'attention_bias': True}, 'Qwen3ForCausalLM.*o_proj'),
     ({'hidden_act': 'gelu'}, 'gelu'),
 ])
 def test_unsupported_features(extra, match):

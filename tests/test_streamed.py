@@ -273,3 +273,29 @@ def test_document_mask_streamed_matches_resident(placement):
   # The mask changes the numbers (the same batches without it).
   plain = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, initial_state()))
   assert abs(float(plain.train_step(data[0])['learning/loss']) - want[0]) > 1e-3
+
+
+@pytest.mark.parametrize('placement', [
+    dict(layers_per_group=1, park_grads='device'),
+    dict(layers_per_group=2, keep_layer_inputs=True, optimizer_on='host'),
+], ids=['K=1', 'K=2-layer-inputs-host-optimizer'])
+def test_qk_norm_streamed_matches_resident(placement):
+  """model.qk_norm (Qwen3: an RMSNorm over each head's q and k, scales [L, head_dim], here with
+  head_dim 16 != d_model / num_heads) trains the same streamed as resident: the norms' scales
+  stream and update with the layers (without weight decay, as every norm scale)."""
+  cfg = CFG.replace(qk_norm=True, head_dim=16)
+  tx, schedule, clip = make_tx(1.0)
+  state = jax.tree.map(np.asarray, jax.jit(resident.init_state, static_argnums=(0, 1))(cfg, tx, 0))
+  assert state['params']['layers']['attn']['q_norm']['scale'].shape == (4, 16)
+  res = resident.ResidentEngine(cfg, tx, schedule, clip, jax.tree.map(np.copy, state))
+  streamed = StreamedEngine(cfg, tx, schedule, clip,
+                            Placement(params='host', opt_state='host', **placement),
+                            jax.tree.map(np.copy, state))
+  data = batches(2)
+  want = [float(res.train_step(b)['learning/loss']) for b in data]
+  got = [float(streamed.train_step(b)['learning/loss']) for b in data]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  final = jax.tree.map(np.asarray, res.export_state())
+  assert_states_match(streamed.export_state(), final)
+  moved = final['params']['layers']['attn']['k_norm']['scale']
+  assert np.abs(moved - 1.0).max() > 1e-3  # the norms were trained

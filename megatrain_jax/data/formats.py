@@ -366,7 +366,7 @@ def _batch_documents(batch, columns, file: str, row: int, fmt: DocumentFormat, d
   return row
 
 
-# --- Arrow IPC (Hugging Face datasets' save_to_disk) -----------------------------------------------
+# --- Arrow IPC (Hugging Face datasets' save_to_disk) -------------------------------------------
 
 
 def _arrow_batches(path: Path, field: str):

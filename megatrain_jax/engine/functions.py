@@ -82,10 +82,10 @@ def adamw_update(tx, grad_sum, opt_state, params, scale, num_micro: int):
 
 
 def _sharded_outputs(name: str, fn, state=(), batch=(), stacked=()):
-  """`fn`, named `name`, with its outputs at the indices in `state` (train-state-shaped trees) held to the
-  layout's per-leaf specs, those in `batch` (activations [B, S, ...]) split along B and those in
-  `stacked` (per-layer activations [K, B, S, ...]) split along B too (axis 1); `fn` takes the
-  layout as its first argument. Applied inside jit: sharding constraints."""
+  """`fn`, named `name`, with its outputs at the indices in `state` (train-state-shaped trees)
+  held to the layout's per-leaf specs, those in `batch` (activations [B, S, ...]) split along B
+  and those in `stacked` (per-layer activations [K, B, S, ...]) split along B too (axis 1); `fn`
+  takes the layout as its first argument. Applied inside jit: sharding constraints."""
   def constrained(layout, *args):
     out = fn(*args)
     single = not isinstance(out, tuple)

@@ -1,11 +1,12 @@
-"""The Hugging Face checkpoint format: Llama, Qwen2 and Mistral safetensors <-> `ModelConfig`.
+"""The Hugging Face checkpoint format: Llama, Qwen2, Qwen3, Mistral safetensors <-> `ModelConfig`.
 
 `load_hf` reads a local directory as written by transformers' `save_pretrained`: `config.json` and
 either `model.safetensors` or `model.safetensors.index.json` with its shards. Nothing is
-downloaded. The three architectures share one decoder layout (pre-norm RMSNorm, RoPE, grouped-query
+downloaded. The four architectures share one decoder layout (pre-norm RMSNorm, RoPE, grouped-query
 attention, SwiGLU); they differ only in config fields, which `model_config_from_hf` maps: Qwen2's
-q/k/v projections always carry a bias, Mistral may use a sliding attention window, and any of them
-may use plain, linear or Llama-3 RoPE scaling.
+q/k/v projections always carry a bias, Qwen3 normalises each head's q and k (RMSNorm over the head
+dimension, before RoPE) and has no bias, Mistral may use a sliding attention window, and any of
+them may use plain, linear or Llama-3 RoPE scaling.
 
 Every tensor goes through one explicit name map (`_tensor_map`): HF name -> our params path, the
 shape `ModelConfig` implies for it, and whether it is a linear weight (torch stores `nn.Linear`
@@ -34,10 +35,11 @@ import safetensors.numpy
 from megatrain_jax.errors import ConfigError, UnsupportedModelError
 from megatrain_jax.model.config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'MistralForCausalLM')
+SUPPORTED_ARCHITECTURES = ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM',
+                           'MistralForCausalLM')
 # `model_type` -> architecture, for config.json files without an `architectures` list.
 _MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
-                'mistral': 'MistralForCausalLM'}
+                'qwen3': 'Qwen3ForCausalLM', 'mistral': 'MistralForCausalLM'}
 
 _CONFIG_FILE = 'config.json'
 _SINGLE_FILE = 'model.safetensors'
@@ -46,7 +48,7 @@ _INDEX_FILE = 'model.safetensors.index.json'
 # config.json keys without a sensible default: they fix the shapes of the weights.
 _REQUIRED_KEYS = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
                   'num_attention_heads', 'max_position_embeddings')
-# transformers' own defaults for Llama, Qwen2 and Mistral, used when config.json omits the key.
+# transformers' own defaults for these architectures, used when config.json omits the key.
 _DEFAULT_RMS_NORM_EPS = 1e-6
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_INIT_STD = 0.02
@@ -101,6 +103,11 @@ def _tensor_map(cfg: ModelConfig) -> list[_Tensor]:
         ('self_attn.q_proj.bias', ('attn', 'q_proj', 'bias'), (q_out,), False),
         ('self_attn.k_proj.bias', ('attn', 'k_proj', 'bias'), (kv_out,), False),
         ('self_attn.v_proj.bias', ('attn', 'v_proj', 'bias'), (kv_out,), False),
+    ]
+  if cfg.qk_norm:
+    per_layer += [
+        ('self_attn.q_norm.weight', ('attn', 'q_norm', 'scale'), (cfg.head_dim,), False),
+        ('self_attn.k_norm.weight', ('attn', 'k_norm', 'scale'), (cfg.head_dim,), False),
     ]
   tensors = [_Tensor('model.embed_tokens.weight', ('embed', 'embedding'), (v, d), False),
              _Tensor('model.norm.weight', ('head', 'final_norm', 'scale'), (d,), False)]
@@ -237,9 +244,10 @@ def _sliding_window(arch: str, hf_config: dict[str, Any]) -> int:
   window = hf_config.get('sliding_window')
   if arch == 'MistralForCausalLM':
     return int(window) if window else 0
-  if arch != 'Qwen2ForCausalLM' or not hf_config.get('use_sliding_window') or not window:
+  if (arch not in ('Qwen2ForCausalLM', 'Qwen3ForCausalLM')
+      or not hf_config.get('use_sliding_window') or not window):
     return 0
-  # Qwen2 windows only the layers marked 'sliding_attention' (by default those at index >=
+  # Qwen2/3 window only the layers marked 'sliding_attention' (by default those at index >=
   # max_window_layers); our model applies one window to every layer, so a mix is unsupported.
   num_layers = hf_config['num_hidden_layers']
   layer_types = hf_config.get('layer_types') or [
@@ -249,7 +257,7 @@ def _sliding_window(arch: str, hf_config: dict[str, Any]) -> int:
   sliding = {t == 'sliding_attention' for t in layer_types}
   if len(sliding) > 1:
     raise UnsupportedModelError(
-        'this Qwen2 config uses a sliding window on some layers only (layer_types / '
+        f'this {arch} config uses a sliding window on some layers only (layer_types / '
         'max_window_layers); only a window on all layers or on none is supported.')
   return int(window) if sliding.pop() else 0
 
@@ -258,7 +266,7 @@ def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
   """Maps a Hugging Face config.json (transformers 4.x or 5.x layout) to a `ModelConfig`.
 
   Args:
-    hf_config: The parsed config.json of a Llama, Qwen2 or Mistral causal LM.
+    hf_config: The parsed config.json of a Llama, Qwen2, Qwen3 or Mistral causal LM.
 
   Returns:
     The ModelConfig with the checkpoint's shapes and numerics; training-only fields (dtype, remat,
@@ -279,10 +287,10 @@ def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
                                 '(silu).')
   if hf_config.get('mlp_bias'):
     raise UnsupportedModelError('mlp_bias=true is not supported: the MLP projections have no bias.')
-  if arch == 'LlamaForCausalLM' and hf_config.get('attention_bias'):
-    # Llama's attention_bias also puts a bias on o_proj, which the model does not have.
-    raise UnsupportedModelError('attention_bias=true is not supported for LlamaForCausalLM: it '
-                                'adds a bias to o_proj too, and only q/k/v biases exist here.')
+  if arch in ('LlamaForCausalLM', 'Qwen3ForCausalLM') and hf_config.get('attention_bias'):
+    # Llama's and Qwen3's attention_bias also put a bias on o_proj, which the model does not have.
+    raise UnsupportedModelError(f'attention_bias=true is not supported for {arch}: it adds a '
+                                'bias to o_proj too, and only q/k/v biases exist here.')
   shapes = {key: _required(hf_config, key) for key in _REQUIRED_KEYS}
   num_heads = shapes['num_attention_heads']
   rope = _rope_fields(hf_config)
@@ -297,7 +305,8 @@ def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
         norm_eps=float(hf_config.get('rms_norm_eps', _DEFAULT_RMS_NORM_EPS)),
         tie_embeddings=bool(hf_config.get('tie_word_embeddings', False)),
         init_std=float(hf_config.get('initializer_range', _DEFAULT_INIT_STD)),
-        qkv_bias=arch == 'Qwen2ForCausalLM', sliding_window=window, **rope)
+        qkv_bias=arch == 'Qwen2ForCausalLM', qk_norm=arch == 'Qwen3ForCausalLM',
+        sliding_window=window, **rope)
   except ConfigError as e:
     # ModelConfig names its own fields (model.*); say where the bad values came from.
     raise ConfigError(f'config.json does not describe a valid {arch}: {e}') from e
@@ -306,9 +315,16 @@ def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
 def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
   """The config.json (transformers 5 layout) of `cfg`; inverse of `model_config_from_hf`.
 
-  Qwen2 when the model has q/k/v biases, Mistral when it has a sliding window, Llama otherwise.
+  Qwen3 when the model has q/k norms, Qwen2 when it has q/k/v biases, Mistral when it has a
+  sliding window, Llama otherwise.
   """
-  if cfg.qkv_bias:
+  if cfg.qk_norm and cfg.qkv_bias:
+    raise UnsupportedModelError('model.qk_norm with model.qkv_bias has no transformers '
+                                'architecture (Qwen3 puts a bias on o_proj too); export a model '
+                                'with one of them.')
+  if cfg.qk_norm:
+    arch = 'Qwen3ForCausalLM'
+  elif cfg.qkv_bias:
     arch = 'Qwen2ForCausalLM'
   elif cfg.sliding_window:
     arch = 'MistralForCausalLM'
@@ -335,7 +351,9 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
     hf_config.update(attention_bias=False, mlp_bias=False)
   elif arch == 'MistralForCausalLM':
     hf_config['sliding_window'] = cfg.sliding_window
-  else:
+  else:  # Qwen2, Qwen3
+    if arch == 'Qwen3ForCausalLM':
+      hf_config['attention_bias'] = False
     window = cfg.sliding_window or None
     hf_config.update(use_sliding_window=window is not None, sliding_window=window,
                      max_window_layers=0,
@@ -478,7 +496,8 @@ class HfCheckpoint:
 
 
 def inspect_checkpoint(path: str | Path) -> HfCheckpoint:
-  """Checks a local Hugging Face Llama / Qwen2 / Mistral checkpoint without reading its weights.
+  """Checks a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral checkpoint without reading its
+  weights.
 
   Reads config.json, the shard index and every safetensors header (safe_open also checks that
   each file is as long as its header says, so a truncated shard is found here).
@@ -502,8 +521,8 @@ def inspect_checkpoint(path: str | Path) -> HfCheckpoint:
 
 
 def load_hf(path: str | Path) -> tuple[ModelConfig, dict]:
-  """Loads a local Hugging Face Llama / Qwen2 / Mistral checkpoint whole (for tests and small
-  models; training imports piece by piece with `hf.HfReader`).
+  """Loads a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral checkpoint whole (for tests and
+  small models; training imports piece by piece with `hf.HfReader`).
 
   Args:
     path: A directory with config.json and model.safetensors (or model.safetensors.index.json

@@ -18,6 +18,7 @@ Adam state and step counts read as zeros (what AdamW's `init` gives), the rng as
 """
 
 import contextlib
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any, Iterable
@@ -44,7 +45,8 @@ MODEL_FIELDS = {
     'rope_low_freq_factor': 'model.rope_scaling.low_freq_factor',
     'rope_high_freq_factor': 'model.rope_scaling.high_freq_factor',
     'rope_original_max_len': 'model.rope_scaling.original_max_len',
-    'qkv_bias': 'model.qkv_bias', 'tie_embeddings': 'model.tie_embeddings',
+    'qkv_bias': 'model.qkv_bias', 'qk_norm': 'model.qk_norm',
+    'tie_embeddings': 'model.tie_embeddings',
     'norm_eps': 'model.norm_eps', 'sliding_window': 'model.sliding_window',
     'init_std': 'model.init_std',
 }
@@ -111,7 +113,9 @@ def model_fields(cfg: ModelConfig | dict) -> dict[str, Any]:
   """{config key: value} of the shape fields of `cfg` (a ModelConfig, or its dataclasses.asdict
   as a checkpoint's meta.json records it)."""
   values = cfg if isinstance(cfg, dict) else {f: getattr(cfg, f) for f in MODEL_FIELDS}
-  return {key: values[field] for field, key in MODEL_FIELDS.items()}
+  # A checkpoint older than a field (qk_norm) was written with the field's default.
+  defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+  return {key: values.get(field, defaults[field]) for field, key in MODEL_FIELDS.items()}
 
 
 def tokenizer_file(directory: Path) -> Path | None:

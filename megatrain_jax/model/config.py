@@ -35,6 +35,7 @@ class ModelConfig:
   rope_high_freq_factor: float = 4.0
   rope_original_max_len: int = 8192
   qkv_bias: bool = False
+  qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
   tie_embeddings: bool = False
   norm_eps: float = 1e-5
   sliding_window: int = 0  # 0 = full causal attention (Mistral uses a window)
@@ -119,7 +120,7 @@ class ModelConfig:
         rope_low_freq_factor=scaling.low_freq_factor,
         rope_high_freq_factor=scaling.high_freq_factor,
         rope_original_max_len=scaling.original_max_len, qkv_bias=model.qkv_bias,
-        tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps,
+        qk_norm=model.qk_norm, tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps,
         sliding_window=model.sliding_window, attention_chunk=model.attention_chunk,
         vocab_chunk=model.vocab_chunk,
         init_std=model.init_std, dtype=model.dtype,
@@ -149,6 +150,8 @@ class ModelConfig:
     attn = d * q_out + 2 * d * kv_out + q_out * d
     if self.qkv_bias:
       attn += q_out + 2 * kv_out
+    if self.qk_norm:
+      attn += 2 * hd
     mlp = 3 * d * self.d_ff
     norms = 2 * d
     return attn + mlp + norms
@@ -165,7 +168,8 @@ class ModelConfig:
     6 * (matmul params) plus causal attention scores and values: 6 * L * S * H * Dh
     (half of the 12 L S H Dh of full attention, because of the causal mask).
     """
-    matmul_params = self.num_layers * (self.params_per_layer - 2 * self.d_model)
+    norms = 2 * self.d_model + (2 * self.head_dim if self.qk_norm else 0)
+    matmul_params = self.num_layers * (self.params_per_layer - norms)
     matmul_params += self.d_model * self.vocab_size  # LM head (embedding lookup is free)
     attn = 6 * self.num_layers * seq_len * self.num_heads * self.head_dim
     return 6.0 * matmul_params + attn

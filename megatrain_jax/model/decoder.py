@@ -7,7 +7,8 @@ Params (all float32; L = num_layers; every leaf under 'layers' has a leading lay
                 'attn': {'q_proj': {'kernel': [L, D, H*Dh], 'bias': [L, H*Dh]},  # bias: qkv_bias
                          'k_proj': {'kernel': [L, D, KV*Dh], 'bias': [L, KV*Dh]},
                          'v_proj': {'kernel': [L, D, KV*Dh], 'bias': [L, KV*Dh]},
-                         'o_proj': {'kernel': [L, H*Dh, D]}},
+                         'o_proj': {'kernel': [L, H*Dh, D]},
+                         'q_norm': {'scale': [L, Dh]}, 'k_norm': {'scale': [L, Dh]}},  # qk_norm
                 'mlp_norm': {'scale': [L, D]},
                 'mlp': {'gate_proj': {'kernel': [L, D, F]}, 'up_proj': {'kernel': [L, D, F]},
                         'down_proj': {'kernel': [L, F, D]}}},

@@ -122,7 +122,8 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nnx.Module):
-  """Causal grouped-query attention with RoPE; optional q/k/v bias (Qwen2) and sliding window."""
+  """Causal grouped-query attention with RoPE; optional q/k/v bias (Qwen2), RMSNorm of each
+  head's q and k before RoPE (Qwen3) and sliding window."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -131,6 +132,9 @@ class Attention(nnx.Module):
     self.k_proj = _linear(cfg, d, cfg.num_kv_heads * hd, rngs, cfg.qkv_bias)
     self.v_proj = _linear(cfg, d, cfg.num_kv_heads * hd, rngs, cfg.qkv_bias)
     self.o_proj = _linear(cfg, cfg.num_heads * hd, d, rngs)
+    if cfg.qk_norm:  # scales [Dh], shared by the heads (transformers' Qwen3 q_norm / k_norm)
+      self.q_norm = RMSNorm(hd, cfg.norm_eps, compute_dtype(cfg))
+      self.k_norm = RMSNorm(hd, cfg.norm_eps, compute_dtype(cfg))
 
   def __call__(self, x, positions):  # x [B, S, D], positions [B, S] / RopePositions -> [B, S, D]
     cfg = self.cfg
@@ -139,6 +143,8 @@ class Attention(nnx.Module):
     q = checkpoint_name(self.q_proj(x), 'q_proj').reshape(b, s, cfg.num_heads, hd)
     k = checkpoint_name(self.k_proj(x), 'k_proj').reshape(b, s, kv, hd)
     v = checkpoint_name(self.v_proj(x), 'v_proj').reshape(b, s, kv, hd)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
     positions, segments, (cos, sin) = _ids_and_tables(cfg, positions)
     # Head-major from here on (the transposes fuse into RoPE; v's is one copy): q [B, KV, G, S, hd],
     # k and v [B, KV, S, hd], so that both attention matmuls and their gradients contract the
