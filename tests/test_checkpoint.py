@@ -776,3 +776,24 @@ def test_a_format_2_checkpoint_resumes_bitwise(tmp_path, tmp_path_factory, data,
   assert_rows_match(tmp_path, want, 8, exact=True)
   from megatrain_jax.checkpoint import CheckpointReader  # pylint: disable=g-import-not-at-top
   assert CheckpointReader(tmp_path / 'checkpoints' / '8').format == 3  # the next one is format 3
+
+
+def test_a_checkpoint_from_before_qk_norm_reads_as_without_it(tmp_path):
+  """A meta.json written before model.qk_norm existed (no such key) restores as qk_norm=False, and
+  --eval / --sample / --export_hf take the model shape from it (hf.model_fields)."""
+  import json  # pylint: disable=g-import-not-at-top
+  from megatrain_jax import hf  # pylint: disable=g-import-not-at-top
+  engine, _, _ = streamed_run(1, 1.0, layers_per_group=2)
+  checkpointer = Checkpointer(tmp_path, keep=1)
+  checkpointer.save(1, engine, data_position=1, model_cfg=CFG)
+  checkpointer.close()
+  step_dir = tmp_path / 'checkpoints' / '1'
+  meta = json.loads((step_dir / 'meta.json').read_text())
+  del meta['model_config']['qk_norm']
+  (step_dir / 'meta.json').write_text(json.dumps(meta))
+  is_chunk = checkpoint._is_chunk_file  # pylint: disable=protected-access
+  rewrite_manifest(step_dir, lambda relative: not is_chunk(relative))
+  assert Checkpointer(tmp_path, keep=1).restore(CFG).step == 1
+  assert hf.model_fields(meta['model_config'])['model.qk_norm'] is False
+  with pytest.raises(ConfigError, match='model.qk_norm: checkpoint False, config True'):
+    Checkpointer(tmp_path, keep=1).restore(CFG.replace(qk_norm=True, head_dim=8))
