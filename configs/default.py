@@ -213,6 +213,11 @@ def get_config() -> ml_collections.ConfigDict:
   #                    tokenizer.json (copied into <workdir>/hf_tokenizer), and its weights are
   #                    read piece by piece straight into the planned tiers, Adam state zero. Read
   #                    only when the run starts: a resumed run restores its own checkpoint.
+  init.from_run = ''  # Else the --workdir of another run of this package: start from the weights
+  #                     of its newest checkpoint (no export to Hugging Face first), with its model
+  #                     shape and tokenizer as init.from_hf takes them, Adam state zero, step 0
+  #                     (continued pretraining, then fine-tuning; branching an experiment). Its
+  #                     checkpoint is held while it is read, and never written.
 
   # ---------------------------------------------------------------------------------------------
   # Perplexity evaluation (`launch.py --eval`, megatrain_jax/evaluate.py): of the newest

@@ -580,11 +580,12 @@ class CheckpointReader:
         raise ConfigError(f'the checkpoint at {self.directory} holds {path} of shape '
                           f'{self.shape(path)}, the model wants {tuple(abstract.shape)}. Use the '
                           'config it was trained with, or a new --workdir to start fresh.')
-      return self._device_leaf(path, abstract, layout.sharding(memory_kind, abstract.shape, path))
+      return self.device_leaf(path, abstract, layout.sharding(memory_kind, abstract.shape, path))
 
     return jax.tree_util.tree_map_with_path(leaf, abstract_state)
 
-  def _device_leaf(self, path: str, abstract, sharding):
+  def device_leaf(self, path: str, abstract, sharding):
+    """Leaf `path` built on the device in `sharding` from file-sized pieces (device_state)."""
     shape, dtype = tuple(abstract.shape), np.dtype(abstract.dtype)
     if not shape:
       return jax.device_put(self.read(path), sharding)
@@ -607,6 +608,67 @@ class CheckpointReader:
       out.block_until_ready()  # this piece's host copy is freed before the next is read
       del piece
     return out
+
+
+class WeightsOnly:
+  """A fresh run's train state whose params are those of a run's checkpoint (init.from_run):
+  the reader interface `train.make_engine(restore_from=...)` fills the engines from, as
+  CheckpointReader's, with Adam's state and step counts zero and a fresh run's rng for `seed`
+  (as hf.HfReader serves a Hugging Face checkpoint). Params are read slice by slice from
+  `reader`, never linked: the new run's stores are its own."""
+
+  def __init__(self, reader: CheckpointReader, abstract_state, seed: int = 0):
+    self.reader, self.directory = reader, reader.directory
+    self.meta = {'step': 0, 'data_position': 0}
+    self.bytes_read = 0
+    self._leaves = {jax.tree_util.keystr(p): x
+                    for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+    _, rng = jax.random.split(jax.random.key(seed))
+    self._rng = np.asarray(jax.random.key_data(rng))
+
+  @staticmethod
+  def _is_param(path: str) -> bool:
+    return path.startswith("['params']")
+
+  def snapshot_dir(self, path: str) -> None:
+    del path
+
+  def known_zero(self, path: str) -> bool:
+    return not self._is_param(path) and path != "['rng']"
+
+  def shape(self, path: str) -> tuple:
+    return tuple(self._leaves[path].shape)
+
+  def read(self, path: str, start: int | None = None, stop: int | None = None, *,
+           axis: int = 0) -> np.ndarray:
+    if self._is_param(path):
+      out = self.reader.read(path, start, stop, axis=axis)
+      self.bytes_read += out.nbytes
+      return out
+    if path == "['rng']":
+      return self._rng.copy()
+    shape = self.shape(path)
+    if start is not None:
+      shape = shape[:axis] + (stop - start,) + shape[axis + 1:]
+    return np.zeros(shape, self._leaves[path].dtype)  # AdamW's mu, nu, counts (optax init)
+
+  def device_state(self, abstract_state, layout: Layout | None = None,
+                   memory_kind: str = 'device'):
+    """The whole state on the device(s) of `layout`: the params leaf by leaf as
+    CheckpointReader.device_state builds them, the rest zeros (the rng a fresh run's)."""
+    layout = layout or Layout.single_device()
+
+    def leaf(key_path, abstract):
+      path = jax.tree_util.keystr(key_path)
+      sharding = layout.sharding(memory_kind, tuple(abstract.shape), path)
+      if self._is_param(path):
+        self.bytes_read += np.dtype(abstract.dtype).itemsize * math.prod(abstract.shape)
+        return self.reader.device_leaf(path, abstract, sharding)
+      if path == "['rng']":
+        return jax.device_put(self._rng, sharding)
+      return jnp.zeros(abstract.shape, abstract.dtype, device=sharding)
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract_state)
 
 
 class Checkpointer:

@@ -23,7 +23,7 @@ import math
 import os
 import pathlib
 import time
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import jax
 import ml_collections
@@ -85,6 +85,9 @@ def dry_run(config: ml_collections.ConfigDict, workdir: str | None = None,
   if config.init.from_hf:
     config = hf.config_from_checkpoint(config, hf.inspect_checkpoint(config.init.from_hf),
                                        overrides)
+  elif config.init.from_run:
+    source = _run_source(config.init.from_run, pathlib.Path(workdir or '').absolute())
+    config = _config_from_run(config, source.directory, source.meta, overrides)
   model_cfg = config_lib.validate(config)
   Placement.from_config(config.offload, model_cfg, allow_auto=True)
   distributed.check_fields(config)  # not the devices: a dry run may plan for another machine
@@ -211,57 +214,107 @@ def _config_from_run(config, workdir: pathlib.Path, meta: dict, overrides):
                          _run_tokenizer(workdir))
 
 
+class RunSource(NamedTuple):
+  """init.from_run: the run whose newest checkpoint's weights a new run starts from."""
+  directory: pathlib.Path
+  meta: dict
+
+
 def resolve_init(config, workdir: str, overrides: Iterable[str] | None = None):
-  """(config, inspected Hugging Face checkpoint or None) of a run that may start from
-  init.from_hf. A run with a checkpoint in `workdir` resumes from it: the model shape (and the
-  tokenizer) come from there, and the Hugging Face directory is not read at all. Otherwise the
-  checkpoint directory is checked whole (config.json, shards, headers) and its shape and
+  """(config, source) of a run that may start from init.from_hf or init.from_run; the source is
+  the inspected Hugging Face checkpoint, a RunSource, or None (a fresh init, or a resume). A run
+  with a checkpoint in `workdir` resumes from it: the model shape (and the tokenizer) come from
+  there, and the source is not read at all. Otherwise a Hugging Face directory is checked whole
+  (config.json, shards, headers), a run's newest checkpoint's meta.json read, and its shape and
   tokenizer go into the config. `overrides`: the config keys set on the command line (None: the
   fields that differ from configs/default.py); one that disagrees with the source is an error."""
-  if not config.init.from_hf:
+  init = config.init
+  if not init.from_hf and not init.from_run:
     return config, None
+  if init.from_hf and init.from_run:
+    raise ConfigError('init.from_hf and init.from_run are both set; a run starts from one of '
+                      'them: clear the other.')
   path = config_lib.check_workdir(workdir)
   meta = newest_checkpoint_meta(path)
   if meta is not None:
     return _config_from_run(config, path, meta, overrides), None
-  checkpoint = hf.inspect_checkpoint(config.init.from_hf)
-  return hf.config_from_checkpoint(config, checkpoint, overrides), checkpoint
+  if init.from_hf:
+    checkpoint = hf.inspect_checkpoint(init.from_hf)
+    return hf.config_from_checkpoint(config, checkpoint, overrides), checkpoint
+  source = _run_source(init.from_run, path)
+  return _config_from_run(config, source.directory, source.meta, overrides), source
 
 
-def _adopt_tokenizer(config, checkpoint, workdir: pathlib.Path):
-  """With the tokenizer of init.from_hf, copies its files into <workdir>/hf_tokenizer and points
-  data.tokenizer there: a resumed run (and an export) no longer needs the checkpoint directory.
-  The prepared data's key is the tokenizer's content, so the copy changes nothing else."""
-  found = hf.tokenizer_file(checkpoint.directory) if checkpoint is not None else None
+def _run_source(from_run: str, workdir: pathlib.Path) -> RunSource:
+  """init.from_run's run directory and its newest checkpoint's meta.json, refused by name if it
+  is this run's own workdir or holds no checkpoint."""
+  directory = pathlib.Path(from_run).expanduser().absolute()
+  if directory == workdir:
+    raise ConfigError(f'init.from_run={from_run} is this run\'s own --workdir; a rerun there '
+                      'resumes by itself. Point init.from_run at another run.')
+  meta = newest_checkpoint_meta(directory)
+  if meta is None:
+    raise ConfigError(f'init.from_run: {directory} holds no checkpoint (checkpoints/<step>/); '
+                      'pass the --workdir of a run that has saved one.')
+  return RunSource(directory, meta)
+
+
+def _adopt_tokenizer(config, source, workdir: pathlib.Path):
+  """With the tokenizer of init.from_hf (or of the init.from_run run, when it lies in that run's
+  directory), copies its files into <workdir>/hf_tokenizer and points data.tokenizer there: a
+  resumed run (and an export) no longer needs the source directory. The prepared data's key is
+  the tokenizer's content, so the copy changes nothing else."""
+  found = None
+  if isinstance(source, RunSource):
+    tokenizer = pathlib.Path(config.data.tokenizer)
+    found = tokenizer if tokenizer.is_relative_to(source.directory) else None
+  elif source is not None:
+    found = hf.tokenizer_file(source.directory)
   if found is None or config.data.tokenizer != str(found):
     return config
-  copies = hf.copy_tokenizer(checkpoint.directory, workdir / HF_TOKENIZER_DIR)
+  copies = hf.copy_tokenizer(found, workdir / HF_TOKENIZER_DIR)
   config = ml_collections.ConfigDict(config.to_dict())
   config_lib.set_field(config, 'data.tokenizer', str(copies[0]))
   return config
 
 
-def _build_engine(model_cfg, config, plan, restored, checkpoint, layout: Layout):
+def _build_engine(model_cfg, config, plan, restored, source, layout: Layout):
   """The engine on `layout`'s devices, filled from the run's checkpoint (`restored`), else from
-  the Hugging Face checkpoint (`checkpoint`, piece by piece into the planned tiers), else a fresh
-  init."""
+  `source` (init.from_hf's checkpoint or init.from_run's run: its weights piece by piece into
+  the planned tiers, Adam's state zero), else a fresh init."""
   train_cfg = config.train
   tx = optim.make_optimizer(train_cfg)
-  source = restored
-  if restored is None and checkpoint is not None:
-    source = hf.HfReader(checkpoint, resident.abstract_state(model_cfg, tx), seed=train_cfg.seed)
-  started = time.perf_counter()
-  engine = make_engine(model_cfg, tx, optim.lr_schedule(train_cfg), train_cfg, plan.placement,
-                       restore_from=source, layout=layout)
-  if source is not restored:
-    for stores in getattr(engine, 'stores', {}).values():  # the NVMe tier's writes landed
-      for store in stores.all():
-        store.flush()
-    seconds = time.perf_counter() - started
-    print(f'initialised from {checkpoint.directory}: {source.bytes_read / 1e9:,.3f} GB of '
-          f'weights read into the planned tiers in {seconds:.2f} s '
-          f'({source.bytes_read / 1e9 / max(seconds, 1e-9):.3f} GB/s)', flush=True)
+  with _init_reader(model_cfg, tx, train_cfg.seed, restored, source) as reader:
+    started = time.perf_counter()
+    engine = make_engine(model_cfg, tx, optim.lr_schedule(train_cfg), train_cfg, plan.placement,
+                         restore_from=reader, layout=layout)
+    if reader is not restored:
+      for stores in getattr(engine, 'stores', {}).values():  # the NVMe tier's writes landed
+        for store in stores.all():
+          store.flush()
+      seconds = time.perf_counter() - started
+      print(f'initialised from {reader.directory}: {reader.bytes_read / 1e9:,.3f} GB of '
+            f'weights read into the planned tiers in {seconds:.2f} s '
+            f'({reader.bytes_read / 1e9 / max(seconds, 1e-9):.3f} GB/s)', flush=True)
   return engine
+
+
+@contextlib.contextmanager
+def _init_reader(model_cfg, tx, seed: int, restored, source):
+  """The reader an engine is filled from: the run's own checkpoint (`restored`), else a fresh
+  run's state with `source`'s weights (hf.HfReader; checkpoint.WeightsOnly of init.from_run's
+  newest checkpoint, held while it is read), else None (a fresh init)."""
+  if restored is not None or source is None:
+    yield restored
+    return
+  abstract = resident.abstract_state(model_cfg, tx)
+  if not isinstance(source, RunSource):
+    yield hf.HfReader(source, abstract, seed=seed)
+    return
+  with checkpoint_lib.read_checkpoint(source.directory, model_cfg) as reader:
+    if reader is None:  # deleted since resolve_init saw it
+      raise ConfigError(f'init.from_run: {source.directory} holds no checkpoint any more.')
+    yield checkpoint_lib.WeightsOnly(reader, abstract, seed)
 
 
 def make_engine(model_cfg, tx, schedule, train_cfg, placement: Placement, restore_from=None,
@@ -363,11 +416,11 @@ def _main_first(name: str, make):
   return made
 
 
-def _workdir_data(config, checkpoint, workdir: pathlib.Path, microbatches: int,
+def _workdir_data(config, source, workdir: pathlib.Path, microbatches: int,
                   document_eos: int):
   """(config, train sampler, eval batches): the tokenizer adopted (`_adopt_tokenizer`) and the
   data opened (`_open_data`)."""
-  return _open_data(_adopt_tokenizer(config, checkpoint, workdir), workdir, microbatches,
+  return _open_data(_adopt_tokenizer(config, source, workdir), workdir, microbatches,
                     document_eos)
 
 
@@ -499,11 +552,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   The workdir (and an NVMe tier's offload.dir) is locked for the run's whole life: a second run
   on either is refused (locks.py). SIGTERM or SIGINT during training stop the run after the step
-  in flight, with a checkpoint, by raising preemption.TrainingStopped. With init.from_hf a fresh
-  run starts from that Hugging Face checkpoint (`resolve_init`; `overrides`: the config keys set
-  on the command line)."""
+  in flight, with a checkpoint, by raising preemption.TrainingStopped. With init.from_hf or
+  init.from_run a fresh run starts from the weights of that Hugging Face checkpoint or run
+  (`resolve_init`; `overrides`: the config keys set on the command line)."""
   runtime.configure(config)  # before the run allocates (the package applied the default at import)
-  config, checkpoint = resolve_init(config, workdir, overrides)
+  config, source = resolve_init(config, workdir, overrides)
   model_cfg, workdir = _validate(config, workdir)
   # Several processes (distributed.py) share the workdir: process 0 locks it, writes its files
   # and prints; every process computes, and checkpoints its own shards (checkpoint.py).
@@ -530,11 +583,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     workdir.mkdir(parents=True, exist_ok=True)
     # Process 0 copies the tokenizer and prepares the data; the others then read what it wrote.
     config, sampler, eval_data = _main_first('workdir data', lambda: _workdir_data(
-        config, checkpoint, workdir, plan.microbatches, model_cfg.document_eos_id))
+        config, source, workdir, plan.microbatches, model_cfg.document_eos_id))
     if config.train.epochs and _finished(restored, config, main):  # its steps: counted just now
       return {}
     layout = distributed.run_layout(config)
-    engine = _build_engine(model_cfg, config, plan, restored, checkpoint, layout)
+    engine = _build_engine(model_cfg, config, plan, restored, source, layout)
     locked.callback(engine.close)  # before the checkpointer's: waits for write-behind, stops I/O
     start_step = engine.step
     position = restored.meta['data_position'] if restored is not None else 0

@@ -81,7 +81,7 @@ def _assert_one_error_line(result, fragment):
     (['--config.train.stpes=3'], "unknown config key 'train.stpes'. Did you mean 'steps'?"),
     (['--config', 'tiny', '--config.train.stpes=3'],
      "unknown config key 'train.stpes'. Did you mean 'steps'?"),
-    (['--config.init.x=1'], "unknown config key 'init.x'. Keys in 'init': from_hf."),
+    (['--config.init.x=1'], "unknown config key 'init.x'. Keys in 'init': from_hf, from_run."),
     (['--config', 'tiny', '--config.init.x=1'], "unknown config key 'init.x'."),
     (['--config.nosuch.x=1'], "unknown config key 'nosuch.x': there is no section 'nosuch'."),
     (['--config.trian.steps=3'], "there is no section 'trian'. Did you mean 'train'?"),
@@ -107,7 +107,7 @@ def test_the_readme_first_command_with_a_typo_is_one_line_of_error(tmp_path):
 
 @pytest.mark.parametrize('key, fragment', [
     ('train.stpes', "'train.stpes'. Did you mean 'steps'?"),
-    ('init.x', "'init.x'. Keys in 'init': from_hf."),
+    ('init.x', "'init.x'. Keys in 'init': from_hf, from_run."),
     ('nosuch.x', "'nosuch.x': there is no section 'nosuch'. Sections: checkpoint, data,"),
     ('model.rope_scalng.type', "Did you mean 'model.rope_scaling'?"),
     ('nosuch', "'nosuch'. Keys in the top level: checkpoint,"),

@@ -278,6 +278,47 @@ def test_finetune_on_nvme_resume_export_reload(checkpoints, eval_text, tmp_path)
   assert 0 < np.max(np.abs(rounded - theirs)) <= 0.05 * np.max(np.abs(theirs))
 
 
+@pytest.mark.parametrize('second', [{}, STREAMED], ids=['resident', 'streamed'])
+def test_a_run_starts_from_another_runs_weights(checkpoints, tmp_path, second):
+  """init.from_run: a run (here fine-tuned from Qwen3 for 2 steps) hands its newest checkpoint's
+  weights to a new run in another workdir, resident or streamed: the new run's step-0 eval/loss is
+  the first run's last (same validation batches, same weights), its Adam state and step start at
+  zero (its first learning rate is a fresh schedule's), the first run's tokenizer is copied in
+  (hf_tokenizer/), and the new run resumes without the first run's directory."""
+  first, branch = tmp_path / 'first', tmp_path / 'branch'
+  train.train_and_evaluate(_config(init__from_hf=str(checkpoints['qwen3']), train__lr=3e-3),
+                           str(first))
+  want = read_rows(first)[-1]
+  assert want['step'] == 2
+  train.train_and_evaluate(_config(init__from_run=str(first), train__lr=1e-3, **second),
+                           str(branch))
+  rows = read_rows(branch)
+  assert rows[0]['step'] == 0
+  assert rows[0]['eval/loss'] == pytest.approx(want['eval/loss'], rel=1e-6)
+  fresh = optim.lr_schedule(_config(train__lr=1e-3).train)
+  assert rows[1]['learning/lr'] == pytest.approx(float(fresh(0)), rel=1e-6)
+  meta = json.loads((branch / 'checkpoints' / '2' / 'meta.json').read_text())
+  assert meta['model_config']['qk_norm'] and meta['data_position'] == 2 * 4
+  assert (branch / 'hf_tokenizer' / 'tokenizer.json').is_file()
+  shutil.rmtree(first)  # a resume reads only its own checkpoint
+  train.train_and_evaluate(_config(init__from_run=str(first), train__steps=3, **second),
+                           str(branch))
+  assert read_rows(branch)[-1]['step'] == 3
+
+
+def test_init_from_run_refusals(checkpoints, tmp_path):
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  for fields, match in [
+      (dict(init__from_run=str(empty)), r'init.from_run: .*/empty holds no checkpoint'),
+      (dict(init__from_run=str(tmp_path / 'w')), "init.from_run=.* is this run's own --workdir"),
+      (dict(init__from_run=str(empty), init__from_hf=str(checkpoints['qwen3'])),
+       'init.from_hf and init.from_run are both set')]:
+    with pytest.raises(ConfigError, match=match):
+      train.train_and_evaluate(_config(**fields), str(tmp_path / 'w'))
+    assert not (tmp_path / 'w').exists()
+
+
 def test_launch_eval_of_a_hugging_face_checkpoint(checkpoints, eval_text, tmp_path):
   """The command line: --eval of init.from_hf prints the result and writes eval.json."""
   env = dict(os.environ, JAX_PLATFORMS='cpu')

@@ -169,7 +169,7 @@ class HfReader:
   """
 
   def __init__(self, checkpoint: HfCheckpoint, abstract_state, seed: int = 0):
-    self.checkpoint = checkpoint
+    self.checkpoint, self.directory = checkpoint, checkpoint.directory
     self.meta = {'step': 0, 'data_position': 0}
     self.bytes_read = 0  # of tensor data, in the checkpoint's dtype
     self._leaves = {jax.tree_util.keystr(p): x
