@@ -342,6 +342,56 @@ def test_chat_template_learns_only_assistant_turns(tmp_path, tokenizer_dir):
     prepare_dataset(tmp_path / 'out2', load_tokenizer(str(plain)), train_sources=[source])
 
 
+# Qwen3's chat template as its tokenizer_config.json has it, without the tool branches: an
+# assistant turn after the last user message opens with a thinking block (empty without
+# reasoning_content) and earlier ones do not, so a conversation cut after an assistant turn
+# renders that turn differently than the whole conversation does.
+QWEN3_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}{%- set content = message.content %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if loop.index0 > ns.last_query_index %}"
+    "{%- if loop.last or (not loop.last and reasoning_content) %}"
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + "
+    "'\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_chat_template_that_renders_the_last_turn_differently(tmp_path, tokenizer_dir):
+  """Qwen3's template: the learned text is each assistant turn as the whole conversation renders
+  it (the first without a thinking block, the last with the empty one) and its end marker, not
+  the longer rendering of the turn as the last one, which ran into the next user turn."""
+  qwen3 = tmp_path / 'qwen3_tokenizer'
+  qwen3.mkdir()
+  (qwen3 / 'tokenizer.json').write_bytes((tokenizer_dir / 'tokenizer.json').read_bytes())
+  (qwen3 / 'tokenizer_config.json').write_text(json.dumps(
+      {'eos_token': EOS, 'chat_template': QWEN3_TEMPLATE}))
+  tok = load_tokenizer(str(qwen3))
+  conversation = [{'role': 'system', 'content': 'Be brief.'},
+                  {'role': 'user', 'content': 'Capital of France?'},
+                  {'role': 'assistant', 'content': 'Paris.'},
+                  {'role': 'user', 'content': 'And Italy?'},
+                  {'role': 'assistant', 'content': 'Rome.'}]
+  source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': conversation}])
+  info = prepare_dataset(tmp_path / 'out', tok, train_sources=[source], val_fraction=0.5)
+  whole = TokenStream(info.splits['train'] + info.splits['val'], info.dtype)
+  tokens, mask = whole[:], whole.mask(slice(0, len(whole)))
+  assert tok.decode(tokens[mask == 1]) == (
+      'Paris.<|im_end|>\n<think>\n\n</think>\n\nRome.<|im_end|>\n' + EOS)
+  assert 'And Italy?' in tok.decode(tokens[mask == 0])
+
+
 # --- mixtures -----------------------------------------------------------------------------------
 
 

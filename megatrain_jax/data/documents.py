@@ -220,9 +220,9 @@ def _render(messages: list, fmt: DocumentFormat, generation_prompt: bool) -> str
 
 
 def chat_parts(messages: Any, fmt: DocumentFormat) -> Parts:
-  """The rendered conversation cut into parts: each assistant turn's text (from the end of the
-  rendering of the turns before it with the generation prompt, to the end of the rendering that
-  includes it) is learned, the rest is not."""
+  """The rendered conversation cut into parts: each assistant turn's text as the whole
+  conversation renders it (from the end of the rendering of the turns before it with the
+  generation prompt, through the turn's end marker) is learned, the rest is not."""
   if not (isinstance(messages, list) and messages and all(
       isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
       for m in messages)):
@@ -233,9 +233,10 @@ def chat_parts(messages: Any, fmt: DocumentFormat) -> Parts:
   for i, message in enumerate(messages):
     if message['role'] != 'assistant':
       continue
-    start = len(_render(messages[:i], fmt, generation_prompt=True))
-    end = len(_render(messages[:i + 1], fmt, generation_prompt=False))
-    if not done <= start <= end <= len(full):
+    prompt = _render(messages[:i], fmt, generation_prompt=True)
+    start = len(prompt)
+    end = _turn_end(full, messages, i, start, fmt)
+    if not (full.startswith(prompt) and done <= start <= end <= len(full)):
       raise BadRecord('the chat template does not render conversations prefix by prefix, so '
                       'the assistant turns cannot be located')
     parts += [(full[done:start], False), (full[start:end], True)]
@@ -248,6 +249,27 @@ def chat_parts(messages: Any, fmt: DocumentFormat) -> Parts:
   if fmt.refuse_nul and '\0' in full:
     raise BadRecord('the conversation holds a NUL character, which the byte tokenizer uses as EOS')
   return [(text, learned) for text, learned in parts if text]
+
+
+def _turn_end(full: str, messages: list, i: int, start: int, fmt: DocumentFormat) -> int:
+  """Where assistant turn `i` (with its end marker) ends in `full`, the whole conversation's
+  rendering. Usually the length of the conversation rendered up to that turn; but a template may
+  render the last turn otherwise (Qwen3 opens an assistant turn after the last user message with
+  a thinking block), and then the turn's content is found in `full` after `start` (the end of
+  the generation prompt), followed by the end marker the template writes after it (Qwen3's
+  '<|im_end|>' and a newline)."""
+  upto = _render(messages[:i + 1], fmt, generation_prompt=False)
+  if full.startswith(upto):
+    return len(upto)
+  content = messages[i]['content']
+  in_upto = upto.rfind(content) if content else -1
+  at = full.find(content, start) if content else -1
+  if in_upto >= 0 and at >= 0:
+    marker = upto[in_upto + len(content):]  # what the template writes after the content
+    if full.startswith(marker, at + len(content)):
+      return at + len(content) + len(marker)
+  raise BadRecord('the chat template renders an assistant turn so differently once later turns '
+                  'follow it that the turn cannot be located in the conversation')
 
 
 def prompt_ids(text: str, tokenizer: Tokenizer, fmt: DocumentFormat, chat: bool = False) -> list:
