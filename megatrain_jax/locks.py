@@ -213,10 +213,11 @@ def read_hold(directory):
 @contextlib.contextmanager
 def unless_read(directory):
   """Yields True, holding an exclusive lock on checkpoint `directory` (for its deletion), unless
-  a reader holds it (`read_hold`): then False. True where the filesystem has no flock."""
+  a reader holds it (`read_hold`) or it is gone: then False. True where the filesystem has no
+  flock."""
   fd = _lock_directory(pathlib.Path(directory), fcntl.LOCK_EX | fcntl.LOCK_NB)
   try:
-    yield fd != 'busy'
+    yield isinstance(fd, int) or fd == 'unsupported'
   finally:
     if isinstance(fd, int):
       os.close(fd)
