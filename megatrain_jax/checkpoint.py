@@ -615,7 +615,9 @@ class WeightsOnly:
   the reader interface `train.make_engine(restore_from=...)` fills the engines from, as
   CheckpointReader's, with Adam's state and step counts zero and a fresh run's rng for `seed`
   (as hf.HfReader serves a Hugging Face checkpoint). Params are read slice by slice from
-  `reader`, never linked: the new run's stores are its own."""
+  `reader`, or, where both runs keep them on NVMe, hard-linked from its snapshot as a resume
+  links them (`snapshot_dir`): the new run's store writes replace files, never change them, so
+  the source checkpoint stays as it is."""
 
   def __init__(self, reader: CheckpointReader, abstract_state, seed: int = 0):
     self.reader, self.directory = reader, reader.directory
@@ -630,8 +632,9 @@ class WeightsOnly:
   def _is_param(path: str) -> bool:
     return path.startswith("['params']")
 
-  def snapshot_dir(self, path: str) -> None:
-    del path
+  def snapshot_dir(self, path: str) -> pathlib.Path | None:
+    """The source checkpoint's NVMe snapshot of a params leaf (None for Adam's state: zeros)."""
+    return self.reader.snapshot_dir(path) if self._is_param(path) else None
 
   def known_zero(self, path: str) -> bool:
     return not self._is_param(path) and path != "['rng']"

@@ -37,6 +37,7 @@ from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
 from megatrain_jax.errors import ConfigError, UnsupportedModelError
 from megatrain_jax.placement import Placement
+from megatrain_jax.tiers.nvme import NvmeStore
 
 VOCAB, TOKENIZER_VOCAB = 320, 300
 TEXT = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
@@ -278,20 +279,40 @@ def test_finetune_on_nvme_resume_export_reload(checkpoints, eval_text, tmp_path)
   assert 0 < np.max(np.abs(rounded - theirs)) <= 0.05 * np.max(np.abs(theirs))
 
 
-@pytest.mark.parametrize('second', [{}, STREAMED], ids=['resident', 'streamed'])
-def test_a_run_starts_from_another_runs_weights(checkpoints, tmp_path, second):
+NVME = dict(offload__params='nvme', offload__opt_state='nvme', offload__embed_head='host',
+            offload__layers_per_group=1)
+
+
+@pytest.mark.parametrize('first_placement, second', [({}, {}), ({}, STREAMED), (NVME, NVME)],
+                         ids=['resident', 'streamed', 'nvme-linked'])
+def test_a_run_starts_from_another_runs_weights(checkpoints, tmp_path, first_placement, second,
+                                               monkeypatch):
   """init.from_run: a run (here fine-tuned from Qwen3 for 2 steps) hands its newest checkpoint's
   weights to a new run in another workdir, resident or streamed: the new run's step-0 eval/loss is
   the first run's last (same validation batches, same weights), its Adam state and step start at
   zero (its first learning rate is a fresh schedule's), the first run's tokenizer is copied in
-  (hf_tokenizer/), and the new run resumes without the first run's directory."""
+  (hf_tokenizer/), and the new run resumes without the first run's directory. From NVMe to NVMe
+  the layers' weights are hard-linked from the first run's checkpoint, which the new run's writes
+  leave as it was."""
   first, branch = tmp_path / 'first', tmp_path / 'branch'
-  train.train_and_evaluate(_config(init__from_hf=str(checkpoints['qwen3']), train__lr=3e-3),
-                           str(first))
+  train.train_and_evaluate(_config(init__from_hf=str(checkpoints['qwen3']), train__lr=3e-3,
+                                   **first_placement), str(first))
   want = read_rows(first)[-1]
   assert want['step'] == 2
+  source = first / 'checkpoints' / '2'
+  before = {p: p.read_bytes() for p in source.rglob('*') if p.is_file()}
+  link_arrays, linked = NvmeStore.link_arrays, []
+
+  def spy(store, sources):
+    linked.append(link_arrays(store, sources))
+    return linked[-1]
+
+  monkeypatch.setattr(NvmeStore, 'link_arrays', spy)
   train.train_and_evaluate(_config(init__from_run=str(first), train__lr=1e-3, **second),
                            str(branch))
+  assert {p: p.read_bytes() for p in source.rglob('*') if p.is_file()} == before
+  # NVMe: the layers' params store linked from the snapshot; Adam's state (zeros) not tried.
+  assert linked == ([True] if second is NVME else [])
   rows = read_rows(branch)
   assert rows[0]['step'] == 0
   assert rows[0]['eval/loss'] == pytest.approx(want['eval/loss'], rel=1e-6)
