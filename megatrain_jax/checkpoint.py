@@ -118,6 +118,8 @@ _TMP_PREFIX = '.tmp-'
 _SNAPSHOT_PREFIX = '.checkpoint-snapshot-'  # in offload.dir, when the workdir is elsewhere
 _SHAPE_FIELDS = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'd_ff',
                  'head_dim', 'qkv_bias', 'qk_norm', 'tie_embeddings')
+# The leaves --eval, --sample, --export_hf and init.from_run read (read_checkpoint).
+_WEIGHTS = "['params']"
 # Shape fields newer than some checkpoints: a meta.json without one was written with this value.
 _SHAPE_DEFAULTS = {'qk_norm': False}
 
@@ -450,11 +452,14 @@ class CheckpointReader:
       raise DamagedCheckpoint(self.directory / 'meta.json', f'format {self.format} of earlier '
                               'versions, which this version does not read')
 
-  def verify_data(self) -> None:
-    """Reads every inner chunk of every array once, VERIFY_BYTES at a time, keeping nothing:
-    a chunk that fails its crc32c (or is missing) is named by its file. Format 2's orbax arrays
-    are only opened: the manifest's crc32 covers every byte of them."""
+  def verify_data(self, prefix: str = '') -> None:
+    """Reads every inner chunk of every array (of the leaves whose path starts with `prefix`)
+    once, VERIFY_BYTES at a time, keeping nothing: a chunk that fails its crc32c (or is missing)
+    is named by its file. Format 2's orbax arrays are only opened: the manifest's crc32 covers
+    every byte of them."""
     for path in [*self._memory, *self._disk_names]:
+      if not path.startswith(prefix):
+        continue
       array = self._open(path)
       if path in self._memory and self.format == 2:
         continue
@@ -870,7 +875,11 @@ def read_checkpoint(workdir, model_cfg: ModelConfig, which: str = 'newest'):
 
   `which` (checkpoint.read): 'newest' (the newest intact one, as a resume takes), 'best' (the
   lowest eval_loss recorded: `best_step`) or a step number; those two are read as asked or
-  refused (ConfigError naming the steps there are; StoreCorruptionError if it is damaged)."""
+  refused (ConfigError naming the steps there are; StoreCorruptionError if it is damaged).
+
+  Its readers want the weights only: the data verified chunk by chunk is the params' (2/3 of a
+  checkpoint is Adam's state, which a resume verifies); every file's size and the crc32s of the
+  manifest are checked as for a resume."""
   directory = pathlib.Path(workdir).absolute() / 'checkpoints'
   with contextlib.ExitStack() as held:
     if which == 'newest':
@@ -900,7 +909,7 @@ def _chosen(directory: pathlib.Path, model_cfg: ModelConfig, which: str,
   try:
     reader.verify_files()
     reader.check_model(model_cfg)
-    reader.verify_data()
+    reader.verify_data(_WEIGHTS)
   except DamagedCheckpoint as error:
     raise StoreCorruptionError(f'checkpoint step {step} in {directory} is damaged: {error.file}: '
                                f'{error.reason}. Read another one (checkpoint.read).') from error
@@ -909,9 +918,10 @@ def _chosen(directory: pathlib.Path, model_cfg: ModelConfig, which: str,
 
 def _newest_intact(directory: pathlib.Path, model_cfg: ModelConfig,
                    held: contextlib.ExitStack | None = None) -> CheckpointReader | None:
-  """The newest checkpoint in `directory` that verifies (Checkpointer.restore). With `held`, each
-  is first locked for reading, and the one returned stays locked in `held`; one deleted by a
-  run's commit as it was locked (a newer one exists then) starts the walk again."""
+  """The newest checkpoint in `directory` that verifies (Checkpointer.restore). With `held` (the
+  readers of read_checkpoint), each is first locked for reading, only its weights' data are
+  verified, and the one returned stays locked in `held`; one deleted by a run's commit as it was
+  locked (a newer one exists then) starts the walk again."""
   steps = committed_steps(directory)
   damaged = []
   for step in reversed(steps):
@@ -924,7 +934,7 @@ def _newest_intact(directory: pathlib.Path, model_cfg: ModelConfig,
         reader = CheckpointReader(directory / str(step))
         reader.verify_files()
         reader.check_model(model_cfg)
-        reader.verify_data()
+        reader.verify_data(_WEIGHTS if held is not None else '')
       except DamagedCheckpoint as error:
         damaged.append(step)
         older = [s for s in steps if s < step]

@@ -711,6 +711,33 @@ def test_a_flipped_byte_in_an_array_is_detected_and_named(tmp_path, capfd):
   checkpointer.close()
 
 
+def test_readers_of_the_weights_verify_the_weights_only(tmp_path, capfd):
+  """read_checkpoint (--eval, --sample, --export_hf, init.from_run) verifies the params' chunks,
+  not Adam's (2/3 of the bytes at scale): a flipped byte in Adam's state stops a resume, not a
+  reader of the weights; one in the weights stops both."""
+  engine, _, _ = streamed_run(1, 1.0, layers_per_group=2)
+  checkpointer = Checkpointer(tmp_path, keep=2)
+  checkpointer.save(1, engine, data_position=1, model_cfg=CFG)
+  checkpointer.close()
+  arrays = tmp_path / 'checkpoints' / '1' / 'arrays'
+
+  def chunk_of(pattern):
+    return max((p for d in arrays.glob(pattern) for p in (d / 'c').rglob('*') if p.is_file()),
+               key=lambda p: p.stat().st_size)
+
+  damage(chunk_of('*mu*q_proj*'), 'flip')
+  with checkpoint.read_checkpoint(tmp_path, CFG) as reader:
+    assert reader.step == 1 and reader.read(LEAF).shape[0] == CFG.num_layers
+  with pytest.raises(StoreCorruptionError):
+    Checkpointer(tmp_path, keep=2).restore(CFG)
+  damage(chunk_of("params*q_proj*"), 'flip')
+  capfd.readouterr()
+  with pytest.raises(StoreCorruptionError, match='every checkpoint in .* is damaged'):
+    with checkpoint.read_checkpoint(tmp_path, CFG):
+      pass
+  assert 'q_proj' in capfd.readouterr().err
+
+
 def test_a_checkpoint_of_a_newer_format_is_refused_by_name(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
   from megatrain_jax.checkpoint import CheckpointReader  # pylint: disable=g-import-not-at-top
