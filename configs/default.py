@@ -117,6 +117,10 @@ def get_config() -> ml_collections.ConfigDict:
   data.eos_token = ''  # The token after every document; '' = eos_token of tokenizer_config.json
   #                      (the byte tokenizer: NUL, byte 0).
   data.skip_bad_records = False  # Skip (and count) malformed records instead of stopping.
+  data.text_documents = False  # Text files (.txt and others that are not records): False = one
+  #                              continuous stream, as is; True = each file is one document,
+  #                              [BOS] text EOS like a record (a directory of articles, books,
+  #                              source files: model.document_mask then keeps them apart).
   data.mixture = ''  # Several sources sampled by weight, 'WEIGHT:SOURCE,WEIGHT:SOURCE' (e.g.
   #                    '0.7:web/*.jsonl.zst,0.3:code.parquet'); exclusive with path. Deterministic
   #                    and resumed exactly from checkpoints.

@@ -242,6 +242,38 @@ def test_text_files_stay_a_raw_stream_and_globs(tmp_path):
     prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[tmp_path / '*.parquet'])
 
 
+def test_text_documents_make_each_text_file_one_document(tmp_path, tokenizer_dir, monkeypatch):
+  """data.text_documents: each text file is [BOS] text EOS, however many chunks it is read in
+  (BOS before the first, EOS after the last), beside records as before; through load_data the
+  setting is part of the prepared data's identity (switching it prepares again)."""
+  monkeypatch.setattr(prepare_module, '_CHUNK_CHARS', 8)  # several chunks per file
+  texts = {'a.txt': 'first line\nsecond line\n', 'b.txt': 'another file\n', 'c.txt': 'x\n'}
+  for name, text in texts.items():
+    (tmp_path / name).write_text(text)
+  _write_jsonl(tmp_path / 'd.jsonl', [{'text': 'a record'}])
+  config = _data_config(path=str(tmp_path), val_path=str(tmp_path / 'c.txt'),
+                        text_documents=True, cache_dir=str(tmp_path / 'cache'))
+  info, _ = load_data(config, tmp_path / 'run')
+  want = b''.join(t.encode() + b'\0' for t in texts.values()) + b'a record\0'
+  assert bytes(_stream(info, 'train').astype(np.uint8)) == want
+  assert bytes(_stream(info, 'val').astype(np.uint8)) == b'x\n\0'
+  assert info.stats['documents'] == 5 and not info.has_mask  # 4 files, then c.txt for val
+  plain, _ = load_data(_data_config(path=str(tmp_path), val_path=str(tmp_path / 'c.txt'),
+                                    cache_dir=str(tmp_path / 'cache')), tmp_path / 'run')
+  assert bytes(_stream(plain, 'train').astype(np.uint8)) == (
+      b'first line\nsecond line\nanother file\nx\na record\0')
+  # A tokenizer with a BOS: before the file's first chunk only.
+  tok = load_tokenizer(str(tokenizer_dir))
+  fmt = document_format(tok, text_documents=True)
+  fmt = type(fmt)(**{**fmt.__dict__, 'bos': tok.token_id('<s>')})
+  info = prepare_dataset(tmp_path / 'bpe', tok, train_sources=[tmp_path / 'a.txt'],
+                         val_sources=[tmp_path / 'c.txt'], doc_format=fmt)
+  stream = _stream(info, 'train')
+  assert stream[0] == fmt.bos and stream[-1] == fmt.eos
+  assert (stream == fmt.bos).sum() == 1 and (stream == fmt.eos).sum() == 1
+  assert tok.decode(stream[1:-1]) == texts['a.txt']
+
+
 def test_bos_from_tokenizer_config_and_eos_override(tmp_path, tokenizer_dir):
   bos_dir = tmp_path / 'tok'
   bos_dir.mkdir()

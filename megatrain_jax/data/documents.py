@@ -58,6 +58,8 @@ class DocumentFormat:
     bos_text, eos_text: The special tokens' strings, for the chat template.
     skip_bad_records: Skip (and count) bad records instead of failing.
     refuse_nul: The byte tokenizer's EOS is NUL: a text holding NUL is a bad record.
+    text_documents: Each text file is one document, [BOS] text EOS (data.text_documents), not
+      a piece of one continuous stream.
   """
   eos: int
   bos: int | None = None
@@ -69,10 +71,13 @@ class DocumentFormat:
   eos_text: str = ''
   skip_bad_records: bool = False
   refuse_nul: bool = False
+  text_documents: bool = False
 
   def identity(self) -> dict[str, Any]:
     """What decides the prepared tokens (part of the prepared data's fingerprint)."""
     out = dataclasses.asdict(self)
+    if not out['text_documents']:  # data prepared before the field existed stays valid
+      del out['text_documents']
     template = out.pop('chat_template')
     out['chat_template_sha256'] = (hashlib.sha256(template.encode()).hexdigest()
                                    if template else None)
@@ -121,14 +126,16 @@ def _byte_format(eos_token: str, fields: dict[str, Any]) -> DocumentFormat:
 
 def document_format(tokenizer: Tokenizer, *, eos_token: str = '', text_field: str = 'text',
                     prompt_field: str = 'prompt', completion_field: str = 'completion',
-                    skip_bad_records: bool = False) -> DocumentFormat:
+                    skip_bad_records: bool = False, text_documents: bool = False
+                    ) -> DocumentFormat:
   """Resolves EOS, BOS and the chat template of `tokenizer` (see the module docstring).
 
   Raises:
     ConfigError: (naming `data.eos_token`) if no EOS can be found, or it is not one token.
   """
   fields = dict(text_field=text_field, prompt_field=prompt_field,
-                completion_field=completion_field, skip_bad_records=skip_bad_records)
+                completion_field=completion_field, skip_bad_records=skip_bad_records,
+                text_documents=text_documents)
   if isinstance(tokenizer, ByteTokenizer):
     return _byte_format(eos_token, fields)
   config = read_tokenizer_config(tokenizer)

@@ -156,13 +156,17 @@ def check_text_head(path: Path, field: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TextTask:
-  """A chunk of whole lines of a text file, already decoded (the reader checks UTF-8 and NUL)."""
+  """A chunk of whole lines of a text file, already decoded (the reader checks UTF-8 and NUL);
+  `first` / `last`: the file's first / last chunk (with data.text_documents the file is one
+  document: BOS before its first chunk, EOS after its last)."""
   text: str
+  first: bool = False
+  last: bool = False
 
 
 def text_tasks(path: Path, field: str, chunk_chars: int) -> Iterator[tuple[TextTask, int]]:
   """(task, bytes of the file read so far) for chunks of whole lines of about `chunk_chars`."""
-  offset = 0
+  offset, held = 0, None  # each chunk is yielded once the next is read: is it the last?
   # newline='' keeps '\r\n' as is, so a byte tokenizer stores the file's exact bytes.
   with open(path, encoding='utf-8', newline='') as f:
     while True:
@@ -171,12 +175,16 @@ def text_tasks(path: Path, field: str, chunk_chars: int) -> Iterator[tuple[TextT
       except UnicodeDecodeError as e:
         raise not_utf8_error(path, field, e) from e
       if not lines:
-        return
+        break
       text = ''.join(lines)
       if '\0' in text:
         raise binary_error(path, field, offset + text.index('\0'))
+      if held is not None:
+        yield held
+      held = TextTask(text, first=offset == 0), f.buffer.tell()
       offset += len(text)
-      yield TextTask(text), f.buffer.tell()
+  if held is not None:
+    yield dataclasses.replace(held[0], last=True), held[1]
 
 
 # --- JSONL -------------------------------------------------------------------------------------
@@ -456,9 +464,14 @@ def run_task(task: Any, tokenizer: Tokenizer, fmt: DocumentFormat | None,
   """Tokens (and mask) of one task. Bad records are counted and quoted, never raised: the
   caller decides (fail or skip)."""
   if isinstance(task, TextTask):
-    tokens = np.asarray(tokenizer.encode(task.text)).astype(dtype)
+    ids = list(tokenizer.encode(task.text))
+    document = fmt is not None and fmt.text_documents  # the file is one [BOS] text EOS
+    if document:
+      ids = ([fmt.bos] if task.first and fmt.bos is not None else []) + ids + (
+          [fmt.eos] if task.last else [])
+    tokens = np.asarray(ids, dtype=np.int64).astype(dtype)
     documents.check_ids(tokens, tokenizer)
-    return TaskResult(tokens, None, 0, 0, [], len(task.text))
+    return TaskResult(tokens, None, int(document and task.last), 0, [], len(task.text))
   bad: list[str] = []
   if isinstance(task, JsonlTask):
     docs, size = _jsonl_documents(task, fmt, bad), len(task.data)

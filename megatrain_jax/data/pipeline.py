@@ -36,7 +36,8 @@ _STR_FIELDS = ('path', 'val_path', 'tokenizer', 'cache_dir')
 # Fields added with the record formats: a data section written before them gets these defaults.
 _DEFAULTS = {'text_field': 'text', 'prompt_field': 'prompt', 'completion_field': 'completion',
              'eos_token': '', 'mixture': '', 'num_workers': 0,
-             'shard_tokens': DEFAULT_SHARD_TOKENS, 'skip_bad_records': False}
+             'shard_tokens': DEFAULT_SHARD_TOKENS, 'skip_bad_records': False,
+             'text_documents': False}
 
 
 def _field(data_config: Any, name: str) -> Any:
@@ -78,8 +79,9 @@ def _check_fields(data_config: Any) -> None:
     raise ConfigError(f'data.num_workers: got {workers!r}; it must be an integer >= 0 '
                       '(0 = every core).')
   check_shard_tokens(_field(data_config, 'shard_tokens'))
-  if not isinstance(_field(data_config, 'skip_bad_records'), bool):
-    raise ConfigError('data.skip_bad_records: must be True or False.')
+  for name in ('skip_bad_records', 'text_documents'):
+    if not isinstance(_field(data_config, name), bool):
+      raise ConfigError(f'data.{name}: must be True or False.')
 
 
 def _document_format(data_config: Any, tokenizer: Tokenizer) -> DocumentFormat:
@@ -88,7 +90,14 @@ def _document_format(data_config: Any, tokenizer: Tokenizer) -> DocumentFormat:
       text_field=_field(data_config, 'text_field'),
       prompt_field=_field(data_config, 'prompt_field'),
       completion_field=_field(data_config, 'completion_field'),
-      skip_bad_records=_field(data_config, 'skip_bad_records'))
+      skip_bad_records=_field(data_config, 'skip_bad_records'),
+      text_documents=_field(data_config, 'text_documents'))
+
+
+def _needs_format(data_config: Any, files: list[Path]) -> bool:
+  """Whether preparing `files` needs the document format (EOS, BOS): they hold records, or
+  data.text_documents makes each text file a document."""
+  return needs_documents(files) or bool(files and _field(data_config, 'text_documents'))
 
 
 class _Sources:
@@ -107,7 +116,7 @@ class _Sources:
   def check(self, source: str, field: str) -> list[Path]:
     """Expands `source` (naming `field`) and checks every file's head; returns the files."""
     files = formats.expand_sources([source], field)
-    check_sources(files, self.fmt() if needs_documents(files) else None, field)
+    check_sources(files, self.fmt() if _needs_format(self._config, files) else None, field)
     return files
 
 
@@ -128,7 +137,7 @@ def _check_sizes(data_config: Any, train_config: Any, prepared: DatasetInfo | No
   if prepared is not None:
     train_tokens, val_tokens = prepared.train_tokens, prepared.val_tokens
   elif (_field(data_config, 'tokenizer') == 'byte' and
-        not needs_documents((train_files or []) + (val_files or []))):
+        not _needs_format(data_config, (train_files or []) + (val_files or []))):
     if train_files is None:
       total = len(default_corpus_text().encode('utf-8'))
     else:
@@ -208,8 +217,8 @@ def check_data_config(data_config: Any, train_config: Any = None) -> None:
 def _prepare(data_config: Any, tokenizer: Tokenizer, out_dir: Path, train: list, val: list,
              val_fraction: float | None, progress: bool | None) -> DatasetInfo:
   fmt = (_document_format(data_config, tokenizer)
-         if needs_documents(formats.expand_sources(train, 'data.path') +
-                            formats.expand_sources(val, 'data.val_path')) else None)
+         if _needs_format(data_config, formats.expand_sources(train, 'data.path') +
+                          formats.expand_sources(val, 'data.val_path')) else None)
   return prepare_dataset(out_dir, tokenizer, train_sources=train, val_sources=val,
                          val_fraction=val_fraction, doc_format=fmt,
                          shard_tokens=_field(data_config, 'shard_tokens'),
