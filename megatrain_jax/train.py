@@ -644,9 +644,11 @@ def _eval_config(config, workdir: str, overrides):
       config_lib.set_field(config, 'model.document_mask', True)
     return config, path, meta, None
   if not config.init.from_hf:
+    also = (f' (init.from_run starts a training run; to read {config.init.from_run}, pass it as '
+            '--workdir)' if config.init.from_run else '')
     raise ConfigError(f'--eval: {path} holds no checkpoint and init.from_hf is not set, so there '
                       'is no model to evaluate. Pass the --workdir of a run, or '
-                      '--config.init.from_hf=<Hugging Face model directory>.')
+                      f'--config.init.from_hf=<Hugging Face model directory>{also}.')
   checkpoint = hf.inspect_checkpoint(config.init.from_hf)
   return hf.config_from_checkpoint(config, checkpoint, overrides), path, None, checkpoint
 

@@ -338,6 +338,9 @@ def test_init_from_run_refusals(checkpoints, tmp_path):
     with pytest.raises(ConfigError, match=match):
       train.train_and_evaluate(_config(**fields), str(tmp_path / 'w'))
     assert not (tmp_path / 'w').exists()
+  with pytest.raises(ConfigError, match=r'init.from_run starts a training run; to read .*/empty, '
+                                        'pass it as --workdir'):
+    train.evaluate(_config(init__from_run=str(empty), eval__path=str(TEXT)), str(tmp_path / 'w'))
 
 
 def test_launch_eval_of_a_hugging_face_checkpoint(checkpoints, eval_text, tmp_path):
