@@ -121,6 +121,11 @@ def get_config() -> ml_collections.ConfigDict:
   #                              continuous stream, as is; True = each file is one document,
   #                              [BOS] text EOS like a record (a directory of articles, books,
   #                              source files: model.document_mask then keeps them apart).
+  data.pack = 'stream'  # Training and validation rows: 'stream' = windows of the token stream
+  #                       (a row starts wherever the last ended, so most documents are cut in
+  #                       two); 'documents' = rows of whole documents, as many as fit, padded
+  #                       (padding not learned; a document longer than a row is cut into rows):
+  #                       instruction and chat data keep each prompt with its answer.
   data.mixture = ''  # Several sources sampled by weight, 'WEIGHT:SOURCE,WEIGHT:SOURCE' (e.g.
   #                    '0.7:web/*.jsonl.zst,0.3:code.parquet'); exclusive with path. Deterministic
   #                    and resumed exactly from checkpoints.

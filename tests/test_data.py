@@ -18,6 +18,7 @@ from megatrain_jax.data import (BatchSampler, ByteTokenizer, HFTokenizer, check_
                                 default_corpus_text, eval_batches, load_data, load_split,
                                 load_tokenizer, open_tokens, prepare_dataset, read_dataset_info,
                                 unlearn_document_starts)
+from megatrain_jax.data import packing
 from megatrain_jax.data import prepare as prepare_module
 from megatrain_jax.errors import ConfigError
 
@@ -416,3 +417,62 @@ def test_check_data_config_errors_and_writes_nothing(tmp_path, small_text_file):
     check_data_config(ml_collections.ConfigDict(
         dict(path='', val_path='', val_fraction=0.05, tokenizer='byte')))
   assert _tree(tmp_path) == before
+
+
+def _documents(lengths, rng):
+  """A stream of documents of these lengths (each ending with EOS 0, other ids 1..8)."""
+  parts = [np.append(rng.integers(1, 9, n - 1), 0) for n in lengths]
+  return np.concatenate(parts).astype(np.uint16), np.cumsum(lengths)
+
+
+def test_rows_of_whole_documents():
+  """data.pack='documents' (packing.document_rows): rows in stream order cover it once; a
+  document that fits in a row is never cut and rows start at document starts, except the pieces
+  of a document longer than a row; each row is filled greedily (the next document did not fit)."""
+  rng = np.random.default_rng(5)
+  lengths = list(rng.integers(1, 12, 300)) + [30, 3, 25]  # some longer than the window
+  tokens, ends = _documents(lengths, rng)
+  window = 9
+  starts, sizes = packing.document_rows(tokens, 0, window)
+  assert starts[0] == 0 and np.all(starts[1:] == starts[:-1] + sizes[:-1])
+  assert starts[-1] + sizes[-1] == len(tokens) and np.all((sizes >= 1) & (sizes <= window))
+  doc_starts = np.concatenate([[0], ends[:-1]])
+  long_doc = {int(s): int(e) for s, e in zip(doc_starts, ends) if e - s > window}
+  for start, size in zip(starts.tolist(), sizes.tolist()):
+    end = start + size
+    inside = [(s, e) for s, e in zip(doc_starts.tolist(), ends.tolist()) if s < end and e > start]
+    for s, e in inside:  # documents that fit in a row lie whole in one
+      assert s in long_doc or (start <= s and e <= end), (start, end, s, e)
+    nxt = np.searchsorted(doc_starts, end)
+    if nxt < len(doc_starts) and doc_starts[nxt] == end and end - start < window:
+      assert ends[nxt] - start > window  # the next document did not fit
+  # A trailing document without EOS is a document too.
+  starts, sizes = packing.document_rows(np.array([3, 4, 0, 5, 6], np.uint16), 0, 4)
+  assert starts.tolist() == [0, 3] and sizes.tolist() == [3, 2]
+
+
+def test_packed_sampler_and_eval_batches_pad_and_mask():
+  """The sampler over rows of whole documents: each epoch visits every row once; a row is its
+  documents then EOS padding, whose targets are not learned; eval batches are the rows in order."""
+  rng = np.random.default_rng(7)
+  tokens, _ = _documents(list(rng.integers(1, 8, 200)), rng)
+  starts, sizes = packing.document_rows(tokens, 0, 9)
+  sampler = BatchSampler(tokens, seq_len=8, batch_size=4, microbatches=2, seed=2, pack_eos=0)
+  assert sampler.n_windows == len(starts) and sampler.has_mask
+  seen = []
+  for step in range(len(starts) // 8):
+    batch = sampler.batch(step * 8)
+    row_starts = sampler.window_starts(step * 8).reshape(-1)
+    for row, start in zip(range(8), row_starts):
+      size = int(sizes[np.searchsorted(starts, start)])
+      tok, mask = batch.tokens.reshape(-1, 9)[row], batch.loss_mask.reshape(-1, 8)[row]
+      np.testing.assert_array_equal(tok[:size], tokens[start:start + size])
+      assert (tok[size:] == 0).all() and mask.tolist() == [1] * (size - 1) + [0] * (9 - size)
+      seen.append(int(start))
+  assert len(set(seen)) == len(seen)  # no row twice within the epoch
+  evals = eval_batches(tokens, seq_len=8, batch_size=4, num_batches=3, pack_eos=0)
+  for i, batch in enumerate(evals):
+    for row in range(4):
+      start, size = starts[i * 4 + row], sizes[i * 4 + row]
+      np.testing.assert_array_equal(batch.tokens[row, :size], tokens[start:start + size])
+      assert batch.loss_mask[row].sum() == size - 1

@@ -326,3 +326,30 @@ def test_document_mask_learns_and_scores_no_target_across_documents(tmp_path):
   assert baseline['step'] == 0
   assert baseline['eval/loss'] == pytest.approx(_documents_alone_loss(plain, params, rows, 0),
                                                 rel=1e-5)
+
+
+def test_rows_of_whole_documents_train_each_prompt_with_its_answer(tmp_path):
+  """data.pack='documents' with the document mask: a row holds whole prompt/completion records
+  (none cut, so no answer is learned without its question), padding is not learned, and the
+  first learning/loss equals each document run alone over its own learned targets."""
+  records = [{'prompt': f'Question {i}: what is {i % 17} times 3?',
+              'completion': f' {3 * (i % 17)}.'} for i in range(300)]
+  path = tmp_path / 'sft.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in records))
+  workdir = tmp_path / 'run'
+  config = small_config(path, train__steps=1, train__eval_every=0, train__microbatches=2,
+                        train__batch_size=2, train__seq_len=48, train__eval_batches=2,
+                        checkpoint__every=1, model__document_mask=True, data__pack='documents')
+  last = train.train_and_evaluate(config, str(workdir))
+  model_cfg = train._validate(config, str(workdir))[0]  # pylint: disable=protected-access
+  params = resident.init_state(model_cfg, make_tx(1.0)[0], config.train.seed)['params']
+  info, _ = data_lib.load_data(config.data, workdir)
+  stored = data_lib.BatchSampler(data_lib.load_split(info, 'train'), seq_len=48, batch_size=2,
+                                 microbatches=2, seed=config.train.seed, pack_eos=0).batch(0)
+  for row, mask in zip(stored.tokens.reshape(4, -1), stored.loss_mask.reshape(4, -1)):
+    text = bytes(row.astype(np.uint8)).rstrip(b'\0').decode()
+    assert text.startswith('Question') and text.count('Question') == text.count('?')
+    assert mask[len(text):].sum() == 0  # the padding (EOS ids) is not learned
+  rows = list(zip(stored.tokens.reshape(4, -1), stored.loss_mask.reshape(4, -1)))
+  want = _documents_alone_loss(model_cfg.replace(document_eos_id=-1), params, rows, 0)
+  assert last['learning/loss'] == pytest.approx(want, rel=1e-5)

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from megatrain_jax.data import packing
 from megatrain_jax.data.mixture import MIXTURE_STREAM, MixtureSchedule
 from megatrain_jax.data.prepare import DatasetInfo, read_dataset_info
 from megatrain_jax.data.shards import TokenStream, memmap
@@ -122,15 +123,24 @@ def check_split_sizes(train_tokens: int, val_tokens: int, *, seq_len: int, batch
 
 
 class _Windows:
-  """The windows of one token stream and their per-epoch permutations."""
+  """The windows of one token stream (or, with `pack_eos` >= 0, its rows of whole documents:
+  packing.py) and their per-epoch permutations."""
 
-  def __init__(self, tokens, seq_len: int, seed: int, source: int | None):
+  def __init__(self, tokens, seq_len: int, seed: int, source: int | None, pack_eos: int = -1):
     self.tokens = tokens
-    self.has_mask = bool(getattr(tokens, 'has_mask', False))
+    self.stored_mask = bool(getattr(tokens, 'has_mask', False))
     self.window = seq_len + 1
-    self.n_windows = len(tokens) // self.window
-    if self.n_windows < 1:
+    self._pad = pack_eos
+    self._rows = None
+    if len(tokens) < self.window:
       raise _train_too_short(len(tokens), seq_len)
+    if pack_eos >= 0:  # rows of whole documents: their starts and lengths
+      self._rows = packing.document_rows(tokens, pack_eos, self.window)
+      self.n_windows = len(self._rows[0])
+    else:
+      self.n_windows = len(tokens) // self.window
+    # Packed rows are padded, and the padding's targets are not learned: a loss mask always.
+    self.has_mask = self.stored_mask or self._rows is not None
     # A lone stream keeps the seeding it always had; mixture sources each get their own.
     self._key = [seed] if source is None else [seed, MIXTURE_STREAM, source]
     # Permutations of the epochs the latest batch touched: consecutive steps hit the cache, and
@@ -152,16 +162,21 @@ class _Windows:
     for epoch, perm in perms.items():
       in_epoch = epochs == epoch
       windows[in_epoch] = perm[samples[in_epoch] % self.n_windows]
-    return windows * self.window
+    return windows * self.window if self._rows is None else self._rows[0][windows]
 
   def gather(self, starts: np.ndarray, with_mask: bool):
     """(tokens [n, window] int32, mask [n, window - 1] uint8 of the targets, or None)."""
+    if self._rows is not None:
+      row_starts, row_lengths = self._rows
+      lengths = row_lengths[np.searchsorted(row_starts, starts)]
+      return packing.gather_rows(self.tokens, starts, lengths, self.window, self._pad,
+                                 self.tokens.mask if self.stored_mask else None)
     index = starts[:, None] + np.arange(self.window)
     # np.array (not asarray) so the result is a plain in-memory ndarray, not a memmap view.
     tokens = np.array(self.tokens[index], dtype=np.int32)
     if not with_mask:
       return tokens, None
-    if not self.has_mask:
+    if not self.stored_mask:
       return tokens, np.ones((len(starts), self.window - 1), dtype=np.uint8)
     return tokens, self.tokens.mask(index[:, 1:])
 
@@ -183,7 +198,7 @@ class BatchSampler:
   """
 
   def __init__(self, tokens, *, seq_len: int, batch_size: int, microbatches: int, seed: int,
-               document_eos: int = -1):
+               document_eos: int = -1, pack_eos: int = -1):
     """Creates the sampler.
 
     Args:
@@ -195,6 +210,8 @@ class BatchSampler:
       document_eos: With model.document_mask, the EOS id that ends every document (-1: none):
         batches then carry a loss mask without the targets that follow an EOS
         (`unlearn_document_starts`).
+      pack_eos: With data.pack = 'documents', the EOS id (-1: windows of the stream): samples
+        are rows of whole documents, padded with it (packing.py); a loss mask always.
 
     Raises:
       ConfigError: If an argument is out of range, or (naming `train.seq_len`) if a stream is too
@@ -206,11 +223,11 @@ class BatchSampler:
     # SeedSequence rejects negative entropy; say so in config terms instead.
     self._seed = _check_int('train.seed', seed, 0)
     if isinstance(tokens, MixtureSplit):
-      self._streams = [_Windows(t, self._seq_len, self._seed, s)
+      self._streams = [_Windows(t, self._seq_len, self._seed, s, pack_eos)
                        for s, t in enumerate(tokens.sources)]
       self._mixture = MixtureSchedule(list(tokens.weights), self._seed)
     else:
-      self._streams = [_Windows(tokens, self._seq_len, self._seed, None)]
+      self._streams = [_Windows(tokens, self._seq_len, self._seed, None, pack_eos)]
       self._mixture = None
     self._document_eos = document_eos
     self.has_mask = any(stream.has_mask for stream in self._streams) or document_eos >= 0
@@ -277,7 +294,7 @@ class BatchSampler:
 
 
 def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
-                 document_eos: int = -1) -> list:
+                 document_eos: int = -1, pack_eos: int = -1) -> list:
   """Returns deterministic validation batches taken in order from the start of `tokens`.
 
   Windows of `seq_len + 1` tokens do not overlap. Fewer than `num_batches` batches are returned if
@@ -286,7 +303,8 @@ def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
   Returns:
     A list of int32 arrays [batch_size, seq_len + 1]; for a split with a loss mask, or with
     `document_eos` >= 0 (BatchSampler's), of Batch (tokens as above, loss_mask uint8
-    [batch_size, seq_len] aligned to the targets).
+    [batch_size, seq_len] aligned to the targets). With `pack_eos` >= 0 (BatchSampler's) the
+    rows are the split's rows of whole documents, in order (packing.py), always with a mask.
 
   Raises:
     ConfigError: If an argument is out of range, or (naming `data.val_path`, `data.val_fraction`
@@ -300,6 +318,9 @@ def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
   if available < 1:
     raise _val_too_short(len(tokens), seq_len, batch_size)
   has_mask = bool(getattr(tokens, 'has_mask', False))
+  if pack_eos >= 0:
+    return _packed_eval_batches(tokens, seq_len, batch_size, num_batches, document_eos, pack_eos,
+                                has_mask)
   out = []
   for i in range(min(num_batches, available)):
     span = slice(i * batch_tokens, (i + 1) * batch_tokens)
@@ -310,4 +331,23 @@ def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
     if document_eos >= 0:
       mask = unlearn_document_starts(batch, mask, document_eos)
     out.append(batch if mask is None else Batch(batch, mask))
+  return out
+
+
+def _packed_eval_batches(tokens, seq_len: int, batch_size: int, num_batches: int,
+                         document_eos: int, pack_eos: int, has_mask: bool) -> list:
+  """eval_batches of the split's rows of whole documents, in order (full batches only)."""
+  window = seq_len + 1
+  starts, lengths = packing.document_rows(tokens, pack_eos, window)
+  available = len(starts) // batch_size
+  if available < 1:
+    raise _val_too_short(len(tokens), seq_len, batch_size)
+  out = []
+  for i in range(min(num_batches, available)):
+    rows = slice(i * batch_size, (i + 1) * batch_size)
+    batch, mask = packing.gather_rows(tokens, starts[rows], lengths[rows], window, pack_eos,
+                                      tokens.mask if has_mask else None)
+    if document_eos >= 0:
+      mask = unlearn_document_starts(batch, mask, document_eos)
+    out.append(Batch(batch, mask))
   return out

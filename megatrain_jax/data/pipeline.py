@@ -37,7 +37,7 @@ _STR_FIELDS = ('path', 'val_path', 'tokenizer', 'cache_dir')
 _DEFAULTS = {'text_field': 'text', 'prompt_field': 'prompt', 'completion_field': 'completion',
              'eos_token': '', 'mixture': '', 'num_workers': 0,
              'shard_tokens': DEFAULT_SHARD_TOKENS, 'skip_bad_records': False,
-             'text_documents': False}
+             'text_documents': False, 'pack': 'stream'}
 
 
 def _field(data_config: Any, name: str) -> Any:
@@ -82,6 +82,10 @@ def _check_fields(data_config: Any) -> None:
   for name in ('skip_bad_records', 'text_documents'):
     if not isinstance(_field(data_config, name), bool):
       raise ConfigError(f'data.{name}: must be True or False.')
+  if _field(data_config, 'pack') not in PACKINGS:
+    raise ConfigError(f"data.pack: got {_field(data_config, 'pack')!r}; it must be 'stream' "
+                      "(rows are windows of the token stream) or 'documents' (rows of whole "
+                      'documents, padded).')
 
 
 def _document_format(data_config: Any, tokenizer: Tokenizer) -> DocumentFormat:
@@ -92,6 +96,18 @@ def _document_format(data_config: Any, tokenizer: Tokenizer) -> DocumentFormat:
       completion_field=_field(data_config, 'completion_field'),
       skip_bad_records=_field(data_config, 'skip_bad_records'),
       text_documents=_field(data_config, 'text_documents'))
+
+
+# data.pack: rows as windows of the stream, or of whole documents (packing.py).
+PACKINGS = ('stream', 'documents')
+
+
+def pack_eos(data_config: Any, tokenizer: Tokenizer) -> int:
+  """The EOS id that rows of whole documents are found by and padded with (data.pack =
+  'documents'), or -1 (windows of the stream)."""
+  if _field(data_config, 'pack') != 'documents':
+    return -1
+  return document_format(tokenizer, eos_token=_field(data_config, 'eos_token')).eos
 
 
 def _needs_format(data_config: Any, files: list[Path]) -> bool:
