@@ -12,7 +12,7 @@ trailing span without one is the last document.
 
 The rows are found once per stream, scanning the token ids for EOS a block at a time (a memmap
 or the shards of a TokenStream: bounded memory), and kept as two arrays: each row's start in the
-stream and its length, 12 bytes per row.
+stream and its length, 16 bytes per row.
 """
 
 import numpy as np
