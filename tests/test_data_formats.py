@@ -350,28 +350,40 @@ def test_prompt_completion_with_bos_and_bpe(tmp_path, tokenizer_dir):
                                 [0] + [0] * len(prompt) + [1] * len(completion) + [1])
 
 
-def test_chat_template_learns_only_assistant_turns(tmp_path, tokenizer_dir):
-  tok = load_tokenizer(str(tokenizer_dir))
-  conversation = [{'role': 'system', 'content': 'Be brief.'},
-                  {'role': 'user', 'content': 'Capital of France?'},
-                  {'role': 'assistant', 'content': 'Paris.'},
-                  {'role': 'user', 'content': 'And Italy?'},
-                  {'role': 'assistant', 'content': 'Rome.'}]
-  source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': conversation}])
+CONVERSATION = [{'role': 'system', 'content': 'Be brief.'},
+                {'role': 'user', 'content': 'Capital of France?'},
+                {'role': 'assistant', 'content': 'Paris.'},
+                {'role': 'user', 'content': 'And Italy?'},
+                {'role': 'assistant', 'content': 'Rome.'}]
+
+
+def _tokenizer_with(directory: Path, tokenizer_dir: Path, config: dict):
+  """tokenizer_dir's tokenizer.json with another tokenizer_config.json, in `directory`."""
+  directory.mkdir()
+  (directory / 'tokenizer.json').write_bytes((tokenizer_dir / 'tokenizer.json').read_bytes())
+  (directory / 'tokenizer_config.json').write_text(json.dumps(config))
+  return load_tokenizer(str(directory))
+
+
+def _prepared_chat(tmp_path: Path, tok) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens, loss mask) of CONVERSATION prepared with `tok` (one chat record)."""
+  source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': CONVERSATION}])
   info = prepare_dataset(tmp_path / 'out', tok, train_sources=[source], val_fraction=0.5)
   whole = TokenStream(info.splits['train'] + info.splits['val'], info.dtype)
-  tokens, mask = whole[:], whole.mask(slice(0, len(whole)))
+  return whole[:], whole.mask(slice(0, len(whole)))
+
+
+def test_chat_template_learns_only_assistant_turns(tmp_path, tokenizer_dir):
+  tok = load_tokenizer(str(tokenizer_dir))
+  tokens, mask = _prepared_chat(tmp_path, tok)
   learned = tok.decode(tokens[mask == 1])
   # Each assistant turn as the template renders it after the generation prompt, then EOS.
   assert learned == 'Paris.<|im_end|>\nRome.<|im_end|>\n' + EOS
   assert tok.decode(tokens).startswith('<|im_start|>system\nBe brief.')
   # Without a chat template, messages records are bad records.
-  plain = tmp_path / 'plain'
-  plain.mkdir()
-  (plain / 'tokenizer.json').write_bytes((tokenizer_dir / 'tokenizer.json').read_bytes())
-  (plain / 'tokenizer_config.json').write_text(json.dumps({'eos_token': EOS}))
+  plain = _tokenizer_with(tmp_path / 'plain', tokenizer_dir, {'eos_token': EOS})
   with pytest.raises(ConfigError, match='chat_template'):
-    prepare_dataset(tmp_path / 'out2', load_tokenizer(str(plain)), train_sources=[source])
+    prepare_dataset(tmp_path / 'out2', plain, train_sources=[tmp_path / 'chat.jsonl'])
 
 
 # Qwen3's chat template as its tokenizer_config.json has it, without the tool branches: an
@@ -404,21 +416,9 @@ def test_chat_template_that_renders_the_last_turn_differently(tmp_path, tokenize
   """Qwen3's template: the learned text is each assistant turn as the whole conversation renders
   it (the first without a thinking block, the last with the empty one) and its end marker, not
   the longer rendering of the turn as the last one, which ran into the next user turn."""
-  qwen3 = tmp_path / 'qwen3_tokenizer'
-  qwen3.mkdir()
-  (qwen3 / 'tokenizer.json').write_bytes((tokenizer_dir / 'tokenizer.json').read_bytes())
-  (qwen3 / 'tokenizer_config.json').write_text(json.dumps(
-      {'eos_token': EOS, 'chat_template': QWEN3_TEMPLATE}))
-  tok = load_tokenizer(str(qwen3))
-  conversation = [{'role': 'system', 'content': 'Be brief.'},
-                  {'role': 'user', 'content': 'Capital of France?'},
-                  {'role': 'assistant', 'content': 'Paris.'},
-                  {'role': 'user', 'content': 'And Italy?'},
-                  {'role': 'assistant', 'content': 'Rome.'}]
-  source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': conversation}])
-  info = prepare_dataset(tmp_path / 'out', tok, train_sources=[source], val_fraction=0.5)
-  whole = TokenStream(info.splits['train'] + info.splits['val'], info.dtype)
-  tokens, mask = whole[:], whole.mask(slice(0, len(whole)))
+  tok = _tokenizer_with(tmp_path / 'qwen3_tokenizer', tokenizer_dir,
+                        {'eos_token': EOS, 'chat_template': QWEN3_TEMPLATE})
+  tokens, mask = _prepared_chat(tmp_path, tok)
   assert tok.decode(tokens[mask == 1]) == (
       'Paris.<|im_end|>\n<think>\n\n</think>\n\nRome.<|im_end|>\n' + EOS)
   assert 'And Italy?' in tok.decode(tokens[mask == 0])
