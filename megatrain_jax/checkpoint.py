@@ -106,7 +106,7 @@ from megatrain_jax import locks
 from megatrain_jax import partition
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.layout import Layout, host_part, slices, spread
-from megatrain_jax.model import ModelConfig
+from megatrain_jax.model import ModelConfig, fresh_rng
 from megatrain_jax.tiers import codecs
 
 FORMAT = 3
@@ -630,8 +630,7 @@ class WeightsOnly:
     self.bytes_read = 0
     self._leaves = {jax.tree_util.keystr(p): x
                     for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
-    _, rng = jax.random.split(jax.random.key(seed))
-    self._rng = np.asarray(jax.random.key_data(rng))
+    self._rng = fresh_rng(seed)
 
   @staticmethod
   def _is_param(path: str) -> bool:

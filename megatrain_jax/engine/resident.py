@@ -31,7 +31,7 @@ from megatrain_jax.model import ModelConfig
 
 def init_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -> dict:
   """Fresh train state. Param init depends only on `seed` (see model.init_params)."""
-  init_key, rng = jax.random.split(jax.random.key(seed))
+  init_key, rng = model_lib.run_keys(seed)
   params = model_lib.init_params(model_cfg, init_key)
   return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params),
           'rng': jax.random.key_data(rng)}

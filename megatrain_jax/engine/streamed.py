@@ -206,7 +206,7 @@ class StreamedEngine:
     Uses the same keys as resident.init_state, so both engines start from the same weights.
     """
     self._pending = None
-    init_key, rng = jax.random.split(jax.random.key(seed))
+    init_key, rng = model_lib.run_keys(seed)
     layers_key = model_lib.param_keys(init_key)[1]
     init_opt = jax.jit(self.tx.init)
     # Vocabulary chunks drawn one at a time (never the whole embedding): see layers.vocab_normal.

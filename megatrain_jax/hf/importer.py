@@ -32,6 +32,7 @@ from megatrain_jax import config as config_lib
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.hf.format import HfCheckpoint, _open_safetensors
 from megatrain_jax.layout import Layout
+from megatrain_jax.model import fresh_rng
 from megatrain_jax.model.config import ModelConfig
 
 # ModelConfig field -> its config key: what a Hugging Face checkpoint's config.json decides.
@@ -179,8 +180,7 @@ class HfReader:
       self._tensors.setdefault(_full_path(t.path), []).append(t)
     for tensors in self._tensors.values():
       tensors.sort(key=lambda t: -1 if t.layer is None else t.layer)
-    _, rng = jax.random.split(jax.random.key(seed))
-    self._rng = np.asarray(jax.random.key_data(rng))
+    self._rng = fresh_rng(seed)
 
   def snapshot_dir(self, path: str) -> None:
     """No leaf is an NVMe snapshot: the stores are written, never linked."""

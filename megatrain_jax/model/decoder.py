@@ -32,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from megatrain_jax.model import layers as layers_lib
@@ -79,6 +80,18 @@ def init_layers(cfg: ModelConfig, key, start: int, count: int) -> dict:
 def param_keys(key):
   """Splits the model seed into (embed, layers, head) keys."""
   return jax.random.split(key, 3)
+
+
+def run_keys(seed: int):
+  """(params init key, the train state's rng key) of a fresh run of train.seed `seed`: every
+  engine's init and every reader that serves a fresh run's state (an imported checkpoint's)."""
+  init_key, rng = jax.random.split(jax.random.key(seed))
+  return init_key, rng
+
+
+def fresh_rng(seed: int) -> np.ndarray:
+  """The train state's ['rng'] leaf of a fresh run of `seed` (host uint32 key data)."""
+  return np.asarray(jax.random.key_data(run_keys(seed)[1]))
 
 
 def init_outer(cfg: ModelConfig, key) -> dict:
