@@ -882,7 +882,7 @@ def read_checkpoint(workdir, model_cfg: ModelConfig, which: str = 'newest'):
   directory = pathlib.Path(workdir).absolute() / 'checkpoints'
   with contextlib.ExitStack() as held:
     if which == 'newest':
-      yield _newest_intact(directory, model_cfg, held)
+      yield _newest_intact(directory, model_cfg, held, verify=_WEIGHTS)
     else:
       yield _chosen(directory, model_cfg, which, held)
 
@@ -916,24 +916,25 @@ def _chosen(directory: pathlib.Path, model_cfg: ModelConfig, which: str,
 
 
 def _newest_intact(directory: pathlib.Path, model_cfg: ModelConfig,
-                   held: contextlib.ExitStack | None = None) -> CheckpointReader | None:
-  """The newest checkpoint in `directory` that verifies (Checkpointer.restore). With `held` (the
-  readers of read_checkpoint), each is first locked for reading, only its weights' data are
-  verified, and the one returned stays locked in `held`; one deleted by a run's commit as it was
-  locked (a newer one exists then) starts the walk again."""
+                   held: contextlib.ExitStack | None = None,
+                   verify: str = '') -> CheckpointReader | None:
+  """The newest checkpoint in `directory` whose leaves under `verify` ('': all) verify
+  (Checkpointer.restore). With `held` (read_checkpoint), each is first locked for reading, and the
+  one returned stays locked in `held`; one deleted by a run's commit as it was locked (a newer one
+  exists then) starts the walk again."""
   steps = committed_steps(directory)
   damaged = []
   for step in reversed(steps):
     hold = contextlib.ExitStack()
     if held is not None and not hold.enter_context(locks.read_hold(directory / str(step))):
       hold.close()
-      return _newest_intact(directory, model_cfg, held)
+      return _newest_intact(directory, model_cfg, held, verify)
     with hold:
       try:
         reader = CheckpointReader(directory / str(step))
         reader.verify_files()
         reader.check_model(model_cfg)
-        reader.verify_data(_WEIGHTS if held is not None else '')
+        reader.verify_data(verify)
       except DamagedCheckpoint as error:
         damaged.append(step)
         older = [s for s in steps if s < step]
