@@ -123,9 +123,11 @@ def get_config() -> ml_collections.ConfigDict:
   #                              source files: model.document_mask then keeps them apart).
   data.pack = 'stream'  # Training and validation rows: 'stream' = windows of the token stream
   #                       (a row starts wherever the last ended, so most documents are cut in
-  #                       two); 'documents' = rows of whole documents, as many as fit, padded
-  #                       (padding not learned; a document longer than a row is cut into rows):
-  #                       instruction and chat data keep each prompt with its answer.
+  #                       two); 'documents' = rows of whole documents, as many as fit in stream
+  #                       order, padded (padding not learned; a document longer than a row is
+  #                       cut into rows): instruction and chat data keep each prompt with its
+  #                       answer; 'best_fit' = the same packed best-fit decreasing (TRL's 'bfd'),
+  #                       far less padding where short and long documents mix.
   data.mixture = ''  # Several sources sampled by weight, 'WEIGHT:SOURCE,WEIGHT:SOURCE' (e.g.
   #                    '0.7:web/*.jsonl.zst,0.3:code.parquet'); exclusive with path. Deterministic
   #                    and resumed exactly from checkpoints.

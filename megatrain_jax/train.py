@@ -431,15 +431,15 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: i
   each EOS is neither learned nor scored (data.unlearn_document_starts)."""
   train_cfg = config.train
   info, tokenizer = data_lib.load_data(config.data, workdir)
-  pack_eos = data_lib.pack_eos(config.data, tokenizer)  # data.pack: rows of whole documents
+  row_packing = data_lib.row_packing(config.data, tokenizer)  # data.pack: rows of whole documents
   sampler = data_lib.BatchSampler(
       data_lib.load_split(info, 'train'), seq_len=train_cfg.seq_len,
       batch_size=train_cfg.batch_size, microbatches=microbatches, seed=train_cfg.seed,
-      document_eos=document_eos, pack_eos=pack_eos)
+      document_eos=document_eos, row_packing=row_packing)
   eval_data = data_lib.eval_batches(
       data_lib.load_split(info, 'val'), seq_len=train_cfg.seq_len,
       batch_size=train_cfg.batch_size, num_batches=train_cfg.eval_batches,
-      document_eos=document_eos, pack_eos=pack_eos)
+      document_eos=document_eos, row_packing=row_packing)
   if train_cfg.epochs:
     steps = epoch_steps(train_cfg.epochs, sampler.n_windows, sampler.samples_per_step)
     config = ml_collections.ConfigDict(config.to_dict())

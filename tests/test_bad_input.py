@@ -180,7 +180,8 @@ CONFIG_CASES = [
      ['jax_cache_dir', 'is a file', "set it to ''"]),
     # data.*
     ('data.val_fraction', dict(data__val_fraction=0.9), ['data.val_fraction', '(0, 0.5]']),
-    ('data.pack', dict(data__pack='rows'), ['data.pack', "got 'rows'", "'stream'", "'documents'"]),
+    ('data.pack', dict(data__pack='rows'), ['data.pack', "got 'rows'", "'stream'", "'documents'",
+                                                 "'best_fit'"]),
     ('data.path empty dir', lambda d: (d / 'empty_dir').mkdir() or dict(
         data__path=str(d / 'empty_dir')), ['data.path', 'contains no (non-hidden) files']),
     ('data.path empty file', lambda d: dict(data__path=write(d / 'empty.txt', b'')),

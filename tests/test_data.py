@@ -426,14 +426,16 @@ def _documents(lengths, rng):
 
 
 def test_rows_of_whole_documents():
-  """data.pack='documents' (packing.document_rows): rows in stream order cover it once; a
+  """data.pack='documents' (RowPacking 'documents'): rows in stream order cover it once; a
   document that fits in a row is never cut and rows start at document starts, except the pieces
   of a document longer than a row; each row is filled greedily (the next document did not fit)."""
   rng = np.random.default_rng(5)
   lengths = list(rng.integers(1, 12, 300)) + [30, 3, 25]  # some longer than the window
   tokens, ends = _documents(lengths, rng)
   window = 9
-  starts, sizes = packing.document_rows(tokens, 0, window)
+  rows = packing.RowPacking('documents', 0).rows(tokens, window)
+  assert rows.offsets.tolist() == list(range(len(rows) + 1))  # one span per row
+  starts, sizes = rows.starts, rows.sizes()
   assert starts[0] == 0 and np.all(starts[1:] == starts[:-1] + sizes[:-1])
   assert starts[-1] + sizes[-1] == len(tokens) and np.all((sizes >= 1) & (sizes <= window))
   doc_starts = np.concatenate([[0], ends[:-1]])
@@ -447,32 +449,94 @@ def test_rows_of_whole_documents():
     if nxt < len(doc_starts) and doc_starts[nxt] == end and end - start < window:
       assert ends[nxt] - start > window  # the next document did not fit
   # A trailing document without EOS is a document too.
-  starts, sizes = packing.document_rows(np.array([3, 4, 0, 5, 6], np.uint16), 0, 4)
-  assert starts.tolist() == [0, 3] and sizes.tolist() == [3, 2]
+  rows = packing.RowPacking('documents', 0).rows(np.array([3, 4, 0, 5, 6], np.uint16), 4)
+  assert rows.starts.tolist() == [0, 3] and rows.lengths.tolist() == [3, 2]
 
 
-def test_packed_sampler_and_eval_batches_pad_and_mask():
+def _best_fit_loads(sizes, capacity):
+  """The loads of the bins best-fit decreasing fills (a plain reference: the fullest open bin
+  that holds each item, longest first). Which of several equally full bins takes an item does
+  not change the loads, so any tie-break gives these."""
+  loads = []
+  for size in sorted(sizes, reverse=True):
+    fits = [i for i, load in enumerate(loads) if load + size <= capacity]
+    if fits:
+      loads[max(fits, key=lambda i: loads[i])] += size
+    else:
+      loads.append(size)
+  return loads
+
+
+def test_rows_packed_best_fit(monkeypatch):
+  """data.pack='best_fit': the rows hold every token of the stream once, each document whole in
+  one row (a long one: row-sized pieces from its start, each a row, then its remainder), spans in
+  stream order within a row; the rows of each block of documents have the loads best-fit
+  decreasing gives, so fewer rows than in stream order."""
+  block = 50
+  monkeypatch.setattr(packing, 'BEST_FIT_BLOCK', block)  # several blocks
+  rng = np.random.default_rng(11)
+  lengths = list(rng.integers(1, 12, 230)) + [30, 3, 26] + list(rng.integers(1, 12, 20))
+  tokens, ends = _documents(lengths, rng)
+  tokens = tokens[:-1]  # the last document has no EOS (last in its row)
+  ends[-1] -= 1
+  window = 13
+  rows = packing.RowPacking('best_fit', 0).rows(tokens, window)
+  covered = np.zeros(len(tokens), int)
+  for row in range(len(rows)):
+    spans = rows.spans(row)
+    assert [s for s, _ in spans] == sorted(s for s, _ in spans)
+    for start, length in spans:
+      covered[start:start + length] += 1
+  assert np.all(covered == 1) and rows.sizes().max() <= window
+  spans = list(zip(rows.starts.tolist(), rows.lengths.tolist()))
+  doc_starts = np.concatenate([[0], ends[:-1]]).tolist()
+  want_loads = []
+  for first in range(0, len(ends), block):
+    packed = []  # what best-fit packs in this block: whole documents and remainders
+    for start, end in zip(doc_starts[first:first + block], ends[first:first + block].tolist()):
+      while end - start > window:  # a piece: a row of its own
+        row = np.searchsorted(rows.offsets, spans.index((start, window)), 'right') - 1
+        assert rows.spans(row) == [(start, window)]
+        want_loads.append(window)
+        start += window
+      assert (start, end - start) in spans  # a document is one span: whole in one row
+      packed.append(end - start)
+    want_loads += _best_fit_loads(packed, window)
+  assert sorted(rows.sizes().tolist()) == sorted(want_loads)
+  assert len(rows) < len(packing.RowPacking('documents', 0).rows(tokens, window))
+
+
+@pytest.mark.parametrize('strategy', packing.STRATEGIES)
+def test_packed_sampler_and_eval_batches_pad_and_mask(strategy):
   """The sampler over rows of whole documents: each epoch visits every row once; a row is its
   documents then EOS padding, whose targets are not learned; eval batches are the rows in order."""
   rng = np.random.default_rng(7)
   tokens, _ = _documents(list(rng.integers(1, 8, 200)), rng)
-  starts, sizes = packing.document_rows(tokens, 0, 9)
-  sampler = BatchSampler(tokens, seq_len=8, batch_size=4, microbatches=2, seed=2, pack_eos=0)
-  assert sampler.n_windows == len(starts) and sampler.has_mask
+  row_packing = packing.RowPacking(strategy, 0)
+  rows = row_packing.rows(tokens, 9)
+  row_of_start = {int(rows.starts[rows.offsets[r]]): r for r in range(len(rows))}
+
+  def row_tokens(row):
+    return np.concatenate([tokens[start:start + n] for start, n in rows.spans(row)])
+
+  sampler = BatchSampler(tokens, seq_len=8, batch_size=4, microbatches=2, seed=2,
+                         row_packing=row_packing)
+  assert sampler.n_windows == len(rows) and sampler.has_mask
   seen = []
-  for step in range(len(starts) // 8):
+  for step in range(len(rows) // 8):
     batch = sampler.batch(step * 8)
     row_starts = sampler.window_starts(step * 8).reshape(-1)
-    for row, start in zip(range(8), row_starts):
-      size = int(sizes[np.searchsorted(starts, start)])
-      tok, mask = batch.tokens.reshape(-1, 9)[row], batch.loss_mask.reshape(-1, 8)[row]
-      np.testing.assert_array_equal(tok[:size], tokens[start:start + size])
-      assert (tok[size:] == 0).all() and mask.tolist() == [1] * (size - 1) + [0] * (9 - size)
-      seen.append(int(start))
+    for i, start in enumerate(row_starts.tolist()):
+      want = row_tokens(row_of_start[start])
+      tok, mask = batch.tokens.reshape(-1, 9)[i], batch.loss_mask.reshape(-1, 8)[i]
+      np.testing.assert_array_equal(tok[:len(want)], want)
+      assert (tok[len(want):] == 0).all()
+      assert mask.tolist() == [1] * (len(want) - 1) + [0] * (9 - len(want))
+      seen.append(start)
   assert len(set(seen)) == len(seen)  # no row twice within the epoch
-  evals = eval_batches(tokens, seq_len=8, batch_size=4, num_batches=3, pack_eos=0)
+  evals = eval_batches(tokens, seq_len=8, batch_size=4, num_batches=3, row_packing=row_packing)
   for i, batch in enumerate(evals):
     for row in range(4):
-      start, size = starts[i * 4 + row], sizes[i * 4 + row]
-      np.testing.assert_array_equal(batch.tokens[row, :size], tokens[start:start + size])
-      assert batch.loss_mask[row].sum() == size - 1
+      want = row_tokens(i * 4 + row)
+      np.testing.assert_array_equal(batch.tokens[row, :len(want)], want)
+      assert batch.loss_mask[row].sum() == len(want) - 1

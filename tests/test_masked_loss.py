@@ -19,7 +19,7 @@ import pytest
 from megatrain_jax import data as data_lib
 from megatrain_jax import model as model_lib
 from megatrain_jax import train
-from megatrain_jax.data import Batch
+from megatrain_jax.data import Batch, packing
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.placement import Placement
@@ -328,10 +328,12 @@ def test_document_mask_learns_and_scores_no_target_across_documents(tmp_path):
                                                 rel=1e-5)
 
 
-def test_rows_of_whole_documents_train_each_prompt_with_its_answer(tmp_path):
-  """data.pack='documents' with the document mask: a row holds whole prompt/completion records
-  (none cut, so no answer is learned without its question), padding is not learned, and the
-  first learning/loss equals each document run alone over its own learned targets."""
+@pytest.mark.parametrize('strategy', ['documents', 'best_fit'])
+def test_rows_of_whole_documents_train_each_prompt_with_its_answer(tmp_path, strategy):
+  """data.pack='documents' or 'best_fit' with the document mask: a row holds whole
+  prompt/completion records (none cut, so no answer is learned without its question), padding
+  is not learned, and the first learning/loss equals each document run alone over its own
+  learned targets."""
   records = [{'prompt': f'Question {i}: what is {i % 17} times 3?',
               'completion': f' {3 * (i % 17)}.'} for i in range(300)]
   path = tmp_path / 'sft.jsonl'
@@ -339,13 +341,14 @@ def test_rows_of_whole_documents_train_each_prompt_with_its_answer(tmp_path):
   workdir = tmp_path / 'run'
   config = small_config(path, train__steps=1, train__eval_every=0, train__microbatches=2,
                         train__batch_size=2, train__seq_len=48, train__eval_batches=2,
-                        checkpoint__every=1, model__document_mask=True, data__pack='documents')
+                        checkpoint__every=1, model__document_mask=True, data__pack=strategy)
   last = train.train_and_evaluate(config, str(workdir))
   model_cfg = train._validate(config, str(workdir))[0]  # pylint: disable=protected-access
   params = resident.init_state(model_cfg, make_tx(1.0)[0], config.train.seed)['params']
   info, _ = data_lib.load_data(config.data, workdir)
   stored = data_lib.BatchSampler(data_lib.load_split(info, 'train'), seq_len=48, batch_size=2,
-                                 microbatches=2, seed=config.train.seed, pack_eos=0).batch(0)
+                                 microbatches=2, seed=config.train.seed,
+                                 row_packing=packing.RowPacking(strategy, 0)).batch(0)
   for row, mask in zip(stored.tokens.reshape(4, -1), stored.loss_mask.reshape(4, -1)):
     text = bytes(row.astype(np.uint8)).rstrip(b'\0').decode()
     assert text.startswith('Question') and text.count('Question') == text.count('?')

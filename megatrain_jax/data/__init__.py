@@ -16,7 +16,8 @@ from megatrain_jax.data.corpus import default_corpus_text
 from megatrain_jax.data.documents import DocumentFormat, document_format, prompt_ids
 from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, eval_batches, load_split,
                                        open_tokens, unlearn_document_starts)
-from megatrain_jax.data.pipeline import check_data_config, load_data, pack_eos, prepare_summary
+from megatrain_jax.data.pipeline import (check_data_config, load_data, prepare_summary,
+                                         row_packing)
 from megatrain_jax.data.prepare import DatasetInfo, prepare_dataset, read_dataset_info
 from megatrain_jax.data.shards import TokenStream
 from megatrain_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -38,11 +39,11 @@ __all__ = [
     'load_tokenizer',
     'MixtureSplit',
     'open_tokens',
-    'pack_eos',
     'unlearn_document_starts',
     'prepare_dataset',
     'prepare_summary',
     'prompt_ids',
     'read_dataset_info',
+    'row_packing',
     'TokenStream',
 ]

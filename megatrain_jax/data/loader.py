@@ -123,20 +123,21 @@ def check_split_sizes(train_tokens: int, val_tokens: int, *, seq_len: int, batch
 
 
 class _Windows:
-  """The windows of one token stream (or, with `pack_eos` >= 0, its rows of whole documents:
-  packing.py) and their per-epoch permutations."""
+  """The windows of one token stream (or, given a `row_packing`, its rows of whole documents:
+  packing.py) and their per-epoch permutations. A window is named by its index."""
 
-  def __init__(self, tokens, seq_len: int, seed: int, source: int | None, pack_eos: int = -1):
+  def __init__(self, tokens, seq_len: int, seed: int, source: int | None,
+               row_packing: packing.RowPacking | None = None):
     self.tokens = tokens
     self.stored_mask = bool(getattr(tokens, 'has_mask', False))
     self.window = seq_len + 1
-    self._pad = pack_eos
+    self._packing = row_packing
     self._rows = None
     if len(tokens) < self.window:
       raise _train_too_short(len(tokens), seq_len)
-    if pack_eos >= 0:  # rows of whole documents: their starts and lengths
-      self._rows = packing.document_rows(tokens, pack_eos, self.window)
-      self.n_windows = len(self._rows[0])
+    if row_packing is not None:  # rows of whole documents: their spans of the stream
+      self._rows = row_packing.rows(tokens, self.window)
+      self.n_windows = len(self._rows)
     else:
       self.n_windows = len(tokens) // self.window
     # Packed rows are padded, and the padding's targets are not learned: a loss mask always.
@@ -147,8 +148,8 @@ class _Windows:
     # at most one step's worth of epochs is ever held.
     self._perms: dict[int, np.ndarray] = {}
 
-  def starts(self, samples: np.ndarray) -> np.ndarray:
-    """Stream offsets of the windows of these sample indices (of this stream)."""
+  def windows(self, samples: np.ndarray) -> np.ndarray:
+    """The windows (indices) of these sample indices (of this stream)."""
     epochs = samples // self.n_windows
     perms = {}
     for epoch in np.unique(epochs):
@@ -162,22 +163,26 @@ class _Windows:
     for epoch, perm in perms.items():
       in_epoch = epochs == epoch
       windows[in_epoch] = perm[samples[in_epoch] % self.n_windows]
-    return windows * self.window if self._rows is None else self._rows[0][windows]
+    return windows
 
-  def gather(self, starts: np.ndarray, with_mask: bool):
+  def starts(self, windows: np.ndarray) -> np.ndarray:
+    """Stream offsets of these windows' first tokens."""
+    if self._rows is None:
+      return windows * self.window
+    return self._rows.starts[self._rows.offsets[windows]]
+
+  def gather(self, windows: np.ndarray, with_mask: bool):
     """(tokens [n, window] int32, mask [n, window - 1] uint8 of the targets, or None)."""
     if self._rows is not None:
-      row_starts, row_lengths = self._rows
-      lengths = row_lengths[np.searchsorted(row_starts, starts)]
-      return packing.gather_rows(self.tokens, starts, lengths, self.window, self._pad,
-                                 self.tokens.mask if self.stored_mask else None)
-    index = starts[:, None] + np.arange(self.window)
+      return packing.gather_rows(self.tokens, self._rows, windows, self.window,
+                                 self._packing.eos, self.tokens.mask if self.stored_mask else None)
+    index = self.starts(windows)[:, None] + np.arange(self.window)
     # np.array (not asarray) so the result is a plain in-memory ndarray, not a memmap view.
     tokens = np.array(self.tokens[index], dtype=np.int32)
     if not with_mask:
       return tokens, None
     if not self.stored_mask:
-      return tokens, np.ones((len(starts), self.window - 1), dtype=np.uint8)
+      return tokens, np.ones((len(windows), self.window - 1), dtype=np.uint8)
     return tokens, self.tokens.mask(index[:, 1:])
 
 
@@ -198,7 +203,7 @@ class BatchSampler:
   """
 
   def __init__(self, tokens, *, seq_len: int, batch_size: int, microbatches: int, seed: int,
-               document_eos: int = -1, pack_eos: int = -1):
+               document_eos: int = -1, row_packing: packing.RowPacking | None = None):
     """Creates the sampler.
 
     Args:
@@ -210,8 +215,9 @@ class BatchSampler:
       document_eos: With model.document_mask, the EOS id that ends every document (-1: none):
         batches then carry a loss mask without the targets that follow an EOS
         (`unlearn_document_starts`).
-      pack_eos: With data.pack = 'documents', the EOS id (-1: windows of the stream): samples
-        are rows of whole documents, padded with it (packing.py); a loss mask always.
+      row_packing: With data.pack = 'documents' or 'best_fit' (None: windows of the stream):
+        samples are rows of whole documents, padded with its EOS (packing.py); a loss mask
+        always.
 
     Raises:
       ConfigError: If an argument is out of range, or (naming `train.seq_len`) if a stream is too
@@ -223,11 +229,11 @@ class BatchSampler:
     # SeedSequence rejects negative entropy; say so in config terms instead.
     self._seed = _check_int('train.seed', seed, 0)
     if isinstance(tokens, MixtureSplit):
-      self._streams = [_Windows(t, self._seq_len, self._seed, s, pack_eos)
+      self._streams = [_Windows(t, self._seq_len, self._seed, s, row_packing)
                        for s, t in enumerate(tokens.sources)]
       self._mixture = MixtureSchedule(list(tokens.weights), self._seed)
     else:
-      self._streams = [_Windows(tokens, self._seq_len, self._seed, None, pack_eos)]
+      self._streams = [_Windows(tokens, self._seq_len, self._seed, None, row_packing)]
       self._mixture = None
     self._document_eos = document_eos
     self.has_mask = any(stream.has_mask for stream in self._streams) or document_eos >= 0
@@ -243,24 +249,30 @@ class BatchSampler:
     return self._microbatches * self._batch_size
 
   def _locate(self, position: int) -> tuple[np.ndarray, np.ndarray]:
-    """(source, window start within it) of each sample of batch `position`, flat."""
+    """(source, window index within it) of each sample of batch `position`, flat."""
     position = operator.index(position)
     if position < 0:
       raise ValueError(f'position must be >= 0, got {position}')
     samples = position + np.arange(self.samples_per_step, dtype=np.int64)
     if self._mixture is None:
-      return np.zeros_like(samples), self._streams[0].starts(samples)
+      return np.zeros_like(samples), self._streams[0].windows(samples)
     sources, local = self._mixture.assign(samples)
-    starts = np.empty_like(samples)
+    windows = np.empty_like(samples)
     for source in np.unique(sources):
       sel = sources == source
-      starts[sel] = self._streams[int(source)].starts(local[sel])
-    return sources, starts
+      windows[sel] = self._streams[int(source)].windows(local[sel])
+    return sources, windows
 
   def window_starts(self, position: int) -> np.ndarray:
-    """Returns the stream offsets of the windows of batch `position`, [microbatches, batch_size]
-    (for a mixture, offsets within each sample's source: see `window_sources`)."""
-    return self._locate(position)[1].reshape(self._microbatches, self._batch_size)
+    """Returns the stream offsets of the windows of batch `position` (of a row of whole
+    documents: of its first token), [microbatches, batch_size] (for a mixture, offsets within
+    each sample's source: see `window_sources`)."""
+    sources, windows = self._locate(position)
+    starts = np.empty_like(windows)
+    for source in np.unique(sources):
+      sel = sources == source
+      starts[sel] = self._streams[int(source)].starts(windows[sel])
+    return starts.reshape(self._microbatches, self._batch_size)
 
   def window_sources(self, position: int) -> np.ndarray:
     """The source index of each sample of batch `position`, [microbatches, batch_size]."""
@@ -275,13 +287,13 @@ class BatchSampler:
       (tokens as above, loss_mask uint8 [microbatches, batch_size, seq_len] aligned to the
       targets).
     """
-    sources, starts = self._locate(position)
+    sources, windows = self._locate(position)
     window = self._seq_len + 1
-    tokens = np.empty((len(starts), window), dtype=np.int32)
-    mask = np.empty((len(starts), window - 1), dtype=np.uint8) if self.has_mask else None
+    tokens = np.empty((len(windows), window), dtype=np.int32)
+    mask = np.empty((len(windows), window - 1), dtype=np.uint8) if self.has_mask else None
     for source in np.unique(sources):
       sel = sources == source
-      tokens[sel], source_mask = self._streams[int(source)].gather(starts[sel], self.has_mask)
+      tokens[sel], source_mask = self._streams[int(source)].gather(windows[sel], self.has_mask)
       if mask is not None:
         mask[sel] = source_mask
     shape = (self._microbatches, self._batch_size)
@@ -294,7 +306,8 @@ class BatchSampler:
 
 
 def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
-                 document_eos: int = -1, pack_eos: int = -1) -> list:
+                 document_eos: int = -1,
+                 row_packing: packing.RowPacking | None = None) -> list:
   """Returns deterministic validation batches taken in order from the start of `tokens`.
 
   Windows of `seq_len + 1` tokens do not overlap. Fewer than `num_batches` batches are returned if
@@ -303,7 +316,7 @@ def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
   Returns:
     A list of int32 arrays [batch_size, seq_len + 1]; for a split with a loss mask, or with
     `document_eos` >= 0 (BatchSampler's), of Batch (tokens as above, loss_mask uint8
-    [batch_size, seq_len] aligned to the targets). With `pack_eos` >= 0 (BatchSampler's) the
+    [batch_size, seq_len] aligned to the targets). With a `row_packing` (BatchSampler's) the
     rows are the split's rows of whole documents, in order (packing.py), always with a mask.
 
   Raises:
@@ -318,9 +331,9 @@ def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
   if available < 1:
     raise _val_too_short(len(tokens), seq_len, batch_size)
   has_mask = bool(getattr(tokens, 'has_mask', False))
-  if pack_eos >= 0:
-    return _packed_eval_batches(tokens, seq_len, batch_size, num_batches, document_eos, pack_eos,
-                                has_mask)
+  if row_packing is not None:
+    return _packed_eval_batches(tokens, seq_len, batch_size, num_batches, document_eos,
+                                row_packing, has_mask)
   out = []
   for i in range(min(num_batches, available)):
     span = slice(i * batch_tokens, (i + 1) * batch_tokens)
@@ -335,18 +348,18 @@ def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
 
 
 def _packed_eval_batches(tokens, seq_len: int, batch_size: int, num_batches: int,
-                         document_eos: int, pack_eos: int, has_mask: bool) -> list:
+                         document_eos: int, row_packing: packing.RowPacking,
+                         has_mask: bool) -> list:
   """eval_batches of the split's rows of whole documents, in order (full batches only)."""
   window = seq_len + 1
-  starts, lengths = packing.document_rows(tokens, pack_eos, window)
-  available = len(starts) // batch_size
+  rows = row_packing.rows(tokens, window)
+  available = len(rows) // batch_size
   if available < 1:
     raise _val_too_short(len(tokens), seq_len, batch_size)
   out = []
   for i in range(min(num_batches, available)):
-    rows = slice(i * batch_size, (i + 1) * batch_size)
-    batch, mask = packing.gather_rows(tokens, starts[rows], lengths[rows], window, pack_eos,
-                                      tokens.mask if has_mask else None)
+    batch, mask = packing.gather_rows(tokens, rows, np.arange(i * batch_size, (i + 1) * batch_size),
+                                      window, row_packing.eos, tokens.mask if has_mask else None)
     if document_eos >= 0:
       mask = unlearn_document_starts(batch, mask, document_eos)
     out.append(Batch(batch, mask))

@@ -1,24 +1,81 @@
-"""Rows of whole documents (data.pack = 'documents').
+"""Rows of whole documents (data.pack = 'documents' or 'best_fit').
 
 By default a training row is a window of the token stream: it starts wherever the previous one
 ended, so most documents are cut in two, and with instruction or chat data the second half of a
 conversation is learned without the question before it (model.document_mask cannot give back a
-context the row does not hold). With data.pack = 'documents' every row starts at a document's
-first token and holds whole documents, as many as fit in `seq_len + 1` tokens, in stream order;
-the rest of the row is padding (the EOS id), whose targets are not learned. A document longer
-than a row is cut into row-sized pieces, each a row of its own (the only rows that start inside a
-document). Documents are the spans the prepared stream ends with EOS (data/documents.py); a
-trailing span without one is the last document.
+context the row does not hold). With a packing of whole documents every row holds whole
+documents, as many as fit in `seq_len + 1` tokens, then padding (the EOS id), whose targets are
+not learned:
+
+- 'documents': in stream order, greedily: a row takes the next documents until one does not fit,
+  so a row is one contiguous span of the stream.
+- 'best_fit': best-fit decreasing (TRL's 'bfd'), among the documents of each block of
+  BEST_FIT_BLOCK in stream order: the longest first, each into the open row it fills most
+  tightly. Less padding when short and long documents mix; a row is several spans, kept in
+  stream order within the row.
+
+A document longer than a row is cut into row-sized pieces from its start, each a row of its own;
+its remainder is then packed like a document (the only rows that start inside a document).
+Documents are the spans the prepared stream ends with EOS (data/documents.py); a trailing span
+without one is the last document (last in its row too, so the document mask never joins it to
+another).
 
 The rows are found once per stream, scanning the token ids for EOS a block at a time (a memmap
-or the shards of a TokenStream: bounded memory), and kept as two arrays: each row's start in the
-stream and its length, 16 bytes per row.
+or the shards of a TokenStream: bounded memory), and kept as Rows: each span's start in the
+stream and its length, and where each row's spans begin (24 bytes per row in stream order, 8
+more per extra span).
 """
+
+import bisect
+import dataclasses
 
 import numpy as np
 
 # Token ids scanned for EOS at a time.
 SCAN_TOKENS = 1 << 24
+# Documents packed best-fit together (in stream order, block by block): enough that a block's
+# last, part-filled rows are a negligible share of its rows, few enough that a row's documents
+# lie near each other in the stream and the packer's lists stay small.
+BEST_FIT_BLOCK = 1 << 16
+STRATEGIES = ('documents', 'best_fit')
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """Rows of whole documents: row r is spans offsets[r]:offsets[r + 1], concatenated, span s
+  being stream tokens [starts[s], starts[s] + lengths[s])."""
+  starts: np.ndarray  # [S] int64
+  lengths: np.ndarray  # [S] int64
+  offsets: np.ndarray  # [R + 1] int64, offsets[0] = 0, offsets[R] = S
+
+  def __len__(self) -> int:
+    return len(self.offsets) - 1
+
+  def sizes(self) -> np.ndarray:
+    """Tokens in each row ([R] int64)."""
+    return np.add.reduceat(self.lengths, self.offsets[:-1]) if len(self) else np.zeros(0, np.int64)
+
+  def spans(self, row: int) -> list[tuple[int, int]]:
+    """(start, length) of row `row`'s spans, in row order."""
+    span = slice(int(self.offsets[row]), int(self.offsets[row + 1]))
+    return list(zip(self.starts[span].tolist(), self.lengths[span].tolist()))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPacking:
+  """How rows of whole documents are made: `strategy` (STRATEGIES) over documents ending with
+  `eos`, which also pads the rows."""
+  strategy: str
+  eos: int
+
+  def rows(self, tokens, window: int) -> Rows:
+    """The rows of at most `window` tokens of stream `tokens` (module docstring)."""
+    ends = document_ends(tokens, self.eos)
+    if self.strategy == 'documents':
+      return _stream_order_rows(ends, window)
+    if self.strategy == 'best_fit':
+      return _best_fit_rows(ends, window)
+    raise ValueError(f'packing strategy {self.strategy!r} is not one of {STRATEGIES}')
 
 
 def document_ends(tokens, eos: int) -> np.ndarray:
@@ -35,46 +92,117 @@ def document_ends(tokens, eos: int) -> np.ndarray:
   return ends
 
 
-def document_rows(tokens, eos: int, window: int) -> tuple[np.ndarray, np.ndarray]:
-  """(starts [R] int64, lengths [R] int64) of the rows of whole documents of at most `window`
-  tokens each (module docstring), in stream order."""
-  ends = document_ends(tokens, eos)
-  starts, lengths = [], []
+def _stream_order_rows(ends: np.ndarray, window: int) -> Rows:
+  """'documents': rows filled greedily in stream order, each one contiguous span."""
+  chunks = []  # (starts, lengths) arrays of the rows closed in each block of documents
   row_start = row_end = 0  # the row being filled: [row_start, row_end)
   doc_start = 0
-  for doc_end in ends.tolist():
-    if doc_end - row_start <= window:  # the document fits in the row being filled
-      row_end = doc_end
-    else:
-      if row_end > row_start:
-        starts.append(row_start)
-        lengths.append(row_end - row_start)
-      # A document longer than a row: row-sized pieces, the last one starts the next row.
-      row_start = doc_start
-      while doc_end - row_start > window:
-        starts.append(row_start)
-        lengths.append(window)
-        row_start += window
-      row_end = doc_end
-    doc_start = doc_end
+  for first in range(0, len(ends), BEST_FIT_BLOCK):  # Python lists one block long at most
+    starts, lengths = [], []
+    for doc_end in ends[first:first + BEST_FIT_BLOCK].tolist():
+      if doc_end - row_start <= window:  # the document fits in the row being filled
+        row_end = doc_end
+      else:
+        if row_end > row_start:
+          starts.append(row_start)
+          lengths.append(row_end - row_start)
+        # A document longer than a row: row-sized pieces, the last one starts the next row.
+        row_start = doc_start
+        while doc_end - row_start > window:
+          starts.append(row_start)
+          lengths.append(window)
+          row_start += window
+        row_end = doc_end
+      doc_start = doc_end
+    chunks.append((starts, lengths))
   if row_end > row_start:
-    starts.append(row_start)
-    lengths.append(row_end - row_start)
-  return np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+    chunks.append(([row_start], [row_end - row_start]))
+  starts, lengths = _concatenate(chunks, 2)
+  return Rows(starts, lengths, np.arange(len(starts) + 1, dtype=np.int64))
 
 
-def gather_rows(tokens, starts: np.ndarray, lengths: np.ndarray, window: int, pad: int,
+def _concatenate(chunks: list[tuple], fields: int) -> list[np.ndarray]:
+  """The int64 concatenations of the chunks' `fields` fields (lists)."""
+  return [np.concatenate([np.asarray(chunk[field], np.int64) for chunk in chunks] or
+                         [np.zeros(0, np.int64)]) for field in range(fields)]
+
+
+def _best_fit_rows(ends: np.ndarray, window: int) -> Rows:
+  """'best_fit': each block of BEST_FIT_BLOCK documents packed best-fit decreasing; a block's
+  rows are the full pieces of its long documents, then its packed rows, in order of opening."""
+  doc_starts = np.concatenate([np.zeros(1, np.int64), ends[:-1]])
+  chunks = []  # (starts, lengths, row sizes in spans) of each block's rows
+  for first in range(0, len(ends), BEST_FIT_BLOCK):
+    block = slice(first, first + BEST_FIT_BLOCK)
+    starts, lengths, row_spans = [], [], []
+    items, sizes = [], []  # what is packed: whole documents and the remainders of long ones
+    for doc_start, doc_end in zip(doc_starts[block].tolist(), ends[block].tolist()):
+      while doc_end - doc_start > window:  # a row-sized piece: a row of its own
+        starts.append(doc_start)
+        lengths.append(window)
+        row_spans.append(1)
+        doc_start += window
+      items.append(doc_start)
+      sizes.append(doc_end - doc_start)
+    for row in _best_fit_decreasing(sizes, window):
+      for item in sorted(row):  # stream order within the row (a last document without EOS last)
+        starts.append(items[item])
+        lengths.append(sizes[item])
+      row_spans.append(len(row))
+    chunks.append((starts, lengths, row_spans))
+  starts, lengths, row_spans = _concatenate(chunks, 3)
+  return Rows(starts, lengths, np.concatenate([np.zeros(1, np.int64), np.cumsum(row_spans)]))
+
+
+def _best_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
+  """Bins (lists of item indices, in order of opening) of at most `capacity`: items longest
+  first (ties in index order), each into the open bin with the least room that holds it, or a new
+  one. Open bins are kept by their room: `rooms` (sorted, distinct) and `bins_with[room]`."""
+  order = np.argsort(-np.asarray(sizes, np.int64), kind='stable').tolist()
+  bins: list[list[int]] = []
+  rooms: list[int] = []
+  bins_with: dict[int, list[int]] = {}
+  for item in order:
+    size = sizes[item]
+    at = bisect.bisect_left(rooms, size)
+    if at == len(rooms):  # no open bin holds it
+      bin_id, room = len(bins), capacity - size
+      bins.append([item])
+    else:
+      room = rooms[at]
+      fitting = bins_with[room]
+      bin_id = fitting.pop()
+      if not fitting:
+        del bins_with[room]
+        del rooms[at]
+      bins[bin_id].append(item)
+      room -= size
+    if room:
+      fitting = bins_with.get(room)
+      if fitting is None:
+        bins_with[room] = [bin_id]
+        bisect.insort(rooms, room)
+      else:
+        fitting.append(bin_id)
+  return bins
+
+
+def gather_rows(tokens, rows: Rows, ids: np.ndarray, window: int, pad: int,
                 stored_mask=None) -> tuple[np.ndarray, np.ndarray]:
-  """(tokens [n, window] int32, mask [n, window - 1] uint8 of the targets) of rows (`starts`,
-  `lengths`): each row's tokens, then `pad` to `window`; a target is learned (1) when it is one
-  of the row's own tokens and, given `stored_mask` (the stream's `.mask(index)`), learned there.
-  """
-  n = len(starts)
-  out = np.full((n, window), pad, np.int32)
-  mask = np.zeros((n, window - 1), np.uint8)
-  for i, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
-    out[i, :length] = tokens[start:start + length]
-    if length > 1:
-      mask[i, :length - 1] = (1 if stored_mask is None else
-                              stored_mask(np.arange(start + 1, start + length)))
+  """(tokens [n, window] int32, mask [n, window - 1] uint8 of the targets) of rows `ids` of
+  `rows`: each row's spans, then `pad` to `window`; a target is learned (1) when it is one of the
+  row's own tokens and, given `stored_mask` (the stream's `.mask(index)`), learned there."""
+  out = np.full((len(ids), window), pad, np.int32)
+  mask = np.zeros((len(ids), window - 1), np.uint8)
+  for i, row in enumerate(np.asarray(ids).tolist()):
+    spans = rows.spans(row)
+    at = 0
+    for start, length in spans:
+      out[i, at:at + length] = tokens[start:start + length]
+      at += length
+    if at > 1 and stored_mask is None:
+      mask[i, :at - 1] = 1
+    elif at > 1:  # the stream positions of the row's tokens, the first one's dropped
+      positions = np.concatenate([np.arange(start, start + length) for start, length in spans])
+      mask[i, :at - 1] = stored_mask(positions[1:])
   return out, mask

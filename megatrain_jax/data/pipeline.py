@@ -21,7 +21,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from megatrain_jax.data import formats
+from megatrain_jax.data import formats, packing
 from megatrain_jax.data.corpus import default_corpus_text
 from megatrain_jax.data.documents import DocumentFormat, document_format
 from megatrain_jax.data.loader import check_split_sizes
@@ -84,8 +84,9 @@ def _check_fields(data_config: Any) -> None:
       raise ConfigError(f'data.{name}: must be True or False.')
   if _field(data_config, 'pack') not in PACKINGS:
     raise ConfigError(f"data.pack: got {_field(data_config, 'pack')!r}; it must be 'stream' "
-                      "(rows are windows of the token stream) or 'documents' (rows of whole "
-                      'documents, padded).')
+                      "(rows are windows of the token stream), 'documents' (rows of whole "
+                      "documents in stream order, padded) or 'best_fit' (rows of whole "
+                      'documents packed best-fit, least padding).')
 
 
 def _document_format(data_config: Any, tokenizer: Tokenizer) -> DocumentFormat:
@@ -99,15 +100,17 @@ def _document_format(data_config: Any, tokenizer: Tokenizer) -> DocumentFormat:
 
 
 # data.pack: rows as windows of the stream, or of whole documents (packing.py).
-PACKINGS = ('stream', 'documents')
+PACKINGS = ('stream',) + packing.STRATEGIES
 
 
-def pack_eos(data_config: Any, tokenizer: Tokenizer) -> int:
-  """The EOS id that rows of whole documents are found by and padded with (data.pack =
-  'documents'), or -1 (windows of the stream)."""
-  if _field(data_config, 'pack') != 'documents':
-    return -1
-  return document_format(tokenizer, eos_token=_field(data_config, 'eos_token')).eos
+def row_packing(data_config: Any, tokenizer: Tokenizer) -> packing.RowPacking | None:
+  """How data.pack makes rows of whole documents (found by and padded with the EOS id), or None
+  (windows of the stream)."""
+  strategy = _field(data_config, 'pack')
+  if strategy == 'stream':
+    return None
+  return packing.RowPacking(
+      strategy, document_format(tokenizer, eos_token=_field(data_config, 'eos_token')).eos)
 
 
 def _needs_format(data_config: Any, files: list[Path]) -> bool:
