@@ -4,6 +4,7 @@ Real text comes from the shared data directory beside the repository (../shared/
 is written under pytest's tmp_path.
 """
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -504,6 +505,21 @@ def test_rows_packed_best_fit(monkeypatch):
     want_loads += _best_fit_loads(packed, window)
   assert sorted(rows.sizes().tolist()) == sorted(want_loads)
   assert len(rows) < len(packing.RowPacking('documents', 0).rows(tokens, window))
+
+
+def test_best_fit_rows_are_not_longest_first():
+  """Best-fit opens the rows of the longest documents first; validation batches are a split's
+  first rows, so the rows come shuffled (fixed) to make those a fair sample of its documents."""
+  rng = np.random.default_rng(3)
+  lengths = [12] * 20 + list(rng.integers(1, 4, 200))  # 20 long documents, each fills a row
+  rng.shuffle(lengths)
+  tokens, _ = _documents(lengths, rng)
+  rows = packing.RowPacking('best_fit', 0).rows(tokens, 13)
+  holds_long = [any(n == 12 for _, n in rows.spans(row)) for row in range(len(rows))]
+  assert sum(holds_long) == 20 and sum(holds_long[:20]) < 15
+  again = packing.RowPacking('best_fit', 0).rows(tokens, 13)
+  assert all(np.array_equal(a, b) for a, b in zip(dataclasses.astuple(rows),
+                                                   dataclasses.astuple(again)))
 
 
 @pytest.mark.parametrize('strategy', packing.STRATEGIES)

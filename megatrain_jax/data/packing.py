@@ -12,7 +12,7 @@ not learned:
 - 'best_fit': best-fit decreasing (TRL's 'bfd'), among the documents of each block of
   BEST_FIT_BLOCK in stream order: the longest first, each into the open row it fills most
   tightly. Less padding when short and long documents mix; a row is several spans, kept in
-  stream order within the row.
+  stream order within the row; a block's rows come in a fixed shuffled order.
 
 A document longer than a row is cut into row-sized pieces from its start, each a row of its own;
 its remainder is then packed like a document (the only rows that start inside a document).
@@ -122,14 +122,16 @@ def _stream_order_rows(ends: np.ndarray, window: int) -> Rows:
 
 
 def _concatenate(chunks: list[tuple], fields: int) -> list[np.ndarray]:
-  """The int64 concatenations of the chunks' `fields` fields (lists)."""
+  """The int64 concatenations of the chunks' `fields` fields (lists or arrays)."""
   return [np.concatenate([np.asarray(chunk[field], np.int64) for chunk in chunks] or
                          [np.zeros(0, np.int64)]) for field in range(fields)]
 
 
 def _best_fit_rows(ends: np.ndarray, window: int) -> Rows:
-  """'best_fit': each block of BEST_FIT_BLOCK documents packed best-fit decreasing; a block's
-  rows are the full pieces of its long documents, then its packed rows, in order of opening."""
+  """'best_fit': each block of BEST_FIT_BLOCK documents packed best-fit decreasing (the full
+  pieces of its long documents rows of their own), the block's rows then in a fixed shuffled
+  order: best-fit opens the rows of the longest documents first, and validation batches are a
+  split's first rows, so in opening order they would score the longest documents only."""
   doc_starts = np.concatenate([np.zeros(1, np.int64), ends[:-1]])
   chunks = []  # (starts, lengths, row sizes in spans) of each block's rows
   for first in range(0, len(ends), BEST_FIT_BLOCK):
@@ -149,9 +151,22 @@ def _best_fit_rows(ends: np.ndarray, window: int) -> Rows:
         starts.append(items[item])
         lengths.append(sizes[item])
       row_spans.append(len(row))
-    chunks.append((starts, lengths, row_spans))
+    chunks.append(_shuffled_rows(starts, lengths, row_spans, seed=first))
   starts, lengths, row_spans = _concatenate(chunks, 3)
   return Rows(starts, lengths, np.concatenate([np.zeros(1, np.int64), np.cumsum(row_spans)]))
+
+
+def _shuffled_rows(starts: list, lengths: list, row_spans: list, seed: int) -> tuple:
+  """(starts, lengths, row_spans) arrays of the rows (row r: the next row_spans[r] spans) in
+  the order of a permutation drawn from `seed`, each row's spans kept in order."""
+  row_spans = np.asarray(row_spans, np.int64)
+  first_span = np.cumsum(row_spans) - row_spans
+  order = np.random.default_rng(seed).permutation(len(row_spans))
+  spans = row_spans[order]
+  # Span k of the new order: its row's first span, plus its place within that row.
+  index = np.repeat(first_span[order], spans) + (
+      np.arange(spans.sum()) - np.repeat(np.cumsum(spans) - spans, spans))
+  return np.asarray(starts, np.int64)[index], np.asarray(lengths, np.int64)[index], spans
 
 
 def _best_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
