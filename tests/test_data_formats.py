@@ -299,6 +299,33 @@ def test_bos_from_tokenizer_config_and_eos_override(tmp_path, tokenizer_dir):
 # --- loss masks -----------------------------------------------------------------------------------
 
 
+def test_val_fraction_of_records_splits_between_documents(tmp_path):
+  """data.val_fraction over records: the cut moves to the end of the document it falls in (the
+  training split ends with an EOS, the validation split starts at a document), across shards;
+  plain text keeps the cut at the fraction; a cut inside the last document stays put."""
+  rng = np.random.default_rng(0)
+  records = [{'text': 'w' * int(n)} for n in rng.integers(5, 40, 60)]
+  source = _write_jsonl(tmp_path / 'd.jsonl', records)
+  fmt = document_format(ByteTokenizer())
+  info = prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[source],
+                         doc_format=fmt, val_fraction=0.1, shard_tokens=64)
+  train, val = load_split(info, 'train'), load_split(info, 'val')
+  total = len(train) + len(val)
+  nominal = total - int(total * 0.1)
+  assert train[len(train) - 1:][0] == fmt.eos and val[:1][0] != fmt.eos
+  assert nominal <= len(train) < nominal + 40  # at most the rest of one document moved
+  assert fmt.eos not in train[nominal - 1:len(train) - 1]  # the first document end after the cut
+  text = tmp_path / 'plain.txt'
+  text.write_text(''.join(r['text'] + '\n' for r in records))
+  plain = prepare_dataset(tmp_path / 'plain', ByteTokenizer(), train_sources=[text],
+                          val_fraction=0.1)
+  assert plain.val_tokens == int((plain.train_tokens + plain.val_tokens) * 0.1)
+  one_long = _write_jsonl(tmp_path / 'long.jsonl', [{'text': 'a'}, {'text': 'b' * 50}])
+  info = prepare_dataset(tmp_path / 'long', ByteTokenizer(), train_sources=[one_long],
+                         doc_format=fmt, val_fraction=0.1)
+  assert info.val_tokens == int((info.train_tokens + info.val_tokens) * 0.1)
+
+
 def test_prompt_completion_mask_matches_hand_computed(tmp_path):
   records = [{'prompt': 'Q:2+2?', 'completion': ' 4'}, {'text': 'xy'},
              {'prompt': 'Hi', 'completion': '!'}]

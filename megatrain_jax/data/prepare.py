@@ -11,7 +11,8 @@ A prepared directory holds
                        order, sources and a fingerprint.
 
 Without `data.val_path`, the validation split is the last `val_fraction` of the train stream's
-tokens (contiguous, so no window straddles both): `meta.json` lists each split as segments
+tokens (contiguous, so no window straddles both; for records, from the end of the document the
+cut falls in, so both splits hold whole documents): `meta.json` lists each split as segments
 (file, mask, first token, count). `meta.json` is the commit marker, written last; while a prepare
 runs, `prepare.json` records each committed shard, so an interrupted prepare resumes (shards.py).
 A directory of the older layout (train.bin, val.bin, format 1) still loads as a prepared dataset.
@@ -437,14 +438,35 @@ def _splits(job: _Job, progress: dict[str, Any]) -> dict[str, Any]:
               'val': shards.split_segments(val_shards, 0, val_tokens)}
     train_tokens = total
   else:
-    val_tokens = int(total * (job.val_fraction or 0))
-    train_tokens = total - val_tokens
+    train_tokens = total - int(total * (job.val_fraction or 0))
+    if job.fmt is not None and 0 < train_tokens < total:  # documents: val starts at one
+      train_tokens = _document_boundary(job, train_shards, train_tokens)
+    val_tokens = total - train_tokens
     splits = {'train': shards.split_segments(train_shards, 0, train_tokens),
               'val': shards.split_segments(train_shards, train_tokens, total)}
   has_mask = any(s['mask'] for st in streams.values() for s in st['shards'])
   return {'train_tokens': train_tokens, 'val_tokens': val_tokens,
           'splits': {k: [list(seg) for seg in v] for k, v in splits.items()},
           'has_mask': bool(has_mask)}
+
+
+def _document_boundary(job: _Job, train_shards: list, cut: int) -> int:
+  """The end of the document the cut before token `cut` falls in (just past its EOS; `cut`
+  itself when token cut - 1 is an EOS), or `cut` when no EOS follows before the stream's last
+  token (the validation split would be empty)."""
+  total = sum(s['tokens'] for s in train_shards)
+  tail = shards.TokenStream([(str(job.out_dir / f), None, start, n) for f, _, start, n in
+                             shards.split_segments(train_shards, cut - 1, total)], job.dtype)
+  for first in range(0, len(tail) - 1, _BOUNDARY_SCAN):
+    block = tail[first:min(first + _BOUNDARY_SCAN, len(tail) - 1)]
+    eos = np.flatnonzero(block == job.fmt.eos)
+    if eos.size:
+      return cut + first + int(eos[0])
+  return cut
+
+
+# Tokens read at a time looking for the document boundary after the validation cut.
+_BOUNDARY_SCAN = 1 << 20
 
 
 # --- workers -------------------------------------------------------------------------------------
