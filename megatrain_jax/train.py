@@ -527,7 +527,8 @@ def _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, lo
     if every >= 0 and (metrics_lib.due(done, every, train_cfg.steps) or on_time or stopping):
       checkpointer.save(done, engine, data_position=position, model_cfg=model_cfg,
                         seed=train_cfg.seed, placement=plan.placement,
-                        microbatches=plan.microbatches, eval_loss=scalars.get('eval/loss'))
+                        microbatches=plan.microbatches, eval_loss=scalars.get('eval/loss'),
+                        data=_data_record(config, sampler, position))
       clock.reset()
     if stopping:
       raise _stopped(log, checkpointer, done, stop.received, saved=every >= 0)
@@ -591,7 +592,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     engine = _build_engine(model_cfg, config, plan, restored, source, layout)
     locked.callback(engine.close)  # before the checkpointer's: waits for write-behind, stops I/O
     start_step = engine.step
-    position = restored.meta['data_position'] if restored is not None else 0
+    position = _resume_position(restored, config, sampler, main)
     del restored
     if main:
       fs.write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
@@ -605,6 +606,41 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log,
                position, stop, profiler)
     return log.last
+
+
+def _data_fields(config) -> dict:
+  """The config fields that decide which samples a data position names (checkpoint meta)."""
+  fields = {f'data.{name}': value for name, value in config.data.to_dict().items()
+            if name not in ('num_workers', 'shard_tokens')}  # how it is prepared, not what
+  fields.update({'train.seq_len': config.train.seq_len, 'train.seed': config.train.seed,
+                 'model.document_mask': config.model.document_mask})
+  return fields
+
+
+def _data_record(config, sampler, position: int) -> dict:
+  """What a checkpoint records of its data: a digest of the samples from `position` on (the
+  next ones trained) and the fields that decide them (`_resume_position` compares)."""
+  return {'next_samples': sampler.digest(position), 'fields': _data_fields(config)}
+
+
+def _resume_position(restored, config, sampler, main: bool) -> int:
+  """The data position to train from: 0, or the checkpoint's. A resume whose data no longer
+  gives the checkpoint's next samples (another data.path, data.pack, train.seq_len, seed, or
+  changed files) goes on from that position of the data as it is now; process 0 says so,
+  naming the fields that changed."""
+  if restored is None:
+    return 0
+  position, recorded = restored.meta['data_position'], restored.meta.get('data')
+  if main and recorded and recorded['next_samples'] != sampler.digest(position):
+    now = _data_fields(config)
+    changed = [f'{name} {recorded["fields"].get(name)!r} -> {value!r}'
+               for name, value in now.items() if recorded['fields'].get(name) != value]
+    print(f'warning: checkpoint step {restored.step} was trained on other data: '
+          f'{"; ".join(changed) or "the same config, but the files it reads changed"}. Training '
+          f'goes on from sample {position:,} of the data as it is now, so the batches from here '
+          'on are not those of an uninterrupted run'
+          f'{" (set those fields back to resume exactly)" if changed else ""}.', flush=True)
+  return position
 
 
 def _finished(restored, config, main: bool) -> bool:

@@ -212,6 +212,32 @@ def test_resume_keeps_the_microbatches_the_run_started_with(tmp_path, shared_dat
   assert json.loads((tmp_path / 'config.json').read_text())['train']['microbatches'] == started_with
 
 
+def test_resume_on_other_data_says_what_changed(tmp_path, shared_data, capsys):
+  """A checkpoint records a digest of the next samples and the data fields: resuming on the
+  same data says nothing; on another train.seed, or the same config over changed files, the run
+  goes on and a warning says so, naming the fields that changed."""
+  data = tmp_path / 'corpus.txt'
+  data.write_text((shared_data / 'tinyshakespeare' / 'input.txt').read_text()[:60_000])
+  workdir = str(tmp_path / 'run')
+
+  def resume(steps, **overrides):
+    capsys.readouterr()
+    train.train_and_evaluate(small_config(data, train__steps=steps, checkpoint__every=1,
+                                          **overrides), workdir)
+    return [line for line in capsys.readouterr().out.splitlines() if 'other data' in line]
+
+  assert resume(1) == [] and resume(2) == []
+  meta = json.loads((tmp_path / 'run' / 'checkpoints' / '2' / 'meta.json').read_text())
+  assert meta['data']['fields']['train.seed'] == 0 and len(meta['data']['next_samples']) == 16
+  warned = resume(3, train__seed=1)
+  assert len(warned) == 1 and 'checkpoint step 2 was trained on other data: train.seed 0 -> 1' \
+      in warned[0] and 'set those fields back' in warned[0]
+  data.write_text(data.read_text()[::-1])  # the same size, other text
+  warned = resume(4, train__seed=1)
+  assert len(warned) == 1 and 'the same config, but the files it reads changed' in warned[0]
+  assert resume(5, train__seed=1) == []  # trained on these since
+
+
 def test_diverging_loss_stops_with_the_step(tmp_path, shared_data):
   config = small_config(shared_data / 'tinyshakespeare' / 'input.txt', train__lr=1e9,
                         train__warmup_steps=0, train__grad_clip=0.0, train__steps=20,

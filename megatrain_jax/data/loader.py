@@ -5,6 +5,7 @@ its checkpoints) always maps to the same windows, so resuming from a checkpoint 
 the batches an uninterrupted run would have seen.
 """
 
+import hashlib
 import operator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -248,12 +249,14 @@ class BatchSampler:
     """Samples one `batch` call consumes; advance `position` by this much per step."""
     return self._microbatches * self._batch_size
 
-  def _locate(self, position: int) -> tuple[np.ndarray, np.ndarray]:
-    """(source, window index within it) of each sample of batch `position`, flat."""
+  def _locate(self, position: int, count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(source, window index within it) of samples `position .. position + count - 1` (default:
+    batch `position`'s), flat."""
     position = operator.index(position)
     if position < 0:
       raise ValueError(f'position must be >= 0, got {position}')
-    samples = position + np.arange(self.samples_per_step, dtype=np.int64)
+    count = self.samples_per_step if count is None else count
+    samples = position + np.arange(count, dtype=np.int64)
     if self._mixture is None:
       return np.zeros_like(samples), self._streams[0].windows(samples)
     sources, local = self._mixture.assign(samples)
@@ -287,7 +290,27 @@ class BatchSampler:
       (tokens as above, loss_mask uint8 [microbatches, batch_size, seq_len] aligned to the
       targets).
     """
-    sources, windows = self._locate(position)
+    tokens, mask = self._samples(position, self.samples_per_step)
+    shape = (self._microbatches, self._batch_size)
+    tokens = tokens.reshape(*shape, self._seq_len + 1)
+    if mask is None:
+      return tokens
+    return Batch(tokens, mask.reshape(*shape, self._seq_len))
+
+  def digest(self, position: int, count: int = 4) -> str:
+    """A hash of samples `position .. position + count - 1` (tokens and loss mask), whatever
+    the batch shape: a checkpoint records the next one, and a resume whose data gives another
+    is told that its batches are no longer those of an uninterrupted run."""
+    tokens, mask = self._samples(position, count)
+    digest = hashlib.blake2b(tokens.tobytes(), digest_size=8)
+    if mask is not None:
+      digest.update(mask.tobytes())
+    return digest.hexdigest()
+
+  def _samples(self, position: int, count: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(tokens [count, seq_len + 1] int32, loss mask [count, seq_len] uint8 or None) of samples
+    `position ..`."""
+    sources, windows = self._locate(position, count)
     window = self._seq_len + 1
     tokens = np.empty((len(windows), window), dtype=np.int32)
     mask = np.empty((len(windows), window - 1), dtype=np.uint8) if self.has_mask else None
@@ -296,13 +319,9 @@ class BatchSampler:
       tokens[sel], source_mask = self._streams[int(source)].gather(windows[sel], self.has_mask)
       if mask is not None:
         mask[sel] = source_mask
-    shape = (self._microbatches, self._batch_size)
-    tokens = tokens.reshape(*shape, window)
-    if mask is None:
-      return tokens
-    if self._document_eos >= 0:
-      mask = unlearn_document_starts(tokens.reshape(-1, window), mask, self._document_eos)
-    return Batch(tokens, mask.reshape(*shape, window - 1))
+    if mask is not None and self._document_eos >= 0:
+      mask = unlearn_document_starts(tokens, mask, self._document_eos)
+    return tokens, mask
 
 
 def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
