@@ -8,6 +8,7 @@ Everything is written under pytest's tmp_path; the tokenizers are trained here (
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -411,6 +412,39 @@ def test_chat_template_learns_only_assistant_turns(tmp_path, tokenizer_dir):
   plain = _tokenizer_with(tmp_path / 'plain', tokenizer_dir, {'eos_token': EOS})
   with pytest.raises(ConfigError, match='chat_template'):
     prepare_dataset(tmp_path / 'out2', plain, train_sources=[tmp_path / 'chat.jsonl'])
+
+
+def test_sharegpt_and_conversational_prompt_completion(tmp_path, tokenizer_dir):
+  """ShareGPT records ({"conversations": [{"from": "human", "value": ...}]}) are the same chat
+  as their `messages`; TRL's conversational prompt-completion (both lists of messages) renders
+  prompt + completion and learns only the completion's assistant turns; bad turns are named."""
+  tok = load_tokenizer(str(tokenizer_dir))
+  tokens, mask = _prepared_chat(tmp_path, tok)
+  speaker = {'system': 'system', 'user': 'human', 'assistant': 'gpt'}
+  sharegpt = {'conversations': [{'from': speaker[m['role']], 'value': m['content']}
+                                for m in CONVERSATION]}
+  conversational = {'prompt': CONVERSATION[:3], 'completion': CONVERSATION[3:]}
+  parquet = tmp_path / 'sharegpt.parquet'
+  pq.write_table(pa.table({'conversations': [sharegpt['conversations']]}), parquet)
+  for name, record in (('sharegpt', sharegpt), ('conversational', conversational),
+                       ('parquet', None)):
+    source = parquet if record is None else _write_jsonl(tmp_path / f'{name}.jsonl', [record])
+    info = prepare_dataset(tmp_path / name, tok, train_sources=[source], val_fraction=0.5)
+    whole = TokenStream(info.splits['train'] + info.splits['val'], info.dtype)
+    np.testing.assert_array_equal(whole[:], tokens)
+    learned = whole.mask(slice(0, len(whole)))
+    if name != 'conversational':
+      np.testing.assert_array_equal(learned, mask)
+    else:  # the prompt's assistant turn ('Paris.') is context
+      assert tok.decode(whole[:][learned == 1]) == 'Rome.<|im_end|>\n' + EOS
+  bad = [{'conversations': [{'from': 'bot', 'value': 'hi'}]},
+         {'conversations': [{'from': 'human'}]}, {'prompt': [], 'completion': 'x'}]
+  messages = ['turn 0: "from": \'bot\' is not one of system, human', '"from": str, "value": str',
+              "field 'prompt' is list, not a string"]
+  for i, (record, message) in enumerate(zip(bad, messages)):
+    source = _write_jsonl(tmp_path / f'bad{i}.jsonl', [record])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+      prepare_dataset(tmp_path / f'bad{i}', tok, train_sources=[source])
 
 
 # Qwen3's chat template as its tokenizer_config.json has it, without the tool branches: an

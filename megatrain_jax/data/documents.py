@@ -14,11 +14,15 @@ one is a bad record); it adds no BOS. `data.eos_token` may name another single-b
 
 A record is read as (first match wins):
   instruction  it holds `data.prompt_field` and `data.completion_field` (strings): the prompt is
-               not learned (mask 0), the completion and the EOS after it are (mask 1);
-  chat         it holds `messages` (a list of {role, content}) and the tokenizer directory has a
-               chat template: the conversation is rendered with it (jinja2 sandbox) and only the
-               assistant turns (and the EOS) are learned;
-  text         it holds `data.text_field` (a string): every token is learned.
+               not learned (mask 0), the completion and the EOS after it are (mask 1); both
+               lists of {role, content} (TRL's conversational prompt-completion): the
+               conversation prompt + completion as chat, learning only the completion's
+               assistant turns;
+  text         it holds `data.text_field` (a string): every token is learned;
+  chat         it holds `messages` (a list of {role, content}) or ShareGPT's `conversations` (a
+               list of {from, value}; from: human, gpt, system, ...) and the tokenizer directory
+               has a chat template: the conversation is rendered with it (jinja2 sandbox) and only
+               the assistant turns (and the EOS) are learned.
 In instruction and chat documents BOS is not learned; plain text documents learn every token
 (no mask is stored for them). Plain .txt sources are not records: their bytes are one continuous stream,
 tokenized as is (no BOS/EOS), as before this format existed.
@@ -39,6 +43,7 @@ from megatrain_jax.data.tokenizer import ByteTokenizer, Tokenizer, encode_batch
 from megatrain_jax.errors import ConfigError
 
 MESSAGES_FIELD = 'messages'
+SHAREGPT_FIELD = 'conversations'
 _TOKENIZER_CONFIG = 'tokenizer_config.json'
 
 
@@ -180,19 +185,54 @@ def record_parts(record: Any, fmt: DocumentFormat) -> Parts:
   if not isinstance(record, dict):
     raise BadRecord(f'a record must be a JSON object, got {type(record).__name__}')
   if fmt.prompt_field in record and fmt.completion_field in record:
+    prompt, completion = record[fmt.prompt_field], record[fmt.completion_field]
+    if isinstance(prompt, list) and isinstance(completion, list):  # conversational (TRL's)
+      return chat_parts(_chat(prompt + completion, fmt, fmt.prompt_field), fmt,
+                        learn_from=len(prompt))
     return [(_string(record, fmt.prompt_field, fmt), False),
             (_string(record, fmt.completion_field, fmt), True)]
   if fmt.text_field in record:
     return [(_string(record, fmt.text_field, fmt), True)]
   if MESSAGES_FIELD in record:
-    if fmt.chat_template is None:
-      raise BadRecord(f'record holds {MESSAGES_FIELD!r} but data.tokenizer has no chat_template '
-                      f'in its {_TOKENIZER_CONFIG}')
-    return chat_parts(record[MESSAGES_FIELD], fmt)
+    return chat_parts(_chat(record[MESSAGES_FIELD], fmt, MESSAGES_FIELD), fmt)
+  if SHAREGPT_FIELD in record:
+    return chat_parts(_chat(_sharegpt_messages(record[SHAREGPT_FIELD]), fmt, SHAREGPT_FIELD), fmt)
   keys = ', '.join(repr(k) for k in list(record)[:8])
   raise BadRecord(f'record without the text field {fmt.text_field!r} (nor '
-                  f'{fmt.prompt_field!r}+{fmt.completion_field!r}, nor {MESSAGES_FIELD!r}); its '
-                  f'fields: {keys}; set data.text_field')
+                  f'{fmt.prompt_field!r}+{fmt.completion_field!r}, {MESSAGES_FIELD!r} or '
+                  f'{SHAREGPT_FIELD!r}); its fields: {keys}; set data.text_field')
+
+
+def _chat(messages: Any, fmt: DocumentFormat, field: str) -> list:
+  """`messages` (a record's `field`), checked to be a conversation the chat template renders."""
+  if fmt.chat_template is None:
+    raise BadRecord(f'record holds a conversation ({field!r}) but data.tokenizer has no '
+                    f'chat_template in its {_TOKENIZER_CONFIG}')
+  if not (isinstance(messages, list) and messages and all(
+      isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
+      for m in messages)):
+    raise BadRecord(f'{field!r} must be a non-empty list of {{"role": str, "content": str}} '
+                    'objects')
+  return messages
+
+
+# ShareGPT's speakers (a turn's 'from') as chat roles.
+SHAREGPT_ROLES = {'system': 'system', 'human': 'user', 'user': 'user', 'gpt': 'assistant',
+                  'assistant': 'assistant', 'tool': 'tool'}
+
+
+def _sharegpt_messages(turns: Any) -> list:
+  """ShareGPT's `conversations` ([{"from": "human", "value": ...}, ...]) as chat messages."""
+  if not (isinstance(turns, list) and all(
+      isinstance(t, dict) and isinstance(t.get('from'), str) and isinstance(t.get('value'), str)
+      for t in turns)):
+    raise BadRecord(f'{SHAREGPT_FIELD!r} must be a list of {{"from": str, "value": str}} objects '
+                    '(ShareGPT)')
+  for i, turn in enumerate(turns):
+    if turn['from'] not in SHAREGPT_ROLES:
+      raise BadRecord(f'{SHAREGPT_FIELD!r} turn {i}: "from": {turn["from"]!r} is not one of '
+                      f'{", ".join(SHAREGPT_ROLES)}')
+  return [{'role': SHAREGPT_ROLES[t['from']], 'content': t['value']} for t in turns]
 
 
 _TEMPLATES: dict[str, Any] = {}
@@ -226,19 +266,14 @@ def _render(messages: list, fmt: DocumentFormat, generation_prompt: bool) -> str
     raise BadRecord(f'chat template failed on this record: {type(e).__name__}: {e}') from e
 
 
-def chat_parts(messages: Any, fmt: DocumentFormat) -> Parts:
-  """The rendered conversation cut into parts: each assistant turn's text as the whole
-  conversation renders it (from the end of the rendering of the turns before it with the
-  generation prompt, through the turn's end marker) is learned, the rest is not."""
-  if not (isinstance(messages, list) and messages and all(
-      isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
-      for m in messages)):
-    raise BadRecord(f'{MESSAGES_FIELD!r} must be a non-empty list of {{"role": str, "content": '
-                    'str}} objects')
+def chat_parts(messages: list, fmt: DocumentFormat, learn_from: int = 0) -> Parts:
+  """The rendered conversation cut into parts: each assistant turn from message `learn_from` on,
+  as the whole conversation renders it (from the end of the rendering of the turns before it with
+  the generation prompt, through the turn's end marker), is learned, the rest is not."""
   full = _render(messages, fmt, generation_prompt=False)
   parts, done = [], 0
   for i, message in enumerate(messages):
-    if message['role'] != 'assistant':
+    if message['role'] != 'assistant' or i < learn_from:
       continue
     prompt = _render(messages[:i], fmt, generation_prompt=True)
     start = len(prompt)

@@ -317,13 +317,14 @@ def _record_columns(names: list[str], path: Path, fmt: DocumentFormat, field: st
   """Of a table's column `names`: those its records are read from (`parquet_columns`)."""
   if fmt.prompt_field in names and fmt.completion_field in names:
     return [fmt.prompt_field, fmt.completion_field]
-  for column in (fmt.text_field, documents.MESSAGES_FIELD):
+  for column in (fmt.text_field, documents.MESSAGES_FIELD, documents.SHAREGPT_FIELD):
     if column in names:
       return [column]
   raise ConfigError(f'{field}: {path} has no column {fmt.text_field!r} (nor '
-                    f'{fmt.prompt_field!r}+{fmt.completion_field!r}, nor '
-                    f'{documents.MESSAGES_FIELD!r}); its columns: {", ".join(names[:12])}. Set '
-                    'data.text_field to the column holding the text.')
+                    f'{fmt.prompt_field!r}+{fmt.completion_field!r}, '
+                    f'{documents.MESSAGES_FIELD!r} or {documents.SHAREGPT_FIELD!r}); its columns: '
+                    f'{", ".join(names[:12])}. Set data.text_field to the column holding the '
+                    'text.')
 
 
 @dataclasses.dataclass(frozen=True)
