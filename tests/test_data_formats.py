@@ -447,6 +447,48 @@ def test_sharegpt_and_conversational_prompt_completion(tmp_path, tokenizer_dir):
       prepare_dataset(tmp_path / f'bad{i}', tok, train_sources=[source])
 
 
+# A chat template with tools, in the manner of Qwen2.5's (shortened): the tools' schemas in the
+# system turn, an assistant turn's tool calls as <tool_call> JSON, tool results as their turns.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\n# Tools\n' }}{%- for tool in tools %}"
+    "{{- tool | tojson }}{{- '\n' }}{%- endfor %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '<tool_call>' + (call.function | tojson) + '</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def test_tool_calls_and_tools_are_rendered_and_the_calls_learned(tmp_path, tokenizer_dir):
+  """A conversation with `tools` and an assistant turn of `tool_calls` (content None), as
+  transformers' apply_chat_template takes them: the schemas are rendered, the tool call and
+  the final answer learned, the tool's result not; `tools` as a JSON string (Parquet) too."""
+  tok = _tokenizer_with(tmp_path / 'tools_tokenizer', tokenizer_dir,
+                        {'eos_token': EOS, 'chat_template': TOOLS_TEMPLATE})
+  tools = [{'type': 'function', 'function': {'name': 'weather', 'parameters': {
+      'type': 'object', 'properties': {'city': {'type': 'string'}}}}}]
+  call = {'type': 'function', 'function': {'name': 'weather', 'arguments': {'city': 'Paris'}}}
+  messages = [{'role': 'user', 'content': 'Weather in Paris?'},
+              {'role': 'assistant', 'content': None, 'tool_calls': [call]},
+              {'role': 'tool', 'content': 'sunny'},
+              {'role': 'assistant', 'content': 'It is sunny.'}]
+  for name, record_tools in (('list', tools), ('string', json.dumps(tools))):
+    source = _write_jsonl(tmp_path / f'{name}.jsonl',
+                          [{'messages': messages, 'tools': record_tools}])
+    info = prepare_dataset(tmp_path / name, tok, train_sources=[source], val_fraction=0.5)
+    whole = TokenStream(info.splits['train'] + info.splits['val'], info.dtype)
+    tokens, mask = whole[:], whole.mask(slice(0, len(whole)))
+    assert tok.decode(tokens[mask == 1]) == (
+        '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>\n'
+        'It is sunny.<|im_end|>\n' + EOS)
+    context = tok.decode(tokens[mask == 0])
+    assert '"name": "weather", "parameters"' in context and 'sunny<|im_end|>' in context
+  bad = _write_jsonl(tmp_path / 'bad.jsonl', [{'messages': messages, 'tools': 'not json'}])
+  with pytest.raises(ConfigError, match="'tools' is a string but not JSON"):
+    prepare_dataset(tmp_path / 'bad', tok, train_sources=[bad])
+
+
 # Qwen3's chat template as its tokenizer_config.json has it, without the tool branches: an
 # assistant turn after the last user message opens with a thinking block (empty without
 # reasoning_content) and earlier ones do not, so a conversation cut after an assistant turn

@@ -21,8 +21,9 @@ A record is read as (first match wins):
   text         it holds `data.text_field` (a string): every token is learned;
   chat         it holds `messages` (a list of {role, content}) or ShareGPT's `conversations` (a
                list of {from, value}; from: human, gpt, system, ...) and the tokenizer directory
-               has a chat template: the conversation is rendered with it (jinja2 sandbox) and only
-               the assistant turns (and the EOS) are learned.
+               has a chat template: the conversation is rendered with it (jinja2 sandbox), with
+               the record's `tools` (function schemas) if any, and only the assistant turns (and
+               the EOS) are learned; an assistant turn may hold `tool_calls` instead of content.
 In instruction and chat documents BOS is not learned; plain text documents learn every token
 (no mask is stored for them). Plain .txt sources are not records: their bytes are one continuous stream,
 tokenized as is (no BOS/EOS), as before this format existed.
@@ -32,6 +33,7 @@ The loss mask stored beside the tokens says, for each token, whether it is learn
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -44,6 +46,7 @@ from megatrain_jax.errors import ConfigError
 
 MESSAGES_FIELD = 'messages'
 SHAREGPT_FIELD = 'conversations'
+TOOLS_FIELD = 'tools'
 _TOKENIZER_CONFIG = 'tokenizer_config.json'
 
 
@@ -188,15 +191,17 @@ def record_parts(record: Any, fmt: DocumentFormat) -> Parts:
     prompt, completion = record[fmt.prompt_field], record[fmt.completion_field]
     if isinstance(prompt, list) and isinstance(completion, list):  # conversational (TRL's)
       return chat_parts(_chat(prompt + completion, fmt, fmt.prompt_field), fmt,
-                        learn_from=len(prompt))
+                        learn_from=len(prompt), tools=_tools(record))
     return [(_string(record, fmt.prompt_field, fmt), False),
             (_string(record, fmt.completion_field, fmt), True)]
   if fmt.text_field in record:
     return [(_string(record, fmt.text_field, fmt), True)]
   if MESSAGES_FIELD in record:
-    return chat_parts(_chat(record[MESSAGES_FIELD], fmt, MESSAGES_FIELD), fmt)
+    return chat_parts(_chat(record[MESSAGES_FIELD], fmt, MESSAGES_FIELD), fmt,
+                      tools=_tools(record))
   if SHAREGPT_FIELD in record:
-    return chat_parts(_chat(_sharegpt_messages(record[SHAREGPT_FIELD]), fmt, SHAREGPT_FIELD), fmt)
+    return chat_parts(_chat(_sharegpt_messages(record[SHAREGPT_FIELD]), fmt, SHAREGPT_FIELD), fmt,
+                      tools=_tools(record))
   keys = ', '.join(repr(k) for k in list(record)[:8])
   raise BadRecord(f'record without the text field {fmt.text_field!r} (nor '
                   f'{fmt.prompt_field!r}+{fmt.completion_field!r}, {MESSAGES_FIELD!r} or '
@@ -208,12 +213,36 @@ def _chat(messages: Any, fmt: DocumentFormat, field: str) -> list:
   if fmt.chat_template is None:
     raise BadRecord(f'record holds a conversation ({field!r}) but data.tokenizer has no '
                     f'chat_template in its {_TOKENIZER_CONFIG}')
-  if not (isinstance(messages, list) and messages and all(
-      isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
-      for m in messages)):
+  if not (isinstance(messages, list) and messages and all(map(_is_message, messages))):
     raise BadRecord(f'{field!r} must be a non-empty list of {{"role": str, "content": str}} '
-                    'objects')
+                    'objects (an assistant turn may hold "tool_calls", a list, instead of content)')
   return messages
+
+
+def _is_message(message: Any) -> bool:
+  """A chat message: a role and text content, or an assistant turn's tool calls (its content
+  then None, absent or text)."""
+  if not (isinstance(message, dict) and isinstance(message.get('role'), str)):
+    return False
+  if isinstance(message.get('tool_calls'), list):
+    return message.get('content') is None or isinstance(message['content'], str)
+  return isinstance(message.get('content'), str)
+
+
+def _tools(record: dict) -> list | None:
+  """A record's `tools` (the function schemas its conversation may call, as transformers'
+  apply_chat_template takes them): a list, or a JSON string of one (Parquet often stores them
+  so); None without."""
+  tools = record.get(TOOLS_FIELD)
+  if isinstance(tools, str):
+    try:
+      tools = json.loads(tools)
+    except json.JSONDecodeError as e:
+      raise BadRecord(f'{TOOLS_FIELD!r} is a string but not JSON ({e})') from e
+  if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict)
+                                                                 for t in tools)):
+    raise BadRecord(f'{TOOLS_FIELD!r} must be a list of JSON objects (function schemas)')
+  return tools or None
 
 
 # ShareGPT's speakers (a turn's 'from') as chat roles.
@@ -255,29 +284,33 @@ def _compiled(template: str):
   return compiled
 
 
-def _render(messages: list, fmt: DocumentFormat, generation_prompt: bool) -> str:
+def _render(messages: list, fmt: DocumentFormat, generation_prompt: bool,
+            tools: list | None = None) -> str:
   try:
     return _compiled(fmt.chat_template).render(
         messages=messages, add_generation_prompt=generation_prompt, bos_token=fmt.bos_text,
-        eos_token=fmt.eos_text)
+        eos_token=fmt.eos_text, tools=tools)
   except BadRecord:
     raise
   except Exception as e:  # jinja2 raises many kinds (UndefinedError, SecurityError, ...)
     raise BadRecord(f'chat template failed on this record: {type(e).__name__}: {e}') from e
 
 
-def chat_parts(messages: list, fmt: DocumentFormat, learn_from: int = 0) -> Parts:
-  """The rendered conversation cut into parts: each assistant turn from message `learn_from` on,
-  as the whole conversation renders it (from the end of the rendering of the turns before it with
-  the generation prompt, through the turn's end marker), is learned, the rest is not."""
-  full = _render(messages, fmt, generation_prompt=False)
+def chat_parts(messages: list, fmt: DocumentFormat, learn_from: int = 0,
+               tools: list | None = None) -> Parts:
+  """The rendered conversation (with the `tools` it may call) cut into parts: each assistant
+  turn from message `learn_from` on, as the whole conversation renders it (from the end of the
+  rendering of the turns before it with the generation prompt, through the turn's end marker),
+  is learned, the rest is not."""
+  render = functools.partial(_render, fmt=fmt, tools=tools)
+  full = render(messages, generation_prompt=False)
   parts, done = [], 0
   for i, message in enumerate(messages):
     if message['role'] != 'assistant' or i < learn_from:
       continue
-    prompt = _render(messages[:i], fmt, generation_prompt=True)
+    prompt = render(messages[:i], generation_prompt=True)
     start = len(prompt)
-    end = _turn_end(full, messages, i, start, fmt)
+    end = _turn_end(full, messages, i, start, render)
     if not (full.startswith(prompt) and done <= start <= end <= len(full)):
       raise BadRecord('the chat template does not render conversations prefix by prefix, so '
                       'the assistant turns cannot be located')
@@ -293,17 +326,17 @@ def chat_parts(messages: list, fmt: DocumentFormat, learn_from: int = 0) -> Part
   return [(text, learned) for text, learned in parts if text]
 
 
-def _turn_end(full: str, messages: list, i: int, start: int, fmt: DocumentFormat) -> int:
+def _turn_end(full: str, messages: list, i: int, start: int, render) -> int:
   """Where assistant turn `i` (with its end marker) ends in `full`, the whole conversation's
   rendering. Usually the length of the conversation rendered up to that turn; but a template may
   render the last turn otherwise (Qwen3 opens an assistant turn after the last user message with
   a thinking block), and then the turn's content is found in `full` after `start` (the end of
   the generation prompt), followed by the end marker the template writes after it (Qwen3's
   '<|im_end|>' and a newline)."""
-  upto = _render(messages[:i + 1], fmt, generation_prompt=False)
+  upto = render(messages[:i + 1], generation_prompt=False)
   if full.startswith(upto):
     return len(upto)
-  content = messages[i]['content']
+  content = messages[i].get('content') or ''
   in_upto = upto.rfind(content) if content else -1
   at = full.find(content, start) if content else -1
   if in_upto >= 0 and at >= 0:
