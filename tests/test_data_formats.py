@@ -26,6 +26,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from megatrain_jax.data import (Batch, BatchSampler, ByteTokenizer, MixtureSplit, TokenStream,
                                 check_data_config, document_format, eval_batches, load_data,
                                 load_split, load_tokenizer, prepare_dataset, read_dataset_info)
+from megatrain_jax.data import documents as documents_module
 from megatrain_jax.data import formats
 from megatrain_jax.data import prepare as prepare_module
 from megatrain_jax.errors import ConfigError
@@ -710,7 +711,9 @@ def test_bad_record_deep_in_a_file_removes_partial_output(tmp_path, monkeypatch)
   assert info.stats['skipped_records'] == 1 and info.stats['documents'] == 599
 
 
-def test_skip_bad_records_counts_them(tmp_path):
+def test_skip_bad_records_counts_them(tmp_path, monkeypatch):
+  """Skipped records are counted; data prepared while they were skipped is prepared again once
+  the rules read more kinds of record (documents.RECORDS_VERSION)."""
   source = tmp_path / 'mixed.jsonl'
   source.write_text('{"text": "good"}\n{"text": 1}\nnot json\n{"other": "x"}\n{"text": "also"}\n')
   config = _data_config(path=str(source), cache_dir=str(tmp_path / 'out'), skip_bad_records=True,
@@ -719,6 +722,12 @@ def test_skip_bad_records_counts_them(tmp_path):
   info, _ = load_data(config, tmp_path)
   assert info.stats['skipped_records'] == 3 and info.stats['documents'] == 2
   assert bytes(_stream(info).astype(np.uint8)) == b'good\0also\0'
+  fingerprint = json.loads((tmp_path / 'out' / 'meta.json').read_text())['fingerprint']
+  load_data(config, tmp_path)
+  assert json.loads((tmp_path / 'out' / 'meta.json').read_text())['fingerprint'] == fingerprint
+  monkeypatch.setattr(documents_module, 'RECORDS_VERSION', documents_module.RECORDS_VERSION - 1)
+  load_data(config, tmp_path)
+  assert json.loads((tmp_path / 'out' / 'meta.json').read_text())['fingerprint'] != fingerprint
 
 
 def test_launch_prepare_prints_counts_and_throughput(tmp_path, documents):

@@ -47,6 +47,9 @@ from megatrain_jax.errors import ConfigError
 MESSAGES_FIELD = 'messages'
 SHAREGPT_FIELD = 'conversations'
 TOOLS_FIELD = 'tools'
+# The rules that read records (record_parts): raised when a kind of record that was bad becomes
+# readable.
+RECORDS_VERSION = 2
 _TOKENIZER_CONFIG = 'tokenizer_config.json'
 
 
@@ -86,6 +89,10 @@ class DocumentFormat:
     out = dataclasses.asdict(self)
     if not out['text_documents']:  # data prepared before the field existed stays valid
       del out['text_documents']
+    if self.skip_bad_records:
+      # Records read since version 2 (ShareGPT, conversational prompt/completion, tool calls)
+      # were bad records before, skipped where this is set: prepare such data again.
+      out['records_version'] = RECORDS_VERSION
     template = out.pop('chat_template')
     out['chat_template_sha256'] = (hashlib.sha256(template.encode()).hexdigest()
                                    if template else None)
