@@ -35,8 +35,8 @@ def due(step: int, every: int, last: int) -> bool:
 
 
 def format_console_line(step: int, total: int, scalars: dict, eta_s: float | None = None) -> str:
-  """e.g. 'step 120/600 | loss 2.3456 | grad_norm 0.812 | lr 2.99e-03 | 12,345 tok/s | 0.166 s/step |
-  eta 01:20' (`eta_s`: seconds to the last step, when known)."""
+  """e.g. 'step 120/600 | loss 2.3456 | grad_norm 0.812 | lr 2.99e-03 | epoch 0.41 | 12,345 tok/s |
+  0.166 s/step | eta 01:20' (`eta_s`: seconds to the last step, when known)."""
   parts = [f'step {step}/{total}']
   if 'learning/loss' in scalars:
     parts.append(f'loss {scalars["learning/loss"]:.4f}')
@@ -44,6 +44,8 @@ def format_console_line(step: int, total: int, scalars: dict, eta_s: float | Non
     parts.append(f'grad_norm {scalars["learning/grad_norm"]:.3f}')
   if 'learning/lr' in scalars:
     parts.append(f'lr {scalars["learning/lr"]:.2e}')
+  if 'data/epoch' in scalars:
+    parts.append(f'epoch {scalars["data/epoch"]:.2f}')
   if 'eval/loss' in scalars:
     parts.append(f'eval_loss {scalars["eval/loss"]:.4f} | eval_ppl {scalars["eval/perplexity"]:.2f}')
   if 'perf/tokens_per_sec' in scalars:

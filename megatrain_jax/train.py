@@ -517,9 +517,12 @@ def _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, lo
   train_cfg, every = config.train, config.checkpoint.every
   clock = preemption.CheckpointClock(config.checkpoint.every_minutes)
   for done in range(engine.step + 1, train_cfg.steps + 1):
+    batch = sampler.batch(position)
     with profiler.step(done):
-      scalars = log.timed_step(done, engine.train_step, sampler.batch(position))
+      scalars = log.timed_step(done, engine.train_step, batch)
     position += sampler.samples_per_step
+    if scalars:  # a logging step
+      scalars.update(data_lib.batch_scalars(batch, position, sampler.n_windows))
     if metrics_lib.due(done, train_cfg.eval_every, train_cfg.steps):
       scalars.update(_evaluate(engine, eval_data))
     log.record(done, scalars)

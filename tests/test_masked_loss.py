@@ -356,3 +356,11 @@ def test_rows_of_whole_documents_train_each_prompt_with_its_answer(tmp_path, str
   rows = list(zip(stored.tokens.reshape(4, -1), stored.loss_mask.reshape(4, -1)))
   want = _documents_alone_loss(model_cfg.replace(document_eos_id=-1), params, rows, 0)
   assert last['learning/loss'] == pytest.approx(want, rel=1e-5)
+  # data/*: the share of the step's targets learned (padding, prompts and each document's first
+  # target are not), and the epochs its 4 samples make.
+  sampler = data_lib.BatchSampler(data_lib.load_split(info, 'train'), seq_len=48, batch_size=2,
+                                  microbatches=2, seed=config.train.seed, document_eos=0,
+                                  row_packing=packing.RowPacking(strategy, 0))
+  assert last['data/learned_fraction'] == pytest.approx(sampler.batch(0).loss_mask.mean())
+  assert 0 < last['data/learned_fraction'] < 0.5  # short answers to longer questions
+  assert last['data/epoch'] == pytest.approx(4 / sampler.n_windows)

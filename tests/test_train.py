@@ -227,6 +227,9 @@ def test_resume_on_other_data_says_what_changed(tmp_path, shared_data, capsys):
     return [line for line in capsys.readouterr().out.splitlines() if 'other data' in line]
 
   assert resume(1) == [] and resume(2) == []
+  first, second = [row for row in read_rows(tmp_path / 'run') if 'data/epoch' in row]
+  assert first['data/learned_fraction'] == second['data/learned_fraction'] == 1.0  # plain text
+  assert second['data/epoch'] == pytest.approx(2 * first['data/epoch']) and first['data/epoch'] > 0
   meta = json.loads((tmp_path / 'run' / 'checkpoints' / '2' / 'meta.json').read_text())
   assert meta['data']['fields']['train.seed'] == 0 and len(meta['data']['next_samples']) == 16
   warned = resume(3, train__seed=1)

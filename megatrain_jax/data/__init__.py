@@ -14,8 +14,9 @@ Typical use by the trainer:
 
 from megatrain_jax.data.corpus import default_corpus_text
 from megatrain_jax.data.documents import DocumentFormat, document_format, prompt_ids
-from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, eval_batches, load_split,
-                                       open_tokens, unlearn_document_starts)
+from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, batch_scalars,
+                                       eval_batches, load_split, open_tokens,
+                                       unlearn_document_starts)
 from megatrain_jax.data.pipeline import (check_data_config, load_data, prepare_summary,
                                          row_packing)
 from megatrain_jax.data.prepare import DatasetInfo, prepare_dataset, read_dataset_info
@@ -25,6 +26,7 @@ from megatrain_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, 
 __all__ = [
     'Batch',
     'BatchSampler',
+    'batch_scalars',
     'ByteTokenizer',
     'DatasetInfo',
     'DocumentFormat',

@@ -324,6 +324,17 @@ class BatchSampler:
     return tokens, mask
 
 
+def batch_scalars(batch, position: int, samples_per_epoch: int) -> dict:
+  """The data/* scalars of a logged step: `data/epoch`, the passes over the training samples
+  made once `position` samples are consumed (a mixture's: over all its sources' windows, as
+  train.epochs counts them), and `data/learned_fraction`, the share of the step's targets
+  (`batch`, BatchSampler's) that are learned: padding, prompts and other masked targets lower
+  it (1 without a loss mask)."""
+  mask = batch.loss_mask if isinstance(batch, Batch) else None
+  return {'data/epoch': position / samples_per_epoch,
+          'data/learned_fraction': 1.0 if mask is None else float(np.mean(mask))}
+
+
 def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
                  document_eos: int = -1,
                  row_packing: packing.RowPacking | None = None) -> list:
