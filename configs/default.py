@@ -117,6 +117,11 @@ def get_config() -> ml_collections.ConfigDict:
   data.eos_token = ''  # The token after every document; '' = eos_token of tokenizer_config.json
   #                      (the byte tokenizer: NUL, byte 0).
   data.skip_bad_records = False  # Skip (and count) malformed records instead of stopping.
+  data.chat_template = ''  # A chat template file (jinja2, as transformers' chat_template.jinja)
+  #                          for chat records and --sample chat instead of the tokenizer's own
+  #                          (a base model's tokenizer may have none); '' = the tokenizer's
+  #                          (chat_template.jinja beside tokenizer.json, else tokenizer_config.
+  #                          json's). The run keeps a copy, and --export_hf writes it.
   data.text_documents = False  # Text files (.txt and others that are not records): False = one
   #                              continuous stream, as is; True = each file is one document,
   #                              [BOS] text EOS like a record (a directory of articles, books,

@@ -41,7 +41,7 @@ import numpy as np
 from megatrain_jax import metrics
 from megatrain_jax import model as model_lib
 from megatrain_jax import partition
-from megatrain_jax.data import document_format, unlearn_document_starts
+from megatrain_jax.data import data_format, document_format, unlearn_document_starts
 from megatrain_jax.data import formats
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import head_chunks
@@ -139,7 +139,8 @@ def read_eval_data(path: str, tokenizer, data_config=None,
       pieces.append((_text_tokens(file, tokenizer), None))
       continue
     if fmt is None:
-      fmt = _document_format(tokenizer, data_config)
+      fmt = (document_format(tokenizer) if data_config is None else
+             data_format(data_config, tokenizer))
     pieces.append(_record_tokens(file, tokenizer, fmt))
   tokens = np.concatenate([t for t, _ in pieces])
   mask = None
@@ -154,18 +155,6 @@ def read_eval_data(path: str, tokenizer, data_config=None,
     raise ConfigError(f'eval.path: {path} has no learned token to score (every record is all '
                       'prompt); evaluate on records with completions or assistant turns.')
   return tokens, mask
-
-
-def _document_format(tokenizer, data_config):
-  """data/documents.py's DocumentFormat of the config's data section (EOS, BOS, fields)."""
-  if data_config is None:
-    return document_format(tokenizer)
-  get = lambda name, default: data_config.get(name, default)  # noqa: E731
-  return document_format(
-      tokenizer, eos_token=get('eos_token', ''), text_field=get('text_field', 'text'),
-      prompt_field=get('prompt_field', 'prompt'),
-      completion_field=get('completion_field', 'completion'),
-      skip_bad_records=get('skip_bad_records', False))
 
 
 def batch_windows(tokens: np.ndarray, chosen: list[Window], max_len: int, batch_size: int,

@@ -31,6 +31,7 @@ import numpy as np
 
 from megatrain_jax import fs
 from megatrain_jax import hf
+from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.hf.format import tensor_map
 from megatrain_jax.model import ModelConfig
@@ -128,7 +129,8 @@ def _write_shard(reader, file: Path, entries: list[_Entry], dtype: np.dtype, tag
 
 
 def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
-           max_shard_bytes: int = 5 * 10**9, tokenizer: str = 'byte') -> list[Path]:
+           max_shard_bytes: int = 5 * 10**9, tokenizer: str = 'byte',
+           chat_template: str = '') -> list[Path]:
   """Writes the params of `reader` (a checkpoint reader of a run of `cfg`) as a Hugging Face
   checkpoint in `out_dir` (new or empty), all at once: the files are written and fsynced in a
   hidden directory beside it, which is then renamed to `out_dir`; returns the files written.
@@ -140,6 +142,8 @@ def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
     dtype: 'float32' or 'bfloat16'.
     max_shard_bytes: Largest safetensors file.
     tokenizer: The run's data.tokenizer: its tokenizer files are copied unless it is 'byte'.
+    chat_template: The run's data.chat_template (a file), written with them as
+      chat_template.jinja ('' = the tokenizer's own, copied with its files).
   """
   # Written into a hidden directory beside out_dir, then renamed to it: a killed export leaves no
   # partial checkpoint that from_pretrained could half-load, and the rerun is not refused for a
@@ -147,7 +151,7 @@ def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
   staging = out_dir.parent / f'.{out_dir.name}.export-tmp'
   shutil.rmtree(staging, ignore_errors=True)
   staging.mkdir(parents=True)
-  names = _write_files(reader, cfg, staging, dtype, max_shard_bytes, tokenizer)
+  names = _write_files(reader, cfg, staging, dtype, max_shard_bytes, tokenizer, chat_template)
   for name in names:
     fs.fsync(staging / name)
   fs.fsync(staging, directory=True)
@@ -159,7 +163,7 @@ def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
 
 
 def _write_files(reader, cfg: ModelConfig, out_dir: Path, dtype: str, max_shard_bytes: int,
-                 tokenizer: str) -> list[str]:
+                 tokenizer: str, chat_template: str) -> list[str]:
   """`export`'s files written into `out_dir`; returns their names."""
   np_dtype, tag = _DTYPES[dtype]
   shards = _shards(_entries(cfg), np_dtype.itemsize, max_shard_bytes)
@@ -179,5 +183,8 @@ def _write_files(reader, cfg: ModelConfig, out_dir: Path, dtype: str, max_shard_
   written.append('config.json')
   if tokenizer != 'byte':
     written += [p.name for p in hf.copy_tokenizer(Path(tokenizer), out_dir)]
+    if chat_template:  # the run's data.chat_template, which transformers prefers to the config's
+      shutil.copyfile(chat_template, out_dir / CHAT_TEMPLATE_FILE)
+      written += [] if CHAT_TEMPLATE_FILE in written else [CHAT_TEMPLATE_FILE]
   return written
 

@@ -179,6 +179,7 @@ def resolve_plan(config, model_cfg, workdir: pathlib.Path, checkpointer: Checkpo
 
 
 HF_TOKENIZER_DIR = 'hf_tokenizer'  # <workdir>/hf_tokenizer: the tokenizer files of init.from_hf
+CHAT_TEMPLATE_COPY = 'chat_template.jinja'  # <workdir>/chat_template.jinja: data.chat_template's
 
 
 def newest_checkpoint_meta(workdir: pathlib.Path) -> dict | None:
@@ -199,19 +200,23 @@ def newest_checkpoint_meta(workdir: pathlib.Path) -> dict | None:
   return None
 
 
-def _run_tokenizer(workdir: pathlib.Path) -> str | None:
-  """data.tokenizer of the run in `workdir` (its config.json), if it recorded one."""
+def _run_data_field(workdir: pathlib.Path, name: str) -> str | None:
+  """data.<name> of the run in `workdir` (its config.json), if it recorded one."""
   try:
-    return json.loads((workdir / 'config.json').read_text())['data']['tokenizer']
+    return json.loads((workdir / 'config.json').read_text())['data'][name]
   except (OSError, ValueError, KeyError, TypeError):
     return None
 
 
 def _config_from_run(config, workdir: pathlib.Path, meta: dict, overrides):
-  """`config` with the model shape of the run's checkpoint and, unless set, its tokenizer."""
-  return hf.apply_fields(config, hf.model_fields(meta['model_config']),
-                         f'the checkpoint in {workdir / "checkpoints"}', overrides,
-                         _run_tokenizer(workdir))
+  """`config` with the model shape of the run's checkpoint and, unless set, its tokenizer and
+  chat template."""
+  config = hf.apply_fields(config, hf.model_fields(meta['model_config']),
+                           f'the checkpoint in {workdir / "checkpoints"}', overrides,
+                           _run_data_field(workdir, 'tokenizer'))
+  if not config.data.chat_template and _run_data_field(workdir, 'chat_template'):
+    config_lib.set_field(config, 'data.chat_template', _run_data_field(workdir, 'chat_template'))
+  return config
 
 
 class RunSource(NamedTuple):
@@ -275,6 +280,20 @@ def _adopt_tokenizer(config, source, workdir: pathlib.Path):
   copies = hf.copy_tokenizer(found, workdir / HF_TOKENIZER_DIR)
   config = ml_collections.ConfigDict(config.to_dict())
   config_lib.set_field(config, 'data.tokenizer', str(copies[0]))
+  return config
+
+
+def _adopt_chat_template(config, workdir: pathlib.Path):
+  """With data.chat_template, copies the file to <workdir>/chat_template.jinja (atomically) and
+  points data.chat_template there: --eval, --sample and --export_hf of the run read the copy
+  (config.json records it), wherever the original goes."""
+  template = config.data.chat_template
+  copy = workdir / CHAT_TEMPLATE_COPY
+  if not template or pathlib.Path(template) == copy:
+    return config
+  fs.write_text_atomic(copy, pathlib.Path(template).read_text(encoding='utf-8'))
+  config = ml_collections.ConfigDict(config.to_dict())
+  config_lib.set_field(config, 'data.chat_template', str(copy))
   return config
 
 
@@ -420,8 +439,8 @@ def _workdir_data(config, source, workdir: pathlib.Path, microbatches: int,
                   document_eos: int):
   """(config, train sampler, eval batches): the tokenizer adopted (`_adopt_tokenizer`) and the
   data opened (`_open_data`)."""
-  return _open_data(_adopt_tokenizer(config, source, workdir), workdir, microbatches,
-                    document_eos)
+  config = _adopt_chat_template(_adopt_tokenizer(config, source, workdir), workdir)
+  return _open_data(config, workdir, microbatches, document_eos)
 
 
 def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: int):
@@ -757,7 +776,7 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
     if settings[field] < 0:
       raise ConfigError(f'sample.{field}={settings[field]} must be >= 0.')
   model_cfg, tokenizer = _model_and_tokenizer(config, model_cfg)
-  fmt = data_lib.document_format(tokenizer, eos_token=config.data.eos_token)
+  fmt = data_lib.data_format(config.data, tokenizer)
   prompt = data_lib.prompt_ids(settings.prompt, tokenizer, fmt, settings.chat)
   weights_gb = 4 * model_cfg.num_params / 1e9
   device_gb = hardware.load_profile(config.hardware).device_memory_gb
@@ -792,7 +811,8 @@ def export_hf(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> 
   with _run_checkpoint(config, path, model_cfg) as reader:
     files = export_lib.export(reader, model_cfg, out, dtype=config.export.dtype,
                               max_shard_bytes=int(config.export.max_shard_gb * 1e9),
-                              tokenizer=_run_tokenizer(path) or 'byte')
+                              tokenizer=_run_data_field(path, 'tokenizer') or 'byte',
+                              chat_template=_run_data_field(path, 'chat_template') or '')
   print(f'exported step {reader.meta["step"]} of {path} to {out}: '
         f'{", ".join(f.name for f in files)}', flush=True)
   return files

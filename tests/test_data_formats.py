@@ -490,6 +490,35 @@ def test_tool_calls_and_tools_are_rendered_and_the_calls_learned(tmp_path, token
     prepare_dataset(tmp_path / 'bad', tok, train_sources=[bad])
 
 
+def test_chat_template_file_beside_the_tokenizer_and_data_chat_template(tmp_path,
+                                                                       tokenizer_dir):
+  """The template in chat_template.jinja beside tokenizer.json (as transformers now saves it)
+  is preferred to tokenizer_config.json's; data.chat_template replaces both, also for the byte
+  tokenizer; a missing, empty or broken template file is refused before anything is written."""
+  plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+  plain += "{% if add_generation_prompt %}assistant: {% endif %}"
+  jinja_dir = _tokenizer_with(tmp_path / 'jinja', tokenizer_dir,
+                              {'eos_token': EOS, 'chat_template': CHAT_TEMPLATE})
+  (jinja_dir.path.parent / 'chat_template.jinja').write_text(plain)
+  (tmp_path / 'a').mkdir()
+  tokens, mask = _prepared_chat(tmp_path / 'a', jinja_dir)
+  assert jinja_dir.decode(tokens[mask == 1]) == 'Paris.\nRome.\n' + EOS
+  template = tmp_path / 'brackets.jinja'
+  template.write_text(plain.replace(': ', ' > '))
+  fmt = document_format(load_tokenizer(str(tokenizer_dir)), chat_template=str(template))
+  assert fmt.chat_template == template.read_text()
+  byte_fmt = document_format(ByteTokenizer(), chat_template=str(template))
+  parts = documents_module.record_parts({'messages': CONVERSATION}, byte_fmt)
+  assert ''.join(text for text, learned in parts if learned) == 'Paris.\nRome.\n'
+  assert parts[0] == ('system > Be brief.\nuser > Capital of France?\nassistant > ', False)
+  (tmp_path / 'empty.jinja').write_text(' ')
+  (tmp_path / 'broken.jinja').write_text('{% for m in messages %}')
+  for name, message in (('missing.jinja', 'cannot read'), ('empty.jinja', 'is empty'),
+                        ('broken.jinja', 'not a valid jinja2 template')):
+    with pytest.raises(ConfigError, match=f'data.chat_template: .*{message}'):
+      check_data_config(_data_config(chat_template=str(tmp_path / name)))
+
+
 # Qwen3's chat template as its tokenizer_config.json has it, without the tool branches: an
 # assistant turn after the last user message opens with a thinking block (empty without
 # reasoning_content) and earlier ones do not, so a conversation cut after an assistant turn

@@ -224,6 +224,41 @@ def test_eval_equals_transformers(arch, stride, placement, checkpoints, eval_tex
   assert json.loads((tmp_path / 'w' / 'eval.json').read_text())['eval/loss'] == result['eval/loss']
 
 
+def test_a_chat_template_of_the_run_trains_and_is_exported(checkpoints, tmp_path):
+  """data.chat_template on a base model whose tokenizer has none: its chat records train with it,
+  the run keeps a copy (config.json names it; --eval and --sample of the run adopt it), and
+  --export_hf writes it as chat_template.jinja, which transformers' apply_chat_template renders
+  exactly as the run did."""
+  source = tmp_path / 'llama'
+  shutil.copytree(checkpoints['llama'], source)
+  tokenizer = Tokenizer.from_file(str(source / 'tokenizer.json'))
+  tokenizer.add_special_tokens(['<|end|>'])  # an EOS for the documents (id 300 < VOCAB)
+  tokenizer.save(str(source / 'tokenizer.json'))
+  (source / 'tokenizer_config.json').write_text(json.dumps({'eos_token': '<|end|>'}))
+  template = tmp_path / 'chat.jinja'
+  template.write_text('{% for m in messages %}<{{ m.role }}> {{ m.content }}\n{% endfor %}'
+                      '{% if add_generation_prompt %}<assistant> {% endif %}')
+  conversation = [{'role': 'user', 'content': 'Who wrote Hamlet?'},
+                  {'role': 'assistant', 'content': 'Shakespeare.'}]
+  data = tmp_path / 'chat.jsonl'
+  data.write_text(''.join(json.dumps({'messages': conversation}) + '\n' for _ in range(200)))
+  workdir, out = tmp_path / 'run', tmp_path / 'export'
+  train.train_and_evaluate(_config(init__from_hf=str(source), data__path=str(data),
+                                   data__chat_template=str(template)), str(workdir))
+  copy = workdir / 'chat_template.jinja'
+  assert copy.read_text() == template.read_text()
+  assert json.loads((workdir / 'config.json').read_text())['data']['chat_template'] == str(copy)
+  template.unlink()  # readers of the run use its copy
+  meta = json.loads((workdir / 'checkpoints' / '2' / 'meta.json').read_text())
+  adopted = train._config_from_run(_config(), workdir, meta, [])  # pylint: disable=protected-access
+  assert adopted.data.chat_template == str(copy)
+  train.export_hf(_config(), str(workdir), str(out))
+  assert (out / 'chat_template.jinja').read_text() == copy.read_text()
+  rendered = transformers.AutoTokenizer.from_pretrained(out).apply_chat_template(
+      conversation, tokenize=False)
+  assert rendered == '<user> Who wrote Hamlet?\n<assistant> Shakespeare.\n'
+
+
 # ------------------------------------------------------------------------------------------------
 # Acceptance: fine-tune on NVMe, resume without the HF directory, export, reload.
 # ------------------------------------------------------------------------------------------------

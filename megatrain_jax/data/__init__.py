@@ -17,8 +17,8 @@ from megatrain_jax.data.documents import DocumentFormat, document_format, prompt
 from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, batch_scalars,
                                        eval_batches, load_split, open_tokens,
                                        unlearn_document_starts)
-from megatrain_jax.data.pipeline import (check_data_config, load_data, prepare_summary,
-                                         row_packing)
+from megatrain_jax.data.pipeline import (check_data_config, data_format, load_data,
+                                         prepare_summary, row_packing)
 from megatrain_jax.data.prepare import DatasetInfo, prepare_dataset, read_dataset_info
 from megatrain_jax.data.shards import TokenStream
 from megatrain_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -33,6 +33,7 @@ __all__ = [
     'HFTokenizer',
     'Tokenizer',
     'check_data_config',
+    'data_format',
     'default_corpus_text',
     'document_format',
     'eval_batches',

@@ -51,6 +51,8 @@ TOOLS_FIELD = 'tools'
 # readable.
 RECORDS_VERSION = 2
 _TOKENIZER_CONFIG = 'tokenizer_config.json'
+# transformers' file for a tokenizer's chat template, beside tokenizer.json.
+CHAT_TEMPLATE_FILE = 'chat_template.jinja'
 
 
 class BadRecord(ValueError):
@@ -122,7 +124,36 @@ def read_tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
   return config if isinstance(config, dict) else {}
 
 
-def _chat_template(config: dict[str, Any]) -> str | None:
+def read_chat_template(path: str | Path) -> str:
+  """The chat template (jinja2 source) in file `path`: data.chat_template's, or a tokenizer's
+  chat_template.jinja.
+
+  Raises:
+    ConfigError: (naming data.chat_template) if it is unreadable, not UTF-8, empty or not a
+      template jinja2 compiles.
+  """
+  try:
+    template = Path(path).read_text(encoding='utf-8')
+  except (OSError, UnicodeDecodeError) as e:
+    raise ConfigError(f'data.chat_template: cannot read {path} as a UTF-8 jinja file ({e}); point '
+                      "it at a chat template file, or set it to '' for the tokenizer's "
+                      'own.') from e
+  if not template.strip():
+    raise ConfigError(f"data.chat_template: {path} is empty; set it to '' for the tokenizer's "
+                      'own template.')
+  try:
+    _compiled(template)
+  except Exception as e:  # jinja2's TemplateSyntaxError and its kin
+    raise ConfigError(f'data.chat_template: {path} is not a valid jinja2 template ({e}).') from e
+  return template
+
+
+def _chat_template(config: dict[str, Any], directory: Path | None) -> str | None:
+  """The tokenizer's chat template: CHAT_TEMPLATE_FILE beside its tokenizer.json (transformers
+  saves it there since 4.5x and prefers it when loading), else tokenizer_config.json's
+  `chat_template` (a string, or named templates, of which 'default')."""
+  if directory is not None and (directory / CHAT_TEMPLATE_FILE).is_file():
+    return read_chat_template(directory / CHAT_TEMPLATE_FILE)
   template = config.get('chat_template')
   if isinstance(template, list):  # [{'name': 'default', 'template': ...}, ...]
     named = {t.get('name'): t.get('template') for t in template if isinstance(t, dict)}
@@ -141,9 +172,10 @@ def _byte_format(eos_token: str, fields: dict[str, Any]) -> DocumentFormat:
 
 def document_format(tokenizer: Tokenizer, *, eos_token: str = '', text_field: str = 'text',
                     prompt_field: str = 'prompt', completion_field: str = 'completion',
-                    skip_bad_records: bool = False, text_documents: bool = False
-                    ) -> DocumentFormat:
-  """Resolves EOS, BOS and the chat template of `tokenizer` (see the module docstring).
+                    skip_bad_records: bool = False, text_documents: bool = False,
+                    chat_template: str = '') -> DocumentFormat:
+  """Resolves EOS, BOS and the chat template of `tokenizer` (see the module docstring);
+  `chat_template`: a file whose template replaces the tokenizer's (data.chat_template).
 
   Raises:
     ConfigError: (naming `data.eos_token`) if no EOS can be found, or it is not one token.
@@ -151,8 +183,9 @@ def document_format(tokenizer: Tokenizer, *, eos_token: str = '', text_field: st
   fields = dict(text_field=text_field, prompt_field=prompt_field,
                 completion_field=completion_field, skip_bad_records=skip_bad_records,
                 text_documents=text_documents)
+  chat_template = read_chat_template(chat_template) if chat_template else None
   if isinstance(tokenizer, ByteTokenizer):
-    return _byte_format(eos_token, fields)
+    return _byte_format(eos_token, {**fields, 'chat_template': chat_template})
   config = read_tokenizer_config(tokenizer)
   token_id = getattr(tokenizer, 'token_id', lambda _: None)
   eos_text = eos_token or _token_text(config.get('eos_token'))
@@ -170,7 +203,9 @@ def document_format(tokenizer: Tokenizer, *, eos_token: str = '', text_field: st
   elif 'add_bos_token' not in config and hasattr(tokenizer, 'added_prefix'):
     prefix = tokenizer.added_prefix()
     bos = prefix[0] if len(prefix) == 1 else None
-  return DocumentFormat(eos=eos, bos=bos, chat_template=_chat_template(config),
+  path = getattr(tokenizer, 'path', None)
+  own = _chat_template(config, None if path is None else Path(path).parent)
+  return DocumentFormat(eos=eos, bos=bos, chat_template=chat_template or own,
                         bos_text=bos_text, eos_text=eos_text, **fields)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from megatrain_jax.data import formats, packing
 from megatrain_jax.data.corpus import default_corpus_text
-from megatrain_jax.data.documents import DocumentFormat, document_format
+from megatrain_jax.data.documents import DocumentFormat, document_format, read_chat_template
 from megatrain_jax.data.loader import check_split_sizes
 from megatrain_jax.data.mixture import block_counts, parse_mixture
 from megatrain_jax.data.prepare import (DEFAULT_SHARD_TOKENS, META_FILE, DatasetInfo,
@@ -37,7 +37,7 @@ _STR_FIELDS = ('path', 'val_path', 'tokenizer', 'cache_dir')
 _DEFAULTS = {'text_field': 'text', 'prompt_field': 'prompt', 'completion_field': 'completion',
              'eos_token': '', 'mixture': '', 'num_workers': 0,
              'shard_tokens': DEFAULT_SHARD_TOKENS, 'skip_bad_records': False,
-             'text_documents': False, 'pack': 'stream'}
+             'text_documents': False, 'pack': 'stream', 'chat_template': ''}
 
 
 def _field(data_config: Any, name: str) -> Any:
@@ -82,6 +82,8 @@ def _check_fields(data_config: Any) -> None:
   for name in ('skip_bad_records', 'text_documents'):
     if not isinstance(_field(data_config, name), bool):
       raise ConfigError(f'data.{name}: must be True or False.')
+  if _field(data_config, 'chat_template'):
+    read_chat_template(_field(data_config, 'chat_template'))  # readable, a jinja2 template
   if _field(data_config, 'pack') not in PACKINGS:
     raise ConfigError(f"data.pack: got {_field(data_config, 'pack')!r}; it must be 'stream' "
                       "(rows are windows of the token stream), 'documents' (rows of whole "
@@ -89,14 +91,17 @@ def _check_fields(data_config: Any) -> None:
                       'documents packed best-fit, least padding).')
 
 
-def _document_format(data_config: Any, tokenizer: Tokenizer) -> DocumentFormat:
+def data_format(data_config: Any, tokenizer: Tokenizer) -> DocumentFormat:
+  """The DocumentFormat (documents.py: EOS, BOS, record fields, chat template) of a data section
+  (a ConfigDict or mapping; fields added since a section was written take their defaults)."""
   return document_format(
       tokenizer, eos_token=_field(data_config, 'eos_token'),
       text_field=_field(data_config, 'text_field'),
       prompt_field=_field(data_config, 'prompt_field'),
       completion_field=_field(data_config, 'completion_field'),
       skip_bad_records=_field(data_config, 'skip_bad_records'),
-      text_documents=_field(data_config, 'text_documents'))
+      text_documents=_field(data_config, 'text_documents'),
+      chat_template=_field(data_config, 'chat_template'))
 
 
 # data.pack: rows as windows of the stream, or of whole documents (packing.py).
@@ -128,7 +133,7 @@ class _Sources:
 
   def fmt(self) -> DocumentFormat:
     if self._fmt is None:
-      self._fmt = _document_format(self._config, load_tokenizer(_field(self._config,
+      self._fmt = data_format(self._config, load_tokenizer(_field(self._config,
                                                                         'tokenizer')))
     return self._fmt
 
@@ -235,7 +240,7 @@ def check_data_config(data_config: Any, train_config: Any = None) -> None:
 
 def _prepare(data_config: Any, tokenizer: Tokenizer, out_dir: Path, train: list, val: list,
              val_fraction: float | None, progress: bool | None) -> DatasetInfo:
-  fmt = (_document_format(data_config, tokenizer)
+  fmt = (data_format(data_config, tokenizer)
          if _needs_format(data_config, formats.expand_sources(train, 'data.path') +
                           formats.expand_sources(val, 'data.val_path')) else None)
   return prepare_dataset(out_dir, tokenizer, train_sources=train, val_sources=val,

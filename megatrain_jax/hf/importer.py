@@ -29,6 +29,7 @@ import ml_collections
 import numpy as np
 
 from megatrain_jax import config as config_lib
+from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.hf.format import HfCheckpoint, _open_safetensors
 from megatrain_jax.layout import Layout
@@ -55,7 +56,7 @@ TOKENIZER_KEY = 'data.tokenizer'
 # Tokenizer files copied with a checkpoint (into a run, and by export); tokenizer.json is the one
 # the data pipeline reads, the others let transformers' AutoTokenizer load the export.
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
-                   'added_tokens.json', 'generation_config.json')
+                   'added_tokens.json', 'generation_config.json', CHAT_TEMPLATE_FILE)
 
 
 # ----------------------------------------------------------------------------------------------
