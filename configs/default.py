@@ -90,6 +90,12 @@ def get_config() -> ml_collections.ConfigDict:
   train.log_every = 10  # Steps between metric rows (metrics.jsonl, TensorBoard, console line).
   train.eval_every = 100  # Steps between validation passes; 0 = only at the end.
   train.eval_batches = 8  # Validation batches (of batch_size sequences) per evaluation.
+  train.early_stopping_patience = 0  # > 0: end the run (with a checkpoint) once eval/loss has
+  #                                    not improved for this many evaluations in a row (Hugging
+  #                                    Face's EarlyStoppingCallback); needs train.eval_every > 0.
+  #                                    With checkpoint.keep_best the best checkpoint is kept.
+  train.early_stopping_threshold = 0.0  # The least drop of eval/loss below its best that counts
+  #                                       as an improvement.
   train.seed = 0  # Seeds the parameter init and the data order.
   train.progress_bar = True  # A progress bar with ETA on stderr, drawn on a terminal or in a notebook
   #                             (not into a log file or pipe: the console line has the ETA there).

@@ -714,12 +714,12 @@ class Checkpointer:
 
   def save(self, step: int, engine, *, data_position: int, model_cfg: ModelConfig, seed: int = 0,
            placement=None, microbatches: int | None = None,
-           eval_loss: float | None = None, data: dict | None = None) -> None:
+           eval_loss: float | None = None, extra_meta: dict | None = None) -> None:
     """Checkpoints `engine` (or a full state dict) at `step`. Returns once the state may change:
     NVMe files linked (or linked beside the live store, to be copied behind), every in-memory
     leaf written piece by piece; the fsyncs, the manifest and the commit run behind. `eval_loss`:
     the step's validation loss, recorded in meta.json (checkpoint.keep_best, `best_step`);
-    `data`: what the trainer records of its data (meta.json's 'data')."""
+    `extra_meta`: more that the trainer records in meta.json (its data, early stopping)."""
     self.wait()  # one checkpoint in flight; raises the previous one's error
     piece_mb = self.piece_mb_for(placement)
     parts = _parts_of(engine, int(piece_mb * 2**20))
@@ -741,8 +741,7 @@ class Checkpointer:
             'disk': {p: f'nvme/{fs.leaf_name(p)}' for p in parts.disk}}
     if eval_loss is not None:
       meta['eval_loss'] = float(eval_loss)
-    if data is not None:
-      meta['data'] = data
+    meta.update(extra_meta or {})
     needed = sum(layout.nbytes for layout in parts.leaves.values())
     copies = {}  # staging snapshot on offload.dir's filesystem -> its place in the checkpoint
     try:

@@ -242,6 +242,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   _require(0 <= t.seed <= MAX_SEED, 'train.seed',
            f'must be in [0, 2**31 - 1] (it seeds a 32-bit PRNG key), got {t.seed}.')
   _validate_checkpoint(config.checkpoint, t.eval_every)
+  _validate_early_stopping(t)
   _require(config.profile.start_step >= 0, 'profile.start_step',
            f'must be >= 0 (0 = off), got {config.profile.start_step}.')
   _require(config.profile.steps >= 1, 'profile.steps',
@@ -255,6 +256,18 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
              f'{existing} is a file, not a directory. Point jax_cache_dir at a directory '
              "(created if missing), or set it to '' to turn the compile cache off.")
   return model_cfg
+
+
+def _validate_early_stopping(t: ml_collections.ConfigDict) -> None:
+  """train.early_stopping_*: it counts evaluations, so it needs some during the run."""
+  _require(t.early_stopping_patience >= 0, 'train.early_stopping_patience',
+           f'must be >= 0 (0 = off), got {t.early_stopping_patience}.')
+  _require(t.early_stopping_threshold >= 0, 'train.early_stopping_threshold',
+           f'must be >= 0, got {t.early_stopping_threshold}.')
+  _require(not t.early_stopping_patience or t.eval_every > 0, 'train.early_stopping_patience',
+           f'counts evaluations ({t.early_stopping_patience} without improvement end the run), '
+           'but train.eval_every=0 evaluates only at the end; set train.eval_every to the steps '
+           'between evaluations.')
 
 
 def _validate_checkpoint(c: ml_collections.ConfigDict, eval_every: int) -> None:

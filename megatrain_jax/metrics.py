@@ -9,6 +9,7 @@ profile's measured layer rate (the CPU, calibrated profiles of unknown devices) 
 run that beats it would read as "mfu 100.4%".
 """
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -136,6 +137,45 @@ def nothing_to_do(step: int, total: int, field: str = 'train.steps') -> str:
   above = f' above {step}' if field == 'train.steps' else ''
   return (f'nothing to do: step {step} of {total} (the newest checkpoint is past train.steps); '
           f'raise --config.{field}{above} to continue')
+
+
+@dataclasses.dataclass
+class EarlyStopping:
+  """train.early_stopping_patience, as Hugging Face's EarlyStoppingCallback: the run stops once
+  eval/loss has not improved on its best by more than `threshold` for `patience` evaluations in
+  a row (0 = never). Its state (`state`) goes into each checkpoint, so a resumed run counts on
+  from where the checkpoint was; `stopped` marks the run that ended early."""
+  patience: int
+  threshold: float
+  best: float | None = None
+  best_step: int = 0
+  evals_since_best: int = 0
+  stopped: bool = False
+
+  @classmethod
+  def resumed(cls, patience: int, threshold: float, state: dict | None) -> 'EarlyStopping':
+    """A tracker of the config's patience and threshold, counting on from a checkpoint's state."""
+    return cls(patience, threshold, **(state or {}))
+
+  def update(self, step: int, eval_loss: float, last: bool = False) -> bool:
+    """Counts an evaluation of `step`; True when the run should stop there (it then is
+    `stopped`), which it never is at its `last` step: that run ends as it would have."""
+    if self.best is None or eval_loss < self.best - self.threshold:
+      self.best, self.best_step, self.evals_since_best = eval_loss, step, 0
+    else:
+      self.evals_since_best += 1
+    self.stopped = not last and 0 < self.patience <= self.evals_since_best
+    return self.stopped
+
+  def state(self) -> dict:
+    return {'best': self.best, 'best_step': self.best_step,
+            'evals_since_best': self.evals_since_best, 'stopped': self.stopped}
+
+  def message(self, step: int) -> str:
+    return (f'early stop at step {step}: eval/loss has not improved on {self.best:.4f} (step '
+            f'{self.best_step}) by more than train.early_stopping_threshold='
+            f'{self.threshold:g} for {self.evals_since_best} evaluations '
+            f'(train.early_stopping_patience={self.patience})')
 
 
 class MetricsWriter:

@@ -528,11 +528,13 @@ def _evaluate(engine, batches) -> dict:
 
 
 def _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log, position,
-           stop: preemption.StopSignals, profiler: profiling.StepProfiler) -> None:
+           early: metrics_lib.EarlyStopping, stop: preemption.StopSignals,
+           profiler: profiling.StepProfiler) -> None:
   """Steps to `train.steps`: each step logged, evaluated and checkpointed when due (every
   `checkpoint.every` steps, once `checkpoint.every_minutes` have passed since the last checkpoint,
   at the end), and traced when `profiler` says. A stop request (`stop`: SIGTERM, SIGINT) is acted
-  on once the step in flight is done: its checkpoint is committed and TrainingStopped raised."""
+  on once the step in flight is done: its checkpoint is committed and TrainingStopped raised.
+  Once `early` says the evaluations stopped improving, the run ends there with a checkpoint."""
   train_cfg, every = config.train, config.checkpoint.every
   clock = preemption.CheckpointClock(config.checkpoint.every_minutes)
   for done in range(engine.step + 1, train_cfg.steps + 1):
@@ -542,18 +544,26 @@ def _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, lo
     position += sampler.samples_per_step
     if scalars:  # a logging step
       scalars.update(data_lib.batch_scalars(batch, position, sampler.n_windows))
+    ending = False
     if metrics_lib.due(done, train_cfg.eval_every, train_cfg.steps):
       scalars.update(_evaluate(engine, eval_data))
+      ending = early.update(done, scalars['eval/loss'], last=done == train_cfg.steps)
     log.record(done, scalars)
     stopping, on_time = preemption.agreed(stop.requested and done < train_cfg.steps, clock.due())
-    if every >= 0 and (metrics_lib.due(done, every, train_cfg.steps) or on_time or stopping):
+    if every >= 0 and (metrics_lib.due(done, every, train_cfg.steps) or on_time or stopping
+                       or ending):
       checkpointer.save(done, engine, data_position=position, model_cfg=model_cfg,
                         seed=train_cfg.seed, placement=plan.placement,
                         microbatches=plan.microbatches, eval_loss=scalars.get('eval/loss'),
-                        data=_data_record(config, sampler, position))
+                        extra_meta={'data': _data_record(config, sampler, position),
+                                    'early_stopping': early.state()})
       clock.reset()
     if stopping:
       raise _stopped(log, checkpointer, done, stop.received, saved=every >= 0)
+    if ending:
+      log.print(f'{early.message(done)}; ' + ('checkpoint saved.' if every >= 0 else
+                                              'no checkpoint (checkpoint.every=-1).'))
+      return
 
 
 def _stopped(log, checkpointer, step: int, signal_name: str, saved: bool):
@@ -614,7 +624,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     engine = _build_engine(model_cfg, config, plan, restored, source, layout)
     locked.callback(engine.close)  # before the checkpointer's: waits for write-behind, stops I/O
     start_step = engine.step
-    position = _resume_position(restored, config, sampler, main)
+    position, early = _resumed(restored, config, sampler, main)
     del restored
     if main:
       fs.write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
@@ -626,7 +636,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       with profiling.StepProfiler(config.profile.start_step, config.profile.steps, workdir,
                                   log.print) as profiler:
         _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log,
-               position, stop, profiler)
+               position, early, stop, profiler)
     return log.last
 
 
@@ -645,13 +655,16 @@ def _data_record(config, sampler, position: int) -> dict:
   return {'next_samples': sampler.digest(position), 'fields': _data_fields(config)}
 
 
-def _resume_position(restored, config, sampler, main: bool) -> int:
-  """The data position to train from: 0, or the checkpoint's. A resume whose data no longer
-  gives the checkpoint's next samples (another data.path, data.pack, train.seq_len, seed, or
-  changed files) goes on from that position of the data as it is now; process 0 says so,
-  naming the fields that changed."""
+def _resumed(restored, config, sampler, main: bool) -> tuple[int, metrics_lib.EarlyStopping]:
+  """(data position, early stopping) to train on from: the checkpoint's (`restored`), else 0
+  and none yet. A resume whose data no longer gives the checkpoint's next samples (another
+  data.path, data.pack, train.seq_len, seed, or changed files) goes on from that position of the
+  data as it is now; process 0 says so, naming the fields that changed."""
+  early = metrics_lib.EarlyStopping.resumed(
+      config.train.early_stopping_patience, config.train.early_stopping_threshold,
+      None if restored is None else restored.meta.get('early_stopping'))
   if restored is None:
-    return 0
+    return 0, early
   position, recorded = restored.meta['data_position'], restored.meta.get('data')
   if main and recorded and recorded['next_samples'] != sampler.digest(position):
     now = _data_fields(config)
@@ -662,12 +675,18 @@ def _resume_position(restored, config, sampler, main: bool) -> int:
           f'goes on from sample {position:,} of the data as it is now, so the batches from here '
           'on are not those of an uninterrupted run'
           f'{" (set those fields back to resume exactly)" if changed else ""}.', flush=True)
-  return position
+  return position, early
 
 
 def _finished(restored, config, main: bool) -> bool:
-  """Whether the run's newest checkpoint (`restored`) is already at train.steps (said by process
-  0)."""
+  """Whether the run's newest checkpoint (`restored`) is already at train.steps, or ended the run
+  early (train.early_stopping_patience); said by process 0."""
+  if restored is not None and (restored.meta.get('early_stopping') or {}).get('stopped'):
+    if main:
+      print(f'nothing to do: the run stopped early at step {restored.step} (its evaluations '
+            'had stopped improving); to train on from it, start a new --workdir with '
+            f'--config.init.from_run={restored.directory.parent.parent}', flush=True)
+    return True
   if restored is None or restored.step < config.train.steps:
     return False
   if main:

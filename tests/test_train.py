@@ -241,6 +241,45 @@ def test_resume_on_other_data_says_what_changed(tmp_path, shared_data, capsys):
   assert resume(5, train__seed=1) == []  # trained on these since
 
 
+def test_early_stopping_counts():
+  """EarlyStopping as Hugging Face's callback: the first evaluation is the best so far; one that
+  does not beat the best by more than the threshold counts; `patience` of them in a row stop."""
+  early = metrics.EarlyStopping(patience=2, threshold=0.1)
+  assert [early.update(step, loss) for step, loss in
+          enumerate([3.0, 2.5, 2.45, 2.3, 2.35, 2.28], 1)] == [False] * 5 + [True]
+  assert (early.best, early.best_step, early.evals_since_best) == (2.3, 4, 2) and early.stopped
+  again = metrics.EarlyStopping.resumed(2, 0.1, metrics.EarlyStopping(2, 0.1, 2.3, 4, 1).state())
+  assert again.update(7, 2.25) and not metrics.EarlyStopping(0, 0.0).update(1, 1.0)
+  at_the_end = metrics.EarlyStopping.resumed(2, 0.1, again.state())
+  assert not at_the_end.update(8, 2.3, last=True) and not at_the_end.stopped  # ended as planned
+
+
+def test_early_stopping_ends_the_run_and_resumes_its_count(tmp_path, shared_data, capsys):
+  """train.early_stopping_patience=2 with a threshold no step beats: evaluation 1 sets the best,
+  2 and 3 count, so the run ends at step 3 with a checkpoint; a run resumed from step 2 (one
+  counted) ends at 3 too; a rerun has nothing to do; eval_every=0 is refused."""
+  data = shared_data / 'tinyshakespeare' / 'input.txt'
+  stopping = dict(train__eval_every=1, checkpoint__every=1, train__early_stopping_patience=2,
+                  train__early_stopping_threshold=100.0)
+  for name, first_steps in (('straight', 0), ('resumed', 2)):
+    workdir = tmp_path / name
+    if first_steps:
+      train.train_and_evaluate(small_config(data, train__steps=first_steps, **stopping),
+                               str(workdir))
+    capsys.readouterr()
+    last = train.train_and_evaluate(small_config(data, train__steps=10, **stopping), str(workdir))
+    assert last['step'] == 3 and 'early stop at step 3' in capsys.readouterr().out
+    assert read_rows(workdir)[-1]['step'] == 3
+    meta = json.loads((workdir / 'checkpoints' / '3' / 'meta.json').read_text())
+    assert meta['early_stopping']['stopped'] and meta['early_stopping']['best_step'] == 1
+  assert train.train_and_evaluate(small_config(data, train__steps=10, **stopping),
+                                  str(workdir)) == {}
+  assert 'stopped early at step 3' in capsys.readouterr().out
+  with pytest.raises(ConfigError, match='train.early_stopping_patience: counts evaluations'):
+    train.train_and_evaluate(small_config(data, **{**stopping, 'train__eval_every': 0}),
+                             str(tmp_path / 'refused'))
+
+
 def test_diverging_loss_stops_with_the_step(tmp_path, shared_data):
   config = small_config(shared_data / 'tinyshakespeare' / 'input.txt', train__lr=1e9,
                         train__warmup_steps=0, train__grad_clip=0.0, train__steps=20,
