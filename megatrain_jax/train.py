@@ -651,7 +651,7 @@ def _data_fields(config) -> dict:
 
 def _data_record(config, sampler, position: int) -> dict:
   """What a checkpoint records of its data: a digest of the samples from `position` on (the
-  next ones trained) and the fields that decide them (`_resume_position` compares)."""
+  next ones trained) and the fields that decide them (`_resumed` compares)."""
   return {'next_samples': sampler.digest(position), 'fields': _data_fields(config)}
 
 

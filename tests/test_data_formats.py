@@ -517,6 +517,12 @@ def test_chat_template_file_beside_the_tokenizer_and_data_chat_template(tmp_path
                         ('broken.jinja', 'not a valid jinja2 template')):
     with pytest.raises(ConfigError, match=f'data.chat_template: .*{message}'):
       check_data_config(_data_config(chat_template=str(tmp_path / name)))
+  # A broken template beside the tokenizer is the tokenizer's; data.chat_template replaces it.
+  (jinja_dir.path.parent / 'chat_template.jinja').write_text('{% if %}')
+  with pytest.raises(ConfigError, match='data.tokenizer: .*not a valid jinja2 template'):
+    document_format(jinja_dir)
+  assert document_format(jinja_dir, chat_template=str(template)).chat_template == (
+      template.read_text())
 
 
 # Qwen3's chat template as its tokenizer_config.json has it, without the tool branches: an

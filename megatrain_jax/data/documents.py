@@ -124,27 +124,26 @@ def read_tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
   return config if isinstance(config, dict) else {}
 
 
-def read_chat_template(path: str | Path) -> str:
-  """The chat template (jinja2 source) in file `path`: data.chat_template's, or a tokenizer's
-  chat_template.jinja.
+def read_chat_template(path: str | Path, field: str = 'data.chat_template') -> str:
+  """The chat template (jinja2 source) in file `path`: data.chat_template's, or (`field`
+  'data.tokenizer') a tokenizer's chat_template.jinja.
 
   Raises:
-    ConfigError: (naming data.chat_template) if it is unreadable, not UTF-8, empty or not a
-      template jinja2 compiles.
+    ConfigError: (naming `field`) if it is unreadable, not UTF-8, empty or not a template jinja2
+      compiles.
   """
+  fix = ("point it at a chat template file, or set it to '' for the tokenizer's own"
+         if field == 'data.chat_template' else 'fix or remove it, or set data.chat_template')
   try:
     template = Path(path).read_text(encoding='utf-8')
   except (OSError, UnicodeDecodeError) as e:
-    raise ConfigError(f'data.chat_template: cannot read {path} as a UTF-8 jinja file ({e}); point '
-                      "it at a chat template file, or set it to '' for the tokenizer's "
-                      'own.') from e
+    raise ConfigError(f'{field}: cannot read {path} as a UTF-8 jinja file ({e}); {fix}.') from e
   if not template.strip():
-    raise ConfigError(f"data.chat_template: {path} is empty; set it to '' for the tokenizer's "
-                      'own template.')
+    raise ConfigError(f'{field}: {path} is empty; {fix}.')
   try:
     _compiled(template)
   except Exception as e:  # jinja2's TemplateSyntaxError and its kin
-    raise ConfigError(f'data.chat_template: {path} is not a valid jinja2 template ({e}).') from e
+    raise ConfigError(f'{field}: {path} is not a valid jinja2 template ({e}); {fix}.') from e
   return template
 
 
@@ -153,7 +152,7 @@ def _chat_template(config: dict[str, Any], directory: Path | None) -> str | None
   saves it there since 4.5x and prefers it when loading), else tokenizer_config.json's
   `chat_template` (a string, or named templates, of which 'default')."""
   if directory is not None and (directory / CHAT_TEMPLATE_FILE).is_file():
-    return read_chat_template(directory / CHAT_TEMPLATE_FILE)
+    return read_chat_template(directory / CHAT_TEMPLATE_FILE, 'data.tokenizer')
   template = config.get('chat_template')
   if isinstance(template, list):  # [{'name': 'default', 'template': ...}, ...]
     named = {t.get('name'): t.get('template') for t in template if isinstance(t, dict)}
@@ -203,9 +202,10 @@ def document_format(tokenizer: Tokenizer, *, eos_token: str = '', text_field: st
   elif 'add_bos_token' not in config and hasattr(tokenizer, 'added_prefix'):
     prefix = tokenizer.added_prefix()
     bos = prefix[0] if len(prefix) == 1 else None
-  path = getattr(tokenizer, 'path', None)
-  own = _chat_template(config, None if path is None else Path(path).parent)
-  return DocumentFormat(eos=eos, bos=bos, chat_template=chat_template or own,
+  if chat_template is None:  # the tokenizer's own (not read where data.chat_template replaces it)
+    path = getattr(tokenizer, 'path', None)
+    chat_template = _chat_template(config, None if path is None else Path(path).parent)
+  return DocumentFormat(eos=eos, bos=bos, chat_template=chat_template,
                         bos_text=bos_text, eos_text=eos_text, **fields)
 
 
@@ -253,8 +253,9 @@ def record_parts(record: Any, fmt: DocumentFormat) -> Parts:
 def _chat(messages: Any, fmt: DocumentFormat, field: str) -> list:
   """`messages` (a record's `field`), checked to be a conversation the chat template renders."""
   if fmt.chat_template is None:
-    raise BadRecord(f'record holds a conversation ({field!r}) but data.tokenizer has no '
-                    f'chat_template in its {_TOKENIZER_CONFIG}')
+    raise BadRecord(f'record holds a conversation ({field!r}) but data.tokenizer has no chat '
+                    f'template ({CHAT_TEMPLATE_FILE} or {_TOKENIZER_CONFIG}\'s chat_template); '
+                    'set data.chat_template to a template file')
   if not (isinstance(messages, list) and messages and all(map(_is_message, messages))):
     raise BadRecord(f'{field!r} must be a non-empty list of {{"role": str, "content": str}} '
                     'objects (an assistant turn may hold "tool_calls", a list, instead of content)')

@@ -22,8 +22,8 @@ another).
 
 The rows are found once per stream, scanning the token ids for EOS a block at a time (a memmap
 or the shards of a TokenStream: bounded memory), and kept as Rows: each span's start in the
-stream and its length, and where each row's spans begin (24 bytes per row in stream order, 8
-more per extra span).
+stream and its length, and where each row's spans begin (16 bytes per span and 8 per row: 24 per
+row in stream order).
 """
 
 import bisect
