@@ -525,6 +525,39 @@ def test_chat_template_file_beside_the_tokenizer_and_data_chat_template(tmp_path
       template.read_text())
 
 
+# A template with what transformers' environment adds to jinja2's: {% generation %} blocks (TRL's
+# assistant-only templates), {% break %}, a namespace, tojson with its options.
+TRANSFORMERS_ENV_TEMPLATE = (
+    "{%- set ns = namespace(turns=0) %}"
+    "{%- for message in messages %}{%- set ns.turns = ns.turns + 1 %}"
+    "{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}"
+    "{%- generation %}{{- message.content + '<|im_end|>\n' }}{%- endgeneration %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- endif %}{%- if ns.turns > 10 %}{%- break %}{%- endif %}{%- endfor %}"
+    "{%- if tools %}{{- tools | tojson(sort_keys=True, separators=(',', ':')) }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def test_chat_templates_render_as_transformers_renders_them(tmp_path, tokenizer_dir):
+  """The template environment is transformers' (generation blocks, loop controls, namespaces,
+  tojson's options): a conversation renders exactly as apply_chat_template renders it, and the
+  learned text is the assistant turns."""
+  import transformers  # pylint: disable=import-outside-toplevel  (a dev dependency)
+  tok = _tokenizer_with(tmp_path / 'env', tokenizer_dir,
+                        {'eos_token': EOS, 'chat_template': TRANSFORMERS_ENV_TEMPLATE})
+  fmt = document_format(tok)
+  tools = [{'name': 'f', 'parameters': {'b': 1, 'a': 2}}]
+  theirs = transformers.PreTrainedTokenizerFast(
+      tokenizer_file=str(tmp_path / 'env' / 'tokenizer.json'),
+      chat_template=TRANSFORMERS_ENV_TEMPLATE)
+  for generation_prompt in (False, True):
+    assert documents_module._render(  # pylint: disable=protected-access
+        CONVERSATION, fmt, generation_prompt, tools) == theirs.apply_chat_template(
+            CONVERSATION, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+  tokens, mask = _prepared_chat(tmp_path, tok)
+  assert tok.decode(tokens[mask == 1]) == 'Paris.<|im_end|>\nRome.<|im_end|>\n' + EOS
+
+
 # Qwen3's chat template as its tokenizer_config.json has it, without the tool branches: an
 # assistant turn after the last user message opens with a thinking block (empty without
 # reasoning_content) and earlier ones do not, so a conversation cut after an assistant turn

@@ -311,20 +311,66 @@ _TEMPLATES: dict[str, Any] = {}
 
 
 def _compiled(template: str):
-  """The chat template compiled in jinja2's immutable sandbox (as transformers does)."""
+  """The chat template compiled in jinja2's immutable sandbox, in the environment transformers'
+  apply_chat_template gives it (`_environment`)."""
   compiled = _TEMPLATES.get(template)
   if compiled is None:
-    from jinja2 import sandbox  # pylint: disable=g-import-not-at-top  (only chat data needs it)
-
-    def raise_exception(message):
-      raise BadRecord(f'chat template: {message}')
-
-    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals['raise_exception'] = raise_exception
-    env.filters['tojson'] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
-                                                              indent=indent)
-    compiled = _TEMPLATES[template] = env.from_string(template)
+    if 'env' not in _TEMPLATES:
+      _TEMPLATES['env'] = _environment()
+    compiled = _TEMPLATES[template] = _TEMPLATES['env'].from_string(template)
   return compiled
+
+
+def _environment():
+  """transformers' chat template environment (chat_template_utils), less `strftime_now` (the
+  date would differ between prepares; Llama 3's templates then use their own fixed date): the
+  immutable sandbox with trim_blocks and lstrip_blocks; `{% break %}`/`{% continue %}`;
+  `{% generation %}` blocks (transformers' assistant tracker; here their body renders as is);
+  its tojson; raise_exception; and its guarded `dict` and `namespace` (no underscore names)."""
+  # pylint: disable=g-import-not-at-top  (only chat data needs jinja2)
+  import jinja2
+  from jinja2 import ext, nodes, sandbox
+
+  class Generation(ext.Extension):
+    tags = {'generation'}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(('name:endgeneration',), drop_needle=True)
+      return nodes.CallBlock(self.call_method('_body'), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+      return caller()
+
+  class Namespace(jinja2.utils.Namespace):
+    def __init__(*args, **kwargs):  # pylint: disable=no-method-argument  (jinja2's own trick)
+      self, attrs = args[0], dict(*args[1:], **kwargs)
+      for name in attrs:
+        Namespace.check(name)
+      jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+      Namespace.check(name)
+      jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def check(name):
+      if isinstance(name, str) and name.startswith('_'):
+        raise BadRecord(f'chat template: a namespace may not hold {name!r} (underscore names)')
+
+  def raise_exception(message):
+    raise BadRecord(f'chat template: {message}')
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=[Generation, ext.loopcontrols])
+  env.filters['tojson'] = tojson
+  env.globals.update(raise_exception=raise_exception, namespace=Namespace,
+                     dict=lambda *args, **kwargs: dict(*args, **kwargs))
+  return env
 
 
 def _render(messages: list, fmt: DocumentFormat, generation_prompt: bool,
