@@ -451,6 +451,10 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: i
   train_cfg = config.train
   info, tokenizer = data_lib.load_data(config.data, workdir)
   row_packing = data_lib.row_packing(config.data, tokenizer)  # data.pack: rows of whole documents
+  if row_packing is not None and document_eos < 0 and distributed.is_main():
+    print(f"note: data.pack='{row_packing.strategy}' without model.document_mask: the documents "
+          'of a row attend to each other (set --config.model.document_mask=true to keep each '
+          "to itself, as TRL's packing does)", flush=True)
   sampler = data_lib.BatchSampler(
       data_lib.load_split(info, 'train'), seq_len=train_cfg.seq_len,
       batch_size=train_cfg.batch_size, microbatches=microbatches, seed=train_cfg.seed,

@@ -329,7 +329,7 @@ def test_document_mask_learns_and_scores_no_target_across_documents(tmp_path):
 
 
 @pytest.mark.parametrize('strategy', ['documents', 'best_fit'])
-def test_rows_of_whole_documents_train_each_prompt_with_its_answer(tmp_path, strategy):
+def test_rows_of_whole_documents_train_each_prompt_with_its_answer(tmp_path, strategy, capsys):
   """data.pack='documents' or 'best_fit' with the document mask: a row holds whole
   prompt/completion records (none cut, so no answer is learned without its question), padding
   is not learned, and the first learning/loss equals each document run alone over its own
@@ -343,6 +343,7 @@ def test_rows_of_whole_documents_train_each_prompt_with_its_answer(tmp_path, str
                         train__batch_size=2, train__seq_len=48, train__eval_batches=2,
                         checkpoint__every=1, model__document_mask=True, data__pack=strategy)
   last = train.train_and_evaluate(config, str(workdir))
+  assert 'without model.document_mask' not in capsys.readouterr().out
   model_cfg = train._validate(config, str(workdir))[0]  # pylint: disable=protected-access
   params = resident.init_state(model_cfg, make_tx(1.0)[0], config.train.seed)['params']
   info, _ = data_lib.load_data(config.data, workdir)
@@ -364,3 +365,9 @@ def test_rows_of_whole_documents_train_each_prompt_with_its_answer(tmp_path, str
   assert last['data/learned_fraction'] == pytest.approx(sampler.batch(0).loss_mask.mean())
   assert 0 < last['data/learned_fraction'] < 0.5  # short answers to longer questions
   assert last['data/epoch'] == pytest.approx(4 / sampler.n_windows)
+  if strategy == 'best_fit':  # without the document mask the run says what that means
+    unmasked = small_config(path, train__steps=1, train__eval_every=0, train__eval_batches=2,
+                            train__batch_size=2, train__seq_len=48, checkpoint__every=0,
+                            data__pack=strategy)
+    train.train_and_evaluate(unmasked, str(tmp_path / 'unmasked'))
+    assert "note: data.pack='best_fit' without model.document_mask" in capsys.readouterr().out
