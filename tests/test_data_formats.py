@@ -415,6 +415,13 @@ def test_chat_template_learns_only_assistant_turns(tmp_path, tokenizer_dir):
     prepare_dataset(tmp_path / 'out2', plain, train_sources=[tmp_path / 'chat.jsonl'])
 
 
+def _write_template(path: Path) -> Path:
+  """A plain chat template ('role: content' lines) in file `path`."""
+  path.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant: {% endif %}")
+  return path
+
+
 def test_sharegpt_and_conversational_prompt_completion(tmp_path, tokenizer_dir):
   """ShareGPT records ({"conversations": [{"from": "human", "value": ...}]}) are the same chat
   as their `messages`; TRL's conversational prompt-completion (both lists of messages) renders
@@ -438,6 +445,14 @@ def test_sharegpt_and_conversational_prompt_completion(tmp_path, tokenizer_dir):
       np.testing.assert_array_equal(learned, mask)
     else:  # the prompt's assistant turn ('Paris.') is context
       assert tok.decode(whole[:][learned == 1]) == 'Rome.<|im_end|>\n' + EOS
+  glaive = [{'from': 'human', 'value': 'Weather?'},
+            {'from': 'function_call', 'value': '{"name": "weather"}'},
+            {'from': 'observation', 'value': 'sunny'}, {'from': 'gpt', 'value': 'Sunny.'}]
+  parts = documents_module.record_parts(
+      {'conversations': glaive}, document_format(ByteTokenizer(), chat_template=str(
+          _write_template(tmp_path / 'roles.jinja'))))
+  assert [text for text, learned in parts if learned] == ['{"name": "weather"}\n', 'Sunny.\n']
+  assert parts[0][0].startswith('user: Weather?\nassistant: ') and 'tool: sunny' in parts[2][0]
   bad = [{'conversations': [{'from': 'bot', 'value': 'hi'}]},
          {'conversations': [{'from': 'human'}]}, {'prompt': [], 'completion': 'x'}]
   messages = ['turn 0: "from": \'bot\' is not one of system, human', '"from": str, "value": str',

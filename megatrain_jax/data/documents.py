@@ -288,9 +288,12 @@ def _tools(record: dict) -> list | None:
   return tools or None
 
 
-# ShareGPT's speakers (a turn's 'from') as chat roles.
+# ShareGPT's speakers (a turn's 'from') as chat roles; function_call / observation are the
+# tool-calling speakers of glaive-style data (LLaMA-Factory's): the call is an assistant turn (so
+# it is learned), its result a tool turn.
 SHAREGPT_ROLES = {'system': 'system', 'human': 'user', 'user': 'user', 'gpt': 'assistant',
-                  'assistant': 'assistant', 'tool': 'tool'}
+                  'assistant': 'assistant', 'function_call': 'assistant', 'tool': 'tool',
+                  'observation': 'tool'}
 
 
 def _sharegpt_messages(turns: Any) -> list:
