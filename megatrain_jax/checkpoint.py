@@ -120,8 +120,6 @@ _SHAPE_FIELDS = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_hea
                  'head_dim', 'qkv_bias', 'qk_norm', 'tie_embeddings')
 # The leaves --eval, --sample, --export_hf and init.from_run read (read_checkpoint).
 _WEIGHTS = "['params']"
-# Shape fields newer than some checkpoints: a meta.json without one was written with this value.
-_SHAPE_DEFAULTS = {'qk_norm': False}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -409,8 +407,8 @@ class CheckpointReader:
     self._context = _context()
 
   def check_model(self, model_cfg: ModelConfig) -> None:
-    saved, current = self.meta['model_config'], dataclasses.asdict(model_cfg)
-    saved = {**_SHAPE_DEFAULTS, **saved}
+    saved = ModelConfig.recorded(self.meta['model_config'])
+    current = dataclasses.asdict(model_cfg)
     changed = [f'model.{k}: checkpoint {saved.get(k)!r}, config {current[k]!r}'
                for k in _SHAPE_FIELDS if saved.get(k) != current[k]]
     if changed:
@@ -634,7 +632,7 @@ class WeightsOnly:
 
   @staticmethod
   def _is_param(path: str) -> bool:
-    return path.startswith("['params']")
+    return path.startswith(_WEIGHTS)
 
   def snapshot_dir(self, path: str) -> pathlib.Path | None:
     """The source checkpoint's NVMe snapshot of a params leaf (None for Adam's state: zeros)."""

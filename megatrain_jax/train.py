@@ -214,8 +214,9 @@ def _config_from_run(config, workdir: pathlib.Path, meta: dict, overrides):
   config = hf.apply_fields(config, hf.model_fields(meta['model_config']),
                            f'the checkpoint in {workdir / "checkpoints"}', overrides,
                            _run_data_field(workdir, 'tokenizer'))
-  if not config.data.chat_template and _run_data_field(workdir, 'chat_template'):
-    config_lib.set_field(config, 'data.chat_template', _run_data_field(workdir, 'chat_template'))
+  template = _run_data_field(workdir, 'chat_template')
+  if template and not config.data.chat_template:
+    config_lib.set_field(config, 'data.chat_template', template)
   return config
 
 

@@ -25,8 +25,8 @@ A record is read as (first match wins):
                the record's `tools` (function schemas) if any, and only the assistant turns (and
                the EOS) are learned; an assistant turn may hold `tool_calls` instead of content.
 In instruction and chat documents BOS is not learned; plain text documents learn every token
-(no mask is stored for them). Plain .txt sources are not records: their bytes are one continuous stream,
-tokenized as is (no BOS/EOS), as before this format existed.
+(no mask is stored for them). Plain .txt sources are not records: their bytes are one continuous
+stream, tokenized as is (no BOS/EOS), as before this format existed.
 
 The loss mask stored beside the tokens says, for each token, whether it is learned as a target
 (1) or not (0).

@@ -18,7 +18,6 @@ Adam state and step counts read as zeros (what AdamW's `init` gives), the rng as
 """
 
 import contextlib
-import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any, Iterable
@@ -114,10 +113,9 @@ def apply_fields(config: ml_collections.ConfigDict, fields: dict[str, Any], sour
 def model_fields(cfg: ModelConfig | dict) -> dict[str, Any]:
   """{config key: value} of the shape fields of `cfg` (a ModelConfig, or its dataclasses.asdict
   as a checkpoint's meta.json records it)."""
-  values = cfg if isinstance(cfg, dict) else {f: getattr(cfg, f) for f in MODEL_FIELDS}
-  # A checkpoint older than a field (qk_norm) was written with the field's default.
-  defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-  return {key: values.get(field, defaults[field]) for field, key in MODEL_FIELDS.items()}
+  values = (ModelConfig.recorded(cfg) if isinstance(cfg, dict) else
+            {f: getattr(cfg, f) for f in MODEL_FIELDS})
+  return {key: values[field] for field, key in MODEL_FIELDS.items()}
 
 
 def tokenizer_file(directory: Path) -> Path | None:

@@ -109,6 +109,15 @@ class ModelConfig:
                         'model.document_mask takes it from data.eos_token.')
 
   @classmethod
+  def recorded(cls, saved: dict) -> dict:
+    """A ModelConfig as a checkpoint's meta.json records it (dataclasses.asdict), each field
+    missing from it (one newer than the checkpoint, e.g. qk_norm) at its default: what the
+    checkpoint was written with."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING}
+    return {**defaults, **saved}
+
+  @classmethod
   def from_config_dict(cls, model) -> 'ModelConfig':
     """Builds from the ml_collections `config.model` section (see configs/default.py)."""
     scaling = model.rope_scaling
