@@ -261,16 +261,18 @@ def get_config() -> ml_collections.ConfigDict:
   # ---------------------------------------------------------------------------------------------
   # Text from the model (`launch.py --sample`, megatrain_jax/sample.py): continues a prompt with
   # the newest checkpoint of --workdir, or else init.from_hf. The weights are held whole in device
-  # memory (models that fit there); no KV cache: each new token reruns the prompt and the tokens
-  # so far.
+  # memory (models that fit there), with a key/value cache: each new token runs the layers alone.
   # ---------------------------------------------------------------------------------------------
   config.sample = sample = ml_collections.ConfigDict()
   sample.prompt = ''  # The text to continue (required), tokenized as training tokenizes data.
   sample.chat = False  # True: the prompt is a user turn of the tokenizer's chat template, and the
   #                      model writes the assistant's reply.
-  sample.max_new_tokens = 200  # The most tokens to add; it stops earlier at the data's EOS.
+  sample.max_new_tokens = 200  # The most tokens to add; it stops earlier at the data's EOS (or an
+  #                               eos_token_id of the tokenizer's generation_config.json).
   sample.temperature = 0.8  # Softmax temperature; 0 = greedy (always the most likely token).
   sample.top_k = 50  # Sample among the k most likely tokens; 0 = among all.
+  sample.top_p = 1.0  # Then among the fewest most likely tokens holding this much probability
+  #                    (nucleus sampling, e.g. 0.9); 1 = off. Greedy ignores both.
   sample.seed = 0  # Seeds the sampling: the same seed, prompt and checkpoint give the same text.
 
   # ---------------------------------------------------------------------------------------------

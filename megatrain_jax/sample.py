@@ -1,13 +1,18 @@
 """Text from a model: `launch.py --sample` (train.sample), to see what a run has learned.
 
 `generate` continues a prompt one token at a time, greedily (temperature 0, the argmax) or by
-sampling the softmax of logits / temperature, optionally among the top_k logits, and stops after
-the data's EOS or max_new_tokens. Every new token reruns the forward pass over one fixed
-[1, L] buffer (L = prompt + max_new_tokens, at most model.max_seq_len; the positions after the
-current one are masked out by causality), so one program compiles once and the whole loop runs
-inside it (`lax.while_loop`): no KV cache, L forward passes of L tokens, the LM head on the one
-position it needs. The weights are held whole in device memory: meant for models that fit there
-(a 1B model in FP32 needs 4 GB); export larger ones (`--export_hf`) to a serving stack.
+sampling the softmax of logits / temperature, optionally among the top_k logits and then the
+smallest set of them whose probability reaches top_p (transformers' order of its warpers), and
+stops after any of the stop ids (the data's EOS, generation_config.json's) or max_new_tokens.
+
+It decodes with a key/value cache (model.extend): one [1, L] buffer (L = prompt + max_new_tokens,
+at most model.max_seq_len) runs through the layers once, filling the cache [layers, 1, KV, L, Dh]
+(the slots after the prompt hold placeholders until their tokens are drawn; causality keeps
+every query from seeing them), then each new token runs the layers alone against the cache: one
+token's work per step instead of the L tokens a rerun of the whole buffer costs. One program
+compiles per L and the whole loop runs inside it (`lax.while_loop`). The weights are held whole
+in device memory: meant for models that fit there (a 1B model in FP32 needs 4 GB); export larger
+ones (`--export_hf`) to a serving stack.
 """
 
 import functools
@@ -21,14 +26,14 @@ from megatrain_jax.errors import ConfigError
 
 
 def generate(cfg: model_lib.ModelConfig, params, prompt, *, max_new_tokens: int,
-             temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-             eos_id: int = -1) -> np.ndarray:
-  """The token ids [<= max_new_tokens] that follow `prompt` ([N] ids), ending with `eos_id` if
-  the model produced it.
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             eos_id=()) -> np.ndarray:
+  """The token ids [<= max_new_tokens] that follow `prompt` ([N] ids), ending with one of the
+  stop ids `eos_id` (an int or several; -1 or () = none) if the model produced it.
 
   Raises:
-    ConfigError: (naming `sample.*`) an empty prompt, or one that leaves no room for
-      max_new_tokens within model.max_seq_len.
+    ConfigError: (naming `sample.*`) an empty prompt, one that leaves no room for max_new_tokens
+      within model.max_seq_len, or a top_p outside (0, 1].
   """
   prompt = np.asarray(prompt, np.int32).reshape(-1)
   length = prompt.size + max_new_tokens
@@ -36,47 +41,81 @@ def generate(cfg: model_lib.ModelConfig, params, prompt, *, max_new_tokens: int,
     raise ConfigError('sample.prompt: it encodes to no tokens; give some text to continue.')
   if max_new_tokens < 1:
     raise ConfigError(f'sample.max_new_tokens={max_new_tokens} must be >= 1.')
+  if not 0 < top_p <= 1:
+    raise ConfigError(f'sample.top_p={top_p} must be in (0, 1] (1 = off).')
   if length > cfg.max_seq_len:
     raise ConfigError(f'sample.prompt ({prompt.size} tokens) + sample.max_new_tokens '
                       f'({max_new_tokens}) = {length} tokens exceed model.max_seq_len='
                       f'{cfg.max_seq_len}; shorten the prompt or lower sample.max_new_tokens.')
+  stop_ids = tuple(sorted({int(i) for i in np.atleast_1d(eos_id) if int(i) >= 0}))
   buffer = np.zeros((1, length), np.int32)
   buffer[0, :prompt.size] = prompt
-  loop = _generation_loop(cfg, float(temperature), min(int(top_k), cfg.vocab_size), int(eos_id))
+  loop = _generation_loop(cfg, float(temperature), min(int(top_k), cfg.vocab_size),
+                          float(top_p), stop_ids)
   tokens, end = loop(params, jnp.asarray(buffer), jnp.int32(prompt.size), jax.random.key(seed))
   return np.asarray(tokens)[0, prompt.size:int(end)]
 
 
+def device_bytes(cfg: model_lib.ModelConfig, length: int) -> int:
+  """What `generate` holds in device memory for a buffer of `length` slots: the float32 weights
+  and the key/value cache (two [L, 1, KV, length, Dh] arrays in the compute dtype)."""
+  cache = 2 * cfg.num_layers * cfg.num_kv_heads * length * cfg.head_dim
+  return 4 * cfg.num_params + cache * jnp.dtype(cfg.dtype).itemsize
+
+
+def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
+  """logits [V] float32 with those outside the top_k (0 = all) and then outside the smallest
+  most-likely set whose softmax reaches top_p (1 = all; the most likely token always stays) set
+  to -inf: transformers' TopKLogitsWarper then TopPLogitsWarper."""
+  if top_k:
+    kth = jax.lax.top_k(logits, top_k)[0][-1]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if top_p < 1.0:
+    order = jnp.argsort(logits)  # ascending, as transformers sorts
+    # A token goes when the tokens less likely than it, itself included, hold at most 1 - top_p
+    # of the probability; the most likely token always stays.
+    below = jnp.cumsum(jax.nn.softmax(logits[order]))
+    removed = (below <= 1.0 - top_p).at[-1].set(False)
+    logits = jnp.where(jnp.zeros_like(removed).at[order].set(removed), -jnp.inf, logits)
+  return logits
+
+
 @functools.lru_cache(maxsize=8)
-def _generation_loop(cfg: model_lib.ModelConfig, temperature: float, top_k: int, eos_id: int):
-  """jit(params, buffer [1, L], n, key) -> (buffer, end): tokens n.. written until EOS or L."""
+def _generation_loop(cfg: model_lib.ModelConfig, temperature: float, top_k: int, top_p: float,
+                     stop_ids: tuple):
+  """jit(params, buffer [1, L], n, key) -> (buffer, end): tokens n.. written until a stop id or
+  L, each from the logits of the token before it."""
+  stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
 
-  def next_logits(params, buffer, n):  # the logits [V] of position n - 1
-    x = model_lib.embed(cfg, params, buffer)
-    x = model_lib.apply_group(cfg, params['layers'], x, model_lib.token_positions(cfg, buffer))
-    last = jax.lax.dynamic_slice_in_dim(x, n - 1, 1, axis=1)  # [1, 1, D]
-    return model_lib.head(cfg, params, last)[0, 0]
-
-  def choose(logits, key):
+  def choose(logits, key):  # logits [V] -> a token id
     if temperature == 0.0:
       return jnp.argmax(logits).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k:
-      kth = jax.lax.top_k(logits, top_k)[0][-1]
-      logits = jnp.where(logits < kth, -jnp.inf, logits)
+    logits = filter_logits(logits / temperature, top_k, top_p)
     return jax.random.categorical(key, logits).astype(jnp.int32)
 
+  def after(params, buffer, n, cache):  # the token at slot n through the layers -> logits [V]
+    token = jax.lax.dynamic_slice_in_dim(buffer, n, 1, axis=1)
+    x, cache = model_lib.extend(cfg, params, token, n, model_lib.token_positions(cfg, buffer),
+                                cache)
+    return model_lib.head(cfg, params, x)[0, 0], cache
+
   def step(params, carry):
-    buffer, n, key, _ = carry
+    buffer, n, key, _, logits, cache = carry
     key, draw = jax.random.split(key)
-    token = choose(next_logits(params, buffer, n), draw)
+    token = choose(logits, draw)
     buffer = jax.lax.dynamic_update_slice_in_dim(buffer, token.reshape(1, 1), n, axis=1)
-    return buffer, n + 1, key, token == eos_id
+    logits, cache = after(params, buffer, n, cache)
+    return buffer, n + 1, key, jnp.any(token == stops), logits, cache
 
   def run(params, buffer, n, key):
+    # The prefill: the whole buffer at once, for the logits after the prompt's last token.
+    cache = model_lib.init_kv_cache(cfg, 1, buffer.shape[1])
+    x, cache = model_lib.extend(cfg, params, buffer, 0, model_lib.token_positions(cfg, buffer),
+                                cache)
+    logits = model_lib.head(cfg, params, jax.lax.dynamic_slice_in_dim(x, n - 1, 1, axis=1))
     more = lambda carry: (carry[1] < buffer.shape[1]) & ~carry[3]
-    buffer, n, _, _ = jax.lax.while_loop(more, functools.partial(step, params),
-                                         (buffer, n, key, jnp.bool_(False)))
+    carry = (buffer, n, key, jnp.bool_(False), logits[0, 0], cache)
+    buffer, n, *_ = jax.lax.while_loop(more, functools.partial(step, params), carry)
     return buffer, n
 
   return jax.jit(run)

@@ -799,22 +799,26 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
   for field in ('temperature', 'top_k'):
     if settings[field] < 0:
       raise ConfigError(f'sample.{field}={settings[field]} must be >= 0.')
+  if not 0 < settings.top_p <= 1:
+    raise ConfigError(f'sample.top_p={settings.top_p} must be in (0, 1] (1 = off).')
   model_cfg, tokenizer = _model_and_tokenizer(config, model_cfg)
   fmt = data_lib.data_format(config.data, tokenizer)
   prompt = data_lib.prompt_ids(settings.prompt, tokenizer, fmt, settings.chat)
-  weights_gb = 4 * model_cfg.num_params / 1e9
+  stops = data_lib.stop_ids(tokenizer, fmt)
+  weights_gb = sample_lib.device_bytes(model_cfg, len(prompt) + settings.max_new_tokens) / 1e9
   device_gb = hardware.load_profile(config.hardware).device_memory_gb
   if weights_gb > 0.8 * device_gb:
-    raise ConfigError(f'--sample holds the weights whole in device memory: {weights_gb:.1f} GB '
-                      f'of {device_gb:.0f} GB ({config.hardware or "this machine"}). Export '
-                      'the model (--export_hf) and generate with a serving stack instead.')
+    raise ConfigError(f'--sample holds the weights whole in device memory, with its key/value '
+                      f'cache: {weights_gb:.1f} GB of {device_gb:.0f} GB '
+                      f'({config.hardware or "this machine"}). Export the model (--export_hf) '
+                      'and generate with a serving stack instead.')
   with _weights_reader(config, model_cfg, path, meta, checkpoint) as (reader, source):
     # Built on the device leaf by leaf (one host piece at a time), as a restore builds them.
     params = reader.device_state({'params': model_lib.abstract_params(model_cfg)})['params']
   ids = sample_lib.generate(model_cfg, params, prompt, max_new_tokens=settings.max_new_tokens,
                             temperature=settings.temperature, top_k=settings.top_k,
-                            seed=settings.seed, eos_id=fmt.eos)
-  text = tokenizer.decode(ids[:-1] if ids.size and ids[-1] == fmt.eos else ids)
+                            top_p=settings.top_p, seed=settings.seed, eos_id=stops)
+  text = tokenizer.decode(ids[:-1] if ids.size and ids[-1] in stops else ids)
   print(f'{settings.prompt}{text}', flush=True)
   return {'sample/prompt': settings.prompt, 'sample/text': text, 'sample/tokens': int(ids.size),
           'sample/source': source}

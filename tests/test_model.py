@@ -214,3 +214,30 @@ def test_document_mask_gradients_equal_each_document_alone(params, chunk):
   assert max(jax.tree.leaves(errors)) <= 1e-5, errors
   unmasked, _ = value_and_grad(alone_cfg, params, inputs, targets)
   assert abs(float(unmasked) - float(packed)) > 1e-2
+
+
+@pytest.mark.parametrize('extra', [dict(), dict(sliding_window=5, qk_norm=True),
+                                   dict(document_eos_id=3, attention_chunk=8)])
+def test_cached_decoding_equals_the_whole_forward(extra):
+  """model.extend (sample.py's key/value cache): a prefill of the buffer, then one token at a
+  time against the cache, gives the logits `forward` gives each position of the finished
+  sequence. The buffer's later slots hold zeros until written, as in sampling; with a document
+  mask the prompt holds an EOS, so the positions restart inside it."""
+  cfg = CFG.replace(**extra)
+  params = model_lib.init_params(cfg, jax.random.key(1))
+  tokens = np.array(_batch(7, (1, 24)))
+  tokens[0, 6] = 3  # an EOS (with document_eos_id=3) inside the prompt
+  want = model_lib.forward(cfg, params, jnp.asarray(tokens))
+  buffer, prompt = np.zeros_like(tokens), 9
+  buffer[0, :prompt] = tokens[0, :prompt]
+  step = jax.jit(functools.partial(model_lib.extend, cfg))
+  cache = model_lib.init_kv_cache(cfg, 1, tokens.shape[1])
+  x, cache = step(params, jnp.asarray(buffer), 0, model_lib.token_positions(cfg, buffer), cache)
+  got = [model_lib.head(cfg, params, x)[0, :prompt]]
+  for n in range(prompt, tokens.shape[1]):
+    buffer[0, n] = tokens[0, n]
+    x, cache = step(params, jnp.asarray(buffer[:, n:n + 1]), n,
+                    model_lib.token_positions(cfg, buffer), cache)
+    got.append(model_lib.head(cfg, params, x)[0])
+  np.testing.assert_allclose(np.concatenate(got), want[0], rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(want[0])).max() > 1.0  # logits of a size the tolerance can tell apart

@@ -1,12 +1,15 @@
-"""`launch.py --sample` (sample.py, train.sample): greedy continuations equal transformers'
-`generate` on tiny random models (nothing downloaded); sampling follows softmax(logits / T) over
-the top k; EOS stops it; the command reads a run's checkpoint or a Hugging Face one and refuses
-bad settings by name."""
+"""`launch.py --sample` (sample.py, train.sample): greedy continuations (decoded with the
+key/value cache) equal transformers' `generate` on tiny random models (nothing downloaded);
+sampling follows softmax(logits / T) over the top k, and top k / top p keep what transformers'
+warpers keep; EOS and generation_config.json's end ids stop it; the command reads a run's
+checkpoint or a Hugging Face one and refuses bad settings by name."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
+import tokenizers
 import torch
 import transformers
 
@@ -85,6 +88,36 @@ def test_sampling_draws_from_the_top_k_softmax(checkpoints):
   assert not np.array_equal(a, c)
 
 
+@pytest.mark.parametrize('top_k,top_p', [(0, 0.9), (0, 0.3), (20, 0.8), (0, 0.999), (7, 1.0)])
+def test_top_k_and_top_p_keep_what_transformers_warpers_keep(top_k, top_p):
+  """sample.filter_logits equals transformers' TopKLogitsWarper then TopPLogitsWarper (the order
+  `generate` applies them) on random logits: the same tokens kept, with their logits."""
+  logits = np.random.default_rng(top_k + int(100 * top_p)).normal(0, 3, 256).astype(np.float32)
+  want = torch.from_numpy(logits[None])
+  if top_k:
+    want = transformers.TopKLogitsWarper(top_k)(None, want)
+  if top_p < 1:
+    want = transformers.TopPLogitsWarper(top_p)(None, want)
+  got = np.asarray(sample.filter_logits(logits, top_k, top_p))
+  np.testing.assert_array_equal(got, want[0].numpy())
+  assert 1 < np.isfinite(got).sum() < 256
+
+
+def test_top_p_near_zero_is_greedy_and_stop_ids_end_at_the_first(checkpoints):
+  """With top_p tiny only the most likely token is left: sampling at any temperature is greedy.
+  Several stop ids: the text ends at whichever the model writes first."""
+  cfg, params = hf.load_hf(checkpoints['qwen2'][0])
+  greedy = sample.generate(cfg, params, PROMPT, max_new_tokens=20)
+  np.testing.assert_array_equal(sample.generate(cfg, params, PROMPT, max_new_tokens=20,
+                                                temperature=2.0, top_p=1e-6, seed=5), greedy)
+  first, later = int(greedy[4]), int(greedy[9])
+  assert first not in greedy[:4] and later not in greedy[:9]
+  stopped = sample.generate(cfg, params, PROMPT, max_new_tokens=20, eos_id=(later, first))
+  np.testing.assert_array_equal(stopped, greedy[:5])
+  with pytest.raises(ConfigError, match=r'sample.top_p=0.0 must be in \(0, 1\]'):
+    sample.generate(cfg, params, PROMPT, max_new_tokens=4, top_p=0.0)
+
+
 def test_generate_refuses_prompts_without_room(checkpoints):
   cfg, params = hf.load_hf(checkpoints['llama'][0])
   with pytest.raises(ConfigError, match='sample.prompt: it encodes to no tokens'):
@@ -121,12 +154,50 @@ def test_sample_command_reads_a_run_or_a_hugging_face_checkpoint(checkpoints, tm
   assert not (tmp_path / 'empty').exists()  # a Hugging Face checkpoint needs no workdir
 
 
+def _word_tokenizer(directory, generation_config) -> str:
+  """A word-level tokenizer of the checkpoints' 256 ids ('t0' .. 't255', EOS 't0') with a
+  generation_config.json; nothing downloaded."""
+  vocab = {f't{i}': i for i in range(256)}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token='t1'))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok.decoder = tokenizers.decoders.WordPiece()  # joins the words with spaces
+  directory.mkdir()
+  tok.save(str(directory / 'tokenizer.json'))
+  (directory / 'tokenizer_config.json').write_text(json.dumps({'eos_token': 't0'}))
+  (directory / 'generation_config.json').write_text(json.dumps(generation_config))
+  return str(directory)
+
+
+def test_sample_command_stops_at_generation_config_eos_ids(checkpoints, tmp_path, capsys):
+  """generation_config.json beside the tokenizer names more end ids (Llama 3 Instruct: three):
+  `--sample` stops at the first the model writes and leaves it out of the text, as
+  transformers' generate stops. A file that is not ids of the tokenizer is refused by name."""
+  directory, _ = checkpoints['llama']
+  cfg, params = hf.load_hf(directory)
+  greedy = sample.generate(cfg, params, PROMPT, max_new_tokens=16)
+  stop = next(int(t) for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i] and t)
+  words = ' '.join(f't{i}' for i in PROMPT)
+  config = config_with(init__from_hf=str(directory), train__seq_len=32, sample__prompt=words,
+                       sample__temperature=0.0, sample__max_new_tokens=16,
+                       data__tokenizer=_word_tokenizer(tmp_path / 'tok',
+                                                       {'eos_token_id': [0, stop]}))
+  got = train.sample(config, str(tmp_path / 'w'))
+  end = list(greedy).index(stop)
+  assert got['sample/tokens'] == end + 1
+  assert got['sample/text'] == ' '.join(f't{i}' for i in greedy[:end])
+  assert capsys.readouterr().out == words + got['sample/text'] + '\n'
+  config.data.tokenizer = _word_tokenizer(tmp_path / 'bad', {'eos_token_id': [0, 999]})
+  with pytest.raises(ConfigError, match=r'generation_config.json has eos_token_id=\[0, 999\]'):
+    train.sample(config, str(tmp_path / 'w'))
+
+
 def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):
   directory, _ = checkpoints['llama']
   base = dict(init__from_hf=str(directory), data__tokenizer='byte', train__seq_len=32)
   for overrides, message in [
       (dict(), 'sample.prompt is empty'),
       (dict(sample__prompt='x', sample__temperature=-1.0), 'sample.temperature=-1.0 must be >= 0'),
+      (dict(sample__prompt='x', sample__top_p=1.5), r'sample.top_p=1.5 must be in \(0, 1\]'),
       (dict(sample__prompt='x', sample__chat=True), 'sample.chat: data.tokenizer has no chat'),
   ]:
     with pytest.raises(ConfigError, match=message):

@@ -13,7 +13,8 @@ Typical use by the trainer:
 """
 
 from megatrain_jax.data.corpus import default_corpus_text
-from megatrain_jax.data.documents import DocumentFormat, document_format, prompt_ids
+from megatrain_jax.data.documents import (DocumentFormat, document_format, prompt_ids,
+                                          stop_ids)
 from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, batch_scalars,
                                        eval_batches, load_split, open_tokens,
                                        unlearn_document_starts)
@@ -48,5 +49,6 @@ __all__ = [
     'prompt_ids',
     'read_dataset_info',
     'row_packing',
+    'stop_ids',
     'TokenStream',
 ]

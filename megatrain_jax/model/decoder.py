@@ -335,3 +335,35 @@ def loss_fn(cfg: ModelConfig, params, batch, weights=None, shard_layer=None):
   positions = token_positions(cfg, tokens)  # RoPE tables once per batch
   x = apply_group(cfg, params['layers'], x, positions, shard_layer)
   return head_loss(cfg, params, x, targets, weights=weights)
+
+
+# ----------------------------------------------------------------------------------------------
+# Incremental decoding (sample.py): each new token runs the layers once, against the keys and
+# values of the tokens before it kept in a cache, instead of rerunning the whole sequence.
+# ----------------------------------------------------------------------------------------------
+
+def init_kv_cache(cfg: ModelConfig, batch: int, length: int) -> tuple:
+  """An empty key/value cache of `length` slots: (k, v), each [L, B, KV, T, Dh] zeros in the
+  compute dtype (layer-major, as params['layers'])."""
+  shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
+  zeros = jnp.zeros(shape, layers_lib.compute_dtype(cfg))
+  return zeros, zeros
+
+
+def extend(cfg: ModelConfig, params, tokens, start, where, cache):
+  """Runs tokens [B, S], the slots [start, start + S) of a buffer of T slots, through the layers
+  against `cache` (init_kv_cache [L, B, KV, T, Dh]; their keys and values are written into it).
+  `where`: token_positions of the whole buffer [B, T] as it stands (a slot's position depends
+  only on the tokens before it, so the slots not yet written do not change those before them).
+  -> (hidden [B, S, D] after the last layer (head() gives the logits), the updated cache).
+
+  Equals `forward` on the buffer at those slots: the same layer math, the keys and values of the
+  earlier slots read from the cache rather than recomputed."""
+  x = embed(cfg, params, tokens)
+
+  def layer(h, xs):
+    layer_params, *layer_cache = xs
+    return _merge(cfg, 'layer', layer_params).extend(h, where, tuple(layer_cache), start)
+
+  x, cache = jax.lax.scan(layer, x, (params['layers'], *cache))
+  return x, cache

@@ -137,6 +137,29 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(hd, cfg.norm_eps, compute_dtype(cfg))
 
   def __call__(self, x, positions):  # x [B, S, D], positions [B, S] / RopePositions -> [B, S, D]
+    positions, segments, (cos, sin) = _ids_and_tables(self.cfg, positions)
+    q, k, v = self._heads(x, cos, sin)
+    where = (positions, segments)
+    return self._output(_attend_blocks(self.cfg, q, k, v, where, where))
+
+  def extend(self, x, where: RopePositions, cache, start):
+    """Attention of S new tokens x [B, S, D], at slots [start, start + S) of a key/value cache
+    (k, v) [B, KV, T, Dh] (decode.py), to every slot of the cache: their k and v are written into
+    it first. `where`: the positions of all T slots (its ids, tables and segments [B, T, ...]);
+    slots after a query's position are masked by causality, so what they hold does not matter.
+    -> (out [B, S, D], the updated (k, v))."""
+    s = x.shape[1]
+    query = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, s, axis=1), where)
+    q, k, v = self._heads(x, query.cos, query.sin)
+    cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=2)
+                  for c, new in zip(cache, (k, v)))
+    out = _attend_blocks(self.cfg, q, *cache, (query.ids, query.segments),
+                         (where.ids, where.segments))
+    return self._output(out), cache
+
+  def _heads(self, x, cos, sin):
+    """x [B, S, D], RoPE tables cos/sin [B, S, Dh] -> q [B, KV, G, S, Dh], k and v
+    [B, KV, S, Dh]."""
     cfg = self.cfg
     b, s, _ = x.shape
     kv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
@@ -145,7 +168,6 @@ class Attention(nnx.Module):
     v = checkpoint_name(self.v_proj(x), 'v_proj').reshape(b, s, kv, hd)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    positions, segments, (cos, sin) = _ids_and_tables(cfg, positions)
     # Head-major from here on (the transposes fuse into RoPE; v's is one copy): q [B, KV, G, S, hd],
     # k and v [B, KV, S, hd], so that both attention matmuls and their gradients contract the
     # minor dimensions of operands batched over (B, KV). In the [B, S, KV, ...] layout XLA:CPU
@@ -153,28 +175,37 @@ class Attention(nnx.Module):
     # dk and dv: the resident step of bench/streamed_vs_resident.py's model ran 7-13% slower.
     q = apply_rope(q, cos, sin).reshape(b, s, kv, g, hd).transpose(0, 2, 3, 1, 4)
     k = apply_rope(k, cos, sin).transpose(0, 2, 1, 3)
-    v = v.transpose(0, 2, 1, 3)
-    chunk = cfg.attention_chunk
-    if not chunk or s <= chunk:
-      out = _attend(cfg, q, k, v, (positions, segments), (positions, segments))
-    else:
-      # Query blocks of `chunk` rows, each against all keys: the same softmax per row. Each block
-      # is recomputed in the backward (jax.checkpoint), so only one block's scores
-      # [B, KV, G, chunk, S] exist at a time instead of [B, KV, G, S, S].
-      blocks = -(-s // chunk)
-      pad = blocks * chunk - s  # padded query rows repeat the last position; dropped below
-      q_blocks = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
-      q_blocks = jnp.moveaxis(q_blocks.reshape(b, kv, g, blocks, chunk, hd), 3, 0)
-      # The blocks' positions and segments [blocks, B, chunk] (segments may be None).
-      q_where = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), mode='edge').reshape(
-          b, blocks, chunk).swapaxes(0, 1), (positions, segments))
-      attend = jax.checkpoint(lambda qc, wc: _attend(cfg, qc, k, v, wc, (positions, segments)))
-      # out [blocks, B, KV, G, chunk, hd]
-      out = jax.lax.map(lambda xs: attend(*xs), (q_blocks, q_where))
-      out = jnp.moveaxis(out, 0, 3).reshape(b, kv, g, blocks * chunk, hd)[:, :, :, :s]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, cfg.num_heads * hd)  # heads in q_proj's order
+    return q, k, v.transpose(0, 2, 1, 3)
+
+  def _output(self, out):
+    """Attention output [B, KV, G, S, Dh] -> o_proj of its heads in q_proj's order, [B, S, D]."""
+    b, _, _, s, _ = out.shape
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, self.cfg.num_heads * self.cfg.head_dim)
     out = checkpoint_name(out, 'attn_out')
     return checkpoint_name(self.o_proj(out), 'o_proj')
+
+
+def _attend_blocks(cfg: ModelConfig, q, k, v, q_where, k_where):
+  """`_attend` of q [B, KV, G, S, Dh] over k, v [B, KV, T, Dh], in blocks of
+  `cfg.attention_chunk` queries when S is longer. q_where = (positions, segments or None) [B, S]
+  of the queries, k_where the same [B, T] of the keys. -> [B, KV, G, S, Dh]."""
+  b, kv, g, s, hd = q.shape
+  chunk = cfg.attention_chunk
+  if not chunk or s <= chunk:
+    return _attend(cfg, q, k, v, q_where, k_where)
+  # Query blocks of `chunk` rows, each against all keys: the same softmax per row. Each block is
+  # recomputed in the backward (jax.checkpoint), so only one block's scores [B, KV, G, chunk, T]
+  # exist at a time instead of [B, KV, G, S, T].
+  blocks = -(-s // chunk)
+  pad = blocks * chunk - s  # padded query rows repeat the last position; dropped below
+  q_blocks = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
+  q_blocks = jnp.moveaxis(q_blocks.reshape(b, kv, g, blocks, chunk, hd), 3, 0)
+  # The blocks' positions and segments [blocks, B, chunk] (segments may be None).
+  q_where = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), mode='edge').reshape(
+      b, blocks, chunk).swapaxes(0, 1), q_where)
+  attend = jax.checkpoint(lambda qc, wc: _attend(cfg, qc, k, v, wc, k_where))
+  out = jax.lax.map(lambda xs: attend(*xs), (q_blocks, q_where))  # [blocks, B, KV, G, chunk, hd]
+  return jnp.moveaxis(out, 0, 3).reshape(b, kv, g, blocks * chunk, hd)[:, :, :, :s]
 
 
 def _attend(cfg: ModelConfig, q, k, v, q_where, k_where):
@@ -227,6 +258,13 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, positions):
     h = x + self.attn(self.attn_norm(x), positions)
     return h + self.mlp(self.mlp_norm(h))
+
+  def extend(self, x, where: RopePositions, cache, start):
+    """The layer on new tokens x [B, S, D] against its key/value cache (Attention.extend) ->
+    (out [B, S, D], the updated cache)."""
+    attended, cache = self.attn.extend(self.attn_norm(x), where, cache, start)
+    h = x + attended
+    return h + self.mlp(self.mlp_norm(h)), cache
 
 
 # Rows of the embedding [V, D] (and columns of an untied head [D, V]) are drawn in independently
