@@ -29,6 +29,19 @@ def warmup_steps(train) -> int:
   return min(warmup, train.steps - 1)
 
 
+def warmup_note(train) -> str | None:
+  """A note for a run of 2 or more steps that ends inside its warmup (train.warmup_steps not
+  below train.steps, as a short run keeping the default warmup has): its learning rate only
+  rises and the last step runs at the peak, which is rarely what a short fine-tune wants. None
+  otherwise."""
+  if getattr(train, 'warmup_ratio', 0.0) or train.warmup_steps < train.steps or train.steps < 2:
+    return None
+  return (f'note: train.warmup_steps={train.warmup_steps} is not below train.steps='
+          f'{train.steps}: the learning rate rises for {warmup_steps(train)} steps and the run '
+          f'ends at its peak, {train.lr:g}, with no decay. Lower train.warmup_steps or set '
+          'train.warmup_ratio (e.g. 0.03).')
+
+
 # train.lr_schedule: what follows the linear warmup.
 LR_SCHEDULES = ('cosine', 'linear', 'constant')
 

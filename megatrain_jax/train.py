@@ -472,6 +472,8 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: i
       print(f'train.epochs={train_cfg.epochs:g}: {steps:,} steps of {sampler.samples_per_step} '
             f'samples over {sampler.n_windows:,} windows of {train_cfg.seq_len + 1} tokens',
             flush=True)
+  if distributed.is_main() and (note := optim.warmup_note(config.train)):  # steps known now
+    print(note, flush=True)
   return config, sampler, eval_data
 
 

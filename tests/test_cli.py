@@ -64,6 +64,7 @@ def test_launch_trains_with_overrides(tmp_path, shared_data):
   rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
   assert [r['step'] for r in rows if 'learning/loss' in r] == [1, 2, 3]
   assert 'step 3/3 | loss' in result.stderr + result.stdout  # the console line
+  assert 'note: train.warmup_steps=50 is not below train.steps=3' in result.stdout
   saved = json.loads((workdir / 'config.json').read_text())
   assert saved['train']['steps'] == 3 and saved['model']['num_layers'] == 1
 

@@ -228,3 +228,19 @@ def test_learning_rate_schedules(kind):
                                      lr_schedule='linear'))
   np.testing.assert_allclose([float(hf_like(i)) for i in range(10)], 1.0 - np.arange(10) / 10,
                              atol=1e-7)
+
+
+def test_a_run_that_ends_inside_its_warmup_is_told():
+  """optim.warmup_note: 50 warmup steps in a 30-step run (the tiny preset with a short
+  train.steps) ends at the peak learning rate, and says so with the fix; a warmup that ends
+  before the run, a warmup_ratio (always a fraction of the steps) and a one-step run say
+  nothing."""
+  note = optim.warmup_note(_train(lr=3e-3, warmup_steps=50, steps=30))
+  assert note == ('note: train.warmup_steps=50 is not below train.steps=30: the learning rate '
+                  'rises for 29 steps and the run ends at its peak, 0.003, with no decay. Lower '
+                  'train.warmup_steps or set train.warmup_ratio (e.g. 0.03).')
+  assert optim.warmup_note(_train(lr=3e-3, warmup_steps=30, steps=30)) is not None
+  for quiet in (dict(warmup_steps=29, steps=30), dict(warmup_steps=50, steps=30,
+                                                      warmup_ratio=0.1),
+                dict(warmup_steps=50, steps=1)):
+    assert optim.warmup_note(_train(lr=3e-3, **quiet)) is None
