@@ -267,6 +267,11 @@ def get_config() -> ml_collections.ConfigDict:
   sample.prompt = ''  # The text to continue (required), tokenized as training tokenizes data.
   sample.chat = False  # True: the prompt is a user turn of the tokenizer's chat template, and the
   #                      model writes the assistant's reply.
+  sample.prompts = ''  # Instead of prompt, a file of prompts continued one by one with these
+  #                      settings (prompt i seeded seed + i): a text file (one per line) or
+  #                      JSONL records holding data.prompt_field or chat 'messages'.
+  sample.out = ''  # With prompts: the JSONL file written, a {"prompt", "completion", "tokens",
+  #                  "stopped"} line per prompt.
   sample.max_new_tokens = 200  # The most tokens to add; it stops earlier at the data's EOS (or an
   #                               eos_token_id of the tokenizer's generation_config.json).
   sample.temperature = 0.8  # Softmax temperature; 0 = greedy (always the most likely token).

@@ -35,25 +35,51 @@ def generate(cfg: model_lib.ModelConfig, params, prompt, *, max_new_tokens: int,
     ConfigError: (naming `sample.*`) an empty prompt, one that leaves no room for max_new_tokens
       within model.max_seq_len, or a top_p outside (0, 1].
   """
-  prompt = np.asarray(prompt, np.int32).reshape(-1)
-  length = prompt.size + max_new_tokens
-  if not prompt.size:
-    raise ConfigError('sample.prompt: it encodes to no tokens; give some text to continue.')
+  return generate_all(cfg, params, [prompt], max_new_tokens=max_new_tokens,
+                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                      eos_id=eos_id)[0]
+
+
+def generate_all(cfg: model_lib.ModelConfig, params, prompts, *, max_new_tokens: int,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 eos_id=()) -> list:
+  """`generate` of each of `prompts` (lists of ids), prompt i drawn with seed + i: the same
+  tokens each alone gives. One compiled program serves them all: every buffer has the longest
+  prompt's length + max_new_tokens slots, and each prompt stops after its own max_new_tokens.
+
+  Raises:
+    ConfigError: as `generate`, naming the prompt (1-based) of several that is empty or longest.
+  """
+  prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+  if not prompts:
+    return []
+  name = 'sample.prompt' if len(prompts) == 1 else 'sample.prompts'
+  longest = max(range(len(prompts)), key=lambda i: prompts[i].size)
+  which = '' if len(prompts) == 1 else f' #{longest + 1}'
+  length = prompts[longest].size + max_new_tokens
+  for i, prompt in enumerate(prompts):
+    if not prompt.size:
+      raise ConfigError(f'{name}: {"it" if len(prompts) == 1 else f"prompt #{i + 1}"} encodes '
+                        'to no tokens; give some text to continue.')
   if max_new_tokens < 1:
     raise ConfigError(f'sample.max_new_tokens={max_new_tokens} must be >= 1.')
   if not 0 < top_p <= 1:
     raise ConfigError(f'sample.top_p={top_p} must be in (0, 1] (1 = off).')
   if length > cfg.max_seq_len:
-    raise ConfigError(f'sample.prompt ({prompt.size} tokens) + sample.max_new_tokens '
+    raise ConfigError(f'{name}{which} ({prompts[longest].size} tokens) + sample.max_new_tokens '
                       f'({max_new_tokens}) = {length} tokens exceed model.max_seq_len='
                       f'{cfg.max_seq_len}; shorten the prompt or lower sample.max_new_tokens.')
   stop_ids = tuple(sorted({int(i) for i in np.atleast_1d(eos_id) if int(i) >= 0}))
-  buffer = np.zeros((1, length), np.int32)
-  buffer[0, :prompt.size] = prompt
   loop = _generation_loop(cfg, float(temperature), min(int(top_k), cfg.vocab_size),
                           float(top_p), stop_ids)
-  tokens, end = loop(params, jnp.asarray(buffer), jnp.int32(prompt.size), jax.random.key(seed))
-  return np.asarray(tokens)[0, prompt.size:int(end)]
+  out = []
+  for i, prompt in enumerate(prompts):
+    buffer = np.zeros((1, length), np.int32)
+    buffer[0, :prompt.size] = prompt
+    tokens, end = loop(params, jnp.asarray(buffer), jnp.int32(prompt.size),
+                       jnp.int32(prompt.size + max_new_tokens), jax.random.key(seed + i))
+    out.append(np.asarray(tokens)[0, prompt.size:int(end)])
+  return out
 
 
 def device_bytes(cfg: model_lib.ModelConfig, length: int) -> int:
@@ -83,8 +109,8 @@ def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
 @functools.lru_cache(maxsize=8)
 def _generation_loop(cfg: model_lib.ModelConfig, temperature: float, top_k: int, top_p: float,
                      stop_ids: tuple):
-  """jit(params, buffer [1, L], n, key) -> (buffer, end): tokens n.. written until a stop id or
-  L, each from the logits of the token before it."""
+  """jit(params, buffer [1, L], n, limit, key) -> (buffer, end): tokens n.. written until a stop
+  id or slot `limit` (<= L), each from the logits of the token before it."""
   stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
 
   def choose(logits, key):  # logits [V] -> a token id
@@ -107,13 +133,13 @@ def _generation_loop(cfg: model_lib.ModelConfig, temperature: float, top_k: int,
     logits, cache = after(params, buffer, n, cache)
     return buffer, n + 1, key, jnp.any(token == stops), logits, cache
 
-  def run(params, buffer, n, key):
+  def run(params, buffer, n, limit, key):
     # The prefill: the whole buffer at once, for the logits after the prompt's last token.
     cache = model_lib.init_kv_cache(cfg, 1, buffer.shape[1])
     x, cache = model_lib.extend(cfg, params, buffer, 0, model_lib.token_positions(cfg, buffer),
                                 cache)
     logits = model_lib.head(cfg, params, jax.lax.dynamic_slice_in_dim(x, n - 1, 1, axis=1))
-    more = lambda carry: (carry[1] < buffer.shape[1]) & ~carry[3]
+    more = lambda carry: (carry[1] < limit) & ~carry[3]
     carry = (buffer, n, key, jnp.bool_(False), logits[0, 0], cache)
     buffer, n, *_ = jax.lax.while_loop(more, functools.partial(step, params), carry)
     return buffer, n

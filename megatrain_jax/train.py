@@ -792,22 +792,20 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
            overrides: Iterable[str] | None = None) -> dict:
   """Continues sample.prompt with the newest checkpoint in `workdir` (or init.from_hf when it has
   none; sample.py): prints the prompt and its continuation, returns {'sample/prompt',
-  'sample/text', 'sample/tokens', 'sample/source'}. Reads the weights whole; writes nothing."""
+  'sample/text', 'sample/tokens', 'sample/source'}. Or, with sample.prompts, each prompt of that
+  file, written to sample.out as JSONL (`_write_samples`). Reads the weights whole."""
   config, path, meta, checkpoint = _eval_config(config, workdir, overrides)
   settings = config.sample
   model_cfg = config_lib.validate(config)
-  if not settings.prompt:
-    raise ConfigError('sample.prompt is empty: pass --config.sample.prompt="<text to continue>".')
-  for field in ('temperature', 'top_k'):
-    if settings[field] < 0:
-      raise ConfigError(f'sample.{field}={settings[field]} must be >= 0.')
-  if not 0 < settings.top_p <= 1:
-    raise ConfigError(f'sample.top_p={settings.top_p} must be in (0, 1] (1 = off).')
+  _check_sample_settings(settings)
   model_cfg, tokenizer = _model_and_tokenizer(config, model_cfg)
   fmt = data_lib.data_format(config.data, tokenizer)
-  prompt = data_lib.prompt_ids(settings.prompt, tokenizer, fmt, settings.chat)
+  texts = ([settings.prompt] if settings.prompt else
+           data_lib.read_prompts(settings.prompts, config.data.prompt_field))
+  prompts = [data_lib.prompt_ids(text, tokenizer, fmt, settings.chat) for text in texts]
   stops = data_lib.stop_ids(tokenizer, fmt)
-  weights_gb = sample_lib.device_bytes(model_cfg, len(prompt) + settings.max_new_tokens) / 1e9
+  longest = max(map(len, prompts)) + settings.max_new_tokens
+  weights_gb = sample_lib.device_bytes(model_cfg, longest) / 1e9
   device_gb = hardware.load_profile(config.hardware).device_memory_gb
   if weights_gb > 0.8 * device_gb:
     raise ConfigError(f'--sample holds the weights whole in device memory, with its key/value '
@@ -817,12 +815,52 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
   with _weights_reader(config, model_cfg, path, meta, checkpoint) as (reader, source):
     # Built on the device leaf by leaf (one host piece at a time), as a restore builds them.
     params = reader.device_state({'params': model_lib.abstract_params(model_cfg)})['params']
-  ids = sample_lib.generate(model_cfg, params, prompt, max_new_tokens=settings.max_new_tokens,
-                            temperature=settings.temperature, top_k=settings.top_k,
-                            top_p=settings.top_p, seed=settings.seed, eos_id=stops)
-  text = tokenizer.decode(ids[:-1] if ids.size and ids[-1] in stops else ids)
+  outputs = sample_lib.generate_all(
+      model_cfg, params, prompts, max_new_tokens=settings.max_new_tokens,
+      temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+      seed=settings.seed, eos_id=stops)
+  completions = [(tokenizer.decode(ids[:-1] if ids.size and ids[-1] in stops else ids),
+                  int(ids.size), bool(ids.size and ids[-1] in stops)) for ids in outputs]
+  if settings.prompts:
+    return _write_samples(settings.out, texts, completions, source)
+  text, tokens, _ = completions[0]
   print(f'{settings.prompt}{text}', flush=True)
-  return {'sample/prompt': settings.prompt, 'sample/text': text, 'sample/tokens': int(ids.size),
+  return {'sample/prompt': settings.prompt, 'sample/text': text, 'sample/tokens': tokens,
+          'sample/source': source}
+
+
+def _check_sample_settings(settings) -> None:
+  """The sample section's own checks, before anything is read or loaded."""
+  if bool(settings.prompt) == bool(settings.prompts):
+    raise ConfigError('sample.prompt and sample.prompts: set one, the text to continue '
+                      '(--config.sample.prompt="...") or a file of prompts (one per line, or '
+                      'JSONL records).' if settings.prompt else
+                      'sample.prompt is empty: pass --config.sample.prompt="<text to continue>" '
+                      '(or sample.prompts, a file of them).')
+  if settings.prompts and not settings.out:
+    raise ConfigError('sample.prompts needs sample.out: the JSONL file to write the '
+                      'continuations to (--config.sample.out=samples.jsonl).')
+  if settings.prompts and not pathlib.Path(settings.out).expanduser().absolute().parent.is_dir():
+    raise ConfigError(f'sample.out={settings.out!r}: its directory does not exist; create it or '
+                      'write elsewhere.')
+  for field in ('temperature', 'top_k'):
+    if settings[field] < 0:
+      raise ConfigError(f'sample.{field}={settings[field]} must be >= 0.')
+  if not 0 < settings.top_p <= 1:
+    raise ConfigError(f'sample.top_p={settings.top_p} must be in (0, 1] (1 = off).')
+
+
+def _write_samples(out: str, prompts: list, completions: list, source: str) -> dict:
+  """sample.out (atomically): a JSON line per prompt, in order: {"prompt" (its text or
+  messages), "completion", "tokens" (written, a stop id included), "stopped" (at a stop id, not
+  at sample.max_new_tokens)}."""
+  rows = [{'prompt': prompt, 'completion': text, 'tokens': tokens, 'stopped': stopped}
+          for prompt, (text, tokens, stopped) in zip(prompts, completions)]
+  path = pathlib.Path(out).expanduser()
+  fs.write_text_atomic(path, ''.join(json.dumps(row, ensure_ascii=False) + '\n' for row in rows))
+  total = sum(row['tokens'] for row in rows)
+  print(f'--sample: {len(rows)} prompts continued, {total:,} tokens written -> {path}', flush=True)
+  return {'sample/prompts': len(rows), 'sample/tokens': total, 'sample/out': str(path),
           'sample/source': source}
 
 

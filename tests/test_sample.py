@@ -17,6 +17,7 @@ from megatrain_jax import hardware
 from megatrain_jax import hf
 from megatrain_jax import sample
 from megatrain_jax import train
+from megatrain_jax.data import ByteTokenizer
 from megatrain_jax.errors import ConfigError
 
 from helpers import config_with, small_config
@@ -191,6 +192,44 @@ def test_sample_command_stops_at_generation_config_eos_ids(checkpoints, tmp_path
     train.sample(config, str(tmp_path / 'w'))
 
 
+def test_sample_command_continues_a_file_of_prompts(checkpoints, tmp_path, capsys):
+  """sample.prompts: a text file's lines, or JSONL records (a prompt field or chat messages,
+  rendered up to the assistant's turn), continued in one program and written to sample.out in
+  order; each continuation equals generate() of that prompt alone with seed + its index (so a
+  short prompt in the longest prompt's buffer still stops at its own max_new_tokens)."""
+  directory, _ = checkpoints['llama']
+  cfg, params = hf.load_hf(directory)
+  lines = tmp_path / 'prompts.txt'
+  lines.write_text('ab\n\nhello there, model\nx\n')
+  records = tmp_path / 'prompts.jsonl'
+  records.write_text(json.dumps({'prompt': 'ab'}) + '\n' + json.dumps(
+      {'messages': [{'role': 'user', 'content': 'hi'}], 'id': 7}) + '\n')
+  template = tmp_path / 'chat.jinja'
+  template.write_text("{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+                      "{% if add_generation_prompt %}>{% endif %}")
+  for path, texts, temperature in [(lines, [b'ab', b'hello there, model', b'x'], 0.0),
+                                   (lines, [b'ab', b'hello there, model', b'x'], 1.0),
+                                   (records, [b'ab', b'hi|>'], 1.0)]:
+    out = tmp_path / f'{path.stem}-{temperature}.jsonl'
+    config = config_with(init__from_hf=str(directory), data__tokenizer='byte',
+                         data__chat_template=str(template), train__seq_len=32,
+                         sample__prompts=str(path), sample__out=str(out), sample__seed=3,
+                         sample__temperature=temperature, sample__max_new_tokens=10)
+    got = train.sample(config, str(tmp_path / 'w'))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert got['sample/prompts'] == len(rows) == len(texts)
+    assert f'{len(rows)} prompts continued' in capsys.readouterr().out
+    for i, (row, text) in enumerate(zip(rows, texts)):
+      want = sample.generate(cfg, params, np.frombuffer(text, np.uint8), max_new_tokens=10,
+                             temperature=temperature, top_k=config.sample.top_k, seed=3 + i,
+                             eos_id=0)
+      stopped = bool(want.size and want[-1] == 0)
+      assert (row['tokens'], row['stopped']) == (want.size, stopped)
+      assert row['completion'] == ByteTokenizer().decode(want[:want.size - stopped])
+    assert sum(r['tokens'] for r in rows) == got['sample/tokens']
+  assert rows[1]['prompt'] == [{'role': 'user', 'content': 'hi'}]
+
+
 def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):
   directory, _ = checkpoints['llama']
   base = dict(init__from_hf=str(directory), data__tokenizer='byte', train__seq_len=32)
@@ -198,10 +237,30 @@ def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):
       (dict(), 'sample.prompt is empty'),
       (dict(sample__prompt='x', sample__temperature=-1.0), 'sample.temperature=-1.0 must be >= 0'),
       (dict(sample__prompt='x', sample__top_p=1.5), r'sample.top_p=1.5 must be in \(0, 1\]'),
+      (dict(sample__prompts='p.txt'), 'sample.prompts needs sample.out'),
+      (dict(sample__prompt='x', sample__prompts='p.txt'),
+       'sample.prompt and sample.prompts: set one'),
+      (dict(sample__prompts='p.txt', sample__out='/nonexistent/o.jsonl'),
+       "sample.out='/nonexistent/o.jsonl': its directory does not exist"),
       (dict(sample__prompt='x', sample__chat=True), 'sample.chat: data.tokenizer has no chat'),
   ]:
     with pytest.raises(ConfigError, match=message):
       train.sample(config_with(**base, **overrides), str(tmp_path / 'w'))
+  # Prompt files that say nothing usable, named by file and line before the weights are read.
+  for name, content, message in [
+      ('missing.txt', None, r"sample.prompts='.*missing.txt': not a file"),
+      ('bad.jsonl', '{"prompt": "a"}\n{oops\n', 'bad.jsonl line 2 is not JSON'),
+      ('no_field.jsonl', '{"text": "a"}\n', "line 1 has no string 'prompt'"),
+      ('blank.txt', '\n  \n', 'holds no prompts'),
+      ('chat.jsonl', '{"messages": [{"role": "user", "content": "a"}]}\n',
+       r"a prompt of chat messages: .*no chat template"),
+  ]:
+    if content is not None:
+      (tmp_path / name).write_text(content)
+    with pytest.raises(ConfigError, match=message):
+      train.sample(config_with(**base, sample__prompts=str(tmp_path / name),
+                               sample__out=str(tmp_path / 'o.jsonl')), str(tmp_path / 'w'))
+  assert not (tmp_path / 'o.jsonl').exists()
   small = dataclasses.replace(hardware.PRESETS['cpu'], name='small', device_memory_gb=1e-4)
   hardware.save_profile(small, tmp_path / 'small.json')
   with pytest.raises(ConfigError, match=r'holds the weights whole in device memory.*--export_hf'):

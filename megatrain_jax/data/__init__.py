@@ -15,6 +15,7 @@ Typical use by the trainer:
 from megatrain_jax.data.corpus import default_corpus_text
 from megatrain_jax.data.documents import (DocumentFormat, document_format, prompt_ids,
                                           stop_ids)
+from megatrain_jax.data.formats import read_prompts
 from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, batch_scalars,
                                        eval_batches, load_split, open_tokens,
                                        unlearn_document_starts)
@@ -48,6 +49,7 @@ __all__ = [
     'prepare_summary',
     'prompt_ids',
     'read_dataset_info',
+    'read_prompts',
     'row_packing',
     'stop_ids',
     'TokenStream',

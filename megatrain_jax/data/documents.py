@@ -440,21 +440,30 @@ def _turn_end(full: str, messages: list, i: int, start: int, render) -> int:
                   'follow it that the turn cannot be located in the conversation')
 
 
-def prompt_ids(text: str, tokenizer: Tokenizer, fmt: DocumentFormat, chat: bool = False) -> list:
-  """The token ids a document starting with `text` begins with in training ([BOS] text), or with
-  `chat`, a user turn of `text` rendered by the tokenizer's chat template up to the assistant's
-  reply (what `--sample` continues).
+def prompt_ids(prompt: str | list, tokenizer: Tokenizer, fmt: DocumentFormat,
+               chat: bool = False) -> list:
+  """The token ids a document starting with `prompt` begins with in training ([BOS] text); with
+  `chat`, a user turn of `prompt` rendered by the chat template up to the assistant's reply; a
+  list of chat messages (a sample.prompts record's) rendered whole up to the assistant's next
+  turn. What `--sample` continues.
 
   Raises:
-    ConfigError: (naming `sample.chat`) `chat` without a chat template.
+    ConfigError: (naming `sample.chat` or `sample.prompts`) a chat prompt without a chat
+      template, or messages that are not a conversation the template renders.
   """
-  if chat:
+  if isinstance(prompt, list):
+    try:
+      text = _render(_chat(prompt, fmt, 'messages'), fmt, generation_prompt=True)
+    except BadRecord as e:
+      raise ConfigError(f'sample.prompts: a prompt of chat messages: {e}.') from e
+  elif chat:
     if not fmt.chat_template:
       raise ConfigError('sample.chat: data.tokenizer has no chat template (tokenizer_config.json '
                         "'chat_template'); set sample.chat=False to continue the plain text.")
-    text = _render([{'role': 'user', 'content': text}], fmt, generation_prompt=True)
+    text = _render([{'role': 'user', 'content': prompt}], fmt, generation_prompt=True)
+  else:
+    text = prompt
   return ([] if fmt.bos is None else [fmt.bos]) + list(encode_batch(tokenizer, [text])[0])
-
 
 
 def stop_ids(tokenizer: Tokenizer, fmt: DocumentFormat) -> tuple[int, ...]:

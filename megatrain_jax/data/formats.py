@@ -533,3 +533,50 @@ def bad_records_error(bad: list[str], count: int, field: str) -> ConfigError:
   more = f' (and {count - len(bad)} more)' if count > len(bad) else ''
   return ConfigError(f'{field}: bad record {bad[0]}{more}. Fix the data, or set '
                      'data.skip_bad_records=True to skip (and count) bad records.')
+
+
+# --- prompts to continue (`--sample` with sample.prompts) ---------------------------------------
+
+def read_prompts(path: str | Path, prompt_field: str = 'prompt') -> list:
+  """The prompts of a `sample.prompts` file, in file order: a text file's non-blank lines (each
+  one prompt), or a JSONL(.zst/.gz) file's records, each a prompt string in `prompt_field` or a
+  chat `messages` list (continued as the assistant's next turn).
+
+  Raises:
+    ConfigError: (naming `sample.prompts`) a missing or unreadable file, a Parquet or Arrow file,
+      a line that is not a JSON record, a record with neither field, or no prompts at all.
+  """
+  field, path = 'sample.prompts', Path(path).expanduser()
+  kind = source_format(path)
+  if not path.is_file() or kind in (PARQUET, ARROW):
+    raise ConfigError(f'{field}={str(path)!r}: ' + ('not a file' if not path.is_file() else
+                      'a Parquet/Arrow file') + '; give a text file (one prompt per line) or a '
+                      f"JSONL file of records with {prompt_field!r} (or 'messages').")
+  try:
+    with open(path, 'rb') as raw:
+      lines = open_decompressed(path, raw).read().decode('utf-8').splitlines()
+  except UnicodeDecodeError as e:
+    raise not_utf8_error(path, field, e) from e
+  except _STREAM_ERRORS as e:
+    raise stream_error(path, field, 0, e) from e
+  if kind == TEXT:
+    prompts = [line for line in lines if line.strip()]
+  else:
+    prompts = [_prompt_of_record(line, number, path, prompt_field)
+               for number, line in enumerate(lines, 1) if line.strip()]
+  if not prompts:
+    raise ConfigError(f'{field}: {path} holds no prompts.')
+  return prompts
+
+
+def _prompt_of_record(line: str, number: int, path: Path, prompt_field: str):
+  """The prompt of one JSONL line: its `prompt_field` string or its `messages` list."""
+  try:
+    record = json.loads(line)
+  except ValueError as e:
+    raise ConfigError(f'sample.prompts: {path} line {number} is not JSON ({e}).') from e
+  value = record.get(prompt_field, record.get('messages')) if isinstance(record, dict) else None
+  if isinstance(value, str) or (isinstance(value, list) and value):
+    return value
+  raise ConfigError(f'sample.prompts: {path} line {number} has no string {prompt_field!r} '
+                    "(data.prompt_field) and no 'messages' list to continue.")
