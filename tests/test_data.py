@@ -367,9 +367,30 @@ def test_sampler_errors(prepared):
   with pytest.raises(ConfigError, match='train.seed'):
     BatchSampler(short, seq_len=8, batch_size=1, microbatches=1, seed=-1)
   with pytest.raises(ConfigError) as err:
-    eval_batches(short, seq_len=32, batch_size=4, num_batches=1)
-  for field in ('data.val_path', 'data.val_fraction', 'train.seq_len'):
+    eval_batches(short, seq_len=100, batch_size=4, num_batches=1)
+  for field in ('data.val_path', 'data.val_fraction', 'train.seq_len + 1 = 101'):
     assert field in str(err.value)
+
+
+@pytest.mark.parametrize('packed', [False, True])
+def test_a_validation_split_shorter_than_a_batch_gives_one_padded_batch(packed):
+  """100 tokens, windows of 33, batch_size 4: the 3 windows (or, packed, the rows of whole
+  documents there are) and rows of zeros whose targets do not count; a split that fills a batch
+  gives full batches only, as before."""
+  short = np.arange(1, 101, dtype=np.uint16)
+  short[[20, 50, 99]] = 0  # EOS ends three documents (for the packed rows)
+  row_packing = packing.RowPacking('best_fit', 0) if packed else None
+  (batch,) = eval_batches(short, seq_len=32, batch_size=4, num_batches=3, row_packing=row_packing)
+  rows = 3 if not packed else len(row_packing.rows(short, 33))
+  assert batch.tokens.shape == (4, 33) and batch.loss_mask.shape == (4, 32)
+  assert not batch.tokens[rows:].any() and not batch.loss_mask[rows:].any()
+  if not packed:
+    np.testing.assert_array_equal(batch.tokens[:3].ravel(), short[:99])
+    assert batch.loss_mask[:3].all()
+  else:
+    assert sorted(batch.tokens[:rows][batch.tokens[:rows] > 0]) == sorted(short[short > 0])
+  full = eval_batches(np.arange(200, dtype=np.uint16), seq_len=32, batch_size=4, num_batches=3)
+  assert len(full) == 1 and isinstance(full[0], np.ndarray)  # 6 windows: one full batch
 
 
 # --- config resolution --------------------------------------------------------------------------

@@ -127,6 +127,24 @@ def test_eval_loss_is_the_masked_mean_over_all_eval_batches():
     assert abs(loss - _reference_loss(_params(), b.tokens, b.loss_mask)) <= 1e-5 * loss
 
 
+def test_a_validation_split_shorter_than_a_batch_is_evaluated_whole():
+  """3 windows of a split, batch_size 4 (a small fine-tuning set's validation split): one
+  batch of the 3 and a row that does not count; eval/loss is the mean over the 3 windows'
+  targets exactly, in the resident and streamed engines alike."""
+  tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, 3 * 17 + 5).astype(np.uint16)
+  evals = data_lib.eval_batches(tokens, seq_len=16, batch_size=4, num_batches=8)
+  assert len(evals) == 1 and evals[0].tokens.shape == (4, 17)
+  windows = tokens[:3 * 17].astype(np.int32).reshape(3, 17)
+  want = _reference_loss(_params(), windows, np.ones((3, 16)))
+  tx, schedule, clip = make_tx(1.0)
+  for engine in (resident.ResidentEngine(CFG, tx, schedule, clip,
+                                         jax.tree.map(np.copy, initial_state())),
+                 StreamedEngine(CFG, tx, schedule, clip,
+                                Placement(params='host', opt_state='host', layers_per_group=2),
+                                jax.tree.map(np.copy, initial_state()))):
+    assert train._evaluate(engine, evals)['eval/loss'] == pytest.approx(want, rel=1e-5)
+
+
 def test_all_ones_mask_equals_the_unmasked_path():
   tx, schedule, clip = make_tx(1.0)
   plain = masked_batches(2)

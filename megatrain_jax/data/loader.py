@@ -102,16 +102,14 @@ def _train_too_short(tokens: int, seq_len: int) -> ConfigError:
       f'seq_len + 1 = {seq_len + 1}; lower train.seq_len or train on more text (data.path).')
 
 
-def _val_too_short(tokens: int, seq_len: int, batch_size: int) -> ConfigError:
-  batch_tokens = batch_size * (seq_len + 1)
+def _val_too_short(tokens: int, seq_len: int) -> ConfigError:
   return ConfigError(
-      f'data.val_path / data.val_fraction: the validation split has {tokens} tokens, but '
-      f'one eval batch needs train.batch_size * (train.seq_len + 1) = {batch_size} * '
-      f'{seq_len + 1} = {batch_tokens}; use a longer data.val_path, raise data.val_fraction, or '
-      'lower train.seq_len or train.batch_size.')
+      f'data.val_path / data.val_fraction: the validation split has {tokens} tokens, but one '
+      f'eval sequence needs train.seq_len + 1 = {seq_len + 1}; use a longer data.val_path, raise '
+      'data.val_fraction, or lower train.seq_len.')
 
 
-def check_split_sizes(train_tokens: int, val_tokens: int, *, seq_len: int, batch_size: int) -> None:
+def check_split_sizes(train_tokens: int, val_tokens: int, *, seq_len: int) -> None:
   """Raises the ConfigError BatchSampler / eval_batches would raise for splits of these sizes.
 
   Lets the trainer refuse too little text before anything is written, when the token counts are
@@ -119,8 +117,8 @@ def check_split_sizes(train_tokens: int, val_tokens: int, *, seq_len: int, batch
   """
   if train_tokens < seq_len + 1:
     raise _train_too_short(train_tokens, seq_len)
-  if val_tokens < batch_size * (seq_len + 1):
-    raise _val_too_short(val_tokens, seq_len, batch_size)
+  if val_tokens < seq_len + 1:
+    raise _val_too_short(val_tokens, seq_len)
 
 
 class _Windows:
@@ -341,56 +339,73 @@ def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
   """Returns deterministic validation batches taken in order from the start of `tokens`.
 
   Windows of `seq_len + 1` tokens do not overlap. Fewer than `num_batches` batches are returned if
-  the split runs out; only full batches are returned so that every batch has the same shape.
+  the split runs out; only full batches are returned so that every batch has the same shape,
+  except for a split too short to fill one: its windows (or rows) make one batch, filled up with
+  rows no target of counts (`_padded`), so a small fine-tuning set is still evaluated.
 
   Returns:
     A list of int32 arrays [batch_size, seq_len + 1]; for a split with a loss mask, or with
-    `document_eos` >= 0 (BatchSampler's), of Batch (tokens as above, loss_mask uint8
-    [batch_size, seq_len] aligned to the targets). With a `row_packing` (BatchSampler's) the
-    rows are the split's rows of whole documents, in order (packing.py), always with a mask.
+    `document_eos` >= 0 (BatchSampler's), or shorter than a batch, of Batch (tokens as above,
+    loss_mask uint8 [batch_size, seq_len] aligned to the targets). With a `row_packing`
+    (BatchSampler's) the rows are the split's rows of whole documents, in order (packing.py),
+    always with a mask.
 
   Raises:
     ConfigError: If an argument is out of range, or (naming `data.val_path`, `data.val_fraction`
-      and `train.seq_len`) if `tokens` cannot fill a single batch.
+      and `train.seq_len`) if `tokens` cannot fill a single window.
   """
   seq_len = _check_int('train.seq_len', seq_len, 1)
   batch_size = _check_int('train.batch_size', batch_size, 1)
   num_batches = _check_int('train.eval_batches', num_batches, 1)
-  batch_tokens = batch_size * (seq_len + 1)
-  available = len(tokens) // batch_tokens
-  if available < 1:
-    raise _val_too_short(len(tokens), seq_len, batch_size)
+  window = seq_len + 1
+  if len(tokens) < window:
+    raise _val_too_short(len(tokens), seq_len)
   has_mask = bool(getattr(tokens, 'has_mask', False))
   if row_packing is not None:
     return _packed_eval_batches(tokens, seq_len, batch_size, num_batches, document_eos,
                                 row_packing, has_mask)
+  windows = len(tokens) // window
   out = []
-  for i in range(min(num_batches, available)):
-    span = slice(i * batch_tokens, (i + 1) * batch_tokens)
-    batch = np.array(tokens[span], dtype=np.int32).reshape(batch_size, seq_len + 1)
+  for i in range(min(num_batches, max(windows // batch_size, 1))):
+    rows = min(batch_size, windows - i * batch_size)
+    span = slice(i * batch_size * window, (i * batch_size + rows) * window)
+    batch = np.array(tokens[span], dtype=np.int32).reshape(rows, window)
     mask = None
     if has_mask:
-      mask = np.ascontiguousarray(tokens.mask(span).reshape(batch_size, seq_len + 1)[:, 1:])
+      mask = np.ascontiguousarray(tokens.mask(span).reshape(rows, window)[:, 1:])
     if document_eos >= 0:
       mask = unlearn_document_starts(batch, mask, document_eos)
-    out.append(batch if mask is None else Batch(batch, mask))
+    if rows < batch_size:
+      out.append(_padded(batch, mask, batch_size))
+    else:
+      out.append(batch if mask is None else Batch(batch, mask))
   return out
+
+
+def _padded(batch, mask, batch_size: int) -> Batch:
+  """The rows there are, batch [R, S+1] and mask [R, S] (None: every target counts), filled up
+  to batch_size rows of zeros whose targets do not count: the eval step's shape, and the loss
+  (a masked mean, weighted by learned targets across batches) that of the R rows alone."""
+  pad = batch_size - batch.shape[0]
+  mask = np.ones((batch.shape[0], batch.shape[1] - 1), np.uint8) if mask is None else mask
+  return Batch(np.concatenate([batch, np.zeros((pad, batch.shape[1]), batch.dtype)]),
+               np.concatenate([mask, np.zeros((pad, mask.shape[1]), mask.dtype)]))
 
 
 def _packed_eval_batches(tokens, seq_len: int, batch_size: int, num_batches: int,
                          document_eos: int, row_packing: packing.RowPacking,
                          has_mask: bool) -> list:
-  """eval_batches of the split's rows of whole documents, in order (full batches only)."""
+  """eval_batches of the split's rows of whole documents, in order (full batches only, or the
+  rows there are, `_padded`, when they do not fill one)."""
   window = seq_len + 1
   rows = row_packing.rows(tokens, window)
-  available = len(rows) // batch_size
-  if available < 1:
-    raise _val_too_short(len(tokens), seq_len, batch_size)
   out = []
-  for i in range(min(num_batches, available)):
-    batch, mask = packing.gather_rows(tokens, rows, np.arange(i * batch_size, (i + 1) * batch_size),
-                                      window, row_packing.eos, tokens.mask if has_mask else None)
+  for i in range(min(num_batches, max(len(rows) // batch_size, 1))):
+    taken = np.arange(i * batch_size, min((i + 1) * batch_size, len(rows)))
+    batch, mask = packing.gather_rows(tokens, rows, taken, window, row_packing.eos,
+                                      tokens.mask if has_mask else None)
     if document_eos >= 0:
       mask = unlearn_document_starts(batch, mask, document_eos)
-    out.append(Batch(batch, mask))
+    out.append(Batch(batch, mask) if taken.size == batch_size else
+               _padded(batch, mask, batch_size))
   return out

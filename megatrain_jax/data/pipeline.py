@@ -173,8 +173,7 @@ def _check_sizes(data_config: Any, train_config: Any, prepared: DatasetInfo | No
       train_tokens = total - val_tokens
   else:
     return  # records, or another tokenizer: the counts are known after the prepare step
-  check_split_sizes(train_tokens, val_tokens, seq_len=train_config.seq_len,
-                    batch_size=train_config.batch_size)
+  check_split_sizes(train_tokens, val_tokens, seq_len=train_config.seq_len)
 
 
 def _check_mixture(data_config: Any, sources: _Sources) -> list[tuple[float, str]]:
