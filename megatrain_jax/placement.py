@@ -149,7 +149,8 @@ class Placement:
     groups = len(self.group_slices(num_layers))
     return (f'streamed engine: params on {self.params}, Adam state on {self.opt_state}, '
             f'activations on {self.activations}, embedding/head on {self.embed_head}, '
-            f'{groups} groups of {self.layers_per_group} layers{self._kept_note()}, prefetch '
+            f'{groups} group{"s" * (groups != 1)} of {self.layers_per_group} '
+            f'layer{"s" * (self.layers_per_group != 1)}{self._kept_note()}, prefetch '
             f'depth {self.prefetch_depth}, optimizer on {self.optimizer_on}{self._park_note()}')
 
   def summary(self) -> str:
