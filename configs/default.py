@@ -278,6 +278,10 @@ def get_config() -> ml_collections.ConfigDict:
   sample.top_k = 50  # Sample among the k most likely tokens; 0 = among all.
   sample.top_p = 1.0  # Then among the fewest most likely tokens holding this much probability
   #                    (nucleus sampling, e.g. 0.9); 1 = off. Greedy ignores both.
+  sample.repetition_penalty = 1.0  # Divides the logits of the ids so far (1 = off; e.g. 1.05).
+  # Where a generation_config.json lies beside the tokenizer (a Hugging Face model's, copied into
+  # a run), the four fields above that the command line does not set follow it, as transformers'
+  # generate does (no do_sample there = greedy); --sample prints what it uses.
   sample.seed = 0  # Seeds the sampling: the same seed, prompt and checkpoint give the same text.
 
   # ---------------------------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 `generate` continues a prompt one token at a time, greedily (temperature 0, the argmax) or by
 sampling the softmax of logits / temperature, optionally among the top_k logits and then the
-smallest set of them whose probability reaches top_p (transformers' order of its warpers), and
-stops after any of the stop ids (the data's EOS, generation_config.json's) or max_new_tokens.
+smallest set of them whose probability reaches top_p (transformers' order of its warpers), the
+logits of the ids so far first divided by a repetition penalty (multiplied where negative, as
+transformers does), and stops after any of the stop ids (the data's EOS, generation_config.json's)
+or max_new_tokens.
 
 It decodes with a key/value cache (model.extend): one [1, L] buffer (L = prompt + max_new_tokens,
 at most model.max_seq_len) runs through the layers once, filling the cache [layers, 1, KV, L, Dh]
@@ -26,8 +28,8 @@ from megatrain_jax.errors import ConfigError
 
 
 def generate(cfg: model_lib.ModelConfig, params, prompt, *, max_new_tokens: int,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             eos_id=()) -> np.ndarray:
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             repetition_penalty: float = 1.0, seed: int = 0, eos_id=()) -> np.ndarray:
   """The token ids [<= max_new_tokens] that follow `prompt` ([N] ids), ending with one of the
   stop ids `eos_id` (an int or several; -1 or () = none) if the model produced it.
 
@@ -36,13 +38,13 @@ def generate(cfg: model_lib.ModelConfig, params, prompt, *, max_new_tokens: int,
       within model.max_seq_len, or a top_p outside (0, 1].
   """
   return generate_all(cfg, params, [prompt], max_new_tokens=max_new_tokens,
-                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                      eos_id=eos_id)[0]
+                      temperature=temperature, top_k=top_k, top_p=top_p,
+                      repetition_penalty=repetition_penalty, seed=seed, eos_id=eos_id)[0]
 
 
 def generate_all(cfg: model_lib.ModelConfig, params, prompts, *, max_new_tokens: int,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 eos_id=()) -> list:
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 repetition_penalty: float = 1.0, seed: int = 0, eos_id=()) -> list:
   """`generate` of each of `prompts` (lists of ids), prompt i drawn with seed + i: the same
   tokens each alone gives. One compiled program serves them all: every buffer has the longest
   prompt's length + max_new_tokens slots, and each prompt stops after its own max_new_tokens.
@@ -65,13 +67,15 @@ def generate_all(cfg: model_lib.ModelConfig, params, prompts, *, max_new_tokens:
     raise ConfigError(f'sample.max_new_tokens={max_new_tokens} must be >= 1.')
   if not 0 < top_p <= 1:
     raise ConfigError(f'sample.top_p={top_p} must be in (0, 1] (1 = off).')
+  if not repetition_penalty > 0:
+    raise ConfigError(f'sample.repetition_penalty={repetition_penalty} must be > 0 (1 = off).')
   if length > cfg.max_seq_len:
     raise ConfigError(f'{name}{which} ({prompts[longest].size} tokens) + sample.max_new_tokens '
                       f'({max_new_tokens}) = {length} tokens exceed model.max_seq_len='
                       f'{cfg.max_seq_len}; shorten the prompt or lower sample.max_new_tokens.')
   stop_ids = tuple(sorted({int(i) for i in np.atleast_1d(eos_id) if int(i) >= 0}))
   loop = _generation_loop(cfg, float(temperature), min(int(top_k), cfg.vocab_size),
-                          float(top_p), stop_ids)
+                          float(top_p), float(repetition_penalty), stop_ids)
   out = []
   for i, prompt in enumerate(prompts):
     buffer = np.zeros((1, length), np.int32)
@@ -108,12 +112,14 @@ def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
 
 @functools.lru_cache(maxsize=8)
 def _generation_loop(cfg: model_lib.ModelConfig, temperature: float, top_k: int, top_p: float,
-                     stop_ids: tuple):
+                     penalty: float, stop_ids: tuple):
   """jit(params, buffer [1, L], n, limit, key) -> (buffer, end): tokens n.. written until a stop
   id or slot `limit` (<= L), each from the logits of the token before it."""
   stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
 
-  def choose(logits, key):  # logits [V] -> a token id
+  def choose(logits, seen, key):  # logits [V], seen [V] (the ids so far) -> a token id
+    if penalty != 1.0:  # transformers' RepetitionPenaltyLogitsProcessor, greedy or not
+      logits = jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
     if temperature == 0.0:
       return jnp.argmax(logits).astype(jnp.int32)
     logits = filter_logits(logits / temperature, top_k, top_p)
@@ -126,12 +132,12 @@ def _generation_loop(cfg: model_lib.ModelConfig, temperature: float, top_k: int,
     return model_lib.head(cfg, params, x)[0, 0], cache
 
   def step(params, carry):
-    buffer, n, key, _, logits, cache = carry
+    buffer, n, key, _, logits, seen, cache = carry
     key, draw = jax.random.split(key)
-    token = choose(logits, draw)
+    token = choose(logits, seen, draw)
     buffer = jax.lax.dynamic_update_slice_in_dim(buffer, token.reshape(1, 1), n, axis=1)
     logits, cache = after(params, buffer, n, cache)
-    return buffer, n + 1, key, jnp.any(token == stops), logits, cache
+    return buffer, n + 1, key, jnp.any(token == stops), logits, seen.at[token].set(True), cache
 
   def run(params, buffer, n, limit, key):
     # The prefill: the whole buffer at once, for the logits after the prompt's last token.
@@ -140,7 +146,9 @@ def _generation_loop(cfg: model_lib.ModelConfig, temperature: float, top_k: int,
                                 cache)
     logits = model_lib.head(cfg, params, jax.lax.dynamic_slice_in_dim(x, n - 1, 1, axis=1))
     more = lambda carry: (carry[1] < limit) & ~carry[3]
-    carry = (buffer, n, key, jnp.bool_(False), logits[0, 0], cache)
+    # The ids of the prompt (the slots before n) [V]: what a repetition penalty applies to.
+    seen = jnp.zeros(cfg.vocab_size, bool).at[buffer[0]].max(jnp.arange(buffer.shape[1]) < n)
+    carry = (buffer, n, key, jnp.bool_(False), logits[0, 0], seen, cache)
     buffer, n, *_ = jax.lax.while_loop(more, functools.partial(step, params), carry)
     return buffer, n
 

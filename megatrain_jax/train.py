@@ -804,6 +804,7 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
            data_lib.read_prompts(settings.prompts, config.data.prompt_field))
   prompts = [data_lib.prompt_ids(text, tokenizer, fmt, settings.chat) for text in texts]
   stops = data_lib.stop_ids(tokenizer, fmt)
+  sampling = _sampling(config, tokenizer, overrides)
   longest = max(map(len, prompts)) + settings.max_new_tokens
   weights_gb = sample_lib.device_bytes(model_cfg, longest) / 1e9
   device_gb = hardware.load_profile(config.hardware).device_memory_gb
@@ -815,10 +816,9 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
   with _weights_reader(config, model_cfg, path, meta, checkpoint) as (reader, source):
     # Built on the device leaf by leaf (one host piece at a time), as a restore builds them.
     params = reader.device_state({'params': model_lib.abstract_params(model_cfg)})['params']
-  outputs = sample_lib.generate_all(
-      model_cfg, params, prompts, max_new_tokens=settings.max_new_tokens,
-      temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-      seed=settings.seed, eos_id=stops)
+  outputs = sample_lib.generate_all(model_cfg, params, prompts,
+                                    max_new_tokens=settings.max_new_tokens, seed=settings.seed,
+                                    eos_id=stops, **sampling)
   completions = [(tokenizer.decode(ids[:-1] if ids.size and ids[-1] in stops else ids),
                   int(ids.size), bool(ids.size and ids[-1] in stops)) for ids in outputs]
   if settings.prompts:
@@ -848,6 +848,34 @@ def _check_sample_settings(settings) -> None:
       raise ConfigError(f'sample.{field}={settings[field]} must be >= 0.')
   if not 0 < settings.top_p <= 1:
     raise ConfigError(f'sample.top_p={settings.top_p} must be in (0, 1] (1 = off).')
+  if not settings.repetition_penalty > 0:
+    raise ConfigError(f'sample.repetition_penalty={settings.repetition_penalty} must be > 0 '
+                      '(1 = off).')
+
+
+SAMPLING_FIELDS = ('temperature', 'top_k', 'top_p', 'repetition_penalty')
+
+
+def _sampling(config, tokenizer, overrides) -> dict:
+  """{field: value} of SAMPLING_FIELDS as --sample applies them, as transformers' `generate`
+  does: those set on the command line (`overrides`; None: those that differ from
+  configs/default.py), the rest from a generation_config.json beside the tokenizer
+  (data.sampling_defaults), else the config's. Printed with where they came from."""
+  settings = config.sample
+  if overrides is not None:
+    chosen = {key.split('.', 1)[1] for key in overrides if key.startswith('sample.')}
+  else:
+    default = config_lib.load_config('default').sample
+    chosen = {field for field in SAMPLING_FIELDS if settings[field] != default[field]}
+  adopted, path = data_lib.sampling_defaults(tokenizer, chosen)
+  values = {field: adopted.get(field, settings[field]) for field in SAMPLING_FIELDS}
+  described = ('greedy' if values['temperature'] == 0 else ', '.join(
+      f'{field} {values[field]:g}' for field in SAMPLING_FIELDS[:3]))
+  if values['repetition_penalty'] != 1:
+    described += f', repetition_penalty {values["repetition_penalty"]:g}'
+  source = f' (as {path} asks, where the command line is silent)' if adopted else ''
+  print(f'sampling: {described}{source}', flush=True)
+  return values
 
 
 def _write_samples(out: str, prompts: list, completions: list, source: str) -> dict:

@@ -64,6 +64,14 @@ def test_greedy_continuation_equals_transformers_generate(arch, checkpoints):
   eos = int(ours[3])
   stopped = sample.generate(cfg, params, PROMPT, max_new_tokens=24, eos_id=eos)
   np.testing.assert_array_equal(stopped, ours[:list(ours).index(eos) + 1])
+  # A repetition penalty, as transformers applies it to the prompt's ids and the new ones.
+  penalised = sample.generate(cfg, params, PROMPT, max_new_tokens=24, repetition_penalty=1.5)
+  with torch.no_grad():
+    theirs = model.generate(torch.from_numpy(PROMPT[None]), max_new_tokens=24, do_sample=False,
+                            repetition_penalty=1.5, eos_token_id=None,
+                            pad_token_id=0)[0, PROMPT.size:].numpy()
+  np.testing.assert_array_equal(penalised, theirs)
+  assert not np.array_equal(penalised, ours)  # the penalty changed the text
 
 
 def test_sampling_draws_from_the_top_k_softmax(checkpoints):
@@ -138,7 +146,8 @@ def test_sample_command_reads_a_run_or_a_hugging_face_checkpoint(checkpoints, tm
   train.train_and_evaluate(config, str(workdir))
   capsys.readouterr()
   first = train.sample(config, str(workdir))
-  assert capsys.readouterr().out == 'The ' + first['sample/text'] + '\n'
+  assert capsys.readouterr().out == ('sampling: temperature 0.8, top_k 50, top_p 1\n'
+                                      f"The {first['sample/text']}\n")
   assert 0 < first['sample/tokens'] <= 20 and 'step 1' in first['sample/source']
   assert train.sample(config, str(workdir)) == first
   config.sample.seed = 1
@@ -186,10 +195,45 @@ def test_sample_command_stops_at_generation_config_eos_ids(checkpoints, tmp_path
   end = list(greedy).index(stop)
   assert got['sample/tokens'] == end + 1
   assert got['sample/text'] == ' '.join(f't{i}' for i in greedy[:end])
-  assert capsys.readouterr().out == words + got['sample/text'] + '\n'
+  assert capsys.readouterr().out.splitlines() == [
+      f'sampling: greedy (as {tmp_path}/tok/generation_config.json asks, where the command line '
+      'is silent)', words + got['sample/text']]
   config.data.tokenizer = _word_tokenizer(tmp_path / 'bad', {'eos_token_id': [0, 999]})
   with pytest.raises(ConfigError, match=r'generation_config.json has eos_token_id=\[0, 999\]'):
     train.sample(config, str(tmp_path / 'w'))
+
+
+def test_sample_command_samples_as_generation_config_asks(checkpoints, tmp_path, capsys):
+  """The sampling fields the command line leaves alone follow generation_config.json, as
+  transformers' generate reads it (Qwen2.5 Instruct's values here); one set there wins, and a
+  bad value the command line replaces is not read."""
+  directory, _ = checkpoints['qwen2']
+  cfg, params = hf.load_hf(directory)
+  asks = {'do_sample': True, 'temperature': 0.7, 'top_k': 20, 'top_p': 0.8,
+          'repetition_penalty': 1.05, 'eos_token_id': [0]}
+  words = ' '.join(f't{i}' for i in PROMPT)
+  config = config_with(init__from_hf=str(directory), train__seq_len=32, sample__prompt=words,
+                       sample__max_new_tokens=12, sample__seed=4,
+                       data__tokenizer=_word_tokenizer(tmp_path / 'tok', asks))
+  got = train.sample(config, str(tmp_path / 'w'))
+  want = sample.generate(cfg, params, PROMPT, max_new_tokens=12, temperature=0.7, top_k=20,
+                         top_p=0.8, repetition_penalty=1.05, seed=4, eos_id=0)
+  assert got['sample/tokens'] == want.size
+  assert got['sample/text'] == ' '.join(f't{i}' for i in want[:want.size - (want[-1] == 0)])
+  assert capsys.readouterr().out.startswith(
+      'sampling: temperature 0.7, top_k 20, top_p 0.8, repetition_penalty 1.05 (as ')
+  # The command line's temperature (greedy) wins; the file's penalty still applies.
+  config.sample.temperature = 0.0
+  greedy = train.sample(config, str(tmp_path / 'w'), overrides=['sample.temperature'])
+  want = sample.generate(cfg, params, PROMPT, max_new_tokens=12, repetition_penalty=1.05,
+                         eos_id=0)
+  assert greedy['sample/tokens'] == want.size and greedy['sample/text'].startswith(
+      ' '.join(f't{i}' for i in want[:3]))
+  config.data.tokenizer = _word_tokenizer(tmp_path / 'bad', {**asks, 'top_p': 1.5})
+  with pytest.raises(ConfigError, match=r'generation_config.json has top_p=1.5.*sample.top_p'):
+    train.sample(config, str(tmp_path / 'w'))
+  config.sample.top_p = 0.9  # set by the user: the file's value is not read
+  train.sample(config, str(tmp_path / 'w'), overrides=['sample.top_p'])
 
 
 def test_sample_command_continues_a_file_of_prompts(checkpoints, tmp_path, capsys):
@@ -237,6 +281,8 @@ def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):
       (dict(), 'sample.prompt is empty'),
       (dict(sample__prompt='x', sample__temperature=-1.0), 'sample.temperature=-1.0 must be >= 0'),
       (dict(sample__prompt='x', sample__top_p=1.5), r'sample.top_p=1.5 must be in \(0, 1\]'),
+      (dict(sample__prompt='x', sample__repetition_penalty=0.0),
+       'sample.repetition_penalty=0.0 must be > 0'),
       (dict(sample__prompts='p.txt'), 'sample.prompts needs sample.out'),
       (dict(sample__prompt='x', sample__prompts='p.txt'),
        'sample.prompt and sample.prompts: set one'),

@@ -13,9 +13,9 @@ Typical use by the trainer:
 """
 
 from megatrain_jax.data.corpus import default_corpus_text
-from megatrain_jax.data.documents import (DocumentFormat, document_format, prompt_ids,
-                                          stop_ids)
+from megatrain_jax.data.documents import DocumentFormat, document_format, prompt_ids
 from megatrain_jax.data.formats import read_prompts
+from megatrain_jax.data.generation import sampling_defaults, stop_ids
 from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, batch_scalars,
                                        eval_batches, load_split, open_tokens,
                                        unlearn_document_starts)
@@ -51,6 +51,7 @@ __all__ = [
     'read_dataset_info',
     'read_prompts',
     'row_packing',
+    'sampling_defaults',
     'stop_ids',
     'TokenStream',
 ]

@@ -51,7 +51,6 @@ TOOLS_FIELD = 'tools'
 # readable.
 RECORDS_VERSION = 2
 _TOKENIZER_CONFIG = 'tokenizer_config.json'
-_GENERATION_CONFIG = 'generation_config.json'
 # transformers' file for a tokenizer's chat template, beside tokenizer.json.
 CHAT_TEMPLATE_FILE = 'chat_template.jinja'
 
@@ -465,32 +464,6 @@ def prompt_ids(prompt: str | list, tokenizer: Tokenizer, fmt: DocumentFormat,
     text = prompt
   return ([] if fmt.bos is None else [fmt.bos]) + list(encode_batch(tokenizer, [text])[0])
 
-
-def stop_ids(tokenizer: Tokenizer, fmt: DocumentFormat) -> tuple[int, ...]:
-  """The ids that end a generated text (`--sample`): the data's EOS, and the `eos_token_id` (an
-  id or a list) of a generation_config.json beside tokenizer.json, as transformers' `generate`
-  stops. A Llama 3 Instruct model ends a turn with <|eot_id|> and a text with <|end_of_text|>;
-  its generation_config.json names both (and <|eom_id|>).
-
-  Raises:
-    ConfigError: (naming the file) generation_config.json is not JSON, or its eos_token_id holds
-      something other than token ids of this tokenizer.
-  """
-  ids = {fmt.eos}
-  path = getattr(tokenizer, 'path', None)
-  config_path = None if path is None else Path(path).parent / _GENERATION_CONFIG
-  if config_path is None or not config_path.is_file():
-    return tuple(sorted(ids))
-  try:
-    eos = json.loads(config_path.read_text(encoding='utf-8')).get('eos_token_id')
-  except (OSError, ValueError, AttributeError) as e:
-    raise ConfigError(f'--sample: {config_path} is not a JSON object ({e}); fix or remove '
-                      'it.') from e
-  listed = [] if eos is None else eos if isinstance(eos, list) else [eos]
-  if not all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size for i in listed):
-    raise ConfigError(f'--sample: {config_path} has eos_token_id={eos!r}: not ids of the '
-                      f'tokenizer (0..{tokenizer.vocab_size - 1}); fix or remove it.')
-  return tuple(sorted(ids | set(listed)))
 
 # --- parts -> tokens ---------------------------------------------------------------------------
 
