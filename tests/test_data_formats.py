@@ -394,10 +394,14 @@ def _tokenizer_with(directory: Path, tokenizer_dir: Path, config: dict):
   return load_tokenizer(str(directory))
 
 
-def _prepared_chat(tmp_path: Path, tok) -> tuple[np.ndarray, np.ndarray]:
-  """(tokens, loss mask) of CONVERSATION prepared with `tok` (one chat record)."""
-  source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': CONVERSATION}])
-  info = prepare_dataset(tmp_path / 'out', tok, train_sources=[source], val_fraction=0.5)
+def _prepared_chat(tmp_path: Path, tok, record=None, name='chat') -> tuple[np.ndarray,
+                                                                           np.ndarray]:
+  """(tokens, loss mask) of one record (CONVERSATION's messages by default) prepared with
+  `tok`."""
+  record = {'messages': CONVERSATION} if record is None else record
+  source = _write_jsonl(tmp_path / f'{name}.jsonl', [record])
+  info = prepare_dataset(tmp_path / f'{name}-out', tok, train_sources=[source],
+                         val_fraction=0.5)
   whole = TokenStream(info.splits['train'] + info.splits['val'], info.dtype)
   return whole[:], whole.mask(slice(0, len(whole)))
 
@@ -461,6 +465,47 @@ def test_sharegpt_and_conversational_prompt_completion(tmp_path, tokenizer_dir):
     source = _write_jsonl(tmp_path / f'bad{i}.jsonl', [record])
     with pytest.raises(ConfigError, match=re.escape(message)):
       prepare_dataset(tmp_path / f'bad{i}', tok, train_sources=[source])
+
+
+def test_alpaca_records_are_chat_with_a_template_and_stanford_prompts_without(tmp_path,
+                                                                            tokenizer_dir):
+  """Alpaca records (instruction, input, output; Dolly's instruction, context, response): with a
+  chat template the same tokens and mask as the conversation of a user turn (instruction, then
+  the input after a blank line) and the output as the reply; without one, Stanford Alpaca's
+  prompt (not learned) and the output (learned), as the prompt/completion record of that text.
+  A record with a text field stays text."""
+  tok = load_tokenizer(str(tokenizer_dir))
+  chat = [{'role': 'system', 'content': 'Be brief.'},
+          {'role': 'user', 'content': 'Capital of this country?\n\nFrance'},
+          {'role': 'assistant', 'content': 'Paris.'}]
+  want = _prepared_chat(tmp_path, tok, {'messages': chat}, 'want')
+  alpaca = {'instruction': 'Capital of this country?', 'input': 'France', 'output': 'Paris.',
+            'system': 'Be brief.'}
+  dolly = {'instruction': 'Capital of this country?', 'context': 'France',
+           'response': 'Paris.', 'category': 'open_qa', 'system': 'Be brief.'}
+  for name, record in (('alpaca', alpaca), ('dolly', dolly)):
+    got = _prepared_chat(tmp_path, tok, record, name)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+  byte = document_format(ByteTokenizer())
+  no_input = {'instruction': 'Add 2 and 3.', 'input': '', 'output': '5'}
+  assert documents_module.record_parts(no_input, byte) == [
+      ('Below is an instruction that describes a task. Write a response that appropriately '
+       'completes the request.\n\n### Instruction:\nAdd 2 and 3.\n\n### Response:', False),
+      ('5', True)]
+  with_input = documents_module.record_parts({**alpaca, 'system': ''}, byte)
+  assert with_input == [(documents_module.ALPACA_PROMPT.format(
+      instruction='Capital of this country?', input='France'), False), ('Paris.', True)]
+  assert '### Input:\nFrance\n\n### Response:' in with_input[0][0]
+  plain = _tokenizer_with(tmp_path / 'plain', tokenizer_dir, {'eos_token': EOS})
+  got = _prepared_chat(tmp_path, plain, no_input, 'plain')
+  want = _prepared_chat(tmp_path, plain, {'prompt': documents_module.record_parts(
+      no_input, byte)[0][0], 'completion': '5'}, 'plain-want')
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_array_equal(got[1], want[1])
+  assert documents_module.record_parts({**no_input, 'text': 'as is'}, byte) == [('as is', True)]
+  with pytest.raises(documents_module.BadRecord, match="field 'input' is int, not a string"):
+    documents_module.record_parts({**no_input, 'input': 3}, byte)
 
 
 # A chat template with tools, in the manner of Qwen2.5's (shortened): the tools' schemas in the

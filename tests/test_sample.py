@@ -237,23 +237,25 @@ def test_sample_command_samples_as_generation_config_asks(checkpoints, tmp_path,
 
 
 def test_sample_command_continues_a_file_of_prompts(checkpoints, tmp_path, capsys):
-  """sample.prompts: a text file's lines, or JSONL records (a prompt field or chat messages,
-  rendered up to the assistant's turn), continued in one program and written to sample.out in
-  order; each continuation equals generate() of that prompt alone with seed + its index (so a
-  short prompt in the longest prompt's buffer still stops at its own max_new_tokens)."""
+  """sample.prompts: a text file's lines, or JSONL records (a prompt field, chat messages or an
+  Alpaca record, rendered up to the assistant's turn), continued in one program and written to
+  sample.out in order; each continuation equals generate() of that prompt alone with seed + its
+  index (so a short prompt in the longest prompt's buffer still stops at its own
+  max_new_tokens)."""
   directory, _ = checkpoints['llama']
   cfg, params = hf.load_hf(directory)
   lines = tmp_path / 'prompts.txt'
   lines.write_text('ab\n\nhello there, model\nx\n')
   records = tmp_path / 'prompts.jsonl'
-  records.write_text(json.dumps({'prompt': 'ab'}) + '\n' + json.dumps(
-      {'messages': [{'role': 'user', 'content': 'hi'}], 'id': 7}) + '\n')
+  records.write_text(''.join(json.dumps(r) + '\n' for r in [
+      {'prompt': 'ab'}, {'messages': [{'role': 'user', 'content': 'hi'}], 'id': 7},
+      {'instruction': 'Say', 'input': 'hi', 'output': 'not read'}]))
   template = tmp_path / 'chat.jinja'
   template.write_text("{% for m in messages %}{{ m['content'] }}|{% endfor %}"
                       "{% if add_generation_prompt %}>{% endif %}")
   for path, texts, temperature in [(lines, [b'ab', b'hello there, model', b'x'], 0.0),
                                    (lines, [b'ab', b'hello there, model', b'x'], 1.0),
-                                   (records, [b'ab', b'hi|>'], 1.0)]:
+                                   (records, [b'ab', b'hi|>', b'Say\n\nhi|>'], 1.0)]:
     out = tmp_path / f'{path.stem}-{temperature}.jsonl'
     config = config_with(init__from_hf=str(directory), data__tokenizer='byte',
                          data__chat_template=str(template), train__seq_len=32,

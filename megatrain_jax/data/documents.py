@@ -23,7 +23,13 @@ A record is read as (first match wins):
                list of {from, value}; from: human, gpt, system, ...) and the tokenizer directory
                has a chat template: the conversation is rendered with it (jinja2 sandbox), with
                the record's `tools` (function schemas) if any, and only the assistant turns (and
-               the EOS) are learned; an assistant turn may hold `tool_calls` instead of content.
+               the EOS) are learned; an assistant turn may hold `tool_calls` instead of content;
+  alpaca       it holds `instruction` and `output` (Alpaca; Dolly's `response` for `output`),
+               with an optional `input` (Dolly: `context`) and `system`: with a chat template,
+               a user turn of the instruction (and input, after a blank line) and the output as
+               the assistant's reply, rendered and learned as chat; without one, Stanford
+               Alpaca's prompt text (`ALPACA_PROMPT`) as the prompt, the output learned
+               (a record that also holds `text`, as tatsu-lab/alpaca's rows do, is text).
 In instruction and chat documents BOS is not learned; plain text documents learn every token
 (no mask is stored for them). Plain .txt sources are not records: their bytes are one continuous
 stream, tokenized as is (no BOS/EOS), as before this format existed.
@@ -49,7 +55,20 @@ SHAREGPT_FIELD = 'conversations'
 TOOLS_FIELD = 'tools'
 # The rules that read records (record_parts): raised when a kind of record that was bad becomes
 # readable.
-RECORDS_VERSION = 2
+RECORDS_VERSION = 3
+# Alpaca records (record_parts): the field names, Dolly's second.
+ALPACA_INSTRUCTION, ALPACA_OUTPUT, ALPACA_INPUT = 'instruction', ('output', 'response'), (
+    'input', 'context')
+# Stanford Alpaca's prompts (tatsu-lab/stanford_alpaca, train.py: PROMPT_DICT), for tokenizers
+# without a chat template: with an input, and without. The output follows the colon directly, as
+# there.
+ALPACA_PROMPT = ('Below is an instruction that describes a task, paired with an input that '
+                 'provides further context. Write a response that appropriately completes the '
+                 'request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n'
+                 '### Response:')
+ALPACA_PROMPT_NO_INPUT = ('Below is an instruction that describes a task. Write a response that '
+                          'appropriately completes the request.\n\n### Instruction:\n'
+                          '{instruction}\n\n### Response:')
 _TOKENIZER_CONFIG = 'tokenizer_config.json'
 # transformers' file for a tokenizer's chat template, beside tokenizer.json.
 CHAT_TEMPLATE_FILE = 'chat_template.jinja'
@@ -93,7 +112,8 @@ class DocumentFormat:
       del out['text_documents']
     if self.skip_bad_records:
       # Records read since version 2 (ShareGPT, conversational prompt/completion, tool calls)
-      # were bad records before, skipped where this is set: prepare such data again.
+      # and 3 (Alpaca) were bad records before, skipped where this is set: prepare such data
+      # again.
       out['records_version'] = RECORDS_VERSION
     template = out.pop('chat_template')
     out['chat_template_sha256'] = (hashlib.sha256(template.encode()).hexdigest()
@@ -244,10 +264,43 @@ def record_parts(record: Any, fmt: DocumentFormat) -> Parts:
   if SHAREGPT_FIELD in record:
     return chat_parts(_chat(_sharegpt_messages(record[SHAREGPT_FIELD]), fmt, SHAREGPT_FIELD), fmt,
                       tools=_tools(record))
+  output = next((field for field in ALPACA_OUTPUT if field in record), None)
+  if ALPACA_INSTRUCTION in record and output is not None:
+    return _alpaca_parts(record, output, fmt)
   keys = ', '.join(repr(k) for k in list(record)[:8])
   raise BadRecord(f'record without the text field {fmt.text_field!r} (nor '
-                  f'{fmt.prompt_field!r}+{fmt.completion_field!r}, {MESSAGES_FIELD!r} or '
-                  f'{SHAREGPT_FIELD!r}); its fields: {keys}; set data.text_field')
+                  f'{fmt.prompt_field!r}+{fmt.completion_field!r}, {MESSAGES_FIELD!r}, '
+                  f'{SHAREGPT_FIELD!r} or {ALPACA_INSTRUCTION!r}+{ALPACA_OUTPUT[0]!r}); its '
+                  f'fields: {keys}; set data.text_field')
+
+
+def _alpaca_parts(record: dict, output: str, fmt: DocumentFormat) -> Parts:
+  """An Alpaca record's parts (module docstring): as chat where the tokenizer has a template
+  (an instruct model's fine-tune speaks its format), else Stanford Alpaca's prompt text."""
+  response = _string(record, output, fmt)
+  prompt = alpaca_prompt(record, fmt)
+  if isinstance(prompt, list):
+    return chat_parts(prompt + [{'role': 'assistant', 'content': response}], fmt)
+  return [(prompt, False), (response, True)]
+
+
+def alpaca_prompt(record: dict, fmt: DocumentFormat) -> str | list:
+  """What an Alpaca record asks (module docstring), without its output: the system and user
+  messages where the tokenizer has a chat template, else Stanford Alpaca's prompt text. Raises
+  BadRecord."""
+  instruction = _string(record, ALPACA_INSTRUCTION, fmt)
+  extra = {field: record.get(field) or '' for field in (*ALPACA_INPUT, 'system')}
+  for field, value in extra.items():
+    if not isinstance(value, str):
+      raise BadRecord(f'field {field!r} is {type(value).__name__}, not a string')
+  context, system = extra['input'] or extra['context'], extra['system']
+  if fmt.chat_template is not None:
+    user = f'{instruction}\n\n{context}' if context else instruction
+    messages = [{'role': 'system', 'content': system}] if system else []
+    return messages + [{'role': 'user', 'content': user}]
+  prompt = (ALPACA_PROMPT.format(instruction=instruction, input=context) if context else
+            ALPACA_PROMPT_NO_INPUT.format(instruction=instruction))
+  return f'{system}\n\n{prompt}' if system else prompt
 
 
 def _chat(messages: Any, fmt: DocumentFormat, field: str) -> list:
@@ -439,17 +492,23 @@ def _turn_end(full: str, messages: list, i: int, start: int, render) -> int:
                   'follow it that the turn cannot be located in the conversation')
 
 
-def prompt_ids(prompt: str | list, tokenizer: Tokenizer, fmt: DocumentFormat,
+def prompt_ids(prompt: str | list | dict, tokenizer: Tokenizer, fmt: DocumentFormat,
                chat: bool = False) -> list:
   """The token ids a document starting with `prompt` begins with in training ([BOS] text); with
   `chat`, a user turn of `prompt` rendered by the chat template up to the assistant's reply; a
   list of chat messages (a sample.prompts record's) rendered whole up to the assistant's next
-  turn. What `--sample` continues.
+  turn; an Alpaca record (a dict) as training renders it up to its output (`alpaca_prompt`).
+  What `--sample` continues.
 
   Raises:
     ConfigError: (naming `sample.chat` or `sample.prompts`) a chat prompt without a chat
       template, or messages that are not a conversation the template renders.
   """
+  if isinstance(prompt, dict):  # an Alpaca record: its prompt text, or its messages
+    try:
+      prompt = alpaca_prompt(prompt, fmt)
+    except BadRecord as e:
+      raise ConfigError(f'sample.prompts: an Alpaca record: {e}.') from e
   if isinstance(prompt, list):
     try:
       text = _render(_chat(prompt, fmt, 'messages'), fmt, generation_prompt=True)

@@ -539,8 +539,9 @@ def bad_records_error(bad: list[str], count: int, field: str) -> ConfigError:
 
 def read_prompts(path: str | Path, prompt_field: str = 'prompt') -> list:
   """The prompts of a `sample.prompts` file, in file order: a text file's non-blank lines (each
-  one prompt), or a JSONL(.zst/.gz) file's records, each a prompt string in `prompt_field` or a
-  chat `messages` list (continued as the assistant's next turn).
+  one prompt), or a JSONL(.zst/.gz) file's records, each a prompt string in `prompt_field`, a
+  chat `messages` list (continued as the assistant's next turn) or an Alpaca record (the dict,
+  rendered as training renders it up to its output).
 
   Raises:
     ConfigError: (naming `sample.prompts`) a missing or unreadable file, a Parquet or Arrow file,
@@ -578,5 +579,8 @@ def _prompt_of_record(line: str, number: int, path: Path, prompt_field: str):
   value = record.get(prompt_field, record.get('messages')) if isinstance(record, dict) else None
   if isinstance(value, str) or (isinstance(value, list) and value):
     return value
+  if isinstance(record, dict) and 'instruction' in record:  # Alpaca: rendered as in training
+    return record
   raise ConfigError(f'sample.prompts: {path} line {number} has no string {prompt_field!r} '
-                    "(data.prompt_field) and no 'messages' list to continue.")
+                    "(data.prompt_field), no 'messages' list and no Alpaca 'instruction' to "
+                    'continue.')
