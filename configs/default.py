@@ -267,6 +267,7 @@ def get_config() -> ml_collections.ConfigDict:
   sample.prompt = ''  # The text to continue (required), tokenized as training tokenizes data.
   sample.chat = False  # True: the prompt is a user turn of the tokenizer's chat template, and the
   #                      model writes the assistant's reply.
+  sample.system = ''  # With chat: a system turn before the user's (e.g. 'You are a pirate.').
   sample.prompts = ''  # Instead of prompt, a file of prompts continued one by one with these
   #                      settings (prompt i seeded seed + i): a text file (one per line) or
   #                      JSONL records holding data.prompt_field or chat 'messages'.

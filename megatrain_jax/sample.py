@@ -34,8 +34,7 @@ def generate(cfg: model_lib.ModelConfig, params, prompt, *, max_new_tokens: int,
   stop ids `eos_id` (an int or several; -1 or () = none) if the model produced it.
 
   Raises:
-    ConfigError: (naming `sample.*`) an empty prompt, one that leaves no room for max_new_tokens
-      within model.max_seq_len, or a top_p outside (0, 1].
+    ConfigError: (naming `sample.*`) as `check_request`.
   """
   return generate_all(cfg, params, [prompt], max_new_tokens=max_new_tokens,
                       temperature=temperature, top_k=top_k, top_p=top_p,
@@ -50,29 +49,12 @@ def generate_all(cfg: model_lib.ModelConfig, params, prompts, *, max_new_tokens:
   prompt's length + max_new_tokens slots, and each prompt stops after its own max_new_tokens.
 
   Raises:
-    ConfigError: as `generate`, naming the prompt (1-based) of several that is empty or longest.
+    ConfigError: as `check_request`.
   """
   prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
   if not prompts:
     return []
-  name = 'sample.prompt' if len(prompts) == 1 else 'sample.prompts'
-  longest = max(range(len(prompts)), key=lambda i: prompts[i].size)
-  which = '' if len(prompts) == 1 else f' #{longest + 1}'
-  length = prompts[longest].size + max_new_tokens
-  for i, prompt in enumerate(prompts):
-    if not prompt.size:
-      raise ConfigError(f'{name}: {"it" if len(prompts) == 1 else f"prompt #{i + 1}"} encodes '
-                        'to no tokens; give some text to continue.')
-  if max_new_tokens < 1:
-    raise ConfigError(f'sample.max_new_tokens={max_new_tokens} must be >= 1.')
-  if not 0 < top_p <= 1:
-    raise ConfigError(f'sample.top_p={top_p} must be in (0, 1] (1 = off).')
-  if not repetition_penalty > 0:
-    raise ConfigError(f'sample.repetition_penalty={repetition_penalty} must be > 0 (1 = off).')
-  if length > cfg.max_seq_len:
-    raise ConfigError(f'{name}{which} ({prompts[longest].size} tokens) + sample.max_new_tokens '
-                      f'({max_new_tokens}) = {length} tokens exceed model.max_seq_len='
-                      f'{cfg.max_seq_len}; shorten the prompt or lower sample.max_new_tokens.')
+  length = check_request(cfg, prompts, max_new_tokens, top_p, repetition_penalty)
   stop_ids = tuple(sorted({int(i) for i in np.atleast_1d(eos_id) if int(i) >= 0}))
   loop = _generation_loop(cfg, float(temperature), min(int(top_k), cfg.vocab_size),
                           float(top_p), float(repetition_penalty), stop_ids)
@@ -84,6 +66,38 @@ def generate_all(cfg: model_lib.ModelConfig, params, prompts, *, max_new_tokens:
                        jnp.int32(prompt.size + max_new_tokens), jax.random.key(seed + i))
     out.append(np.asarray(tokens)[0, prompt.size:int(end)])
   return out
+
+
+def check_request(cfg: model_lib.ModelConfig, prompts: list, max_new_tokens: int,
+                  top_p: float = 1.0, repetition_penalty: float = 1.0) -> int:
+  """The buffer length `generate_all` needs for `prompts` (lists of ids): the longest prompt +
+  max_new_tokens.
+
+  Raises:
+    ConfigError: (naming `sample.*`, and of several prompts the one, 1-based) an empty prompt,
+      one that leaves no room for max_new_tokens within model.max_seq_len, max_new_tokens < 1, a
+      top_p outside (0, 1] or a repetition_penalty <= 0.
+  """
+  sizes = [len(p) for p in prompts]
+  name = 'sample.prompt' if len(sizes) == 1 else 'sample.prompts'
+  for i, size in enumerate(sizes):
+    if not size:
+      raise ConfigError(f'{name}: {"it" if len(sizes) == 1 else f"prompt #{i + 1}"} encodes '
+                        'to no tokens; give some text to continue.')
+  if max_new_tokens < 1:
+    raise ConfigError(f'sample.max_new_tokens={max_new_tokens} must be >= 1.')
+  if not 0 < top_p <= 1:
+    raise ConfigError(f'sample.top_p={top_p} must be in (0, 1] (1 = off).')
+  if not repetition_penalty > 0:
+    raise ConfigError(f'sample.repetition_penalty={repetition_penalty} must be > 0 (1 = off).')
+  longest = max(range(len(sizes)), key=sizes.__getitem__)
+  length = sizes[longest] + max_new_tokens
+  if length > cfg.max_seq_len:
+    which = '' if len(sizes) == 1 else f' #{longest + 1}'
+    raise ConfigError(f'{name}{which} ({sizes[longest]} tokens) + sample.max_new_tokens '
+                      f'({max_new_tokens}) = {length} tokens exceed model.max_seq_len='
+                      f'{cfg.max_seq_len}; shorten the prompt or lower sample.max_new_tokens.')
+  return length
 
 
 def device_bytes(cfg: model_lib.ModelConfig, length: int) -> int:

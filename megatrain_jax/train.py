@@ -802,10 +802,12 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
   fmt = data_lib.data_format(config.data, tokenizer)
   texts = ([settings.prompt] if settings.prompt else
            data_lib.read_prompts(settings.prompts, config.data.prompt_field))
-  prompts = [data_lib.prompt_ids(text, tokenizer, fmt, settings.chat) for text in texts]
+  prompts = [data_lib.prompt_ids(text, tokenizer, fmt, settings.chat, settings.system)
+             for text in texts]
   stops = data_lib.stop_ids(tokenizer, fmt)
   sampling = _sampling(config, tokenizer, overrides)
-  longest = max(map(len, prompts)) + settings.max_new_tokens
+  longest = sample_lib.check_request(model_cfg, prompts, settings.max_new_tokens,
+                                     sampling['top_p'], sampling['repetition_penalty'])
   weights_gb = sample_lib.device_bytes(model_cfg, longest) / 1e9
   device_gb = hardware.load_profile(config.hardware).device_memory_gb
   if weights_gb > 0.8 * device_gb:
@@ -837,6 +839,9 @@ def _check_sample_settings(settings) -> None:
                       'JSONL records).' if settings.prompt else
                       'sample.prompt is empty: pass --config.sample.prompt="<text to continue>" '
                       '(or sample.prompts, a file of them).')
+  if settings.system and not settings.chat:
+    raise ConfigError('sample.system is a chat turn: set sample.chat=True too (or put the text '
+                      'into sample.prompt).')
   if settings.prompts and not settings.out:
     raise ConfigError('sample.prompts needs sample.out: the JSONL file to write the '
                       'continuations to (--config.sample.out=samples.jsonl).')

@@ -274,6 +274,16 @@ def test_sample_command_continues_a_file_of_prompts(checkpoints, tmp_path, capsy
       assert row['completion'] == ByteTokenizer().decode(want[:want.size - stopped])
     assert sum(r['tokens'] for r in rows) == got['sample/tokens']
   assert rows[1]['prompt'] == [{'role': 'user', 'content': 'hi'}]
+  # sample.chat with sample.system: a system turn, then the prompt as the user's.
+  config = config_with(init__from_hf=str(directory), data__tokenizer='byte', train__seq_len=32,
+                       data__chat_template=str(template), sample__prompt='hi', sample__chat=True,
+                       sample__system='Be brief.', sample__temperature=0.0,
+                       sample__max_new_tokens=6)
+  want, without = (sample.generate(cfg, params, np.frombuffer(text, np.uint8), max_new_tokens=6,
+                                   eos_id=0) for text in (b'Be brief.|hi|>', b'hi|>'))
+  assert not np.array_equal(want, without)  # the system turn changes what follows
+  got = train.sample(config, str(tmp_path / 'w'))
+  assert got['sample/text'] == ByteTokenizer().decode(want[:want.size - (want[-1] == 0)])
 
 
 def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):
@@ -285,6 +295,7 @@ def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):
       (dict(sample__prompt='x', sample__top_p=1.5), r'sample.top_p=1.5 must be in \(0, 1\]'),
       (dict(sample__prompt='x', sample__repetition_penalty=0.0),
        'sample.repetition_penalty=0.0 must be > 0'),
+      (dict(sample__prompt='x', sample__system='s'), 'sample.system is a chat turn'),
       (dict(sample__prompts='p.txt'), 'sample.prompts needs sample.out'),
       (dict(sample__prompt='x', sample__prompts='p.txt'),
        'sample.prompt and sample.prompts: set one'),
@@ -312,6 +323,10 @@ def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):
   small = dataclasses.replace(hardware.PRESETS['cpu'], name='small', device_memory_gb=1e-4)
   hardware.save_profile(small, tmp_path / 'small.json')
   with pytest.raises(ConfigError, match=r'holds the weights whole in device memory.*--export_hf'):
+    train.sample(config_with(**base, sample__prompt='x', sample__max_new_tokens=8,
+                             hardware=str(tmp_path / 'small.json')), str(tmp_path / 'w'))
+  # A prompt too long for the model is refused before the weights are read, too.
+  with pytest.raises(ConfigError, match=r'sample.prompt \(1 tokens\) \+ sample.max_new_tokens'):
     train.sample(config_with(**base, sample__prompt='x', hardware=str(tmp_path / 'small.json')),
                  str(tmp_path / 'w'))
   assert not (tmp_path / 'w').exists()

@@ -493,9 +493,10 @@ def _turn_end(full: str, messages: list, i: int, start: int, render) -> int:
 
 
 def prompt_ids(prompt: str | list | dict, tokenizer: Tokenizer, fmt: DocumentFormat,
-               chat: bool = False) -> list:
+               chat: bool = False, system: str = '') -> list:
   """The token ids a document starting with `prompt` begins with in training ([BOS] text); with
-  `chat`, a user turn of `prompt` rendered by the chat template up to the assistant's reply; a
+  `chat`, a user turn of `prompt` (after a `system` turn, if given) rendered by the chat template
+  up to the assistant's reply; a
   list of chat messages (a sample.prompts record's) rendered whole up to the assistant's next
   turn; an Alpaca record (a dict) as training renders it up to its output (`alpaca_prompt`).
   What `--sample` continues.
@@ -518,7 +519,8 @@ def prompt_ids(prompt: str | list | dict, tokenizer: Tokenizer, fmt: DocumentFor
     if not fmt.chat_template:
       raise ConfigError('sample.chat: data.tokenizer has no chat template (tokenizer_config.json '
                         "'chat_template'); set sample.chat=False to continue the plain text.")
-    text = _render([{'role': 'user', 'content': prompt}], fmt, generation_prompt=True)
+    messages = [{'role': 'system', 'content': system}] if system else []
+    text = _render(messages + [{'role': 'user', 'content': prompt}], fmt, generation_prompt=True)
   else:
     text = prompt
   return ([] if fmt.bos is None else [fmt.bos]) + list(encode_batch(tokenizer, [text])[0])

@@ -545,14 +545,15 @@ def read_prompts(path: str | Path, prompt_field: str = 'prompt') -> list:
 
   Raises:
     ConfigError: (naming `sample.prompts`) a missing or unreadable file, a Parquet or Arrow file,
-      a line that is not a JSON record, a record with neither field, or no prompts at all.
+      a line that is not a JSON record, a record with none of those, or no prompts at all.
   """
   field, path = 'sample.prompts', Path(path).expanduser()
   kind = source_format(path)
   if not path.is_file() or kind in (PARQUET, ARROW):
     raise ConfigError(f'{field}={str(path)!r}: ' + ('not a file' if not path.is_file() else
                       'a Parquet/Arrow file') + '; give a text file (one prompt per line) or a '
-                      f"JSONL file of records with {prompt_field!r} (or 'messages').")
+                      f"JSONL file of records with {prompt_field!r}, 'messages' or Alpaca's "
+                      "'instruction'.")
   try:
     with open(path, 'rb') as raw:
       lines = open_decompressed(path, raw).read().decode('utf-8').splitlines()
@@ -571,7 +572,8 @@ def read_prompts(path: str | Path, prompt_field: str = 'prompt') -> list:
 
 
 def _prompt_of_record(line: str, number: int, path: Path, prompt_field: str):
-  """The prompt of one JSONL line: its `prompt_field` string or its `messages` list."""
+  """The prompt of one JSONL line: its `prompt_field` string, its `messages` list, or the record
+  itself where it is an Alpaca record (`instruction`)."""
   try:
     record = json.loads(line)
   except ValueError as e:

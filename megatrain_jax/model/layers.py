@@ -144,8 +144,8 @@ class Attention(nnx.Module):
 
   def extend(self, x, where: RopePositions, cache, start):
     """Attention of S new tokens x [B, S, D], at slots [start, start + S) of a key/value cache
-    (k, v) [B, KV, T, Dh] (decode.py), to every slot of the cache: their k and v are written into
-    it first. `where`: the positions of all T slots (its ids, tables and segments [B, T, ...]);
+    (k, v) [B, KV, T, Dh] (decoder.extend), to every slot of the cache: their k and v are written
+    into it first. `where`: the positions of all T slots (its ids, tables and segments [B, T, ...]);
     slots after a query's position are masked by causality, so what they hold does not matter.
     -> (out [B, S, D], the updated (k, v))."""
     s = x.shape[1]
