@@ -17,8 +17,8 @@ from megatrain_jax.data.documents import DocumentFormat, document_format, prompt
 from megatrain_jax.data.formats import read_prompts
 from megatrain_jax.data.generation import sampling_defaults, stop_ids
 from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, batch_scalars,
-                                       eval_batches, load_split, open_tokens,
-                                       unlearn_document_starts)
+                                       check_document_ends, eval_batches, load_split,
+                                       open_tokens, unlearn_document_starts)
 from megatrain_jax.data.pipeline import (check_data_config, data_format, load_data,
                                          prepare_summary, row_packing)
 from megatrain_jax.data.prepare import DatasetInfo, prepare_dataset, read_dataset_info
@@ -35,6 +35,7 @@ __all__ = [
     'HFTokenizer',
     'Tokenizer',
     'check_data_config',
+    'check_document_ends',
     'data_format',
     'default_corpus_text',
     'document_format',

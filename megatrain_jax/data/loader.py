@@ -121,6 +121,40 @@ def check_split_sizes(train_tokens: int, val_tokens: int, *, seq_len: int) -> No
     raise _val_too_short(val_tokens, seq_len)
 
 
+# Tokens per read of `check_document_ends`' scan (uint32: 256 MB).
+_SCAN_TOKENS = 1 << 26
+
+
+def check_document_ends(info: DatasetInfo, eos: int, eos_text: str, uses: str) -> None:
+  """Refuses data whose EOS also occurs inside its documents, where `uses` (model.document_mask,
+  data.pack) finds the documents by that id: a chat template that ends every turn with it (Qwen2.5
+  Instruct's '<|im_end|>', Llama 3 Instruct's '<|eot_id|>', Mistral Instruct's '</s>') would have
+  each conversation cut at its turns, an answer no longer seeing its question. Counts the EOS ids
+  of each prepared directory (a scan of its token files) against the documents it holds.
+
+  Raises:
+    ConfigError: (naming data.eos_token and `uses`) more EOS ids than documents.
+  """
+  for part in [part for _, part in info.mixture] or [info]:
+    documents = part.stats.get('documents') or 0
+    if not documents:  # plain text streams: no documents, nothing to cut
+      continue
+    count = 0
+    for split in SPLITS:
+      tokens = load_split(part, split)
+      for start in range(0, len(tokens), _SCAN_TOKENS):
+        count += int(np.count_nonzero(tokens[start:start + _SCAN_TOKENS] == eos))
+    if count > documents:
+      raise ConfigError(
+          f'data.eos_token: {eos_text!r} (id {eos}) ends each document of {part.dir} and also '
+          f'occurs inside them ({count:,} of it in {documents:,} documents: a chat template that '
+          f'ends every turn with it). {uses} {"find" if " and " in uses else "finds"} documents '
+          'by that id, so each conversation would be cut at its turns, an answer apart from its '
+          'question. Set data.eos_token to a '
+          "token the documents do not hold (Qwen: '<|endoftext|>', Llama 3: '<|end_of_text|>'), "
+          "or train without them (model.document_mask=false, data.pack='stream').")
+
+
 class _Windows:
   """The windows of one token stream (or, given a `row_packing`, its rows of whole documents:
   packing.py) and their per-epoch permutations. A window is named by its index."""
