@@ -56,9 +56,10 @@ TOOLS_FIELD = 'tools'
 # The rules that read records (record_parts): raised when a kind of record that was bad becomes
 # readable.
 RECORDS_VERSION = 3
-# Alpaca records (record_parts): the field names, Dolly's second.
-ALPACA_INSTRUCTION, ALPACA_OUTPUT, ALPACA_INPUT = 'instruction', ('output', 'response'), (
-    'input', 'context')
+# Alpaca records (record_parts): the field names (where two, Alpaca's, then Dolly's).
+ALPACA_INSTRUCTION = 'instruction'
+ALPACA_OUTPUT = ('output', 'response')
+ALPACA_INPUT = ('input', 'context')
 # Stanford Alpaca's prompts (tatsu-lab/stanford_alpaca, train.py: PROMPT_DICT), for tokenizers
 # without a chat template: with an input, and without. The output follows the colon directly, as
 # there.
@@ -496,10 +497,9 @@ def prompt_ids(prompt: str | list | dict, tokenizer: Tokenizer, fmt: DocumentFor
                chat: bool = False, system: str = '') -> list:
   """The token ids a document starting with `prompt` begins with in training ([BOS] text); with
   `chat`, a user turn of `prompt` (after a `system` turn, if given) rendered by the chat template
-  up to the assistant's reply; a
-  list of chat messages (a sample.prompts record's) rendered whole up to the assistant's next
-  turn; an Alpaca record (a dict) as training renders it up to its output (`alpaca_prompt`).
-  What `--sample` continues.
+  up to the assistant's reply; a list of chat messages (a sample.prompts record's) rendered whole
+  up to the assistant's next turn; an Alpaca record (a dict) as training renders it up to its
+  output (`alpaca_prompt`). What `--sample` continues.
 
   Raises:
     ConfigError: (naming `sample.chat` or `sample.prompts`) a chat prompt without a chat
