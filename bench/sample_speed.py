@@ -2,6 +2,7 @@
 
     python bench/sample_speed.py [--rounds 3] [--baseline OTHER_CHECKOUT] [--d_model 512]
         [--layers 8] [--vocab 32000] [--prompt 64] [--new 192] [--json out.json]
+    python bench/sample_speed.py --batch_sizes 1,8,16 [--prompts 16] [--new 128]
 
 Each round starts a fresh interpreter per checkout (this one, and with --baseline, e.g. a `git
 worktree` of an older commit, that one; alternating which goes first) that builds a Llama-shaped
@@ -11,6 +12,11 @@ times a second, identical call: a greedy continuation of a random prompt by --ne
 stop id, so every call writes the same number of tokens. Reported: the first call's seconds and
 the second's, its tokens per second (medians over the rounds), and the ratio to the baseline
 measured in the same rounds.
+
+With --batch_sizes (this checkout only, one process): `generate_all` of --prompts random prompts
+of 16-63 tokens (greedy, no stop id, --new tokens each) at each sample.batch_size, each size
+compiled by a first call on its first batch, then timed: tokens per second and the ratio to the
+first size.
 """
 
 import argparse
@@ -47,6 +53,48 @@ print(json.dumps({'first_call_s': first_call, 'seconds': seconds,
 '''
 
 
+_BATCHED_CHILD = '''
+import json, sys, time
+import jax, numpy as np
+from megatrain_jax import model as model_lib
+from megatrain_jax import sample
+d_model, layers, vocab, count, new = (int(a) for a in sys.argv[1:6])
+cfg = model_lib.ModelConfig(vocab_size=vocab, d_model=d_model, num_layers=layers, num_heads=8,
+                            num_kv_heads=2, head_dim=64, d_ff=int(2.75 * d_model),
+                            max_seq_len=64 + new, tie_embeddings=False)
+params = model_lib.init_params(cfg, jax.random.key(0))
+rng = np.random.default_rng(0)
+prompts = [rng.integers(1, vocab, int(n)) for n in rng.integers(16, 64, count)]
+want = None
+for size in (int(b) for b in sys.argv[6].split(',')):
+  sample.generate_all(cfg, params, prompts[:size], max_new_tokens=new, eos_id=-1,
+                      batch_size=size)
+  started = time.perf_counter()
+  out = sample.generate_all(cfg, params, prompts, max_new_tokens=new, eos_id=-1,
+                            batch_size=size)
+  seconds = time.perf_counter() - started
+  same = want is None or all((a == b).all() for a, b in zip(out, want))
+  want = want or out
+  print(json.dumps({'batch_size': size, 'seconds': seconds, 'params': cfg.num_params,
+                    'tokens_per_s': sum(o.size for o in out) / seconds, 'same_tokens': same}))
+'''
+
+
+def _batched(args) -> None:
+  env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), JAX_PLATFORMS='cpu')
+  shape = [str(v) for v in (args.d_model, args.layers, args.vocab, args.prompts, args.new)]
+  out = subprocess.run([sys.executable, '-c', _BATCHED_CHILD, *shape, args.batch_sizes],
+                       env=env, capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+  rows = [json.loads(line) for line in out.stdout.strip().splitlines()]
+  print(f'model: {rows[0]["params"]:,} params; {args.prompts} prompts of 16-63 tokens + '
+        f'{args.new} new tokens each, greedy')
+  print('| sample.batch_size | s | tokens/s | x batch size 1st | same tokens |\n'
+        '|---:|---:|---:|---:|---|')
+  for row in rows:
+    print(f'| {row["batch_size"]} | {row["seconds"]:.2f} | {row["tokens_per_s"]:.1f} | '
+          f'{row["tokens_per_s"] / rows[0]["tokens_per_s"]:.2f} | {row["same_tokens"]} |')
+
+
 def _run(tree: pathlib.Path, args) -> dict:
   env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS='cpu')
   shape = [str(v) for v in (args.d_model, args.layers, args.vocab, args.prompt, args.new)]
@@ -65,7 +113,12 @@ def main():
   parser.add_argument('--prompt', type=int, default=64, help='prompt tokens')
   parser.add_argument('--new', type=int, default=192, help='tokens written')
   parser.add_argument('--json', default=None)
+  parser.add_argument('--batch_sizes', default='', help='e.g. 1,8,16: generate_all batching')
+  parser.add_argument('--prompts', type=int, default=16, help='prompts, with --batch_sizes')
   args = parser.parse_args()
+  if args.batch_sizes:
+    _batched(args)
+    return
   trees = {'this': REPO_ROOT}
   if args.baseline:
     trees['baseline'] = pathlib.Path(args.baseline).resolve()

@@ -273,6 +273,8 @@ def get_config() -> ml_collections.ConfigDict:
   #                      JSONL records holding data.prompt_field or chat 'messages'.
   sample.out = ''  # With prompts: the JSONL file written, a {"prompt", "completion", "tokens",
   #                  "stopped"} line per prompt.
+  sample.batch_size = 8  # With prompts: how many are decoded together (each step reads the
+  #                        weights once for all of them); each gets the tokens it would alone.
   sample.max_new_tokens = 200  # The most tokens to add; it stops earlier at the data's EOS (or an
   #                               eos_token_id of the tokenizer's generation_config.json).
   sample.temperature = 0.8  # Softmax temperature; 0 = greedy (always the most likely token).

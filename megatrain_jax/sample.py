@@ -12,9 +12,10 @@ at most model.max_seq_len) runs through the layers once, filling the cache [laye
 (the slots after the prompt hold placeholders until their tokens are drawn; causality keeps
 every query from seeing them), then each new token runs the layers alone against the cache: one
 token's work per step instead of the L tokens a rerun of the whole buffer costs. One program
-compiles per L and the whole loop runs inside it (`lax.while_loop`). The weights are held whole
-in device memory: meant for models that fit there (a 1B model in FP32 needs 4 GB); export larger
-ones (`--export_hf`) to a serving stack.
+compiles per L and the whole loop runs inside it (`lax.while_loop`), vmapped over the rows of a
+batch of prompts (`generate_all`: a step reads the weights once for all). The weights are held
+whole in device memory: meant for models that fit there (a 1B model in FP32 needs 4 GB); export
+larger ones (`--export_hf`) to a serving stack.
 """
 
 import functools
@@ -43,10 +44,14 @@ def generate(cfg: model_lib.ModelConfig, params, prompt, *, max_new_tokens: int,
 
 def generate_all(cfg: model_lib.ModelConfig, params, prompts, *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 repetition_penalty: float = 1.0, seed: int = 0, eos_id=()) -> list:
-  """`generate` of each of `prompts` (lists of ids), prompt i drawn with seed + i: the same
-  tokens each alone gives. One compiled program serves them all: every buffer has the longest
-  prompt's length + max_new_tokens slots, and each prompt stops after its own max_new_tokens.
+                 repetition_penalty: float = 1.0, seed: int = 0, eos_id=(),
+                 batch_size: int = 8) -> list:
+  """`generate` of each of `prompts` (lists of ids), prompt i drawn with seed + i: the tokens
+  each alone gives. They are decoded `batch_size` at a time (the loop vmapped over the rows: a
+  step reads the weights once for all of them, and decoding is bound by reading the weights),
+  in one compiled program: every buffer has the longest prompt's length + max_new_tokens slots,
+  a short last batch is filled up with copies of its first prompt (dropped), and each prompt
+  stops after its own max_new_tokens or stop id.
 
   Raises:
     ConfigError: as `check_request`.
@@ -58,13 +63,20 @@ def generate_all(cfg: model_lib.ModelConfig, params, prompts, *, max_new_tokens:
   stop_ids = tuple(sorted({int(i) for i in np.atleast_1d(eos_id) if int(i) >= 0}))
   loop = _generation_loop(cfg, float(temperature), min(int(top_k), cfg.vocab_size),
                           float(top_p), float(repetition_penalty), stop_ids)
+  rows = max(1, min(int(batch_size), len(prompts)))
   out = []
-  for i, prompt in enumerate(prompts):
-    buffer = np.zeros((1, length), np.int32)
-    buffer[0, :prompt.size] = prompt
-    tokens, end = loop(params, jnp.asarray(buffer), jnp.int32(prompt.size),
-                       jnp.int32(prompt.size + max_new_tokens), jax.random.key(seed + i))
-    out.append(np.asarray(tokens)[0, prompt.size:int(end)])
+  for first in range(0, len(prompts), rows):
+    batch = prompts[first:first + rows]
+    filled = batch + [batch[0]] * (rows - len(batch))
+    buffers = np.zeros((rows, 1, length), np.int32)  # [rows, 1, L]: each row a [1, L] buffer
+    for row, prompt in enumerate(filled):
+      buffers[row, 0, :prompt.size] = prompt
+    starts = np.array([p.size for p in filled], np.int32)
+    keys = jax.vmap(jax.random.key)(jnp.arange(first, first + rows) + seed)
+    tokens, ends = loop(params, jnp.asarray(buffers), jnp.asarray(starts),
+                        jnp.asarray(starts + max_new_tokens), keys)
+    tokens, ends = np.asarray(tokens), np.asarray(ends)
+    out += [tokens[row, 0, starts[row]:ends[row]] for row in range(len(batch))]
   return out
 
 
@@ -100,10 +112,11 @@ def check_request(cfg: model_lib.ModelConfig, prompts: list, max_new_tokens: int
   return length
 
 
-def device_bytes(cfg: model_lib.ModelConfig, length: int) -> int:
-  """What `generate` holds in device memory for a buffer of `length` slots: the float32 weights
-  and the key/value cache (two [L, 1, KV, length, Dh] arrays in the compute dtype)."""
-  cache = 2 * cfg.num_layers * cfg.num_kv_heads * length * cfg.head_dim
+def device_bytes(cfg: model_lib.ModelConfig, length: int, rows: int = 1) -> int:
+  """What `generate_all` holds in device memory for `rows` buffers of `length` slots: the
+  float32 weights and the key/value caches (two [rows, L, 1, KV, length, Dh] arrays in the
+  compute dtype)."""
+  cache = 2 * rows * cfg.num_layers * cfg.num_kv_heads * length * cfg.head_dim
   return 4 * cfg.num_params + cache * jnp.dtype(cfg.dtype).itemsize
 
 
@@ -127,8 +140,9 @@ def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
 @functools.lru_cache(maxsize=8)
 def _generation_loop(cfg: model_lib.ModelConfig, temperature: float, top_k: int, top_p: float,
                      penalty: float, stop_ids: tuple):
-  """jit(params, buffer [1, L], n, limit, key) -> (buffer, end): tokens n.. written until a stop
-  id or slot `limit` (<= L), each from the logits of the token before it."""
+  """jit(vmap(run)): (params, buffers [R, 1, L], n [R], limit [R], keys [R]) -> (buffers, end
+  [R]): in each row, tokens n.. written until a stop id or slot `limit` (<= L), each from the
+  logits of the token before it. Under vmap the while loop runs until every row is done."""
   stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
 
   def choose(logits, seen, key):  # logits [V], seen [V] (the ids so far) -> a token id
@@ -166,4 +180,4 @@ def _generation_loop(cfg: model_lib.ModelConfig, temperature: float, top_k: int,
     buffer, n, *_ = jax.lax.while_loop(more, functools.partial(step, params), carry)
     return buffer, n
 
-  return jax.jit(run)
+  return jax.jit(jax.vmap(run, in_axes=(None, 0, 0, 0, 0)))

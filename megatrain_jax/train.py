@@ -813,7 +813,8 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
   sampling = _sampling(config, tokenizer, overrides)
   longest = sample_lib.check_request(model_cfg, prompts, settings.max_new_tokens,
                                      sampling['top_p'], sampling['repetition_penalty'])
-  weights_gb = sample_lib.device_bytes(model_cfg, longest) / 1e9
+  rows = min(settings.batch_size, len(prompts))
+  weights_gb = sample_lib.device_bytes(model_cfg, longest, rows) / 1e9
   device_gb = hardware.load_profile(config.hardware).device_memory_gb
   if weights_gb > 0.8 * device_gb:
     raise ConfigError(f'--sample holds the weights whole in device memory, with its key/value '
@@ -825,7 +826,7 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
     params = reader.device_state({'params': model_lib.abstract_params(model_cfg)})['params']
   outputs = sample_lib.generate_all(model_cfg, params, prompts,
                                     max_new_tokens=settings.max_new_tokens, seed=settings.seed,
-                                    eos_id=stops, **sampling)
+                                    eos_id=stops, batch_size=rows, **sampling)
   completions = [(tokenizer.decode(ids[:-1] if ids.size and ids[-1] in stops else ids),
                   int(ids.size), bool(ids.size and ids[-1] in stops)) for ids in outputs]
   if settings.prompts:
@@ -856,6 +857,8 @@ def _check_sample_settings(settings) -> None:
   for field in ('temperature', 'top_k'):
     if settings[field] < 0:
       raise ConfigError(f'sample.{field}={settings[field]} must be >= 0.')
+  if settings.batch_size < 1:
+    raise ConfigError(f'sample.batch_size={settings.batch_size} must be >= 1.')
   if not 0 < settings.top_p <= 1:
     raise ConfigError(f'sample.top_p={settings.top_p} must be in (0, 1] (1 = off).')
   if not settings.repetition_penalty > 0:

@@ -239,9 +239,10 @@ def test_sample_command_samples_as_generation_config_asks(checkpoints, tmp_path,
 def test_sample_command_continues_a_file_of_prompts(checkpoints, tmp_path, capsys):
   """sample.prompts: a text file's lines, or JSONL records (a prompt field, chat messages or an
   Alpaca record, rendered up to the assistant's turn), continued in one program and written to
-  sample.out in order; each continuation equals generate() of that prompt alone with seed + its
-  index (so a short prompt in the longest prompt's buffer still stops at its own
-  max_new_tokens)."""
+  sample.out in order, sample.batch_size of them decoded together; each continuation equals
+  generate() of that prompt alone with seed + its index (so a short prompt in the longest
+  prompt's buffer still stops at its own max_new_tokens, and a batch's filler rows change
+  nothing)."""
   directory, _ = checkpoints['llama']
   cfg, params = hf.load_hf(directory)
   lines = tmp_path / 'prompts.txt'
@@ -253,14 +254,16 @@ def test_sample_command_continues_a_file_of_prompts(checkpoints, tmp_path, capsy
   template = tmp_path / 'chat.jinja'
   template.write_text("{% for m in messages %}{{ m['content'] }}|{% endfor %}"
                       "{% if add_generation_prompt %}>{% endif %}")
-  for path, texts, temperature in [(lines, [b'ab', b'hello there, model', b'x'], 0.0),
-                                   (lines, [b'ab', b'hello there, model', b'x'], 1.0),
-                                   (records, [b'ab', b'hi|>', b'Say\n\nhi|>'], 1.0)]:
-    out = tmp_path / f'{path.stem}-{temperature}.jsonl'
+  for path, texts, temperature, batch in [
+      (lines, [b'ab', b'hello there, model', b'x'], 0.0, 8),
+      (lines, [b'ab', b'hello there, model', b'x'], 1.0, 2),  # the 2nd batch: 1 prompt, 1 filler
+      (records, [b'ab', b'hi|>', b'Say\n\nhi|>'], 1.0, 8)]:
+    out = tmp_path / f'{path.stem}-{temperature}-{batch}.jsonl'
     config = config_with(init__from_hf=str(directory), data__tokenizer='byte',
                          data__chat_template=str(template), train__seq_len=32,
                          sample__prompts=str(path), sample__out=str(out), sample__seed=3,
-                         sample__temperature=temperature, sample__max_new_tokens=10)
+                         sample__temperature=temperature, sample__max_new_tokens=10,
+                         sample__batch_size=batch)
     got = train.sample(config, str(tmp_path / 'w'))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert got['sample/prompts'] == len(rows) == len(texts)
@@ -296,6 +299,7 @@ def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):
       (dict(sample__prompt='x', sample__repetition_penalty=0.0),
        'sample.repetition_penalty=0.0 must be > 0'),
       (dict(sample__prompt='x', sample__system='s'), 'sample.system is a chat turn'),
+      (dict(sample__prompt='x', sample__batch_size=0), 'sample.batch_size=0 must be >= 1'),
       (dict(sample__prompts='p.txt'), 'sample.prompts needs sample.out'),
       (dict(sample__prompt='x', sample__prompts='p.txt'),
        'sample.prompt and sample.prompts: set one'),
