@@ -450,13 +450,19 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: i
   `document_eos` (the model's document_eos_id, -1 without model.document_mask): the target after
   each EOS is neither learned nor scored (data.unlearn_document_starts)."""
   train_cfg = config.train
+  # Where documents are found by their EOS, it must not occur inside them: the first records
+  # are looked at before the prepare step, all of them after it.
+  uses = ' and '.join(name for name, on in (
+      ('model.document_mask', document_eos >= 0),
+      (f"data.pack='{config.data.pack}'", config.data.pack != 'stream')) if on)
+  if uses:
+    data_lib.check_first_documents(config.data, data_lib.load_tokenizer(config.data.tokenizer),
+                                   uses)
   info, tokenizer = data_lib.load_data(config.data, workdir)
   row_packing = data_lib.row_packing(config.data, tokenizer)  # data.pack: rows of whole documents
-  uses = [name for name, on in (('model.document_mask', document_eos >= 0),
-                                (f"data.pack='{config.data.pack}'", row_packing is not None)) if on]
   if uses:
     fmt = data_lib.document_format(tokenizer, eos_token=config.data.eos_token)
-    data_lib.check_document_ends(info, fmt.eos, fmt.eos_text, ' and '.join(uses))
+    data_lib.check_document_ends(info, fmt.eos, fmt.eos_text, uses)
   if row_packing is not None and document_eos < 0 and distributed.is_main():
     print(f"note: data.pack='{row_packing.strategy}' without model.document_mask: the documents "
           'of a row attend to each other (set --config.model.document_mask=true to keep each '

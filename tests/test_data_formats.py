@@ -430,13 +430,16 @@ def test_an_eos_that_ends_every_chat_turn_is_refused_where_documents_are_found_b
     tmp_path, tokenizer_dir):
   """A tokenizer whose EOS is the template's turn end (Qwen2.5 Instruct's '<|im_end|>'): the
   document mask and rows of whole documents find documents by that id, so they would cut each
-  conversation at its turns. Refused, naming the fix, before a step is trained; the EOS the fix
-  names ('<|endoftext|>' here) trains, and without either feature nothing is refused."""
+  conversation at its turns. Refused, naming the fix: by the first records before the prepare
+  step writes anything, and by a count over the whole prepared data (a directory prepared
+  before, or records past the first). The EOS the fix names ('<|endoftext|>' here) trains, and
+  without either feature nothing is refused."""
   from megatrain_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from megatrain_jax import data as data_lib  # pylint: disable=import-outside-toplevel
   from megatrain_jax import train  # pylint: disable=import-outside-toplevel
   instruct = tmp_path / 'instruct'
-  _tokenizer_with(instruct, tokenizer_dir, {'eos_token': '<|im_end|>',
-                                            'chat_template': CHAT_TEMPLATE})
+  tok = _tokenizer_with(instruct, tokenizer_dir, {'eos_token': '<|im_end|>',
+                                                  'chat_template': CHAT_TEMPLATE})
   source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': CONVERSATION}] * 40)
   for overrides in (dict(model__document_mask=True), dict(data__pack='best_fit'),
                     dict(model__document_mask=True, data__pack='documents')):
@@ -444,10 +447,18 @@ def test_an_eos_that_ends_every_chat_turn_is_refused_where_documents_are_found_b
         'tiny', data__path=str(source), data__tokenizer=str(instruct), model__vocab_size=600,
         train__steps=1, train__seq_len=64, train__batch_size=2, train__eval_every=0,
         train__progress_bar=False, jax_cache_dir='', **overrides)
-    with pytest.raises(ConfigError, match=r"data.eos_token: '<\|im_end\|>' \(id \d+\) ends each "
-                       r'document .* \(240 of it in 40 documents.*Set data.eos_token'):
+    with pytest.raises(ConfigError, match=r"data.eos_token: '<\|im_end\|>' \(id \d+\) occurs "
+                       r'inside the documents of .*chat.jsonl \(its first 8 records hold 40 of '
+                       r'it: .*Set data.eos_token'):
       train.train_and_evaluate(config, str(tmp_path / 'run'))
-    assert not (tmp_path / 'run' / 'checkpoints').exists()
+    assert not list((tmp_path / 'run').rglob('*.bin'))  # nothing prepared
+  # The whole data, prepared: 40 conversations of 5 turns, each turn and document ended by it.
+  info = prepare_dataset(tmp_path / 'prepared', tok, train_sources=[source])
+  eos = tok.token_id('<|im_end|>')
+  with pytest.raises(ConfigError, match=r'\(240 of it in 40 documents: .* model.document_mask '
+                     'finds documents'):
+    data_lib.check_document_ends(info, eos, '<|im_end|>', 'model.document_mask')
+  data_lib.check_document_ends(info, tok.token_id(EOS), EOS, 'model.document_mask')  # fine
   config.data.eos_token = EOS
   assert train.train_and_evaluate(config, str(tmp_path / 'fixed'))['learning/loss'] > 0
   config.data.eos_token, config.model.document_mask, config.data.pack = '', False, 'stream'

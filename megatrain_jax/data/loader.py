@@ -145,14 +145,21 @@ def check_document_ends(info: DatasetInfo, eos: int, eos_text: str, uses: str) -
       for start in range(0, len(tokens), _SCAN_TOKENS):
         count += int(np.count_nonzero(tokens[start:start + _SCAN_TOKENS] == eos))
     if count > documents:
-      raise ConfigError(
-          f'data.eos_token: {eos_text!r} (id {eos}) ends each document of {part.dir} and also '
-          f'occurs inside them ({count:,} of it in {documents:,} documents: a chat template that '
-          f'ends every turn with it). {uses} {"find" if " and " in uses else "finds"} documents '
-          'by that id, so each conversation would be cut at its turns, an answer apart from its '
-          'question. Set data.eos_token to a '
-          "token the documents do not hold (Qwen: '<|endoftext|>', Llama 3: '<|end_of_text|>'), "
-          "or train without them (model.document_mask=false, data.pack='stream').")
+      raise eos_inside_documents(eos, eos_text, f'ends each document of {part.dir} and also '
+                                 f'occurs inside them ({count:,} of it in {documents:,} '
+                                 'documents', uses)
+
+
+def eos_inside_documents(eos: int, eos_text: str, where: str, uses: str) -> ConfigError:
+  """The error of an EOS found inside documents (`check_document_ends`, or a first record's
+  tokens before the prepare step), `where` saying where."""
+  return ConfigError(
+      f'data.eos_token: {eos_text!r} (id {eos}) {where}: a chat template that ends every turn '
+      f'with it). {uses} {"find" if " and " in uses else "finds"} documents by that id, so each '
+      'conversation would be cut at its turns, an answer apart from its question. Set '
+      "data.eos_token to a token the documents do not hold (Qwen: '<|endoftext|>', Llama 3: "
+      "'<|end_of_text|>'), or train without them (model.document_mask=false, "
+      "data.pack='stream').")
 
 
 class _Windows:

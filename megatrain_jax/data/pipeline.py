@@ -21,15 +21,18 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from megatrain_jax.data import formats, packing
 from megatrain_jax.data.corpus import default_corpus_text
 from megatrain_jax.data.documents import DocumentFormat, document_format, read_chat_template
-from megatrain_jax.data.loader import check_split_sizes
+from megatrain_jax.data.loader import check_split_sizes, eos_inside_documents
 from megatrain_jax.data.mixture import block_counts, parse_mixture
 from megatrain_jax.data.prepare import (DEFAULT_SHARD_TOKENS, META_FILE, DatasetInfo,
                                         check_shard_tokens, check_sources, check_val_fraction,
                                         needs_documents, prepare_dataset, read_dataset_info)
-from megatrain_jax.data.tokenizer import Tokenizer, check_tokenizer_spec, load_tokenizer
+from megatrain_jax.data.tokenizer import (Tokenizer, check_tokenizer_spec, encode_batch,
+                                         load_tokenizer)
 from megatrain_jax.errors import ConfigError
 
 _STR_FIELDS = ('path', 'val_path', 'tokenizer', 'cache_dir')
@@ -106,6 +109,31 @@ def data_format(data_config: Any, tokenizer: Tokenizer) -> DocumentFormat:
 
 # data.pack: rows as windows of the stream, or of whole documents (packing.py).
 PACKINGS = ('stream',) + packing.STRATEGIES
+
+
+def check_first_documents(data_config: Any, tokenizer: Tokenizer, uses: str) -> None:
+  """Before the prepare step: refuses JSONL data whose first records hold the EOS inside them,
+  where `uses` (model.document_mask, data.pack) finds documents by that id (a chat template
+  ending every turn with it; loader.check_document_ends counts the whole prepared data after).
+  Looks at the first 8 records of the first JSONL file of data.path and data.val_path.
+
+  Raises:
+    ConfigError: (naming data.eos_token and `uses`) such records.
+  """
+  fmt = data_format(data_config, tokenizer)
+  for key in ('path', 'val_path'):
+    source = _field(data_config, key)
+    files = formats.expand_sources([source], f'data.{key}') if source else []
+    path = next((f for f in files if formats.source_format(f) == formats.JSONL), None)
+    if path is None:
+      continue
+    docs = formats.first_documents(path, fmt)
+    texts = [''.join(text for text, _ in parts) for parts in docs]
+    inside = sum(int(np.count_nonzero(np.asarray(list(ids)) == fmt.eos))
+                 for ids in encode_batch(tokenizer, texts))
+    if inside:
+      raise eos_inside_documents(fmt.eos, fmt.eos_text, f'occurs inside the documents of {path} '
+                                 f'(its first {len(docs)} records hold {inside} of it', uses)
 
 
 def row_packing(data_config: Any, tokenizer: Tokenizer) -> packing.RowPacking | None:
