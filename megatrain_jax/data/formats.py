@@ -296,7 +296,6 @@ def _jsonl_documents(task: JsonlTask, fmt: DocumentFormat, bad: list) -> list:
   return docs
 
 
-
 def first_documents(path: Path, fmt: DocumentFormat, count: int = 8) -> list:
   """The parts of the first `count` records of a JSONL(.zst/.gz) file (bad ones left out): what
   a check can look at before the prepare step reads the whole file."""
@@ -307,6 +306,7 @@ def first_documents(path: Path, fmt: DocumentFormat, count: int = 8) -> list:
     except _STREAM_ERRORS:
       return []  # the prepare step names the damage
   return _jsonl_documents(JsonlTask(str(path), 1, head), fmt, [])
+
 
 # --- Parquet -----------------------------------------------------------------------------------
 
