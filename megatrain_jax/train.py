@@ -51,6 +51,7 @@ from megatrain_jax import profiling
 from megatrain_jax import runtime
 from megatrain_jax import sample as sample_lib
 from megatrain_jax.checkpoint import Checkpointer
+from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError
@@ -179,7 +180,6 @@ def resolve_plan(config, model_cfg, workdir: pathlib.Path, checkpointer: Checkpo
 
 
 HF_TOKENIZER_DIR = 'hf_tokenizer'  # <workdir>/hf_tokenizer: the tokenizer files of init.from_hf
-CHAT_TEMPLATE_COPY = 'chat_template.jinja'  # <workdir>/chat_template.jinja: data.chat_template's
 
 
 def newest_checkpoint_meta(workdir: pathlib.Path) -> dict | None:
@@ -289,7 +289,7 @@ def _adopt_chat_template(config, workdir: pathlib.Path):
   points data.chat_template there: --eval, --sample and --export_hf of the run read the copy
   (config.json records it), wherever the original goes."""
   template = config.data.chat_template
-  copy = workdir / CHAT_TEMPLATE_COPY
+  copy = workdir / CHAT_TEMPLATE_FILE  # the name transformers gives a tokenizer's template
   if not template or pathlib.Path(template) == copy:
     return config
   fs.write_text_atomic(copy, pathlib.Path(template).read_text(encoding='utf-8'))
