@@ -184,6 +184,12 @@ def _read_piece(reader, abstract_params, kind: str, start: int, stop: int) -> di
   return jax.tree_util.tree_map_with_path(leaf, template)
 
 
+@functools.lru_cache(maxsize=4)
+def _functions(cfg: model_lib.ModelConfig) -> '_Functions':
+  """One _Functions per model shape: evaluators of one model share their traces."""
+  return _Functions(cfg)
+
+
 class _Functions:
   """The jitted stages of a forward pass (the model functions the engines use)."""
 
@@ -224,7 +230,7 @@ class Evaluator:
     self.groups, self.vocab = list(group_slices), list(vocab_slices)
     self.depth = max(1, prefetch_depth)
     self.abstract = model_lib.abstract_params(cfg)
-    self.fn = _Functions(cfg)
+    self.fn = _functions(cfg)
     self._io = concurrent.futures.ThreadPoolExecutor(1, 'eval-read')  # one reader: in order
     self.read_s = 0.0
 

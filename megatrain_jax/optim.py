@@ -49,19 +49,23 @@ LR_SCHEDULES = ('cosine', 'linear', 'constant')
 def lr_schedule(train) -> optax.Schedule:
   """Linear warmup 0 -> lr over `warmup_steps(train)`, then by `train.lr_schedule` ('cosine'
   when the object has none): cosine or linear decay to lr * min_lr_ratio at `steps`, or lr
-  held."""
-  warmup = warmup_steps(train)
-  kind = getattr(train, 'lr_schedule', 'cosine')
+  held. One function per set of values (see make_optimizer)."""
+  return _schedule(getattr(train, 'lr_schedule', 'cosine'), float(train.lr), warmup_steps(train),
+                   int(train.steps), float(getattr(train, 'min_lr_ratio', 0.0)))
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(kind: str, lr: float, warmup: int, steps: int,
+              min_lr_ratio: float) -> optax.Schedule:
   if kind == 'cosine':
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=train.lr, warmup_steps=warmup,
-        decay_steps=max(train.steps, warmup + 1), end_value=train.lr * train.min_lr_ratio)
+        init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
+        end_value=lr * min_lr_ratio)
   if kind == 'constant':
-    after = optax.constant_schedule(train.lr)
+    after = optax.constant_schedule(lr)
   else:  # 'linear' (config.validate refuses other names)
-    after = optax.linear_schedule(train.lr, train.lr * train.min_lr_ratio,
-                                  max(train.steps - warmup, 1))
-  return optax.join_schedules([optax.linear_schedule(0.0, train.lr, warmup), after], [warmup])
+    after = optax.linear_schedule(lr, lr * min_lr_ratio, max(steps - warmup, 1))
+  return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
 
 
 def weight_decay_mask(params):
@@ -73,12 +77,20 @@ def make_optimizer(train) -> optax.GradientTransformation:
 
   `train` is the `config.train` section (any object with its attributes: lr, b1, b2, ...). The
   hyperparameters are remembered against the returned transformation, so `apply_adamw` can run
-  the same update as one pass over each leaf.
+  the same update as one pass over each leaf. The same hyperparameters give the same
+  transformation object: engines key their jitted functions on it
+  (engine/functions.stage_functions), so a second engine of a run reuses the first one's traces.
   """
-  tx = optax.adamw(lr_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
-                   weight_decay=train.weight_decay, mask=weight_decay_mask)
-  _HYPERPARAMS[tx.update] = AdamWHyperparams(lr_schedule(train), float(train.b1), float(train.b2),
-                                             float(train.eps), float(train.weight_decay))
+  return _adamw(lr_schedule(train), float(train.b1), float(train.b2), float(train.eps),
+                float(train.weight_decay))
+
+
+@functools.lru_cache(maxsize=64)
+def _adamw(schedule, b1: float, b2: float, eps: float,
+           weight_decay: float) -> optax.GradientTransformation:
+  tx = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                   mask=weight_decay_mask)
+  _HYPERPARAMS[tx.update] = AdamWHyperparams(schedule, b1, b2, eps, weight_decay)
   return tx
 
 

@@ -101,8 +101,19 @@ def _sharded_outputs(name: str, fn, state=(), batch=(), stacked=()):
   return constrained
 
 
+@functools.lru_cache(maxsize=8)
+def stage_functions(cfg: ModelConfig, tx: optax.GradientTransformation,
+                    layout: Layout) -> 'StageFunctions':
+  """The StageFunctions of (cfg, tx, layout), shared by every engine built with the same three
+  (optim.make_optimizer returns one transformation per set of hyperparameters): a jitted
+  function keeps its traces and executables, so a second engine (an evaluation engine, a rerun
+  notebook cell, a test) starts without tracing and lowering each stage again."""
+  return StageFunctions(cfg, tx, layout)
+
+
 class StageFunctions:
-  """One jitted function per stage step; see schedule.py for the order they run in."""
+  """One jitted function per stage step; see schedule.py for the order they run in. Engines
+  take theirs from `stage_functions`."""
 
   def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, layout: Layout):
     self.tx, self.layout = tx, layout

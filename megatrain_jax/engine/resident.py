@@ -69,6 +69,9 @@ def accumulate_gradients(loss_and_grad, params, batch, weights=None, constrain=l
   return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grad_sum)
 
 
+# Cached, as engine/functions.stage_functions is: engines of the same model, optimizer and layout
+# share one jitted step and its traces.
+@functools.lru_cache(maxsize=8)
 def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, grad_clip: float,
                     schedule: optax.Schedule, layout: Layout | None = None):
   """Returns jitted `step(state, batch[M, B, S+1] int32, weights[M, B, S] float32 or None) ->
@@ -99,6 +102,7 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, gr
                  out_shardings=(state, layout.replicated()))
 
 
+@functools.lru_cache(maxsize=8)
 def make_eval_step(model_cfg: ModelConfig, layout: Layout | None = None):
   """Returns jitted `eval_step(params, batch[B, S+1], weights[B, S] or None) -> mean loss`;
   with `layout`, params in their per-leaf shardings and the batch split along B."""

@@ -39,7 +39,7 @@ from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax import partition
 from megatrain_jax.checkpoint import LeafLayout, Parts, array_parts
-from megatrain_jax.engine.functions import StageFunctions, step_inputs
+from megatrain_jax.engine.functions import stage_functions, step_inputs
 from megatrain_jax.engine.updates import (PieceStores, PieceUpdater, piece_bands, update_parked,
                                           update_policy)
 from megatrain_jax.layout import Layout, replicated_value, spread
@@ -108,7 +108,7 @@ class StreamedEngine:
     self.stats = TransferStats()
     # One write-behind budget for every NVMe store (layers, vocabulary chunks, parked gradients).
     self.write_budget = WriteBudget(placement.write_budget_bytes(model_cfg))
-    self.fn = StageFunctions(model_cfg, tx, self.layout)
+    self.fn = stage_functions(model_cfg, tx, self.layout)
     self.stores = {kind: self._make_stores(kind) for kind in self.kinds}
     # With exact clipping, finished group gradients wait in `grads` until the global norm is known:
     # in the weights' tier, so memory stays bounded on every tier, or with offload.park_grads =
