@@ -128,10 +128,13 @@ class Layout:
     return _map_with_path(lambda path, x: self.sharding(memory_kind, np.shape(x), path), tree)
 
   def put(self, tree, memory_kind: str):
-    """`jax.device_put` of every leaf of `tree` to its sharding in `memory_kind` (asynchronous)."""
+    """`jax.device_put` of every leaf of `tree` to its sharding in `memory_kind` (asynchronous;
+    with several processes `place`)."""
     leaves, treedef = jax.tree.flatten(tree)
     shardings = self._leaf_shardings(treedef, tuple(np.shape(x) for x in leaves), memory_kind)
-    return jax.tree.unflatten(treedef, jax.device_put(leaves, list(shardings)))
+    if jax.process_count() == 1:
+      return jax.tree.unflatten(treedef, jax.device_put(leaves, list(shardings)))
+    return jax.tree.unflatten(treedef, [place(x, s) for x, s in zip(leaves, shardings)])
 
   @functools.lru_cache(maxsize=512)
   def _leaf_shardings(self, treedef, shapes: tuple, memory_kind: str) -> tuple:
@@ -147,7 +150,7 @@ class Layout:
     def conformed(path, x):
       if not isinstance(x, jax.Array):
         return x
-      return jax.device_put(x, self.sharding(x.sharding.memory_kind or 'device', x.shape, path))
+      return place(x, self.sharding(x.sharding.memory_kind or 'device', x.shape, path))
     return _map_with_path(conformed, tree)
 
   def constrain(self, tree):
@@ -246,6 +249,19 @@ class Layout:
   def replicated(self, memory_kind: str = 'device') -> NamedSharding:
     """Whole on every device (metrics, scalars)."""
     return NamedSharding(self.mesh, PartitionSpec(), memory_kind=memory_kind)
+
+
+def place(x, sharding: NamedSharding):
+  """`x` (a host array, or a jax.Array) in `sharding`: `jax.device_put`, except that with several
+  processes a value each process holds whole (a host piece read from a checkpoint or a Hugging
+  Face file, a piece a jitted init made on a local device) goes in as this process's shards only
+  (jax.make_array_from_callback). jax's device_put of such a value to shardings that span
+  processes first checks it is the same everywhere by all-gathering it: the whole piece from
+  every process into each one (P copies of it in RAM, P - 1 of them over the network)."""
+  if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+    return jax.device_put(x, sharding)
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _box(index: tuple, shape: tuple) -> tuple:

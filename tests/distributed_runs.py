@@ -65,6 +65,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 from helpers import (CFG, DOCUMENTS_CFG, JAX_CACHE_DIR, STEPS,  # noqa: E402
                      assert_states_match, initial_state, make_tx, small_config, with_documents)
@@ -254,6 +255,7 @@ def process_main(process_id: str, coordinator: str, workdir: str) -> dict:
   jax.config.update('jax_compilation_cache_dir', JAX_CACHE_DIR)
   layout = Layout.for_devices(jax.devices())
   assert layout.num_devices == 4 and len(jax.local_devices()) == 2, jax.devices()
+  value_checks = _count_value_checks()
   losses, _, splits = resident_run(layout, export=False)
   out = {'process': jax.process_index(), 'resident': {'losses': losses, 'splits': splits}}
   with tempfile.TemporaryDirectory() as offload:
@@ -261,7 +263,24 @@ def process_main(process_id: str, coordinator: str, workdir: str) -> dict:
       losses, _, splits = streamed_run(layout, f'{offload}/{name}', export=False, **placement)
       out[name] = {'losses': losses, 'splits': splits}
   fresh_nvme_checkpoint(layout, workdir)
+  out['value_checks'] = value_checks
   return out
+
+
+def _count_value_checks() -> list:
+  """A list that collects the shapes jax all-gathers to check that a value put into shardings
+  spanning processes is the same in every process (jax.device_put of a host value or of a local
+  array does this: layout.place avoids it); the barriers' own checks (distributed.barrier) are
+  not counted."""
+  checks, check = [], multihost_utils.assert_equal
+
+  def counted(x, fail_message=''):
+    if not fail_message.startswith('sync_global_devices'):
+      checks.append(list(np.shape(x)))
+    return check(x, fail_message)
+
+  multihost_utils.assert_equal = counted
+  return checks
 
 
 def fresh_nvme_checkpoint(layout: Layout, workdir: str) -> None:

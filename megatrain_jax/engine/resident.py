@@ -25,7 +25,7 @@ from megatrain_jax import faults
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax.engine.functions import step_inputs
-from megatrain_jax.layout import Layout
+from megatrain_jax.layout import Layout, place
 from megatrain_jax.model import ModelConfig
 
 
@@ -129,7 +129,7 @@ class ResidentEngine:
     if state is None:
       state = jax.jit(init_state, static_argnums=(0, 1), out_shardings=shardings)(
           model_cfg, tx, seed)
-    self.state = jax.device_put(state, shardings)  # a no-op for leaves already in place
+    self.state = jax.tree.map(place, state, shardings)  # a no-op for leaves already in place
     self.step = int(self.state['step'])
     self._train_step = make_train_step(model_cfg, tx, grad_clip, schedule, self.layout)
     self._eval_step = make_eval_step(model_cfg, self.layout)
