@@ -43,6 +43,7 @@ from megatrain_jax import model as model_lib
 from megatrain_jax import partition
 from megatrain_jax.data import data_format, document_format, unlearn_document_starts
 from megatrain_jax.data import formats
+from megatrain_jax.data.loader import eos_inside_documents
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import head_chunks
 from megatrain_jax.prefetch import Prefetcher
@@ -83,28 +84,42 @@ def _text_tokens(file: Path, tokenizer) -> np.ndarray:
   return np.asarray(tokenizer.encode(text), np.int32)
 
 
-def _record_tokens(file: Path, tokenizer, fmt) -> tuple[np.ndarray, np.ndarray | None]:
+def _record_tokens(file: Path, tokenizer, fmt) -> tuple[np.ndarray, np.ndarray | None, int]:
   """A JSONL(.zst/.gz), Parquet or Arrow file's documents as training stores them: (tokens,
-  loss mask or None when every token is learned). Bad records are errors naming file and
-  line/row, or skipped with data.skip_bad_records."""
-  tokens, masks, skipped = [], [], 0
+  loss mask or None when every token is learned, the number of documents). Bad records are
+  errors naming file and line/row, or skipped with data.skip_bad_records."""
+  tokens, masks, skipped, documents = [], [], 0, 0
   for task, _ in formats.record_tasks(file, fmt, _FIELD):
     result = formats.run_task(task, tokenizer, fmt, np.dtype(np.int32))
     if result.bad and not fmt.skip_bad_records:
       raise formats.bad_records_error(result.bad, result.skipped, _FIELD)
     skipped += result.skipped
+    documents += result.documents
     tokens.append(result.tokens)
     masks.append(result.mask)
   if skipped:
     print(f'{_FIELD}: {file}: skipped {skipped} bad records (data.skip_bad_records=True)',
           flush=True)
   if not tokens:
-    return np.zeros(0, np.int32), None
+    return np.zeros(0, np.int32), None, 0
   mask = None
   if any(m is not None for m in masks):
     mask = np.concatenate([np.ones(t.size, np.uint8) if m is None else m
                            for t, m in zip(tokens, masks)])
-  return np.concatenate(tokens), mask
+  return np.concatenate(tokens), mask, documents
+
+
+def _check_document_ends(file: Path, tokens: np.ndarray, documents: int, document_eos: int,
+                         fmt) -> None:
+  """Refuses a record file whose EOS also occurs inside its documents where the model finds
+  documents by it (`document_eos` >= 0: model.document_mask), as training does
+  (data.check_document_ends): a chat template that ends every turn with it would have each
+  conversation scored cut at its turns."""
+  inside = int(np.count_nonzero(tokens == document_eos)) if document_eos >= 0 else 0
+  if inside > documents:
+    raise eos_inside_documents(document_eos, fmt.eos_text, f'ends each document of {file} and '
+                               f'also occurs inside them ({inside:,} of it in {documents:,} '
+                               'documents', 'model.document_mask')
 
 
 def read_tokens(path: str, tokenizer, data_config=None) -> np.ndarray:
@@ -141,7 +156,9 @@ def read_eval_data(path: str, tokenizer, data_config=None,
     if fmt is None:
       fmt = (document_format(tokenizer) if data_config is None else
              data_format(data_config, tokenizer))
-    pieces.append(_record_tokens(file, tokenizer, fmt))
+    tokens, mask, documents = _record_tokens(file, tokenizer, fmt)
+    _check_document_ends(file, tokens, documents, document_eos, fmt)
+    pieces.append((tokens, mask))
   tokens = np.concatenate([t for t, _ in pieces])
   mask = None
   if any(m is not None for _, m in pieces):

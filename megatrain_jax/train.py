@@ -209,14 +209,16 @@ def _run_data_field(workdir: pathlib.Path, name: str) -> str | None:
 
 
 def _config_from_run(config, workdir: pathlib.Path, meta: dict, overrides):
-  """`config` with the model shape of the run's checkpoint and, unless set, its tokenizer and
-  chat template."""
+  """`config` with the model shape of the run's checkpoint and, unless set, its tokenizer, chat
+  template and EOS (data.eos_token: what ends each document, and with model.document_mask the
+  id the model finds documents by, as it did in training)."""
   config = hf.apply_fields(config, hf.model_fields(meta['model_config']),
                            f'the checkpoint in {workdir / "checkpoints"}', overrides,
                            _run_data_field(workdir, 'tokenizer'))
-  template = _run_data_field(workdir, 'chat_template')
-  if template and not config.data.chat_template:
-    config_lib.set_field(config, 'data.chat_template', template)
+  for field in ('chat_template', 'eos_token'):
+    value = _run_data_field(workdir, field)
+    if value and not config.data[field]:
+      config_lib.set_field(config, f'data.{field}', value)
   return config
 
 

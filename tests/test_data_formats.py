@@ -465,6 +465,37 @@ def test_an_eos_that_ends_every_chat_turn_is_refused_where_documents_are_found_b
   assert train.train_and_evaluate(config, str(tmp_path / 'plain'))['learning/loss'] > 0
 
 
+def test_eval_reads_documents_by_the_eos_the_run_trained_with(tmp_path, tokenizer_dir):
+  """--eval of a run trained with model.document_mask and data.eos_token='<|endoftext|>' (the
+  fix the refusal above names) finds documents by that EOS, as training did, without being told
+  again: the run's data.eos_token comes with its tokenizer (the tokenizer's own EOS,
+  '<|im_end|>', would cut each conversation at its turns). Told the other EOS on the command
+  line, --eval refuses the records as training would have."""
+  from megatrain_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from megatrain_jax import train  # pylint: disable=import-outside-toplevel
+  instruct = tmp_path / 'instruct'
+  _tokenizer_with(instruct, tokenizer_dir, {'eos_token': '<|im_end|>',
+                                            'chat_template': CHAT_TEMPLATE})
+  source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': CONVERSATION}] * 40)
+  config = config_lib.load_config(
+      'tiny', data__path=str(source), data__tokenizer=str(instruct), data__eos_token=EOS,
+      model__vocab_size=600, model__document_mask=True, train__steps=1, train__seq_len=64,
+      train__batch_size=2, train__eval_every=0, train__progress_bar=False, jax_cache_dir='')
+  train.train_and_evaluate(config, str(tmp_path / 'run'))
+
+  def evaluate(**fields):
+    return train.evaluate(config_lib.load_config(
+        'tiny', eval__path=str(source), eval__max_len=64, train__progress_bar=False,
+        jax_cache_dir='', **fields), str(tmp_path / 'run'))
+
+  told = evaluate(data__eos_token=EOS)
+  assert evaluate()['eval/loss'] == told['eval/loss'] and told['eval/document_mask']
+  with pytest.raises(ConfigError, match=r"data.eos_token: '<\|im_end\|>' \(id \d+\) ends each "
+                     r'document of .*chat.jsonl and also occurs inside them \(240 of it in 40 '
+                     'documents: .*model.document_mask finds documents'):
+    evaluate(data__eos_token='<|im_end|>')
+
+
 def test_sharegpt_and_conversational_prompt_completion(tmp_path, tokenizer_dir):
   """ShareGPT records ({"conversations": [{"from": "human", "value": ...}]}) are the same chat
   as their `messages`; TRL's conversational prompt-completion (both lists of messages) renders
