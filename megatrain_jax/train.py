@@ -441,9 +441,23 @@ def _main_first(name: str, make):
 def _workdir_data(config, source, workdir: pathlib.Path, microbatches: int,
                   document_eos: int):
   """(config, train sampler, eval batches): the tokenizer adopted (`_adopt_tokenizer`) and the
-  data opened (`_open_data`)."""
+  data opened (`_open_data`). Where documents are found by their EOS, it must not occur inside
+  them: the first records are looked at before anything is written into the workdir, all of them
+  after the prepare step."""
+  uses = _finding_documents_by_eos(config, document_eos)
+  if uses:
+    data_lib.check_first_documents(config.data, data_lib.load_tokenizer(config.data.tokenizer),
+                                   uses)
   config = _adopt_chat_template(_adopt_tokenizer(config, source, workdir), workdir)
   return _open_data(config, workdir, microbatches, document_eos)
+
+
+def _finding_documents_by_eos(config, document_eos: int) -> str:
+  """The settings that find documents by their EOS ('model.document_mask and data.pack=...'),
+  '' for none."""
+  return ' and '.join(name for name, on in (
+      ('model.document_mask', document_eos >= 0),
+      (f"data.pack='{config.data.pack}'", config.data.pack != 'stream')) if on)
 
 
 def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: int):
@@ -452,14 +466,7 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: i
   `document_eos` (the model's document_eos_id, -1 without model.document_mask): the target after
   each EOS is neither learned nor scored (data.unlearn_document_starts)."""
   train_cfg = config.train
-  # Where documents are found by their EOS, it must not occur inside them: the first records
-  # are looked at before the prepare step, all of them after it.
-  uses = ' and '.join(name for name, on in (
-      ('model.document_mask', document_eos >= 0),
-      (f"data.pack='{config.data.pack}'", config.data.pack != 'stream')) if on)
-  if uses:
-    data_lib.check_first_documents(config.data, data_lib.load_tokenizer(config.data.tokenizer),
-                                   uses)
+  uses = _finding_documents_by_eos(config, document_eos)
   info, tokenizer = data_lib.load_data(config.data, workdir)
   row_packing = data_lib.row_packing(config.data, tokenizer)  # data.pack: rows of whole documents
   if uses:

@@ -441,17 +441,20 @@ def test_an_eos_that_ends_every_chat_turn_is_refused_where_documents_are_found_b
   tok = _tokenizer_with(instruct, tokenizer_dir, {'eos_token': '<|im_end|>',
                                                   'chat_template': CHAT_TEMPLATE})
   source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': CONVERSATION}] * 40)
+  template = tmp_path / 'template.jinja'  # the run would keep a copy of it
+  template.write_text(CHAT_TEMPLATE)
   for overrides in (dict(model__document_mask=True), dict(data__pack='best_fit'),
                     dict(model__document_mask=True, data__pack='documents')):
     config = config_lib.load_config(
         'tiny', data__path=str(source), data__tokenizer=str(instruct), model__vocab_size=600,
-        train__steps=1, train__seq_len=64, train__batch_size=2, train__eval_every=0,
-        train__progress_bar=False, jax_cache_dir='', **overrides)
+        data__chat_template=str(template), train__steps=1, train__seq_len=64,
+        train__batch_size=2, train__eval_every=0, train__progress_bar=False, jax_cache_dir='',
+        **overrides)
     with pytest.raises(ConfigError, match=r"data.eos_token: '<\|im_end\|>' \(id \d+\) occurs "
                        r'inside the documents of .*chat.jsonl \(its first 8 records hold 40 of '
                        r'it: .*Set data.eos_token'):
       train.train_and_evaluate(config, str(tmp_path / 'run'))
-    assert not list((tmp_path / 'run').rglob('*.bin'))  # nothing prepared
+    assert not (tmp_path / 'run').exists()  # nothing written: no template copy, no data
   # The whole data, prepared: 40 conversations of 5 turns, each turn and document ended by it.
   info = prepare_dataset(tmp_path / 'prepared', tok, train_sources=[source])
   eos = tok.token_id('<|im_end|>')
