@@ -158,7 +158,7 @@ def eos_inside_documents(eos: int, eos_text: str, where: str, uses: str) -> Conf
       f'with it). {uses} {"find" if " and " in uses else "finds"} documents by that id, so each '
       'conversation would be cut at its turns, an answer apart from its question. Set '
       "data.eos_token to a token the documents do not hold (Qwen: '<|endoftext|>', Llama 3: "
-      "'<|end_of_text|>'), or train without them (model.document_mask=false, "
+      "'<|end_of_text|>'), or turn off what finds documents (model.document_mask=false, "
       "data.pack='stream').")
 
 
