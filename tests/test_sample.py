@@ -164,8 +164,8 @@ def test_sample_command_reads_a_run_or_a_hugging_face_checkpoint(checkpoints, tm
   assert not (tmp_path / 'empty').exists()  # a Hugging Face checkpoint needs no workdir
 
 
-def _word_tokenizer(directory, generation_config) -> str:
-  """A word-level tokenizer of the checkpoints' 256 ids ('t0' .. 't255', EOS 't0') with a
+def _word_tokenizer(directory, generation_config, eos: str = 't0') -> str:
+  """A word-level tokenizer of the checkpoints' 256 ids ('t0' .. 't255', EOS `eos`) with a
   generation_config.json; nothing downloaded."""
   vocab = {f't{i}': i for i in range(256)}
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token='t1'))
@@ -173,7 +173,7 @@ def _word_tokenizer(directory, generation_config) -> str:
   tok.decoder = tokenizers.decoders.WordPiece()  # joins the words with spaces
   directory.mkdir()
   tok.save(str(directory / 'tokenizer.json'))
-  (directory / 'tokenizer_config.json').write_text(json.dumps({'eos_token': 't0'}))
+  (directory / 'tokenizer_config.json').write_text(json.dumps({'eos_token': eos}))
   (directory / 'generation_config.json').write_text(json.dumps(generation_config))
   return str(directory)
 
@@ -198,6 +198,11 @@ def test_sample_command_stops_at_generation_config_eos_ids(checkpoints, tmp_path
   assert capsys.readouterr().out.splitlines() == [
       f'sampling: greedy (as {tmp_path}/tok/generation_config.json asks, where the command line '
       'is silent)', words + got['sample/text']]
+  # An instruct tokenizer whose own EOS ends its chat turns, with data.eos_token ending the
+  # documents instead (as the EOS-inside-documents refusal asks): both stop it.
+  config.data.tokenizer = _word_tokenizer(tmp_path / 'own', {}, eos=f't{stop}')
+  config.data.eos_token = 't0'
+  assert train.sample(config, str(tmp_path / 'w'))['sample/tokens'] == end + 1
   config.data.tokenizer = _word_tokenizer(tmp_path / 'bad', {'eos_token_id': [0, 999]})
   with pytest.raises(ConfigError, match=r'generation_config.json has eos_token_id=\[0, 999\]'):
     train.sample(config, str(tmp_path / 'w'))

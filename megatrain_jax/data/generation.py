@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatrain_jax.data.documents import DocumentFormat
+from megatrain_jax.data.documents import DocumentFormat, document_format
 from megatrain_jax.data.tokenizer import Tokenizer
 from megatrain_jax.errors import ConfigError
 
@@ -45,8 +45,10 @@ def read_generation_config(tokenizer: Tokenizer) -> tuple[dict[str, Any], Path |
 
 
 def stop_ids(tokenizer: Tokenizer, fmt: DocumentFormat) -> tuple[int, ...]:
-  """The ids that end a generated text: the data's EOS and generation_config.json's
-  `eos_token_id` (an id or a list), as transformers' `generate` stops.
+  """The ids that end a generated text: the data's EOS, the tokenizer's own (an instruct
+  tokenizer's turn end, where the run's data.eos_token ends its documents instead:
+  data/loader.eos_inside_documents) and generation_config.json's `eos_token_id` (an id or a
+  list), as transformers' `generate` stops.
 
   Raises:
     ConfigError: (naming the file) it is not a JSON object, or its eos_token_id holds something
@@ -58,7 +60,15 @@ def stop_ids(tokenizer: Tokenizer, fmt: DocumentFormat) -> tuple[int, ...]:
   if not all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size for i in listed):
     raise ConfigError(f'--sample: {path} has eos_token_id={eos!r}: not ids of the '
                       f'tokenizer (0..{tokenizer.vocab_size - 1}); fix or remove it.')
-  return tuple(sorted({fmt.eos, *listed}))
+  return tuple(sorted({fmt.eos, *_own_eos(tokenizer), *listed}))
+
+
+def _own_eos(tokenizer: Tokenizer) -> tuple[int, ...]:
+  """The tokenizer's own EOS id (its tokenizer_config.json's), or () where it names none."""
+  try:
+    return (document_format(tokenizer).eos,)
+  except ConfigError:
+    return ()
 
 
 def sampling_defaults(tokenizer: Tokenizer, chosen=()) -> tuple[dict[str, float], Path | None]:
