@@ -113,8 +113,8 @@ def _check_document_ends(file: Path, tokens: np.ndarray, documents: int, documen
                          fmt) -> None:
   """Refuses a record file whose EOS also occurs inside its documents where the model finds
   documents by it (`document_eos` >= 0: model.document_mask), as training does
-  (data.check_document_ends): a chat template that ends every turn with it would have each
-  conversation scored cut at its turns."""
+  (data.check_document_ends): with a chat template that ends every turn with it, each
+  conversation would be scored cut at its turns."""
   inside = int(np.count_nonzero(tokens == document_eos)) if document_eos >= 0 else 0
   if inside > documents:
     raise eos_inside_documents(document_eos, fmt.eos_text, f'ends each document of {file} and '
