@@ -455,6 +455,16 @@ def test_an_eos_that_ends_every_chat_turn_is_refused_where_documents_are_found_b
                        r'it: .*Set data.eos_token'):
       train.train_and_evaluate(config, str(tmp_path / 'run'))
     assert not (tmp_path / 'run').exists()  # nothing written: no template copy, no data
+  # Parquet, and the Arrow files of `datasets`' save_to_disk: their first rows, before too.
+  pq.write_table(pa.table({'messages': [CONVERSATION] * 40}), tmp_path / 'chat.parquet')
+  arrow = _save_to_disk(tmp_path / 'saved', {'messages': [CONVERSATION] * 40})
+  for other in (tmp_path / 'chat.parquet', arrow):
+    config.data.path = str(other)
+    with pytest.raises(ConfigError, match=r'occurs inside the documents of .*(parquet|arrow) '
+                       r'\(its first 8 records hold 40 of it'):
+      train.train_and_evaluate(config, str(tmp_path / 'run'))
+    assert not (tmp_path / 'run').exists()
+  config.data.path = str(source)
   # The whole data, prepared: 40 conversations of 5 turns, each turn and document ended by it.
   info = prepare_dataset(tmp_path / 'prepared', tok, train_sources=[source])
   eos = tok.token_id('<|im_end|>')

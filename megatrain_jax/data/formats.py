@@ -297,15 +297,38 @@ def _jsonl_documents(task: JsonlTask, fmt: DocumentFormat, bad: list) -> list:
 
 
 def first_documents(path: Path, fmt: DocumentFormat, count: int = 8) -> list:
-  """The parts of the first `count` records of a JSONL(.zst/.gz) file (bad ones left out): what
-  a check can look at before the prepare step reads the whole file."""
-  with open(path, 'rb') as raw:
-    stream = open_decompressed(path, raw)
-    try:
-      head = b''.join(stream.readline() for _ in range(count))
-    except _STREAM_ERRORS:
-      return []  # the prepare step names the damage
-  return _jsonl_documents(JsonlTask(str(path), 1, head), fmt, [])
+  """The parts of the first `count` records of a record file, JSONL(.zst/.gz), Parquet or Arrow
+  (bad ones left out): what a check can look at before the prepare step reads the whole file.
+  A damaged or unreadable file gives [] (the prepare step names the damage)."""
+  if source_format(path) == JSONL:
+    with open(path, 'rb') as raw:
+      stream = open_decompressed(path, raw)
+      try:
+        head = b''.join(stream.readline() for _ in range(count))
+      except _STREAM_ERRORS:
+        return []
+    return _jsonl_documents(JsonlTask(str(path), 1, head), fmt, [])
+  try:
+    columns, batch = _first_batch(path, fmt, count)
+  except ConfigError:
+    return []
+  docs = []
+  if batch is not None:
+    _batch_documents(batch.slice(0, count), columns, str(path), 0, fmt, docs, [])
+  return docs
+
+
+def _first_batch(path: Path, fmt: DocumentFormat, count: int) -> tuple:
+  """(the record columns, the first record batch or None) of a Parquet (at most `count` rows
+  read) or Arrow file."""
+  if source_format(path) == PARQUET:
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top  (only Parquet needs it)
+    columns = parquet_columns(path, fmt, 'data.path')
+    batches = pq.ParquetFile(path).iter_batches(batch_size=count, columns=columns)
+  else:
+    schema, batches = _arrow_batches(path, 'data.path')
+    columns = _record_columns(schema.names, path, fmt, 'data.path')
+  return columns, next(iter(batches), None)
 
 
 # --- Parquet -----------------------------------------------------------------------------------

@@ -112,10 +112,11 @@ PACKINGS = ('stream',) + packing.STRATEGIES
 
 
 def check_first_documents(data_config: Any, tokenizer: Tokenizer, uses: str) -> None:
-  """Before the prepare step: refuses JSONL data whose first records hold the EOS inside them,
+  """Before the prepare step: refuses record data whose first records hold the EOS inside them,
   where `uses` (model.document_mask, data.pack) finds documents by that id (a chat template
   ending every turn with it; loader.check_document_ends counts the whole prepared data after).
-  Looks at the first 8 records of the first JSONL file of data.path and data.val_path.
+  Looks at the first 8 records of the first record file (JSONL, Parquet or Arrow) of data.path
+  and data.val_path.
 
   Raises:
     ConfigError: (naming data.eos_token and `uses`) such records.
@@ -124,7 +125,7 @@ def check_first_documents(data_config: Any, tokenizer: Tokenizer, uses: str) -> 
   for key in ('path', 'val_path'):
     source = _field(data_config, key)
     files = formats.expand_sources([source], f'data.{key}') if source else []
-    path = next((f for f in files if formats.source_format(f) == formats.JSONL), None)
+    path = next((f for f in files if formats.source_format(f) != formats.TEXT), None)
     if path is None:
       continue
     docs = formats.first_documents(path, fmt)
