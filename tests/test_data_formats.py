@@ -478,6 +478,25 @@ def test_an_eos_that_ends_every_chat_turn_is_refused_where_documents_are_found_b
   assert train.train_and_evaluate(config, str(tmp_path / 'plain'))['learning/loss'] > 0
 
 
+def test_first_records_of_every_record_format(tmp_path, documents):
+  """formats.first_documents (what checks read before the prepare step): the first records of a
+  JSONL, Parquet or Arrow file, the same parts from each; a damaged file gives none (the prepare
+  step names the damage) rather than an error of its own."""
+  fmt = document_format(ByteTokenizer())
+  records = [{'text': d} for d in documents[:12]]
+  jsonl = _write_jsonl(tmp_path / 'docs.jsonl', records)
+  parquet = tmp_path / 'docs.parquet'
+  pq.write_table(pa.table({'text': documents[:12]}), parquet)
+  arrow = next(_save_to_disk(tmp_path / 'saved', {'text': documents[:12]}, shards=1,
+                            batch_rows=3).glob('*.arrow'))  # batches of 3 records
+  want = [documents_module.record_parts(r, fmt) for r in records[:8]]
+  for path in (jsonl, parquet, arrow):
+    assert formats.first_documents(path, fmt) == want, path
+  damaged = tmp_path / 'damaged.parquet'
+  damaged.write_bytes(parquet.read_bytes()[:200])
+  assert formats.first_documents(damaged, fmt) == []
+
+
 def test_eval_reads_documents_by_the_eos_the_run_trained_with(tmp_path, tokenizer_dir):
   """--eval of a run trained with model.document_mask and data.eos_token='<|endoftext|>' (the
   fix the refusal above names) finds documents by that EOS, as training did, without being told

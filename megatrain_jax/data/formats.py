@@ -308,27 +308,27 @@ def first_documents(path: Path, fmt: DocumentFormat, count: int = 8) -> list:
       except _STREAM_ERRORS:
         return []
     return _jsonl_documents(JsonlTask(str(path), 1, head), fmt, [])
-  try:
-    columns, batch = _first_batch(path, fmt, count)
-  except ConfigError:
-    return []
   docs = []
-  if batch is not None:
-    _batch_documents(batch.slice(0, count), columns, str(path), 0, fmt, docs, [])
-  return docs
+  try:
+    columns, batches = _record_batches(path, fmt, count)
+    for batch in batches:  # until `count` records (a file may hold batches of a few rows)
+      _batch_documents(batch, columns, str(path), 0, fmt, docs, [])
+      if len(docs) >= count:
+        break
+  except (ConfigError, OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
+    return []
+  return docs[:count]
 
 
-def _first_batch(path: Path, fmt: DocumentFormat, count: int) -> tuple:
-  """(the record columns, the first record batch or None) of a Parquet (at most `count` rows
-  read) or Arrow file."""
+def _record_batches(path: Path, fmt: DocumentFormat, count: int) -> tuple:
+  """(the record columns, an iterator of the record batches) of a Parquet (batches of at most
+  `count` rows) or Arrow file."""
   if source_format(path) == PARQUET:
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top  (only Parquet needs it)
     columns = parquet_columns(path, fmt, 'data.path')
-    batches = pq.ParquetFile(path).iter_batches(batch_size=count, columns=columns)
-  else:
-    schema, batches = _arrow_batches(path, 'data.path')
-    columns = _record_columns(schema.names, path, fmt, 'data.path')
-  return columns, next(iter(batches), None)
+    return columns, pq.ParquetFile(path).iter_batches(batch_size=count, columns=columns)
+  schema, batches = _arrow_batches(path, 'data.path')
+  return _record_columns(schema.names, path, fmt, 'data.path'), batches
 
 
 # --- Parquet -----------------------------------------------------------------------------------
