@@ -449,7 +449,7 @@ def _workdir_data(config, source, workdir: pathlib.Path, microbatches: int,
     data_lib.check_first_documents(config.data, data_lib.load_tokenizer(config.data.tokenizer),
                                    uses)
   config = _adopt_chat_template(_adopt_tokenizer(config, source, workdir), workdir)
-  return _open_data(config, workdir, microbatches, document_eos)
+  return _open_data(config, workdir, microbatches, document_eos, uses)
 
 
 def _finding_documents_by_eos(config, document_eos: int) -> str:
@@ -460,13 +460,13 @@ def _finding_documents_by_eos(config, document_eos: int) -> str:
       (f"data.pack='{config.data.pack}'", config.data.pack != 'stream')) if on)
 
 
-def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: int):
+def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: int, uses: str):
   """(config, train sampler, eval batches) over the token files prepared (or reused) in
   <workdir>/data; with train.epochs, the config's train.steps are the epochs' (`epoch_steps`).
   `document_eos` (the model's document_eos_id, -1 without model.document_mask): the target after
-  each EOS is neither learned nor scored (data.unlearn_document_starts)."""
+  each EOS is neither learned nor scored (data.unlearn_document_starts). `uses`: what finds
+  documents by their EOS (`_finding_documents_by_eos`), whose count is checked once prepared."""
   train_cfg = config.train
-  uses = _finding_documents_by_eos(config, document_eos)
   info, tokenizer = data_lib.load_data(config.data, workdir)
   row_packing = data_lib.row_packing(config.data, tokenizer)  # data.pack: rows of whole documents
   if uses:

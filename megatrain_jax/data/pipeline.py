@@ -25,14 +25,14 @@ import numpy as np
 
 from megatrain_jax.data import formats, packing
 from megatrain_jax.data.corpus import default_corpus_text
-from megatrain_jax.data.documents import DocumentFormat, document_format, read_chat_template
+from megatrain_jax.data.documents import (DocumentFormat, document_format, encode_documents,
+                                          read_chat_template)
 from megatrain_jax.data.loader import check_split_sizes, eos_inside_documents
 from megatrain_jax.data.mixture import block_counts, parse_mixture
 from megatrain_jax.data.prepare import (DEFAULT_SHARD_TOKENS, META_FILE, DatasetInfo,
                                         check_shard_tokens, check_sources, check_val_fraction,
                                         needs_documents, prepare_dataset, read_dataset_info)
-from megatrain_jax.data.tokenizer import (Tokenizer, check_tokenizer_spec, encode_batch,
-                                         load_tokenizer)
+from megatrain_jax.data.tokenizer import Tokenizer, check_tokenizer_spec, load_tokenizer
 from megatrain_jax.errors import ConfigError
 
 _STR_FIELDS = ('path', 'val_path', 'tokenizer', 'cache_dir')
@@ -129,9 +129,8 @@ def check_first_documents(data_config: Any, tokenizer: Tokenizer, uses: str) -> 
     if path is None:
       continue
     docs = formats.first_documents(path, fmt)
-    texts = [''.join(text for text, _ in parts) for parts in docs]
-    inside = sum(int(np.count_nonzero(np.asarray(list(ids)) == fmt.eos))
-                 for ids in encode_batch(tokenizer, texts))
+    tokens, _ = encode_documents(docs, tokenizer, fmt, np.dtype(np.int64))  # as prepare stores
+    inside = int(np.count_nonzero(tokens == fmt.eos)) - len(docs)  # beyond one EOS per document
     if inside:
       raise eos_inside_documents(fmt.eos, fmt.eos_text, f'occurs inside the documents of {path} '
                                  f'(its first {len(docs)} records hold {inside} of it', uses)
