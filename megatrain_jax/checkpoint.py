@@ -71,7 +71,8 @@ replicated leaf, process 0) and, of an NVMe leaf, links the chunk files of its o
 makes the directory first and, once every process has written its files (fsynced, as they are its
 own), writes meta.json and the manifest and commits; the processes meet at a barrier before and
 after the writing. A restore reads any box of any leaf, so a checkpoint written on N devices (or
-processes) resumes on M: each process reads its own devices' shards (`device_state`).
+processes) resumes on M: each process reads its own devices' shards (`read_box`: into the
+resident engine, `device_state`; into a streamed engine's stores, through partition.LazySlice).
 
 Format 2 checkpoints (orbax `state/`, written before this version) still restore: their leaves are
 read with TensorStore straight from orbax's OCDBT files (a slice at a time, though orbax stored
@@ -105,7 +106,7 @@ from megatrain_jax import fs
 from megatrain_jax import locks
 from megatrain_jax import partition
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
-from megatrain_jax.layout import Layout, host_part, slices, spread
+from megatrain_jax.layout import Layout, host_part, place, slices, spread
 from megatrain_jax.model import ModelConfig, fresh_rng
 from megatrain_jax.tiers import codecs
 
@@ -405,6 +406,7 @@ class CheckpointReader:
                               f'not a readable checkpoint meta.json ({error})') from error
     self._arrays = {}
     self._context = _context()
+    self.bytes_read = 0  # by read, read_box and device_state (not by verify)
 
   def check_model(self, model_cfg: ModelConfig) -> None:
     saved = ModelConfig.recorded(self.meta['model_config'])
@@ -545,11 +547,23 @@ class CheckpointReader:
     `file_indices`, decode each file once."""
     shape = self.shape(path)
     if not shape:
-      return np.asarray(self._open(path).read().result()).reshape(())
+      out = np.asarray(self._open(path).read().result()).reshape(())
+      self.bytes_read += out.nbytes
+      return out
     start, stop = (0, shape[axis]) if start is None else (start, stop)
     out = np.empty(shape[:axis] + (stop - start,) + shape[axis + 1:],
                    self._open(path).dtype.numpy_dtype)
     return self._read_into(path, out, start, axis)
+
+  def read_box(self, path: str, box: tuple) -> np.ndarray:
+    """`box` ((start, stop) per axis) of leaf `path` of the full state as host numpy: what one
+    process reads of a leaf split over several (its own devices' shards: layout.place). A box
+    of a device shard of the layout that wrote the checkpoint is the files of that shard only
+    (each file is cut into one part per device shard)."""
+    out = np.asarray(self._open(path)[slices(box)].read().result())
+    self.bytes_read += out.nbytes
+    _release_freed_memory()
+    return out
 
   def _read_into(self, path: str, out: np.ndarray, start: int, axis: int = 0) -> np.ndarray:
     """Fills `out` with indices [start, start + out.shape[axis]) along `axis`, file by file."""
@@ -558,8 +572,10 @@ class CheckpointReader:
     first = start
     while first < stop:
       last = min(stop, (first // step + 1) * step)
-      out[_box(axis, first - start, last - start)] = array[_box(axis, first, last)].read().result()
+      part = _box(axis, first - start, last - start)
+      out[part] = array[_box(axis, first, last)].read().result()
       _release_freed_memory()
+      self.bytes_read += out[part].nbytes
       first = last
     return out
 
@@ -591,11 +607,10 @@ class CheckpointReader:
     """Leaf `path` built on the device in `sharding` from file-sized pieces (device_state)."""
     shape, dtype = tuple(abstract.shape), np.dtype(abstract.dtype)
     if not shape:
-      return jax.device_put(self.read(path), sharding)
+      return place(self.read(path), sharding)
     if jax.process_count() > 1:  # each process reads its own devices' shards, one at a time
-      array = self._open(path)
-      return jax.make_array_from_callback(
-          shape, sharding, lambda index: array[index].read().result())
+      return place(partition.LazySlice(functools.partial(self.read_box, path), shape, dtype),
+                   sharding)
     if _host_is_device(sharding):
       # Device memory is host memory: fill the leaf's own buffer file by file and hand it to
       # jax without a copy (may_alias needs 64-byte alignment).
@@ -625,10 +640,14 @@ class WeightsOnly:
   def __init__(self, reader: CheckpointReader, abstract_state, seed: int = 0):
     self.reader, self.directory = reader, reader.directory
     self.meta = {'step': 0, 'data_position': 0}
-    self.bytes_read = 0
     self._leaves = {jax.tree_util.keystr(p): x
                     for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
     self._rng = fresh_rng(seed)
+
+  @property
+  def bytes_read(self) -> int:
+    """Of the params read from the run's checkpoint (not those linked from its NVMe snapshot)."""
+    return self.reader.bytes_read
 
   @staticmethod
   def _is_param(path: str) -> bool:
@@ -647,15 +666,19 @@ class WeightsOnly:
   def read(self, path: str, start: int | None = None, stop: int | None = None, *,
            axis: int = 0) -> np.ndarray:
     if self._is_param(path):
-      out = self.reader.read(path, start, stop, axis=axis)
-      self.bytes_read += out.nbytes
-      return out
+      return self.reader.read(path, start, stop, axis=axis)
     if path == "['rng']":
       return self._rng.copy()
     shape = self.shape(path)
     if start is not None:
       shape = shape[:axis] + (stop - start,) + shape[axis + 1:]
     return np.zeros(shape, self._leaves[path].dtype)  # AdamW's mu, nu, counts (optax init)
+
+  def read_box(self, path: str, box: tuple) -> np.ndarray:
+    """`box` ((start, stop) per axis) of leaf `path` (CheckpointReader.read_box)."""
+    if self._is_param(path):
+      return self.reader.read_box(path, box)
+    return np.zeros(tuple(b - a for a, b in box), self._leaves[path].dtype)
 
   def device_state(self, abstract_state, layout: Layout | None = None,
                    memory_kind: str = 'device'):
@@ -667,10 +690,9 @@ class WeightsOnly:
       path = jax.tree_util.keystr(key_path)
       sharding = layout.sharding(memory_kind, tuple(abstract.shape), path)
       if self._is_param(path):
-        self.bytes_read += np.dtype(abstract.dtype).itemsize * math.prod(abstract.shape)
         return self.reader.device_leaf(path, abstract, sharding)
       if path == "['rng']":
-        return jax.device_put(self._rng, sharding)
+        return place(self._rng, sharding)
       return jnp.zeros(abstract.shape, abstract.dtype, device=sharding)
 
     return jax.tree_util.tree_map_with_path(leaf, abstract_state)

@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from megatrain_jax.errors import ConfigError
-from megatrain_jax.partition import split_axis
+from megatrain_jax.partition import LazySlice, split_axis
 
 MESH_AXIS = 'data'
 TIER_MEMORY_KIND = {'device': 'device', 'host': 'pinned_host'}
@@ -252,16 +252,29 @@ class Layout:
 
 
 def place(x, sharding: NamedSharding):
-  """`x` (a host array, or a jax.Array) in `sharding`: `jax.device_put`, except that with several
-  processes a value each process holds whole (a host piece read from a checkpoint or a Hugging
-  Face file, a piece a jitted init made on a local device) goes in as this process's shards only
-  (jax.make_array_from_callback). jax's device_put of such a value to shardings that span
-  processes first checks it is the same everywhere by all-gathering it: the whole piece from
-  every process into each one (P copies of it in RAM, P - 1 of them over the network)."""
-  if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+  """`x` (a host array, a partition.LazySlice, or a jax.Array) in `sharding`: `jax.device_put`,
+  except that with several processes a value each process holds whole (a host piece read from a
+  checkpoint or a Hugging Face file, a piece a jitted init made on a local device) or can read
+  (a LazySlice) goes in as this process's shards only (jax.make_array_from_callback). jax's
+  device_put of such a value to shardings that span processes first checks it is the same
+  everywhere by all-gathering it: the whole piece from every process into each one (P copies of
+  it in RAM, P - 1 of them over the network)."""
+  if isinstance(x, LazySlice) and jax.process_count() == 1:
+    x = x.whole()
+  if jax.process_count() == 1 or spread(x):
     return jax.device_put(x, sharding)
-  host = np.asarray(x)
-  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  read = _box_reader(x)
+  return jax.make_array_from_callback(x.shape, sharding,
+                                      lambda index: read(_box(index, x.shape)))
+
+
+def _box_reader(x):
+  """box ((start, stop) per axis) -> that box of `x` as a host array; a LazySlice's box read once
+  however many of this process's devices hold it (a replicated leaf: all of them)."""
+  if not isinstance(x, LazySlice):
+    host = np.asarray(x)
+    return lambda box: host[slices(box)]
+  return functools.lru_cache(maxsize=None)(x.read_box)
 
 
 def _box(index: tuple, shape: tuple) -> tuple:
@@ -289,7 +302,10 @@ def replicated_value(x) -> np.ndarray:
 
 def host_part(leaf, box: tuple) -> np.ndarray:
   """`box` ((start, stop) per axis) of a leaf as a host array. Of a jax.Array spread over several
-  processes only an addressable shard can be read: `box` must be one (`Layout.owned_boxes`)."""
+  processes only an addressable shard can be read: `box` must be one (`Layout.owned_boxes`). Of a
+  partition.LazySlice only `box` is read."""
+  if isinstance(leaf, LazySlice):
+    return leaf.read_box(tuple(tuple(b) for b in box))
   if spread(leaf):
     for shard in leaf.addressable_shards:
       if _box(shard.index, leaf.shape) == tuple(box):

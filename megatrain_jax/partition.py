@@ -147,11 +147,13 @@ def group_template(tx: optax.GradientTransformation, abstract_params, start: int
 
 
 def read_piece(read, tx: optax.GradientTransformation, abstract_params, kind: str, start: int,
-               stop: int, part: str, known_zero=None) -> dict:
+               stop: int, part: str, known_zero=None, read_box=None) -> dict:
   """`part` ('params' or 'opt_state') of piece [start, stop) of `kind`, leaf by leaf from a
   checkpoint's `read(full-state path[, start, stop])` (rows [start:stop] of a leaf's axis 0).
   `known_zero(full-state path)`: split leaves it names are not read but given as their
-  jax.ShapeDtypeStruct (zeros, for a store that makes them: tiers/nvme.py)."""
+  jax.ShapeDtypeStruct (zeros, for a store that makes them: tiers/nvme.py). With `read_box`
+  (the checkpoint's `read_box(full-state path, box)`) split leaves are not read here but given as
+  LazySlices: with several processes each one reads only the boxes of its own shards."""
   template = piece_template(tx, abstract_params, kind, start, stop)[part]
   def leaf(path, abstract):
     key = f"['{part}']" + jax.tree_util.keystr(path)
@@ -160,8 +162,35 @@ def read_piece(read, tx: optax.GradientTransformation, abstract_params, kind: st
       return read(key)
     if known_zero is not None and known_zero(key):
       return abstract
+    if read_box is not None:
+      return LazySlice(lambda box, key=key: read_box(key, _shifted(box, axis, start)),
+                       abstract.shape, abstract.dtype)
     return read(key, start, stop) if axis == 0 else read(key, start, stop, axis=axis)
   return jax.tree_util.tree_map_with_path(leaf, template)
+
+
+def _shifted(box: tuple, axis: int, start: int) -> tuple:
+  """A box ((start, stop) per axis) of a piece as the box of the full-state leaf it was cut from
+  at `start` along `axis`."""
+  return tuple((a + start, b + start) if d == axis else (a, b) for d, (a, b) in enumerate(box))
+
+
+class LazySlice:
+  """A host leaf not read yet: a piece of a checkpoint leaf that is read box by box, only where
+  asked (`read_box(((start, stop), ...))` -> that box as a host array). With several processes
+  the stores are handed these, so that each process reads only its own devices' shards of a
+  piece (layout.place, layout.host_part) instead of all of it: P processes reading a checkpoint
+  read it once between them, not P times."""
+
+  def __init__(self, read_box, shape: tuple, dtype):
+    self.read_box, self.shape, self.dtype = read_box, tuple(shape), np.dtype(dtype)
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape)) * self.dtype.itemsize
+
+  def whole(self) -> np.ndarray:
+    return self.read_box(tuple((0, n) for n in self.shape))
 
 
 def read_group(read, tx: optax.GradientTransformation, abstract_params, start: int, stop: int,

@@ -62,6 +62,7 @@ import re  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -75,6 +76,8 @@ from megatrain_jax.engine import resident  # noqa: E402
 from megatrain_jax.engine.functions import StageFunctions  # noqa: E402
 from megatrain_jax.engine.streamed import StreamedEngine  # noqa: E402
 from megatrain_jax.errors import ConfigError  # noqa: E402
+from megatrain_jax.hf import HfReader  # noqa: E402
+from megatrain_jax.hf.format import inspect_checkpoint, save_hf  # noqa: E402
 from megatrain_jax.layout import Layout  # noqa: E402
 from megatrain_jax.placement import Placement  # noqa: E402
 from megatrain_jax.tiers.base import resolve  # noqa: E402
@@ -264,6 +267,49 @@ def process_main(process_id: str, coordinator: str, workdir: str) -> dict:
       out[name] = {'losses': losses, 'splits': splits}
   fresh_nvme_checkpoint(layout, workdir)
   out['value_checks'] = value_checks
+  out['restored'] = restored_runs(layout, pathlib.Path(workdir))
+  return out
+
+
+def restored_runs(layout: Layout, workdir: pathlib.Path) -> dict:
+  """The host placement trains steps 1-2 and checkpoints them (every leaf an in-memory array,
+  written by both processes); the resident engine and the host and NVMe placements restore that
+  checkpoint and train steps 3-5. And a Hugging Face checkpoint of the initial params (process 0
+  writes it) imported by the resident engine and the NVMe placement, one step each. Each reports
+  its losses and the bytes its reader read in this process, as a fraction of what the source
+  holds (the whole state; the params of the Hugging Face checkpoint)."""
+  tx, schedule, clip = make_tx(1.0)
+  nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+  data, out = batches(), {}
+  trainer = types.SimpleNamespace(grad_clip=clip, seed=0)  # what make_engine reads of config.train
+  engine = StreamedEngine(CFG, tx, schedule, clip, Placement(**PLACEMENTS['host']),
+                          jax.tree.map(np.copy, initial_state()), layout=layout)
+  out['first'] = [float(engine.train_step(b)['learning/loss']) for b in data[:2]]
+  checkpointer = Checkpointer(workdir / 'restored', keep=1)
+  checkpointer.save(2, engine, data_position=0, model_cfg=CFG)
+  checkpointer.close()
+  engine.close()
+  if jax.process_index() == 0:
+    save_hf(workdir / 'hf', CFG, initial_state()['params'])
+  distributed.barrier('restored: the checkpoints are written')
+  sources = {'checkpoint': (Checkpointer(workdir / 'restored', keep=1).restore, data[2:],
+                            nbytes(initial_state())),
+             'hf': (lambda cfg: HfReader(inspect_checkpoint(workdir / 'hf'),
+                                         resident.abstract_state(cfg, tx)), data[:1],
+                    nbytes(initial_state()['params']))}
+  placements = {'resident': {}, 'host': PLACEMENTS['host'],
+                'nvme': dict(PLACEMENTS['nvme'], dir=str(workdir / 'offload'))}
+  for source, (open_reader, steps, source_bytes) in sources.items():
+    for name, placement in placements.items():
+      if source == 'hf' and name == 'host':
+        continue
+      reader = open_reader(CFG)
+      engine = train.make_engine(CFG, tx, schedule, trainer, Placement(**placement),
+                                 restore_from=reader, layout=layout)
+      out[f'{source} {name}'] = {
+          'losses': [float(engine.train_step(b)['learning/loss']) for b in steps],
+          'read': reader.bytes_read / source_bytes}
+      getattr(engine, 'close', lambda: None)()
   return out
 
 

@@ -197,6 +197,25 @@ def test_processes_put_only_their_own_shards(process_runs):
     assert report['value_checks'] == [], report['value_checks'][:10]
 
 
+@pytest.mark.parametrize('name', ['checkpoint resident', 'checkpoint host', 'checkpoint nvme',
+                                  'hf resident', 'hf nvme'])
+def test_processes_read_only_their_own_shards_of_a_checkpoint(runs, process_runs, name):
+  """A checkpoint both processes wrote after 2 steps, restored in both (resident; streamed with
+  host and NVMe placements): steps 3-5 give the one-device losses. A Hugging Face checkpoint of
+  the initial params imported in both: step 1's loss. And each process read half of the source
+  (its own 2 of the 4 devices' shards; split leaves' LazySlices), not all of it (every piece
+  whole in every process before: 1.0 for the streamed placements), the two together all of it."""
+  first = [report['restored']['first'] for report in process_runs]
+  for losses in first:
+    _assert_losses_match(losses, runs['reference'][:2])
+  want = runs['reference'][2:] if name.startswith('checkpoint') else runs['reference'][:1]
+  read = [report['restored'][name]['read'] for report in process_runs]
+  for report in process_runs:
+    _assert_losses_match(report['restored'][name]['losses'], want)
+  assert all(0.49 < r < 0.52 for r in read), read
+  assert sum(read) >= 1.0, read
+
+
 def test_a_fresh_nvme_checkpoint_of_two_processes_holds_the_initial_state(process_runs,
                                                                          process_workdir):
   """Both processes checkpointed a fresh NVMe init before any step, while AdamW's zeros were

@@ -313,8 +313,11 @@ class StreamedEngine:
                                               start, stop, part))
       else:  # AdamW's zeros of an imported model are not written to NVMe (tiers/nvme.py)
         known_zero = reader.known_zero if isinstance(store, NvmeStore) else None
+        # With several processes the store reads only this process's shards of each split leaf
+        # (partition.LazySlice), not the whole piece in every process.
+        read_box = reader.read_box if jax.process_count() > 1 else None
         store.put(key, partition.read_piece(reader.read, self.tx, abstract, kind, start, stop,
-                                            part, known_zero))
+                                            part, known_zero, read_box))
 
   # --------------------------------------------------------------------------------------------
   # The step: the stages of schedule.py, in order.

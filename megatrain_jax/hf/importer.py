@@ -14,10 +14,13 @@ resident engine leaf by leaf onto the device. Each read opens the safetensors fi
 memory-maps them, copies the slices it wants (`safe_open(...).get_slice`, cast to float32 and
 transposed from torch's [out, in] in the same copy) and unmaps them again, so the process holds
 at most one piece of the model (plus the mapped pages of the tensors that piece is cut from).
+With several processes each one reads only its own devices' shards of each piece (`read_box`,
+partition.LazySlice): a process of P reads 1/P of the checkpoint.
 Adam state and step counts read as zeros (what AdamW's `init` gives), the rng as a fresh run's.
 """
 
 import contextlib
+import functools
 import shutil
 from pathlib import Path
 from typing import Any, Iterable
@@ -31,9 +34,10 @@ from megatrain_jax import config as config_lib
 from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.hf.format import HfCheckpoint, _open_safetensors
-from megatrain_jax.layout import Layout
+from megatrain_jax.layout import Layout, place, slices
 from megatrain_jax.model import fresh_rng
 from megatrain_jax.model.config import ModelConfig
+from megatrain_jax.partition import LazySlice
 
 # ModelConfig field -> its config key: what a Hugging Face checkpoint's config.json decides.
 MODEL_FIELDS = {
@@ -203,18 +207,21 @@ class HfReader:
     a stacked leaf; vocabulary rows of the embedding, axis 0; columns of the head kernel, axis 1),
     the whole leaf if start is None. Params come from the safetensors files as float32, optimizer
     state and step counts are zero."""
-    leaf = self._leaf(path)
-    shape = tuple(leaf.shape)
-    if start is not None:
-      shape = shape[:axis] + (stop - start,) + shape[axis + 1:]
     if path == "['rng']":
       return self._rng.copy()
-    if path not in self._tensors:  # AdamW's mu, nu and counts start at zero (optax init)
-      return np.zeros(shape, leaf.dtype)
-    return self._read_params(self._tensors[path], shape, start or 0, axis)
+    box = [(0, n) for n in self.shape(path)]
+    if start is not None:
+      box[axis] = (start, stop)
+    return self.read_box(path, tuple(box))
 
-  def _read_params(self, tensors: list, shape: tuple, start: int, axis: int) -> np.ndarray:
-    out = np.empty(shape, np.float32)
+  def read_box(self, path: str, box: tuple) -> np.ndarray:
+    """`box` ((start, stop) per axis) of leaf `path` of the full state as host numpy (what one
+    process reads of a leaf split over several: layout.place): of a layer leaf the box's layers
+    are tensors of their own, the rest of the box is cut from each of them."""
+    shape = tuple(b - a for a, b in box)
+    if path not in self._tensors:  # AdamW's mu, nu and counts start at zero (optax init)
+      return np.zeros(shape, self._leaf(path).dtype)
+    tensors, out = self._tensors[path], np.empty(shape, np.float32)
     with contextlib.ExitStack() as stack:
       handles = {}
 
@@ -225,38 +232,34 @@ class HfReader:
         return handles[file]
 
       if tensors[0].layer is None:
-        t = tensors[0]
-        out[...] = self._slice(opened(t), t, axis, start, start + shape[axis])
+        out[...] = self._slice(opened(tensors[0]), tensors[0], box)
       else:
-        if axis != 0:
-          raise ValueError(f'layer leaves are cut along axis 0 (layers), not {axis}')
-        for i in range(shape[0]):
-          t = tensors[start + i]
-          out[i] = self._slice(opened(t), t, None, 0, 0)
+        (first, last), rest = box[0], box[1:]
+        for i in range(first, last):
+          out[i - first] = self._slice(opened(tensors[i]), tensors[i], rest)
     return out
 
-  def _slice(self, f, t, axis: int | None, start: int, stop: int) -> np.ndarray:
-    """Tensor `t` (indices [start:stop] along our `axis`; all if axis is None) in our layout."""
-    tensor = f.get_slice(t.hf_name)
-    if axis is None:
-      value = tensor[:]
-    else:
-      hf_axis = len(t.hf_shape) - 1 - axis if t.transpose else axis
-      value = tensor[(slice(None),) * hf_axis + (slice(start, stop),)]
+  def _slice(self, f, t, box: tuple) -> np.ndarray:
+    """`box` of tensor `t` in our layout (torch's [out, in] read transposed: the box reversed)."""
+    value = f.get_slice(t.hf_name)[slices(box[::-1] if t.transpose else box)]
     self.bytes_read += value.nbytes
     return value.T if t.transpose else value
 
   def device_state(self, abstract_state, layout: Layout | None = None,
                    memory_kind: str = 'device'):
     """The whole state on the device(s) of `layout`, leaf by leaf (one host copy of one leaf at a
-    time); optimizer state and step counts are made as zeros on the device."""
+    time; with several processes, of this process's shards of it); optimizer state and step
+    counts are made as zeros on the device."""
     layout = layout or Layout.single_device()
 
     def leaf(key_path, abstract):
       path = jax.tree_util.keystr(key_path)
       sharding = layout.sharding(memory_kind, tuple(abstract.shape), path)
-      if path in self._tensors or path == "['rng']":
-        return jax.device_put(self.read(path), sharding)
+      if path == "['rng']":
+        return place(self._rng, sharding)
+      if path in self._tensors:
+        return place(LazySlice(functools.partial(self.read_box, path), abstract.shape,
+                               np.float32), sharding)
       return jnp.zeros(abstract.shape, abstract.dtype, device=sharding)
 
     return jax.tree_util.tree_map_with_path(leaf, abstract_state)
