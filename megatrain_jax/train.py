@@ -315,9 +315,11 @@ def _build_engine(model_cfg, config, plan, restored, source, layout: Layout):
         for store in stores.all():
           store.flush()
       seconds = time.perf_counter() - started
-      print(f'initialised from {reader.directory}: {reader.bytes_read / 1e9:,.3f} GB of '
-            f'weights read into the planned tiers in {seconds:.2f} s '
-            f'({reader.bytes_read / 1e9 / max(seconds, 1e-9):.3f} GB/s)', flush=True)
+      if distributed.is_main():  # each process read its own shards: about 1/P of the weights
+        share = f' (process 0 of {jax.process_count()})' if jax.process_count() > 1 else ''
+        print(f'initialised from {reader.directory}: {fs.human_bytes(reader.bytes_read)} of '
+              f'weights read into the planned tiers{share} in {seconds:.2f} s '
+              f'({reader.bytes_read / 1e9 / max(seconds, 1e-9):.3f} GB/s)', flush=True)
   return engine
 
 
