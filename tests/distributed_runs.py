@@ -71,7 +71,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from helpers import (CFG, DOCUMENTS_CFG, JAX_CACHE_DIR, STEPS,  # noqa: E402
                      assert_states_match, initial_state, make_tx, small_config, with_documents)
 from megatrain_jax import distributed, train  # noqa: E402
-from megatrain_jax.checkpoint import Checkpointer  # noqa: E402
+from megatrain_jax.checkpoint import Checkpointer, WeightsOnly  # noqa: E402
 from megatrain_jax.engine import resident  # noqa: E402
 from megatrain_jax.engine.functions import StageFunctions  # noqa: E402
 from megatrain_jax.engine.streamed import StreamedEngine  # noqa: E402
@@ -274,14 +274,13 @@ def process_main(process_id: str, coordinator: str, workdir: str) -> dict:
 def restored_runs(layout: Layout, workdir: pathlib.Path) -> dict:
   """The host placement trains steps 1-2 and checkpoints them (every leaf an in-memory array,
   written by both processes); the resident engine and the host and NVMe placements restore that
-  checkpoint and train steps 3-5. And a Hugging Face checkpoint of the initial params (process 0
-  writes it) imported by the resident engine and the NVMe placement, one step each. Each reports
-  its losses and the bytes its reader read in this process, as a fraction of what the source
-  holds (the whole state; the params of the Hugging Face checkpoint)."""
+  checkpoint and train steps 3-5. Its weights alone (init.from_run: checkpoint.WeightsOnly) in
+  the host placement, and a Hugging Face checkpoint of the initial params (process 0 writes it)
+  in the resident engine and the NVMe placement, one step each. Each reports its losses and the
+  bytes its reader read in this process, as a fraction of what the source holds (the whole
+  state; the params)."""
   tx, schedule, clip = make_tx(1.0)
-  nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
   data, out = batches(), {}
-  trainer = types.SimpleNamespace(grad_clip=clip, seed=0)  # what make_engine reads of config.train
   engine = StreamedEngine(CFG, tx, schedule, clip, Placement(**PLACEMENTS['host']),
                           jax.tree.map(np.copy, initial_state()), layout=layout)
   out['first'] = [float(engine.train_step(b)['learning/loss']) for b in data[:2]]
@@ -292,19 +291,22 @@ def restored_runs(layout: Layout, workdir: pathlib.Path) -> dict:
   if jax.process_index() == 0:
     save_hf(workdir / 'hf', CFG, initial_state()['params'])
   distributed.barrier('restored: the checkpoints are written')
-  sources = {'checkpoint': (Checkpointer(workdir / 'restored', keep=1).restore, data[2:],
-                            nbytes(initial_state())),
-             'hf': (lambda cfg: HfReader(inspect_checkpoint(workdir / 'hf'),
-                                         resident.abstract_state(cfg, tx)), data[:1],
-                    nbytes(initial_state()['params']))}
+  abstract = resident.abstract_state(CFG, tx)
+  restore = Checkpointer(workdir / 'restored', keep=1).restore
   placements = {'resident': {}, 'host': PLACEMENTS['host'],
                 'nvme': dict(PLACEMENTS['nvme'], dir=str(workdir / 'offload'))}
-  for source, (open_reader, steps, source_bytes) in sources.items():
-    for name, placement in placements.items():
-      if source == 'hf' and name == 'host':
-        continue
-      reader = open_reader(CFG)
-      engine = train.make_engine(CFG, tx, schedule, trainer, Placement(**placement),
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(initial_state()))
+  params_bytes = sum(x.nbytes for x in jax.tree.leaves(initial_state()['params']))
+  runs = [  # (source, its reader, placements, steps, bytes it holds)
+      ('checkpoint', lambda: restore(CFG), placements, data[2:], state_bytes),
+      ('run', lambda: WeightsOnly(restore(CFG), abstract), ['host'], data[2:3], params_bytes),
+      ('hf', lambda: HfReader(inspect_checkpoint(workdir / 'hf'), abstract), ['resident', 'nvme'],
+       data[:1], params_bytes)]
+  trainer = types.SimpleNamespace(grad_clip=clip, seed=0)  # what make_engine reads of config.train
+  for source, open_reader, names, steps, source_bytes in runs:
+    for name in names:
+      reader = open_reader()
+      engine = train.make_engine(CFG, tx, schedule, trainer, Placement(**placements[name]),
                                  restore_from=reader, layout=layout)
       out[f'{source} {name}'] = {
           'losses': [float(engine.train_step(b)['learning/loss']) for b in steps],

@@ -198,17 +198,19 @@ def test_processes_put_only_their_own_shards(process_runs):
 
 
 @pytest.mark.parametrize('name', ['checkpoint resident', 'checkpoint host', 'checkpoint nvme',
-                                  'hf resident', 'hf nvme'])
+                                  'run host', 'hf resident', 'hf nvme'])
 def test_processes_read_only_their_own_shards_of_a_checkpoint(runs, process_runs, name):
   """A checkpoint both processes wrote after 2 steps, restored in both (resident; streamed with
-  host and NVMe placements): steps 3-5 give the one-device losses. A Hugging Face checkpoint of
-  the initial params imported in both: step 1's loss. And each process read half of the source
-  (its own 2 of the 4 devices' shards; split leaves' LazySlices), not all of it (every piece
-  whole in every process before: 1.0 for the streamed placements), the two together all of it."""
+  host and NVMe placements): steps 3-5 give the one-device losses; its weights alone
+  (init.from_run): step 3's loss. A Hugging Face checkpoint of the initial params imported in
+  both: step 1's loss. And each process read half of the source (its own 2 of the 4 devices'
+  shards; split leaves' LazySlices), not all of it (every piece whole in every process before:
+  1.0 for the streamed placements and the Hugging Face import), the two together all of it."""
   first = [report['restored']['first'] for report in process_runs]
   for losses in first:
     _assert_losses_match(losses, runs['reference'][:2])
-  want = runs['reference'][2:] if name.startswith('checkpoint') else runs['reference'][:1]
+  want = {'checkpoint': runs['reference'][2:], 'run': runs['reference'][2:3],
+          'hf': runs['reference'][:1]}[name.split()[0]]
   read = [report['restored'][name]['read'] for report in process_runs]
   for report in process_runs:
     _assert_losses_match(report['restored'][name]['losses'], want)
