@@ -25,11 +25,18 @@ def get_config() -> ml_collections.ConfigDict:
   model.max_seq_len = 1024  # Longest sequence the model is meant for; train.seq_len must fit.
   model.rope_theta = 10000.0  # RoPE base period (Llama 2: 1e4, Llama 3: 5e5).
   model.rope_scaling = ml_collections.ConfigDict()
-  model.rope_scaling.type = 'none'  # 'none', 'linear' or 'llama3' (Llama 3.1 long context).
-  model.rope_scaling.factor = 1.0  # Frequency divisor for 'linear' and 'llama3'.
+  model.rope_scaling.type = 'none'  # 'none', 'linear', 'llama3' (Llama 3.1 long context) or
+  #                                   'yarn' (Qwen2.5 / Qwen3 beyond 32k: YaRN).
+  model.rope_scaling.factor = 1.0  # Frequency divisor for 'linear', 'llama3' and 'yarn'.
   model.rope_scaling.low_freq_factor = 1.0  # 'llama3': wavelengths above old_len/this are scaled.
   model.rope_scaling.high_freq_factor = 4.0  # 'llama3': wavelengths below old_len/this are kept.
-  model.rope_scaling.original_max_len = 8192  # 'llama3': the pre-extension context length.
+  model.rope_scaling.original_max_len = 8192  # 'llama3', 'yarn': the pre-extension context length.
+  model.rope_scaling.beta_fast = 32.0  # 'yarn': pairs turning more than this often over the
+  #                                      original length keep their frequency...
+  model.rope_scaling.beta_slow = 1.0  # ...those turning less than this often are divided by
+  #                                     factor; the pairs between are blended linearly.
+  model.rope_scaling.attention_factor = 0.0  # 'yarn': cos and sin scale; 0 = 0.1 ln(factor) + 1.
+  model.rope_scaling.truncate = True  # 'yarn': the blended band rounded out to whole pairs.
   model.qkv_bias = False  # Bias on the q/k/v projections (Qwen2).
   model.qk_norm = False  # RMSNorm of each head's q and k (scales [head_dim]) before RoPE (Qwen3).
   model.tie_embeddings = True  # LM head = embedding transposed (no separate head matrix).

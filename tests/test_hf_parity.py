@@ -22,7 +22,7 @@ from megatrain_jax import hf
 from megatrain_jax.errors import ConfigError, UnsupportedModelError
 from megatrain_jax.hf.format import tensor_map
 from megatrain_jax.model import abstract_params, forward, loss_fn
-from megatrain_jax.model.config import rope_inverse_frequencies
+from megatrain_jax.model.config import rope_attention_factor, rope_inverse_frequencies
 
 VOCAB, BATCH, SEQ = 256, 2, 24
 LOGIT_TOL = 1e-4
@@ -51,6 +51,14 @@ CASES = {
     'llama_linear_rope': (_LLAMA, dict(rope_parameters={'rope_type': 'linear',
                                                         'rope_theta': 10000.0, 'factor': 4.0}),
                           dict(rope_scaling_type='linear', rope_scaling_factor=4.0)),
+    # YaRN as Qwen2.5 / Qwen3 model cards add it: original length 32 with head_dim 16 and theta
+    # 1e4 puts pair 0 below the blended band, pair 1 in it and the rest above (divided by factor);
+    # the attention factor is the derived 0.1 ln(4) + 1.
+    'qwen2_yarn': (_QWEN2, dict(num_key_value_heads=2, rope_parameters={
+        'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 4.0,
+        'original_max_position_embeddings': 32}),
+                   dict(rope_scaling_type='yarn', rope_scaling_factor=4.0, rope_original_max_len=32,
+                        rope_attention_factor=0.0, rope_beta_fast=32.0, rope_beta_slow=1.0)),
     'qwen2_bias': (_QWEN2, dict(num_key_value_heads=2, tie_word_embeddings=False),
                    dict(qkv_bias=True, num_kv_heads=2, sliding_window=0)),
     # q_norm / k_norm over head_dim 32 (!= d_model / num_heads, as Qwen3's 128 is for most sizes),
@@ -178,6 +186,12 @@ def test_rope_scaling_and_window_are_exercised(saved, tokens):
   plain = rope_inverse_frequencies(cfg.replace(rope_scaling_type='none'))
   kept, divided = np.isclose(scaled, plain), np.isclose(scaled, plain / 8.0)
   assert kept.any() and divided.any() and (~kept & ~divided).any()  # the last: smoothed band
+  cfg, _ = hf.load_hf(saved('qwen2_yarn')[0])
+  scaled = rope_inverse_frequencies(cfg)
+  plain = rope_inverse_frequencies(cfg.replace(rope_scaling_type='none'))
+  kept, divided = np.isclose(scaled, plain), np.isclose(scaled, plain / 4.0)
+  assert kept.any() and divided.any() and (~kept & ~divided).any()  # the last: blended band
+  assert rope_attention_factor(cfg) == pytest.approx(0.1 * np.log(4.0) + 1)
   _, windowed = saved('mistral_window')
   full = _torch_model('mistral_window', sliding_window=None)
   assert _max_err(_torch_logits(windowed, tokens), _torch_logits(full, tokens)) > 1e-2
@@ -340,8 +354,33 @@ def test_transformers4_rope_layout():
   assert hf.model_config_from_hf(_BASE | {'rope_scaling': None}).rope_scaling_type == 'none'
 
 
+@pytest.mark.parametrize('rope', [
+    {'factor': 4.0, 'original_max_position_embeddings': 32},
+    {'factor': 8.0, 'original_max_position_embeddings': 64, 'beta_fast': 16, 'beta_slow': 2,
+     'truncate': False},
+    {'factor': 4.0, 'original_max_position_embeddings': 32, 'attention_factor': 1.3},
+    {'factor': 40.0, 'original_max_position_embeddings': 16, 'mscale': 1.0,
+     'mscale_all_dim': 0.707},  # DeepSeek's way of giving the attention factor
+    {'factor': None, 'original_max_position_embeddings': 32},  # the factor: 128 / 32
+    {'factor': 2.0},  # the original length: max_position_embeddings
+])
+def test_yarn_frequencies_and_attention_factor_match_transformers(rope):
+  """YaRN's inverse frequencies and attention factor from config.json, against transformers'
+  `_compute_yarn_parameters` for each way a config can give them."""
+  from transformers.modeling_rope_utils import _compute_yarn_parameters
+  config = transformers.Qwen2Config(
+      vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+      rope_parameters={'rope_type': 'yarn', 'rope_theta': 10000.0} | rope)
+  inv_freq, attention_factor = _compute_yarn_parameters(config)
+  cfg = hf.model_config_from_hf(config.to_dict())
+  np.testing.assert_array_equal(rope_inverse_frequencies(cfg), inv_freq.numpy())
+  assert rope_attention_factor(cfg) == pytest.approx(attention_factor, rel=1e-12)
+
+
 @pytest.mark.parametrize('extra, match', [
-    ({'rope_parameters': {'rope_type': 'yarn', 'rope_theta': 1e4, 'factor': 4.0}}, 'yarn'),
+    ({'rope_parameters': {'rope_type': 'longrope', 'rope_theta': 1e4, 'factor': 4.0}},
+     'longrope'),
     ({'rope_scaling': {'type': 'dynamic', 'factor': 2.0}}, 'dynamic'),
     ({'mlp_bias': True}, 'mlp_bias'),
     ({'attention_bias': True}, 'o_proj'),

@@ -20,6 +20,7 @@ mismatched config.json fails fast with the offending tensor named.
 import contextlib
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -56,7 +57,7 @@ _DEFAULT_INIT_STD = 0.02
 _DEFAULT_QWEN2_MAX_WINDOW_LAYERS = 28
 
 # HF rope_type -> ModelConfig.rope_scaling_type.
-_ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}
+_ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3', 'yarn': 'yarn'}
 
 # Floating-point safetensors dtypes; anything else (int8, fp8 ...) is a quantized checkpoint.
 _FLOAT_DTYPES = ('F16', 'BF16', 'F32', 'F64')
@@ -223,12 +224,34 @@ def _rope_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
             'rope_scaling_type': _ROPE_TYPES[rope_type]}
   if rope_type in ('linear', 'llama3'):
     fields['rope_scaling_factor'] = float(_rope_param(params, 'factor', rope_type))
+  if rope_type in ('llama3', 'yarn'):
+    # As in transformers: without it, the model was trained at its full length.
+    fields['rope_original_max_len'] = int(params.get('original_max_position_embeddings') or
+                                          _required(hf_config, 'max_position_embeddings'))
   if rope_type == 'llama3':
     fields['rope_low_freq_factor'] = float(_rope_param(params, 'low_freq_factor', rope_type))
     fields['rope_high_freq_factor'] = float(_rope_param(params, 'high_freq_factor', rope_type))
-    # As in transformers: without it, the model was trained at its full length.
-    fields['rope_original_max_len'] = int(params.get('original_max_position_embeddings',
-                                                     hf_config['max_position_embeddings']))
+  if rope_type == 'yarn':
+    fields.update(_yarn_fields(params, hf_config, fields['rope_original_max_len']))
+  return fields
+
+
+def _yarn_fields(params: dict[str, Any], hf_config: dict[str, Any], original: int) -> dict:
+  """YaRN's ModelConfig fields, with transformers' defaults (`_compute_yarn_parameters`): the
+  factor from the lengths when absent, beta_fast 32 and beta_slow 1, and the attention factor of
+  DeepSeek-style mscale / mscale_all_dim resolved to its value (0 = YaRN's own default)."""
+  factor = params.get('factor')
+  if factor is None:
+    factor = _required(hf_config, 'max_position_embeddings') / original
+  fields = {'rope_scaling_factor': float(factor),
+            'rope_beta_fast': float(params.get('beta_fast') or 32),
+            'rope_beta_slow': float(params.get('beta_slow') or 1),
+            'rope_truncate': bool(params.get('truncate', True)),
+            'rope_attention_factor': float(params.get('attention_factor') or 0.0)}
+  mscale, mscale_all_dim = params.get('mscale'), params.get('mscale_all_dim')
+  if params.get('attention_factor') is None and mscale and mscale_all_dim:
+    scale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    fields['rope_attention_factor'] = float(scale(mscale) / scale(mscale_all_dim))
   return fields
 
 
@@ -338,6 +361,12 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
     rope.update(low_freq_factor=cfg.rope_low_freq_factor,
                 high_freq_factor=cfg.rope_high_freq_factor,
                 original_max_position_embeddings=cfg.rope_original_max_len)
+  if cfg.rope_scaling_type == 'yarn':
+    rope.update(original_max_position_embeddings=cfg.rope_original_max_len,
+                beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
+                truncate=cfg.rope_truncate)
+    if cfg.rope_attention_factor:
+      rope['attention_factor'] = cfg.rope_attention_factor
   hf_config = {
       'architectures': [arch], 'model_type': next(t for t, a in _MODEL_TYPES.items() if a == arch),
       'vocab_size': cfg.vocab_size, 'hidden_size': cfg.d_model, 'intermediate_size': cfg.d_ff,

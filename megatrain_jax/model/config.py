@@ -11,7 +11,7 @@ import math
 from megatrain_jax.errors import ConfigError
 
 REMAT_POLICIES = ('none', 'full', 'minimal', 'offload')
-ROPE_SCALING_TYPES = ('none', 'linear', 'llama3')
+ROPE_SCALING_TYPES = ('none', 'linear', 'llama3', 'yarn')
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 MATMUL_PRECISIONS = ('highest', 'high', 'default')
 AUTO_VOCAB_CHUNK = 8192  # model.vocab_chunk = 0: see ModelConfig.resolved_vocab_chunk
@@ -34,6 +34,13 @@ class ModelConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_len: int = 8192
+  # YaRN (rope_scaling_type 'yarn'): the band between beta_fast and beta_slow rotations over the
+  # original length is blended from kept to divided by factor; cos and sin are multiplied by
+  # attention_factor (0 = YaRN's 0.1 ln(factor) + 1). truncate rounds the band to whole pairs.
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_attention_factor: float = 0.0
+  rope_truncate: bool = True
   qkv_bias: bool = False
   qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
   tie_embeddings: bool = False
@@ -87,6 +94,9 @@ class ModelConfig:
             f'model.rope_scaling.low_freq_factor={low} and high_freq_factor={high}: llama3 RoPE '
             'needs 0 < low_freq_factor < high_freq_factor (it blends the band between them; '
             'Llama 3.1 uses 1 and 4).')
+    if self.rope_scaling_type == 'yarn':
+      self._check_yarn()
+    if self.rope_scaling_type in ('llama3', 'yarn'):
       if not isinstance(self.rope_original_max_len, int) or self.rope_original_max_len <= 0:
         raise ConfigError(f'model.rope_scaling.original_max_len={self.rope_original_max_len!r} '
                           'must be a positive integer (the pre-extension context length, e.g. '
@@ -108,6 +118,16 @@ class ModelConfig:
                         f'{self.vocab_size}-token vocabulary (-1 = no document mask): '
                         'model.document_mask takes it from data.eos_token.')
 
+  def _check_yarn(self) -> None:
+    fast, slow = self.rope_beta_fast, self.rope_beta_slow
+    if not 0 < slow < fast:
+      raise ConfigError(f'model.rope_scaling.beta_fast={fast} and beta_slow={slow}: YaRN needs '
+                        '0 < beta_slow < beta_fast (rotations over the original length that '
+                        'bound the blended band; the paper and transformers use 32 and 1).')
+    if not self.rope_attention_factor >= 0:
+      raise ConfigError(f'model.rope_scaling.attention_factor={self.rope_attention_factor} must '
+                        'be >= 0 (0 = 0.1 ln(factor) + 1, as YaRN and transformers default).')
+
   @classmethod
   def recorded(cls, saved: dict) -> dict:
     """A ModelConfig as a checkpoint's meta.json records it (dataclasses.asdict), each field
@@ -128,7 +148,9 @@ class ModelConfig:
         rope_scaling_type=scaling.type, rope_scaling_factor=scaling.factor,
         rope_low_freq_factor=scaling.low_freq_factor,
         rope_high_freq_factor=scaling.high_freq_factor,
-        rope_original_max_len=scaling.original_max_len, qkv_bias=model.qkv_bias,
+        rope_original_max_len=scaling.original_max_len, rope_beta_fast=scaling.beta_fast,
+        rope_beta_slow=scaling.beta_slow, rope_attention_factor=scaling.attention_factor,
+        rope_truncate=scaling.truncate, qkv_bias=model.qkv_bias,
         qk_norm=model.qk_norm, tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps,
         sliding_window=model.sliding_window, attention_chunk=model.attention_chunk,
         vocab_chunk=model.vocab_chunk,
@@ -209,7 +231,8 @@ def rope_inverse_frequencies(cfg: ModelConfig):
   """Per-pair rotation frequencies [head_dim // 2], float32, exactly as Hugging Face computes them.
 
   Llama-3 scaling keeps high frequencies, divides low frequencies by `factor`, and blends the band
-  between (transformers `_compute_llama3_parameters`).
+  between (transformers `_compute_llama3_parameters`); YaRN blends linearly over the pairs
+  between its two correction dimensions (`_compute_yarn_parameters`).
   """
   import numpy as np  # local: keeps this module import-light for the config layer
   dim = cfg.head_dim
@@ -228,4 +251,42 @@ def rope_inverse_frequencies(cfg: ModelConfig):
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     inv_freq = np.where(is_medium, smoothed, scaled).astype(np.float32)
+  elif cfg.rope_scaling_type == 'yarn':
+    inv_freq = _yarn_inverse_frequencies(cfg, np)
   return inv_freq
+
+
+def _yarn_inverse_frequencies(cfg: ModelConfig, np):
+  """YaRN's frequencies: pair i keeps its frequency below the correction dimension of beta_fast
+  rotations over the original length, is divided by factor above that of beta_slow, and is
+  blended linearly between (float32, in transformers' order of operations)."""
+  dim, base = cfg.head_dim, cfg.rope_theta
+  pos_freqs = np.float32(base) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+  extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+  interpolation = (np.float32(1.0) / (np.float32(cfg.rope_scaling_factor) * pos_freqs))
+
+  def correction_dim(rotations):  # the pair whose wavelength fits `rotations` times
+    return dim * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / (
+        2 * math.log(base))
+
+  low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+  if cfg.rope_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001  # as transformers: no division by zero
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low))
+                 / np.float32(high - low), 0, 1).astype(np.float32)
+  kept = np.float32(1) - ramp
+  return (interpolation * (1 - kept) + extrapolation * kept).astype(np.float32)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+  """What RoPE's cos and sin are multiplied by: YaRN's attention factor (0.1 ln(factor) + 1
+  unless set; 1 for factor <= 1), else 1."""
+  if cfg.rope_scaling_type != 'yarn':
+    return 1.0
+  if cfg.rope_attention_factor:
+    return float(cfg.rope_attention_factor)
+  factor = cfg.rope_scaling_factor
+  return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from megatrain_jax.model.config import ModelConfig, rope_inverse_frequencies
+from megatrain_jax.model.config import ModelConfig, rope_attention_factor, rope_inverse_frequencies
 
 # Names given to matmul outputs inside a layer (see remat policies in decoder.py).
 MATMUL_OUTPUT_NAMES = ('q_proj', 'k_proj', 'v_proj', 'attn_out', 'o_proj', 'gate_proj', 'up_proj',
@@ -77,11 +77,15 @@ def rms_norm(x, scale, eps: float, dtype):
 
 
 def rope_cos_sin(cfg: ModelConfig, positions):
-  """positions [B, S] or [S] int -> cos, sin [..., S, Dh] (float32), rotate-half layout."""
+  """positions [B, S] or [S] int -> cos, sin [..., S, Dh] (float32), rotate-half layout; scaled
+  by YaRN's attention factor where the model has one."""
   inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))  # [Dh/2]
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., S, Dh/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)  # [..., S, Dh]
-  return jnp.cos(emb), jnp.sin(emb)
+  scale = rope_attention_factor(cfg)
+  if scale == 1.0:
+    return jnp.cos(emb), jnp.sin(emb)
+  return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
 class RopePositions(NamedTuple):
