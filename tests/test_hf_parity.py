@@ -376,6 +376,9 @@ def test_yarn_frequencies_and_attention_factor_match_transformers(rope):
   cfg = hf.model_config_from_hf(config.to_dict())
   np.testing.assert_array_equal(rope_inverse_frequencies(cfg), inv_freq.numpy())
   assert rope_attention_factor(cfg) == pytest.approx(attention_factor, rel=1e-12)
+  # train.seq_len may reach the extended length (the original one times the factor).
+  original = rope.get('original_max_position_embeddings', 128)
+  assert cfg.max_seq_len == max(128, int((rope['factor'] or 128 / original) * original))
 
 
 @pytest.mark.parametrize('extra, match', [

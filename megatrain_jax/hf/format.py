@@ -324,7 +324,7 @@ def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
         num_layers=shapes['num_hidden_layers'], num_heads=num_heads,
         num_kv_heads=hf_config.get('num_key_value_heads') or num_heads,
         d_ff=shapes['intermediate_size'], head_dim=hf_config.get('head_dim') or 0,
-        max_seq_len=shapes['max_position_embeddings'],
+        max_seq_len=_max_seq_len(shapes['max_position_embeddings'], rope),
         norm_eps=float(hf_config.get('rms_norm_eps', _DEFAULT_RMS_NORM_EPS)),
         tie_embeddings=bool(hf_config.get('tie_word_embeddings', False)),
         init_std=float(hf_config.get('initializer_range', _DEFAULT_INIT_STD)),
@@ -333,6 +333,17 @@ def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
   except ConfigError as e:
     # ModelConfig names its own fields (model.*); say where the bad values came from.
     raise ConfigError(f'config.json does not describe a valid {arch}: {e}') from e
+
+
+def _max_seq_len(max_position_embeddings: int, rope: dict[str, Any]) -> int:
+  """The longest sequence the model is meant for: config.json's max_position_embeddings, or
+  with YaRN the original length times the factor where that is longer (Qwen2.5's and Qwen3's
+  model cards add rope_scaling to a config.json that keeps the original length; serving stacks
+  such as vLLM derive the extended length the same way)."""
+  if rope['rope_scaling_type'] != 'yarn':
+    return max_position_embeddings
+  return max(max_position_embeddings,
+             int(rope['rope_scaling_factor'] * rope['rope_original_max_len']))
 
 
 def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
