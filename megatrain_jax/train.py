@@ -805,8 +805,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
     path.mkdir(parents=True, exist_ok=True)
     fs.write_json_atomic(path / 'eval.json', result)
   print(f'eval/loss {result["eval/loss"]:.6f} | eval/perplexity {result["eval/perplexity"]:.4f}'
-        f' | eval/tokens {result["eval/tokens"]} | {source} | '
-        f'{result["eval/seconds_per_1k_tokens"]:.3f} s per 1k tokens', flush=True)
+        f' | eval/tokens {result["eval/tokens"]} | {source} | {result["eval/seconds"]:.2f} s '
+        f'({result["eval/tokens"] / max(result["eval/seconds"], 1e-9):,.0f} tokens/s)', flush=True)
   return result
 
 
