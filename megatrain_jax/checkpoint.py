@@ -93,6 +93,7 @@ import os
 import pathlib
 import shutil
 import sys
+import threading
 from typing import Any, Iterable, NamedTuple
 
 import jax
@@ -406,7 +407,10 @@ class CheckpointReader:
                               f'not a readable checkpoint meta.json ({error})') from error
     self._arrays = {}
     self._context = _context()
-    self.bytes_read = 0  # by read, read_box and device_state (not by verify)
+    # Bytes read by read, read_box and device_state (not by verify). With several processes the
+    # NVMe stores' writer threads read boxes too (partition.LazySlice): counted under a lock.
+    self.bytes_read = 0
+    self._count_lock = threading.Lock()
 
   def check_model(self, model_cfg: ModelConfig) -> None:
     saved = ModelConfig.recorded(self.meta['model_config'])
@@ -548,12 +552,16 @@ class CheckpointReader:
     shape = self.shape(path)
     if not shape:
       out = np.asarray(self._open(path).read().result()).reshape(())
-      self.bytes_read += out.nbytes
+      self._count(out.nbytes)
       return out
     start, stop = (0, shape[axis]) if start is None else (start, stop)
     out = np.empty(shape[:axis] + (stop - start,) + shape[axis + 1:],
                    self._open(path).dtype.numpy_dtype)
     return self._read_into(path, out, start, axis)
+
+  def _count(self, nbytes: int) -> None:
+    with self._count_lock:
+      self.bytes_read += nbytes
 
   def read_box(self, path: str, box: tuple) -> np.ndarray:
     """`box` ((start, stop) per axis) of leaf `path` of the full state as host numpy: what one
@@ -561,7 +569,7 @@ class CheckpointReader:
     of a device shard of the layout that wrote the checkpoint is the files of that shard only
     (each file is cut into one part per device shard)."""
     out = np.asarray(self._open(path)[slices(box)].read().result())
-    self.bytes_read += out.nbytes
+    self._count(out.nbytes)
     _release_freed_memory()
     return out
 
@@ -575,7 +583,7 @@ class CheckpointReader:
       part = _box(axis, first - start, last - start)
       out[part] = array[_box(axis, first, last)].read().result()
       _release_freed_memory()
-      self.bytes_read += out[part].nbytes
+      self._count(out[part].nbytes)
       first = last
     return out
 

@@ -22,6 +22,7 @@ Adam state and step counts read as zeros (what AdamW's `init` gives), the rng as
 import contextlib
 import functools
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -179,7 +180,10 @@ class HfReader:
   def __init__(self, checkpoint: HfCheckpoint, abstract_state, seed: int = 0):
     self.checkpoint, self.directory = checkpoint, checkpoint.directory
     self.meta = {'step': 0, 'data_position': 0}
-    self.bytes_read = 0  # of tensor data, in the checkpoint's dtype
+    # Of tensor data, in the checkpoint's dtype; with several processes the NVMe stores' writer
+    # threads read too (partition.LazySlice): counted under a lock.
+    self.bytes_read = 0
+    self._count_lock = threading.Lock()
     self._leaves = {jax.tree_util.keystr(p): x
                     for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
     self._tensors: dict[str, list] = {}
@@ -246,7 +250,8 @@ class HfReader:
   def _slice(self, f, t, box: tuple) -> np.ndarray:
     """`box` of tensor `t` in our layout (torch's [out, in] read transposed: the box reversed)."""
     value = f.get_slice(t.hf_name)[slices(box[::-1] if t.transpose else box)]
-    self.bytes_read += value.nbytes
+    with self._count_lock:
+      self.bytes_read += value.nbytes
     return value.T if t.transpose else value
 
   def device_state(self, abstract_state, layout: Layout | None = None,
