@@ -252,14 +252,15 @@ def rope_inverse_frequencies(cfg: ModelConfig):
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     inv_freq = np.where(is_medium, smoothed, scaled).astype(np.float32)
   elif cfg.rope_scaling_type == 'yarn':
-    inv_freq = _yarn_inverse_frequencies(cfg, np)
+    inv_freq = _yarn_inverse_frequencies(cfg)
   return inv_freq
 
 
-def _yarn_inverse_frequencies(cfg: ModelConfig, np):
+def _yarn_inverse_frequencies(cfg: ModelConfig):
   """YaRN's frequencies: pair i keeps its frequency below the correction dimension of beta_fast
   rotations over the original length, is divided by factor above that of beta_slow, and is
   blended linearly between (float32, in transformers' order of operations)."""
+  import numpy as np  # local, as in rope_inverse_frequencies
   dim, base = cfg.head_dim, cfg.rope_theta
   pos_freqs = np.float32(base) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
   extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
