@@ -235,7 +235,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.init = init = ml_collections.ConfigDict()
   init.from_hf = ''  # '' = random init (model.init_std). Else a local Hugging Face checkpoint
   #                    directory (config.json + model.safetensors or a sharded index; Llama, Qwen2,
-  #                    Qwen3, Mistral; F16/BF16/F32 weights, cast to float32): the model's shape
+  #                    Qwen3, Mistral, Phi-3/4; F16/BF16/F32 weights, cast to float32): its shape
   #                    fields come from its config.json (a model.* shape field you set that
   #                    disagrees is an error; runtime fields such as remat, dtype, matmul_precision,
   #                    attention_chunk, vocab_chunk still apply), data.tokenizer defaults to its

@@ -50,6 +50,9 @@ ARCHS = {
                 dict(tie_word_embeddings=False, sliding_window=12)),
     'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
               dict(tie_word_embeddings=True, head_dim=16)),
+    'phi3': (transformers.Phi3Config, transformers.Phi3ForCausalLM,  # fused qkv / gate_up
+             dict(tie_word_embeddings=False, sliding_window=12, pad_token_id=None,
+                  bos_token_id=None, eos_token_id=None)),
 }
 TOL = 1e-4
 
@@ -84,7 +87,7 @@ def _hf_model(arch: str, **extra):
 @pytest.fixture(scope='module')
 def checkpoints(tmp_path_factory):
   """{arch: directory}: llama sharded in 7 files, qwen2 and qwen3 tied single-file, mistral in
-  bfloat16."""
+  bfloat16, phi3 with its fused projections."""
   root = tmp_path_factory.mktemp('hf')
   _tokenizer(root)
   out = {}
@@ -206,7 +209,8 @@ STREAMED = dict(offload__params='host', offload__opt_state='host', offload__embe
 
 
 @pytest.mark.parametrize('arch, stride, placement', [
-    ('llama', 16, STREAMED), ('qwen2', 32, {}), ('mistral', 10, {}), ('qwen3', 16, STREAMED)])
+    ('llama', 16, STREAMED), ('qwen2', 32, {}), ('mistral', 10, {}), ('qwen3', 16, STREAMED),
+    ('phi3', 16, STREAMED)])
 def test_eval_equals_transformers(arch, stride, placement, checkpoints, eval_text, tmp_path):
   config = _config(init__from_hf=str(checkpoints[arch]), eval__path=str(eval_text),
                    eval__max_len=32, eval__stride=stride, eval__batch_size=3, **placement)

@@ -34,6 +34,7 @@ _LLAMA = (transformers.LlamaConfig, transformers.LlamaForCausalLM)
 _QWEN2 = (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
 _QWEN3 = (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)
 _MISTRAL = (transformers.MistralConfig, transformers.MistralForCausalLM)
+_PHI3 = (transformers.Phi3Config, transformers.Phi3ForCausalLM)
 
 # name -> (transformers classes, config overrides, ModelConfig fields the mapping must produce).
 CASES = {
@@ -68,6 +69,10 @@ CASES = {
     # A window of 8 < SEQ makes it matter; head_dim 32 != d_model / num_heads tests that path.
     'mistral_window': (_MISTRAL, dict(num_key_value_heads=2, head_dim=32, sliding_window=8),
                        dict(sliding_window=8, head_dim=32, num_kv_heads=2)),
+    # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, and Phi-3-mini's window (2047 there). No
+    # pad_token_id: transformers' nn.Embedding(padding_idx) would keep that row's gradient zero.
+    'phi3_window': (_PHI3, dict(num_key_value_heads=2, sliding_window=8, pad_token_id=None),
+                    dict(sliding_window=8, num_kv_heads=2, qkv_bias=False, qk_norm=False)),
 }
 
 
@@ -141,11 +146,13 @@ def test_logits_match_transformers(case, saved, tokens):
   _assert_parity(case, _our_logits(cfg, params, tokens), _torch_logits(model, tokens))
 
 
-@pytest.mark.parametrize('case', ['qwen3_qk_norm', 'qwen2_bias', 'llama_mha_untied'])
+@pytest.mark.parametrize('case', ['qwen3_qk_norm', 'qwen2_bias', 'llama_mha_untied',
+                                  'phi3_window'])
 def test_loss_and_every_gradient_match_transformers(case, saved, tokens):
   """The mean next-token cross-entropy (model.loss_fn, the chunked head the engines train with)
   and its gradient with respect to every tensor of the checkpoint equal torch autograd's through
-  transformers' model: Qwen3's q/k norms, Qwen2's biases, an untied head."""
+  transformers' model: Qwen3's q/k norms, Qwen2's biases, an untied head, Phi-3's fused
+  projections (each leaf's rows of the fused tensor's gradient)."""
   directory, model = saved(case)
   cfg, params = hf.load_hf(directory)
   cfg = cfg.replace(vocab_chunk=100)  # the head in 3 vocabulary blocks
@@ -158,12 +165,14 @@ def test_loss_and_every_gradient_match_transformers(case, saved, tokens):
   want.backward()
   assert abs(float(loss) - want.item()) <= 1e-5 * want.item()
   theirs = dict(model.named_parameters())
-  for t in tensor_map(cfg):
+  for t in tensor_map(cfg, type(model).__name__):
     ours = grads
     for key in t.path:
       ours = ours[key]
     ours = np.asarray(ours if t.layer is None else ours[t.layer], np.float64)
     want_grad = theirs[t.hf_name].grad.double().numpy()
+    if t.hf_rows is not None:
+      want_grad = want_grad[t.hf_rows[0]:t.hf_rows[1]]
     want_grad = want_grad.T if t.transpose else want_grad
     err = np.linalg.norm(ours - want_grad) / np.linalg.norm(want_grad)
     assert err <= 1e-4, (t.hf_name, err)
@@ -252,7 +261,9 @@ def test_save_hf_round_trip(case, saved, tokens, tmp_path):
   # transformers itself must read the export as the same model.
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(
       tmp_path, attn_implementation='eager').eval()
-  assert type(reloaded) is type(model)
+  # Phi-3 is written unfused: the Mistral checkpoint (a window) of the same function.
+  assert type(reloaded) is (transformers.MistralForCausalLM if case == 'phi3_window'
+                            else type(model))
   assert _max_err(_torch_logits(reloaded, tokens), _torch_logits(model, tokens)) <= 1e-5
 
 

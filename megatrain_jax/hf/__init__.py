@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: Llama, Qwen2, Qwen3 and Mistral safetensors <-> `ModelConfig` + params.
+"""Hugging Face checkpoints: Llama, Qwen2, Qwen3, Mistral (and, read only, Phi-3) safetensors <->
+`ModelConfig` + params.
 
   format.py    config.json <-> ModelConfig, the tensor name map, header checks, `load_hf` (whole,
                for tests and small models), `save_hf`

@@ -1,20 +1,24 @@
-"""The Hugging Face checkpoint format: Llama, Qwen2, Qwen3, Mistral safetensors <-> `ModelConfig`.
+"""The Hugging Face checkpoint format: Llama, Qwen2, Qwen3, Mistral, Phi-3 safetensors <->
+`ModelConfig`.
 
 `load_hf` reads a local directory as written by transformers' `save_pretrained`: `config.json` and
 either `model.safetensors` or `model.safetensors.index.json` with its shards. Nothing is
-downloaded. The four architectures share one decoder layout (pre-norm RMSNorm, RoPE, grouped-query
-attention, SwiGLU); they differ only in config fields, which `model_config_from_hf` maps: Qwen2's
-q/k/v projections always carry a bias, Qwen3 normalises each head's q and k (RMSNorm over the head
-dimension, before RoPE) and has no bias, Mistral may use a sliding attention window, and any of
-them may use plain, linear or Llama-3 RoPE scaling.
+downloaded. The five architectures share one decoder layout (pre-norm RMSNorm, RoPE, grouped-query
+attention, SwiGLU); they differ only in config fields, which `model_config_from_hf` maps, and in
+how Phi-3 stores its weights: Qwen2's q/k/v projections always carry a bias, Qwen3 normalises each
+head's q and k (RMSNorm over the head dimension, before RoPE) and has no bias, Mistral and Phi-3
+may use a sliding attention window, Phi-3 (and Phi-4) stores q/k/v as one qkv_proj and gate/up as
+one gate_up_proj, and any of them may use plain, linear, Llama-3 or YaRN RoPE scaling.
 
-Every tensor goes through one explicit name map (`_tensor_map`): HF name -> our params path, the
-shape `ModelConfig` implies for it, and whether it is a linear weight (torch stores `nn.Linear`
-weights [out, in]; our kernels are [in, out]). Names, shapes and dtypes of the whole checkpoint are
-checked against that map from the safetensors headers before any tensor data is read, so a
-mismatched config.json fails fast with the offending tensor named.
+Every tensor goes through one explicit name map (`_tensor_map`): HF name (and, of a fused tensor,
+its rows) -> our params path, the shape `ModelConfig` implies for it, and whether it is a linear
+weight (torch stores `nn.Linear` weights [out, in]; our kernels are [in, out]). Names, shapes and
+dtypes of the whole checkpoint are checked against that map from the safetensors headers before
+any tensor data is read, so a mismatched config.json fails fast with the offending tensor named.
 
-`save_hf` is the inverse, for exporting a trained model to transformers (>= 5 config layout).
+`save_hf` is the inverse, for exporting a trained model to transformers (>= 5 config layout): in
+Llama's names, so a Phi-3 model is written as the Llama (or, with a window, Mistral) checkpoint
+of the same function.
 """
 
 import contextlib
@@ -37,10 +41,15 @@ from megatrain_jax.errors import ConfigError, UnsupportedModelError
 from megatrain_jax.model.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM',
-                           'MistralForCausalLM')
+                           'MistralForCausalLM', 'Phi3ForCausalLM')
 # `model_type` -> architecture, for config.json files without an `architectures` list.
 _MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
-                'qwen3': 'Qwen3ForCausalLM', 'mistral': 'MistralForCausalLM'}
+                'qwen3': 'Qwen3ForCausalLM', 'mistral': 'MistralForCausalLM',
+                'phi3': 'Phi3ForCausalLM'}
+# Architectures read but not written: Phi-3 and Phi-4 (Phi3ForCausalLM) are Llama decoders whose
+# q/k/v and gate/up projections are stored fused (qkv_proj, gate_up_proj); an export writes them
+# unfused as the Llama (or, with a window, Mistral) checkpoint of the same function.
+_FUSED_ARCHITECTURES = ('Phi3ForCausalLM',)
 
 _CONFIG_FILE = 'config.json'
 _SINGLE_FILE = 'model.safetensors'
@@ -75,28 +84,45 @@ class _Tensor:
     hf_shape: The shape in the checkpoint (torch layout).
     transpose: True for linear weights: HF [out, in] <-> our kernel [in, out].
     layer: Index along the stacked layer axis of the leaf, or None for non-layer tensors.
+    hf_rows: (start, stop) of the checkpoint tensor's rows (torch's out axis) that hold the leaf,
+      for a leaf stored fused with others (Phi-3's qkv_proj: q, k, v); None: all of them.
   """
   hf_name: str
   path: tuple[str, ...]
   hf_shape: tuple[int, ...]
   transpose: bool
   layer: int | None = None
+  hf_rows: tuple[int, int] | None = None
 
 
-def _tensor_map(cfg: ModelConfig) -> list[_Tensor]:
-  """Every tensor a checkpoint of `cfg` holds, with its shape as implied by `cfg`."""
+def _tensor_map(cfg: ModelConfig, architecture: str = 'LlamaForCausalLM') -> list[_Tensor]:
+  """Every tensor a checkpoint of `cfg` holds, with its shape as implied by `cfg`: named as
+  `architecture` names them (Phi3ForCausalLM: fused projections; the others: Llama's names)."""
   d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
   q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  # (name after 'model.layers.{i}.', path under 'layers', HF shape, transpose)
+  # (name after 'model.layers.{i}.', path under 'layers', HF shape, transpose[, HF rows])
+  if architecture in _FUSED_ARCHITECTURES:
+    qkv, gate_up = (q_out + 2 * kv_out, d), (2 * f, d)
+    projections = [
+        ('self_attn.qkv_proj.weight', ('attn', 'q_proj', 'kernel'), qkv, True, (0, q_out)),
+        ('self_attn.qkv_proj.weight', ('attn', 'k_proj', 'kernel'), qkv, True,
+         (q_out, q_out + kv_out)),
+        ('self_attn.qkv_proj.weight', ('attn', 'v_proj', 'kernel'), qkv, True,
+         (q_out + kv_out, q_out + 2 * kv_out)),
+        ('mlp.gate_up_proj.weight', ('mlp', 'gate_proj', 'kernel'), gate_up, True, (0, f)),
+        ('mlp.gate_up_proj.weight', ('mlp', 'up_proj', 'kernel'), gate_up, True, (f, 2 * f))]
+  else:
+    projections = [
+        ('self_attn.q_proj.weight', ('attn', 'q_proj', 'kernel'), (q_out, d), True),
+        ('self_attn.k_proj.weight', ('attn', 'k_proj', 'kernel'), (kv_out, d), True),
+        ('self_attn.v_proj.weight', ('attn', 'v_proj', 'kernel'), (kv_out, d), True),
+        ('mlp.gate_proj.weight', ('mlp', 'gate_proj', 'kernel'), (f, d), True),
+        ('mlp.up_proj.weight', ('mlp', 'up_proj', 'kernel'), (f, d), True)]
   per_layer = [
       ('input_layernorm.weight', ('attn_norm', 'scale'), (d,), False),
-      ('self_attn.q_proj.weight', ('attn', 'q_proj', 'kernel'), (q_out, d), True),
-      ('self_attn.k_proj.weight', ('attn', 'k_proj', 'kernel'), (kv_out, d), True),
-      ('self_attn.v_proj.weight', ('attn', 'v_proj', 'kernel'), (kv_out, d), True),
+      *projections,
       ('self_attn.o_proj.weight', ('attn', 'o_proj', 'kernel'), (d, q_out), True),
       ('post_attention_layernorm.weight', ('mlp_norm', 'scale'), (d,), False),
-      ('mlp.gate_proj.weight', ('mlp', 'gate_proj', 'kernel'), (f, d), True),
-      ('mlp.up_proj.weight', ('mlp', 'up_proj', 'kernel'), (f, d), True),
       ('mlp.down_proj.weight', ('mlp', 'down_proj', 'kernel'), (d, f), True),
   ]
   if cfg.qkv_bias:
@@ -115,16 +141,16 @@ def _tensor_map(cfg: ModelConfig) -> list[_Tensor]:
   if not cfg.tie_embeddings:
     tensors.append(_Tensor('lm_head.weight', ('head', 'lm_head', 'kernel'), (v, d), True))
   for i in range(cfg.num_layers):
-    tensors += [_Tensor(f'model.layers.{i}.{name}', ('layers',) + path, shape, transpose, i)
-                for name, path, shape, transpose in per_layer]
+    tensors += [_Tensor(f'model.layers.{i}.{name}', ('layers',) + path, shape, transpose, i,
+                        *rows) for name, path, shape, transpose, *rows in per_layer]
   return tensors
 
 
-def tensor_map(cfg: ModelConfig) -> list[_Tensor]:
+def tensor_map(cfg: ModelConfig, architecture: str = 'LlamaForCausalLM') -> list[_Tensor]:
   """Every tensor a checkpoint of `cfg` holds (name, params path, torch shape, transposed?,
-  layer), in the order save_pretrained writes them: the embedding, the final norm, the head, then
-  the layers."""
-  return _tensor_map(cfg)
+  layer, rows of a fused tensor), as `architecture` names them; the embedding, the final norm and
+  the head first, then the layers."""
+  return _tensor_map(cfg, architecture)
 
 
 def our_shape(t: _Tensor) -> tuple[int, ...]:
@@ -265,7 +291,7 @@ def _rope_param(params: dict[str, Any], key: str, rope_type: str):
 def _sliding_window(arch: str, hf_config: dict[str, Any]) -> int:
   """The attention window (0 = full causal attention), as transformers applies it."""
   window = hf_config.get('sliding_window')
-  if arch == 'MistralForCausalLM':
+  if arch in ('MistralForCausalLM', 'Phi3ForCausalLM'):
     return int(window) if window else 0
   if (arch not in ('Qwen2ForCausalLM', 'Qwen3ForCausalLM')
       or not hf_config.get('use_sliding_window') or not window):
@@ -289,7 +315,7 @@ def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
   """Maps a Hugging Face config.json (transformers 4.x or 5.x layout) to a `ModelConfig`.
 
   Args:
-    hf_config: The parsed config.json of a Llama, Qwen2, Qwen3 or Mistral causal LM.
+    hf_config: The parsed config.json of a Llama, Qwen2, Qwen3, Mistral or Phi-3 causal LM.
 
   Returns:
     The ModelConfig with the checkpoint's shapes and numerics; training-only fields (dtype, remat,
@@ -497,7 +523,15 @@ def _by_file(tensors: list[_Tensor], files: dict[str, Path]) -> dict[Path, list[
 
 
 def _our_shape(t: _Tensor) -> tuple[int, ...]:
-  return t.hf_shape[::-1] if t.transpose else t.hf_shape
+  shape = t.hf_shape if t.hf_rows is None else (t.hf_rows[1] - t.hf_rows[0],) + t.hf_shape[1:]
+  return shape[::-1] if t.transpose else shape
+
+
+def _hf_value(f, t: _Tensor) -> np.ndarray:
+  """Tensor `t` read whole from the open safetensors file `f` (its rows of a fused tensor)."""
+  if t.hf_rows is None:
+    return f.get_tensor(t.hf_name)
+  return f.get_slice(t.hf_name)[t.hf_rows[0]:t.hf_rows[1]]
 
 
 def _set_leaf(tree: dict, path: tuple[str, ...], value) -> None:
@@ -536,7 +570,7 @@ class HfCheckpoint:
 
 
 def inspect_checkpoint(path: str | Path) -> HfCheckpoint:
-  """Checks a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral checkpoint without reading its
+  """Checks a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Phi-3 checkpoint without reading its
   weights.
 
   Reads config.json, the shard index and every safetensors header (safe_open also checks that
@@ -554,14 +588,14 @@ def inspect_checkpoint(path: str | Path) -> HfCheckpoint:
   if 'lm_head.weight' not in files and not cfg.tie_embeddings:
     # Some exporters drop a head that equals the embedding without setting tie_word_embeddings.
     cfg = cfg.replace(tie_embeddings=True)
-  tensors = _tensor_map(cfg)
+  tensors = _tensor_map(cfg, _architecture(hf_config))
   _check_names(directory, cfg, tensors, files)
   _check_headers(cfg, tensors, files)
   return HfCheckpoint(directory, hf_config, cfg, tuple(tensors), files)
 
 
 def load_hf(path: str | Path) -> tuple[ModelConfig, dict]:
-  """Loads a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral checkpoint whole (for tests and
+  """Loads a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Phi-3 checkpoint whole (for tests and
   small models; training imports piece by piece with `hf.HfReader`).
 
   Args:
@@ -589,7 +623,7 @@ def load_hf(path: str | Path) -> tuple[ModelConfig, dict]:
   for file, group in _by_file(tensors, files).items():
     with _open_safetensors(file) as f:
       for t in group:
-        value = f.get_tensor(t.hf_name)
+        value = _hf_value(f, t)
         target = arrays[t.path] if t.layer is None else arrays[t.path][t.layer]
         target[...] = value.T if t.transpose else value  # casts to float32 in the same copy
   params: dict = {}

@@ -248,8 +248,13 @@ class HfReader:
     return out
 
   def _slice(self, f, t, box: tuple) -> np.ndarray:
-    """`box` of tensor `t` in our layout (torch's [out, in] read transposed: the box reversed)."""
-    value = f.get_slice(t.hf_name)[slices(box[::-1] if t.transpose else box)]
+    """`box` of tensor `t` in our layout (torch's [out, in] read transposed: the box reversed;
+    of a fused tensor, its rows shifted to where `t`'s begin)."""
+    hf_box = box[::-1] if t.transpose else box
+    if t.hf_rows is not None:
+      (first, last), offset = hf_box[0], t.hf_rows[0]
+      hf_box = ((first + offset, last + offset),) + tuple(hf_box[1:])
+    value = f.get_slice(t.hf_name)[slices(hf_box)]
     with self._count_lock:
       self.bytes_read += value.nbytes
     return value.T if t.transpose else value
