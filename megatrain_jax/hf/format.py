@@ -570,8 +570,8 @@ class HfCheckpoint:
 
 
 def inspect_checkpoint(path: str | Path) -> HfCheckpoint:
-  """Checks a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Phi-3 checkpoint without reading its
-  weights.
+  """Checks a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Phi-3 checkpoint without
+  reading its weights.
 
   Reads config.json, the shard index and every safetensors header (safe_open also checks that
   each file is as long as its header says, so a truncated shard is found here).
@@ -595,8 +595,8 @@ def inspect_checkpoint(path: str | Path) -> HfCheckpoint:
 
 
 def load_hf(path: str | Path) -> tuple[ModelConfig, dict]:
-  """Loads a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Phi-3 checkpoint whole (for tests and
-  small models; training imports piece by piece with `hf.HfReader`).
+  """Loads a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Phi-3 checkpoint whole (for
+  tests and small models; training imports piece by piece with `hf.HfReader`).
 
   Args:
     path: A directory with config.json and model.safetensors (or model.safetensors.index.json
