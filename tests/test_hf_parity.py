@@ -352,6 +352,42 @@ _BASE = {'architectures': ['LlamaForCausalLM'], 'vocab_size': 32, 'hidden_size':
          'max_position_embeddings': 128}
 
 
+# config.json of microsoft/Phi-3-mini-4k-instruct and Qwen/Qwen2.5-7B-Instruct as published
+# (transformers 4.x layout), Qwen's with the rope_scaling its model card adds past 32k tokens.
+PHI3_MINI = {
+    'architectures': ['Phi3ForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+    'bos_token_id': 1, 'embd_pdrop': 0.0, 'eos_token_id': 32000, 'hidden_act': 'silu',
+    'hidden_size': 3072, 'initializer_range': 0.02, 'intermediate_size': 8192,
+    'max_position_embeddings': 4096, 'model_type': 'phi3', 'num_attention_heads': 32,
+    'num_hidden_layers': 32, 'num_key_value_heads': 32, 'original_max_position_embeddings': 4096,
+    'pad_token_id': 32000, 'resid_pdrop': 0.0, 'rms_norm_eps': 1e-05, 'rope_scaling': None,
+    'rope_theta': 10000.0, 'sliding_window': 2047, 'tie_word_embeddings': False,
+    'torch_dtype': 'bfloat16', 'use_cache': True, 'vocab_size': 32064}
+QWEN25_7B_YARN = {
+    'architectures': ['Qwen2ForCausalLM'], 'attention_dropout': 0.0, 'bos_token_id': 151643,
+    'eos_token_id': 151645, 'hidden_act': 'silu', 'hidden_size': 3584, 'initializer_range': 0.02,
+    'intermediate_size': 18944, 'max_position_embeddings': 32768, 'max_window_layers': 28,
+    'model_type': 'qwen2', 'num_attention_heads': 28, 'num_hidden_layers': 28,
+    'num_key_value_heads': 4, 'rms_norm_eps': 1e-06, 'rope_theta': 1000000.0,
+    'sliding_window': 131072, 'tie_word_embeddings': False, 'torch_dtype': 'bfloat16',
+    'use_cache': True, 'use_sliding_window': False, 'vocab_size': 152064,
+    'rope_scaling': {'factor': 4.0, 'original_max_position_embeddings': 32768, 'type': 'yarn'}}
+
+
+def test_published_configs():
+  """Phi-3-mini: its window, 32 heads of 96, no bias; Qwen2.5-7B with YaRN: 131,072 tokens."""
+  cfg = hf.model_config_from_hf(PHI3_MINI)
+  assert (cfg.sliding_window, cfg.head_dim, cfg.num_kv_heads, cfg.vocab_size, cfg.max_seq_len,
+          cfg.qkv_bias, cfg.tie_embeddings, cfg.rope_scaling_type) == (
+              2047, 96, 32, 32064, 4096, False, False, 'none')
+  assert cfg.num_params == 3_821_079_552  # Phi-3-mini's parameter count
+  cfg = hf.model_config_from_hf(QWEN25_7B_YARN)
+  assert (cfg.rope_scaling_type, cfg.rope_scaling_factor, cfg.rope_original_max_len,
+          cfg.max_seq_len, cfg.sliding_window, cfg.qkv_bias) == (
+              'yarn', 4.0, 32768, 131072, 0, True)
+  assert rope_attention_factor(cfg) == pytest.approx(0.1 * np.log(4.0) + 1)
+
+
 def test_transformers4_rope_layout():
   cfg = hf.model_config_from_hf(_BASE | {'rope_theta': 500000.0, 'rope_scaling': {
       'type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0}})
