@@ -38,7 +38,8 @@ With --process, this is process I of 2, each with 2 CPU devices, joined by jax.d
 the 4 devices of both, each process feeding its 2 rows of every microbatch; it reports the losses
 (the final state is sharded across the processes: no one process can read it whole). Then both
 checkpoint a fresh NVMe init at step 0 into the shared WORKDIR, which the test reads back on one
-device.
+device, and start engines from a checkpoint both wrote, from its weights alone and from a Hugging
+Face checkpoint (`restored_runs`): their losses, and how much of each source each process read.
 
 With --train, process I of 2 (2 CPU devices each) runs train.train_and_evaluate of the small
 config to STEPS in the shared WORKDIR with PLACEMENT ('resident', 'host' or 'nvme'); process 0

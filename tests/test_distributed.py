@@ -10,7 +10,8 @@ engines in 2 processes x 2 devices joined by jax.distributed (gloo), each proces
 of every microbatch, against the same one-device losses. Then the trainer itself
 (train.train_and_evaluate) in 2 processes sharing a workdir, against its one-device run; a
 checkpoint of 1 device resumed on 4, one of 2 processes resumed on 1, one of a fresh NVMe init
-written by 2 processes before any step (AdamW's zeros not yet on disk) read on 1; and one of 2
+written by 2 processes before any step (AdamW's zeros not yet on disk) read on 1; a checkpoint, its
+weights and a Hugging Face checkpoint read by 2 processes, each its own shards only; and one of 2
 processes killed mid-run.
 
 Bad input for parallel.devices is checked here, in this one-device process.
