@@ -189,18 +189,16 @@ def test_sharded_checkpoint(saved, tokens, tmp_path):
 
 
 def test_rope_scaling_and_window_are_exercised(saved, tokens):
-  """Guards the test cases themselves: the features they cover must change the output."""
-  cfg, _ = hf.load_hf(saved('llama3_rope')[0])
-  scaled = rope_inverse_frequencies(cfg)
-  plain = rope_inverse_frequencies(cfg.replace(rope_scaling_type='none'))
-  kept, divided = np.isclose(scaled, plain), np.isclose(scaled, plain / 8.0)
-  assert kept.any() and divided.any() and (~kept & ~divided).any()  # the last: smoothed band
-  cfg, _ = hf.load_hf(saved('qwen2_yarn')[0])
-  scaled = rope_inverse_frequencies(cfg)
-  plain = rope_inverse_frequencies(cfg.replace(rope_scaling_type='none'))
-  kept, divided = np.isclose(scaled, plain), np.isclose(scaled, plain / 4.0)
-  assert kept.any() and divided.any() and (~kept & ~divided).any()  # the last: blended band
-  assert rope_attention_factor(cfg) == pytest.approx(0.1 * np.log(4.0) + 1)
+  """Guards the test cases themselves: the features they cover must change the output. Each
+  scaled RoPE case has pairs kept, pairs divided by its factor and pairs in the band between
+  (llama3's smoothed, YaRN's blended)."""
+  for case, factor in [('llama3_rope', 8.0), ('qwen2_yarn', 4.0)]:
+    cfg, _ = hf.load_hf(saved(case)[0])
+    scaled = rope_inverse_frequencies(cfg)
+    plain = rope_inverse_frequencies(cfg.replace(rope_scaling_type='none'))
+    kept, divided = np.isclose(scaled, plain), np.isclose(scaled, plain / factor)
+    assert kept.any() and divided.any() and (~kept & ~divided).any(), case
+  assert rope_attention_factor(cfg) == pytest.approx(0.1 * np.log(4.0) + 1)  # YaRN's default
   _, windowed = saved('mistral_window')
   full = _torch_model('mistral_window', sliding_window=None)
   assert _max_err(_torch_logits(windowed, tokens), _torch_logits(full, tokens)) > 1e-2

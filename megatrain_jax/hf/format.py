@@ -24,7 +24,6 @@ of the same function.
 import contextlib
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -38,7 +37,7 @@ import safetensors
 import safetensors.numpy
 
 from megatrain_jax.errors import ConfigError, UnsupportedModelError
-from megatrain_jax.model.config import ModelConfig
+from megatrain_jax.model.config import ModelConfig, yarn_mscale
 
 SUPPORTED_ARCHITECTURES = ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM',
                            'MistralForCausalLM', 'Phi3ForCausalLM')
@@ -276,8 +275,8 @@ def _yarn_fields(params: dict[str, Any], hf_config: dict[str, Any], original: in
             'rope_attention_factor': float(params.get('attention_factor') or 0.0)}
   mscale, mscale_all_dim = params.get('mscale'), params.get('mscale_all_dim')
   if params.get('attention_factor') is None and mscale and mscale_all_dim:
-    scale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-    fields['rope_attention_factor'] = float(scale(mscale) / scale(mscale_all_dim))
+    fields['rope_attention_factor'] = yarn_mscale(factor, mscale) / yarn_mscale(factor,
+                                                                                mscale_all_dim)
   return fields
 
 

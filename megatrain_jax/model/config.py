@@ -282,12 +282,15 @@ def _yarn_inverse_frequencies(cfg: ModelConfig):
   return (interpolation * (1 - kept) + extrapolation * kept).astype(np.float32)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's attention scale for a length `factor`: 0.1 mscale ln(factor) + 1, 1 for factor <= 1
+  (transformers' `get_mscale`)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope_attention_factor(cfg: ModelConfig) -> float:
-  """What RoPE's cos and sin are multiplied by: YaRN's attention factor (0.1 ln(factor) + 1
-  unless set; 1 for factor <= 1), else 1."""
+  """What RoPE's cos and sin are multiplied by: YaRN's attention factor (`yarn_mscale` of the
+  factor unless set), else 1."""
   if cfg.rope_scaling_type != 'yarn':
     return 1.0
-  if cfg.rope_attention_factor:
-    return float(cfg.rope_attention_factor)
-  factor = cfg.rope_scaling_factor
-  return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+  return float(cfg.rope_attention_factor or yarn_mscale(cfg.rope_scaling_factor))
