@@ -528,6 +528,38 @@ def test_rows_packed_best_fit(monkeypatch):
   assert len(rows) < len(packing.RowPacking('documents', 0).rows(tokens, window))
 
 
+def _best_fit_bins(sizes, capacity):
+  """Best-fit decreasing one item at a time (a plain reference with packing's tie-break): of the
+  open bins that hold an item, the one with the least room, among those the one that came to that
+  room last."""
+  bins, rooms, since = [0] * len(sizes), [], []  # per open bin: room, when it got that room
+  for clock, item in enumerate(sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))):
+    fits = [b for b, room in enumerate(rooms) if room >= sizes[item]]
+    if fits:
+      b = min(fits, key=lambda b: (rooms[b], -since[b]))
+    else:
+      b = len(rooms)
+      rooms.append(capacity)
+      since.append(clock)
+    bins[item] = b
+    rooms[b] -= sizes[item]
+    since[b] = clock
+  return bins
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_best_fit_places_runs_of_one_size_as_one_at_a_time(seed):
+  """packing places a run of equal sizes a group of bins at a time; the bins are those of one
+  item at a time, exactly (bin numbers, ties), with many runs and bins of several rooms."""
+  rng = np.random.default_rng(seed)
+  capacity = int(rng.integers(2, 40))
+  sizes = rng.integers(1, capacity + 1, int(rng.integers(1, 400)))
+  if seed % 2:  # mostly small items: bins that take several of a run
+    sizes = np.minimum(sizes, max(1, capacity // 5))
+  got = packing._best_fit_decreasing(sizes.astype(np.int64), capacity)
+  assert got.tolist() == _best_fit_bins(sizes.tolist(), capacity)
+
+
 def test_best_fit_rows_are_not_longest_first():
   """Best-fit opens the rows of the longest documents first; validation batches are a split's
   first rows, so the rows come shuffled (fixed) to make those a fair sample of its documents."""

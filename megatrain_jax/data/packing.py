@@ -136,27 +136,25 @@ def _best_fit_rows(ends: np.ndarray, window: int) -> Rows:
   chunks = []  # (starts, lengths, row sizes in spans) of each block's rows
   for first in range(0, len(ends), BEST_FIT_BLOCK):
     block = slice(first, first + BEST_FIT_BLOCK)
-    starts, lengths, row_spans = [], [], []
-    items, sizes = [], []  # what is packed: whole documents and the remainders of long ones
-    for doc_start, doc_end in zip(doc_starts[block].tolist(), ends[block].tolist()):
-      while doc_end - doc_start > window:  # a row-sized piece: a row of its own
-        starts.append(doc_start)
-        lengths.append(window)
-        row_spans.append(1)
-        doc_start += window
-      items.append(doc_start)
-      sizes.append(doc_end - doc_start)
-    for row in _best_fit_decreasing(sizes, window):
-      for item in sorted(row):  # stream order within the row (a last document without EOS last)
-        starts.append(items[item])
-        lengths.append(sizes[item])
-      row_spans.append(len(row))
-    chunks.append(_shuffled_rows(starts, lengths, row_spans, seed=first))
+    starts, lengths = doc_starts[block], ends[block] - doc_starts[block]
+    # A document longer than a row: its row-sized pieces from its start, each a row of its own
+    # (in document order), then its remainder (1..window tokens) packed like a document.
+    pieces = (lengths - 1) // window  # [n] full pieces before the remainder
+    piece_starts = np.repeat(starts, pieces) + window * (
+        np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces))
+    items, sizes = starts + window * pieces, lengths - window * pieces
+    bins = _best_fit_decreasing(sizes, window)
+    packed = np.lexsort((np.arange(len(bins)), bins))  # by row, stream order within a row
+    chunks.append(_shuffled_rows(
+        np.concatenate([piece_starts, items[packed]]),
+        np.concatenate([np.full(len(piece_starts), window, np.int64), sizes[packed]]),
+        np.concatenate([np.ones(len(piece_starts), np.int64), np.bincount(bins)]), seed=first))
   starts, lengths, row_spans = _concatenate(chunks, 3)
   return Rows(starts, lengths, np.concatenate([np.zeros(1, np.int64), np.cumsum(row_spans)]))
 
 
-def _shuffled_rows(starts: list, lengths: list, row_spans: list, seed: int) -> tuple:
+def _shuffled_rows(starts: np.ndarray, lengths: np.ndarray, row_spans: np.ndarray,
+                   seed: int) -> tuple:
   """(starts, lengths, row_spans) arrays of the rows (row r: the next row_spans[r] spans) in
   the order of a permutation drawn from `seed`, each row's spans kept in order."""
   row_spans = np.asarray(row_spans, np.int64)
@@ -169,37 +167,69 @@ def _shuffled_rows(starts: list, lengths: list, row_spans: list, seed: int) -> t
   return np.asarray(starts, np.int64)[index], np.asarray(lengths, np.int64)[index], spans
 
 
-def _best_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
-  """Bins (lists of item indices, in order of opening) of at most `capacity`: items longest
-  first (ties in index order), each into the open bin with the least room that holds it, or a new
-  one. Open bins are kept by their room: `rooms` (sorted, distinct) and `bins_with[room]`."""
-  order = np.argsort(-np.asarray(sizes, np.int64), kind='stable').tolist()
-  bins: list[list[int]] = []
+def _best_fit_decreasing(sizes: np.ndarray, capacity: int) -> np.ndarray:
+  """The bin of each item ([n] int64; bins numbered in order of opening, each of at most
+  `capacity`): items longest first (ties in index order), each into the open bin with the least
+  room that holds it, or a new one. Open bins are kept by their room: `rooms` (sorted,
+  distinct) and `bins_with[room]` (the last one added takes the next item).
+
+  Items of one size come in a run, and a run is placed a group of bins at a time with the same
+  result as one item at a time: a bin with room r >= 2 * size takes r // size of them in turn (its
+  room after each is still the least that holds the next); bins left with less than `size` never
+  take another of the run, so every bin of the least room takes one."""
+  order = np.argsort(-sizes, kind='stable')
+  ordered = sizes[order]
+  run_starts = np.flatnonzero(np.diff(ordered, prepend=-1))  # where each size's run begins
+  placed = []  # the bin of each item in `order`
+  opened = 0
   rooms: list[int] = []
   bins_with: dict[int, list[int]] = {}
-  for item in order:
-    size = sizes[item]
-    at = bisect.bisect_left(rooms, size)
-    if at == len(rooms):  # no open bin holds it
-      bin_id, room = len(bins), capacity - size
-      bins.append([item])
-    else:
-      room = rooms[at]
-      fitting = bins_with[room]
-      bin_id = fitting.pop()
-      if not fitting:
-        del bins_with[room]
-        del rooms[at]
-      bins[bin_id].append(item)
-      room -= size
+
+  def add(bins: list[int], room: int) -> None:
     if room:
-      fitting = bins_with.get(room)
-      if fitting is None:
-        bins_with[room] = [bin_id]
+      if room not in bins_with:
+        bins_with[room] = []
         bisect.insort(rooms, room)
-      else:
-        fitting.append(bin_id)
+      bins_with[room].extend(bins)
+
+  for size, left in zip(ordered[run_starts].tolist(),
+                        np.diff(run_starts, append=len(ordered)).tolist()):
+    while left:
+      at = bisect.bisect_left(rooms, size)
+      room = capacity if at == len(rooms) else rooms[at]
+      if room >= 2 * size:  # one bin takes several of the run
+        if at == len(rooms):
+          bin_id, opened = opened, opened + 1
+        else:
+          bin_id = _take(rooms, bins_with, at, 1)[0]
+        taken = min(left, room // size)
+        placed.extend([bin_id] * taken)
+        add([bin_id], room - taken * size)
+      elif at == len(rooms):  # each of the rest opens a bin of its own
+        taken = left
+        placed.extend(range(opened, opened + taken))
+        add(list(range(opened, opened + taken)), room - size)
+        opened += taken
+      else:  # each of the bins with this room takes one, the last added first
+        bins = _take(rooms, bins_with, at, left)
+        taken = len(bins)
+        placed.extend(bins)
+        add(bins, room - size)
+      left -= taken
+  bins = np.empty(len(placed), np.int64)
+  bins[order] = placed
   return bins
+
+
+def _take(rooms: list[int], bins_with: dict[int, list[int]], at: int, most: int) -> list[int]:
+  """Up to `most` of the bins with room rooms[at], the last added first, no longer open."""
+  fitting = bins_with[rooms[at]]
+  taken = fitting[:-most - 1:-1]
+  del fitting[-most:]
+  if not fitting:
+    del bins_with[rooms[at]]
+    del rooms[at]
+  return taken
 
 
 def gather_rows(tokens, rows: Rows, ids: np.ndarray, window: int, pad: int,
