@@ -641,25 +641,67 @@ def _disk_cached(rows: list, hw: HardwareProfile, budgets: dict, local: int) -> 
   return nvme_bytes > 0 and nvme_bytes < host_free
 
 
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+  """What a placement's step holds, moves and computes whatever the hardware: the part of a plan
+  that every hardware profile a search plans for shares (`step_shape`)."""
+  rows: tuple  # (Row, ...): per device (device rows) and per process (host, nvme rows)
+  moved: dict  # {h2d, d2h, read, write: bytes per step per device}, every stage's
+  forward_moved: dict | None  # the same of the forward's phase (deferred updates)
+  executed_flops: float  # per device, remat included
+  model_flops: float  # of the whole step, every device
+  forward_share: float | None  # the forward phase's share of the compute (deferred updates)
+  calls: int  # jitted calls per step
+  collectives: dict  # {all-gather, reduce-scatter: bytes per step} (N > 1 devices)
+  init_programs: int  # `init_programs`
+  write_behind_bytes: float  # Placement.write_budget_bytes (NVMe placements)
+
+
+def step_shape(cfg: ModelConfig, sizes: StateSizes, p: Placement, *, micro: int, batch: int,
+               seq: int, clipping: bool, checkpoint_copies: int = 0,
+               devices: Devices = Devices()) -> StepShape:
+  """The StepShape of placement `p` (make_plan's arguments; the batch is global)."""
+  n = devices.count
+  executed, model_flops = step_flops(cfg, p, micro, batch // n, seq)  # per device
+  schedule = StepSchedule(p, cfg, micro, clipping) if p.streamed else None
+  stages = stage_traffic(cfg, sizes, p, micro, batch, seq, clipping, n)
+  deferred = schedule is not None and schedule.deferred_updates
+  return StepShape(
+      rows=tuple(_memory_rows(cfg, sizes, p, micro, batch, seq, clipping, checkpoint_copies,
+                              devices)),
+      moved=_sum_stages(stages),
+      forward_moved=_sum_stages(stages, FORWARD_PHASE) if deferred else None,
+      executed_flops=executed, model_flops=model_flops * n,
+      forward_share=forward_flops(cfg, micro, batch // n, seq) / executed if deferred else None,
+      calls=1 if schedule is None else sum(schedule.jitted_calls().values()),
+      collectives=collective_bytes(cfg, sizes, p, micro) if n > 1 else {},
+      init_programs=init_programs(cfg, p),
+      write_behind_bytes=p.write_budget_bytes(cfg) if p.uses_nvme else 0.0)
+
+
 def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwareProfile, *,
               micro: int, batch: int, seq: int, clipping: bool, budgets: dict,
               checkpoint_copies: int = 0, devices: Devices = Devices(),
-              baseline_bytes: float | None = None) -> Plan:
+              baseline_bytes: float | None = None, shapes: dict | None = None) -> Plan:
   """The plan of placement `p` for M = `micro` microbatches of the global `batch` x `seq` tokens
   on `devices` (per device and per process, the module docstring's N DEVICES). `baseline_bytes`:
   the runtime baseline measured in this process (`measured_baseline_bytes`); None: the
-  profile's figure."""
+  profile's figure. `shapes`: a dict that keeps each StepShape for the next make_plan of the
+  same arguments (a search over several hardware profiles computes each once)."""
+  args = dict(micro=micro, batch=batch, seq=seq, clipping=clipping,
+              checkpoint_copies=checkpoint_copies, devices=devices)
+  key = (cfg, sizes, p, *args.values())
+  shape = None if shapes is None else shapes.get(key)
+  if shape is None:
+    shape = step_shape(cfg, sizes, p, **args)
+    if shapes is not None:
+      shapes[key] = shape
   n, local = devices.count, devices.local
-  rows = _memory_rows(cfg, sizes, p, micro, batch, seq, clipping, checkpoint_copies, devices)
-  rows += runtime_rows(hw, baseline_bytes, init_programs(cfg, p))
-  stages = stage_traffic(cfg, sizes, p, micro, batch, seq, clipping, n)  # per device
-  moved = _sum_stages(stages)
-  executed, model_flops = step_flops(cfg, p, micro, batch // n, seq)  # per device
-  model_flops *= n
+  rows = list(shape.rows) + runtime_rows(hw, baseline_bytes, shape.init_programs)
+  moved = dict(shape.moved)
   # On the CPU backend the process's devices are the same cores: their work adds up.
   shared = 1 if hw.overlap else local
   rate = hw.tflops(cfg.dtype, cfg.matmul_precision, cfg.d_model) * 1e12
-  compute = shared * executed / rate
   params = cfg.num_params
   layer_params = cfg.num_layers * cfg.params_per_layer
   host_opt = p.streamed and p.optimizer_on == 'host'
@@ -674,30 +716,24 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
                        'd2h': shared * m['d2h'] / (hw.d2h_gbps * _GB),
                        'disk': local * (m['read'] / _read_rate(hw, cached)
                                         + m['write'] / _write_rate(hw, cached))}
-  collectives = collective_bytes(cfg, sizes, p, micro) if n > 1 else {}
-  link_rate, _ = hw.link_gbps()
-  comm = (n - 1) / n * sum(collectives.values()) / (link_rate * _GB)
-  schedule = StepSchedule(p, cfg, micro, clipping) if p.streamed else None
-  calls = 1 if schedule is None else sum(schedule.jitted_calls().values())
-  dispatch = calls * hw.dispatch_s
-  times = {'compute': compute, 'optimizer': optimizer, **seconds(moved), 'dispatch': dispatch}
+  times = {'compute': shared * shape.executed_flops / rate, 'optimizer': optimizer,
+           **seconds(moved), 'dispatch': shape.calls * hw.dispatch_s}
   if n > 1:
-    times['interconnect'] = comm
+    link_rate, _ = hw.link_gbps()
+    times['interconnect'] = (n - 1) / n * sum(shape.collectives.values()) / (link_rate * _GB)
   forward_phase = None
-  if schedule is not None and schedule.deferred_updates:
+  if shape.forward_moved is not None:
     # What the forward's phase of the step carries: its share of the compute, and the seconds
     # of what its stages move (the embedding's, the forward's, the layer updates waiting for it).
-    forward_phase = dict(
-        seconds(_sum_stages(stages, FORWARD_PHASE)),
-        compute_share=forward_flops(cfg, micro, batch // n, seq) / executed)
+    forward_phase = dict(seconds(shape.forward_moved), compute_share=shape.forward_share)
   step, bottleneck = _step_time(p, hw, times, sizes, devices, cached, host_opt, forward_phase)
   # The devices' peak together; CPU devices of one process are the same cores.
   peak = hw.peak(cfg.dtype, cfg.matmul_precision, cfg.d_model) * n / shared
   return Plan(placement=p, microbatches=micro, batch_size=batch, seq_len=seq, rows=rows,
               budgets=budgets, traffic=moved, times=times, step_time_s=step,
-              bottleneck=bottleneck, flops_per_step=model_flops, peak_tflops=peak,
-              write_behind_bytes=p.write_budget_bytes(cfg) if p.uses_nvme else 0.0,
-              devices=devices, collectives=collectives)
+              bottleneck=bottleneck, flops_per_step=shape.model_flops, peak_tflops=peak,
+              write_behind_bytes=shape.write_behind_bytes, devices=devices,
+              collectives=dict(shape.collectives))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -881,7 +917,8 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
   would fit.
   """
   devices = devices or devices_for(config)
-  plans, rejected, invalid = _search(config, hw, disk_free_gb, devices)
+  shapes = {}  # each candidate's StepShape, shared by the presets' searches
+  plans, rejected, invalid = _search(config, hw, disk_free_gb, devices, shapes)
   if not plans:
     if not rejected:
       raise invalid[0]
@@ -895,13 +932,15 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
                   f' (GiB) would fit: {best.placement.summary()}, M={best.microbatches}, '
                   f'{best.step_time_s:,.4g} s/step.')
     if suggest_presets:
-      message += presets_that_fit(config, hw, devices)
+      message += presets_that_fit(config, hw, devices, shapes)
     raise NoPlacementFits(message, closest)
   return _fastest(plans)
 
 
-def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: Devices) -> tuple:
-  """(plans that fit, plans that don't, ConfigErrors of invalid candidates) of every candidate."""
+def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: Devices,
+            shapes: dict | None = None) -> tuple:
+  """(plans that fit, plans that don't, ConfigErrors of invalid candidates) of every candidate
+  (`shapes`: make_plan's)."""
   cfg = model_lib.ModelConfig.from_config_dict(config.model)
   train, offload = config.train, config.offload
   sizes = state_sizes(cfg, train_key(train))
@@ -924,7 +963,8 @@ def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: De
         break
       plan = make_plan(cfg, sizes, placement, hw, micro=micro, batch=train.batch_size,
                        seq=train.seq_len, clipping=clipping, budgets=budgets,
-                       checkpoint_copies=copies, devices=devices, baseline_bytes=baseline)
+                       checkpoint_copies=copies, devices=devices, baseline_bytes=baseline,
+                       shapes=shapes)
       (plans if plan.fits else rejected).append(plan)
   return plans, rejected, invalid
 
@@ -959,13 +999,15 @@ def _fastest(plans: list) -> Plan:
 SUGGESTED_PRESETS = ('rtx4090', 'a100', 'h100', 'h200')
 
 
-def presets_that_fit(config, hw: HardwareProfile, devices: Devices) -> str:
+def presets_that_fit(config, hw: HardwareProfile, devices: Devices,
+                     shapes: dict | None = None) -> str:
   """A refusal's last line: the GPU presets (other than `hw`) that the config fits on the same
-  devices, with the fastest plan of each, as `--dry_run` would plan them (the preset's disk)."""
+  devices, with the fastest plan of each, as `--dry_run` would plan them (the preset's disk;
+  `shapes`: make_plan's)."""
   fits, tried = [], [name for name in SUGGESTED_PRESETS if name != hw.name]
   for name in tried:
     preset = hardware.load_profile(name)
-    plans, _, _ = _search(config, preset, preset.disk_gb, devices)
+    plans, _, _ = _search(config, preset, preset.disk_gb, devices, shapes)
     if plans:
       best = _fastest(plans)
       fits.append(f'  --config.hardware={name} ({preset.device_memory_gb:g} GB device, '

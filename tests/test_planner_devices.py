@@ -273,6 +273,31 @@ def test_a_refusal_names_the_presets_it_would_fit():
                      disk_free_gb=80.0)
 
 
+def test_searches_on_other_hardware_share_each_candidates_step_shape(monkeypatch):
+  """A refusal searches every candidate again for each preset; what does not depend on the
+  hardware (planner.StepShape) is computed once per candidate, and the plans are those of a
+  search that computes its own: equal, row for row and second for second."""
+  small = dataclasses.replace(hardware.load_profile('cpu'), device_memory_gb=16.0,
+                              host_memory_gb=16.0)
+  h100 = hardware.load_profile('h100')
+  config = config_lib.load_config('7b', hardware='cpu')
+  devices = planner.devices_for(config)
+  computed = []
+  step_shape = planner.step_shape
+  monkeypatch.setattr(planner, 'step_shape',
+                      lambda *a, **k: computed.append(a[2]) or step_shape(*a, **k))
+  shapes = {}
+  refused, *_ = planner._search(config, small, 80.0, devices, shapes)
+  assert not refused and len(computed) == len(shapes) > 100  # one per candidate
+  shared = planner._search(config, h100, h100.disk_gb, devices, shapes)
+  assert len(computed) == len(shapes)  # none computed again
+  alone = planner._search(config, h100, h100.disk_gb, devices)
+  assert shared[0] and shared[0] == alone[0] and shared[1] == alone[1]
+  with pytest.raises(planner.NoPlacementFits) as e:
+    planner.plan_run(config, small, disk_free_gb=80.0)
+  assert str(e.value).endswith(planner.presets_that_fit(config, small, devices))
+
+
 def test_a_dry_run_that_fits_nowhere_names_the_presets_it_would_fit():
   result = run_launch('--config', '101b', '--dry_run', '--config.hardware=rtx4090')
   assert result.returncode == 1
