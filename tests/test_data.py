@@ -114,6 +114,21 @@ def test_hf_tokenizer_round_trip(hf_tokenizer_file, shakespeare_lines):
   assert len(names) == 1 and names.pop().startswith('hf:')
 
 
+def test_a_tokenizer_file_is_parsed_once_until_it_changes(tmp_path, hf_tokenizer_file):
+  """load_tokenizer of the same file returns the tokenizer parsed the first time; the same path
+  written again (another vocabulary) is parsed again, with its own identity."""
+  path = tmp_path / 'tokenizer.json'
+  path.write_bytes(hf_tokenizer_file.read_bytes())
+  first = load_tokenizer(str(path))
+  assert load_tokenizer(str(tmp_path)) is first  # the directory names the same file
+  other = tokenizers.Tokenizer.from_file(str(path))
+  other.add_special_tokens(['<|endoftext|>'])
+  other.save(str(path))
+  again = load_tokenizer(str(path))
+  assert again is not first and again.name != first.name
+  assert again.vocab_size == first.vocab_size + 1
+
+
 def test_load_tokenizer_errors(tmp_path):
   assert isinstance(load_tokenizer('byte'), ByteTokenizer)
   with pytest.raises(ConfigError, match='data.tokenizer'):

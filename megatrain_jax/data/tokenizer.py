@@ -4,6 +4,7 @@ Both expose the same small interface (`Tokenizer`), which is all the prepare ste
 the samplers rely on. Nothing here downloads: a Hugging Face tokenizer must already be on disk.
 """
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -170,4 +171,15 @@ def load_tokenizer(spec: str) -> Tokenizer:
   check_tokenizer_spec(spec)
   if spec == 'byte':
     return ByteTokenizer()
-  return HFTokenizer(spec)
+  path = _resolve_tokenizer_file(spec)
+  stat = path.stat()
+  return _load_hf(path, (stat.st_ino, stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_hf(path: Path, version: tuple) -> HFTokenizer:
+  """The tokenizer of `path` as it is now (`version`: its inode, mtime and size, so a file
+  written again is loaded again): a run's start asks for it several times (the model's check,
+  the data, the first records), and a 152k vocabulary takes ~0.3 s to parse each time."""
+  del version
+  return HFTokenizer(path)
