@@ -102,12 +102,38 @@ def _preprocess_argv(argv: list[str]) -> list[str]:
   return out
 
 
+# What a value given to a job flag was meant for: `--eval test.txt` or `--sample 'Once'` read as
+# `--eval` plus a stray word, `--eval=test.txt` as a boolean flag's value.
+_MEANT_FOR = {'eval': ('the file to evaluate', 'eval.path'),
+              'sample': ('the prompt', 'sample.prompt')}
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with its errors (unknown flag, missing value) printed as `error: ...`."""
+  """absl's flag parsing, with its errors (unknown flag, missing value) printed as `error: ...`;
+  a word that is not a flag is refused (absl would pass it on, and it would be ignored)."""
+  for arg in argv[1:]:
+    name, has_value, value = arg.lstrip('-').partition('=')
+    if arg.startswith('--') and name in _MEANT_FOR and has_value and value.lower() not in (
+        'true', 'false', '1', '0'):
+      sys.exit(f'error: {arg}: --{name} takes no value; {_meant(name, value)}.')
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except flags.Error as e:
     sys.exit(f'error: {e}. Run with --helpshort to list the flags.')
+  if len(rest) > 1:
+    jobs = [name for name in _MEANT_FOR if flags.FLAGS[name].value]
+    hint = (_meant(jobs[0], rest[1]) if jobs and len(rest) == 2 else
+            'config fields are set as --config.<section>.<field>=value, a config file as '
+            '--config NAME')
+    sys.exit(f'error: unexpected argument{"s" * (len(rest) > 2)} '
+             f'{" ".join(repr(a) for a in rest[1:])}: launch.py takes flags only; {hint}. Run '
+             'with --helpshort to list the flags.')
+  return rest
+
+
+def _meant(job: str, value: str) -> str:
+  what, field = _MEANT_FOR[job]
+  return f'{what} is --config.{field}={value!r}'
 
 
 def _overrides() -> list[str]:

@@ -124,6 +124,25 @@ def test_unknown_keys_and_sections_say_what_there_is(key, fragment):
   assert fragment in str(error.value), str(error.value)
 
 
+@pytest.mark.parametrize('args, fragment', [
+    (['--eval', 'test.txt'], "unexpected argument 'test.txt': launch.py takes flags only; the file "
+     "to evaluate is --config.eval.path='test.txt'."),
+    (['--eval=test.txt'], "--eval=test.txt: --eval takes no value; the file to evaluate is "
+     "--config.eval.path='test.txt'."),
+    (['--sample', 'Once upon'], "unexpected argument 'Once upon': launch.py takes flags only; the "
+     "prompt is --config.sample.prompt='Once upon'."),
+    (['--config', 'tiny', 'steps=3', 'x'], "unexpected arguments 'steps=3' 'x': launch.py takes "
+     'flags only; config fields are set as --config.<section>.<field>=value'),
+], ids=['eval-word', 'eval-value', 'sample-word', 'words'])
+def test_launch_refuses_words_that_are_not_flags(tmp_path, args, fragment):
+  """absl passes a word that is not a flag on to main, which ignored it: `--eval test.txt` then
+  evaluated nothing (eval.path empty) and `--sample 'Once'` sampled another prompt. Refused,
+  naming what the word was meant for, before anything is written."""
+  result = run_launch(*args, f'--workdir={tmp_path / "w"}')
+  _assert_one_error_line(result, fragment)
+  assert not (tmp_path / 'w').exists()
+
+
 def test_launch_reports_an_unknown_config_name():
   result = run_launch('--config', 'no_such_size', '--dry_run')
   assert result.returncode != 0 and 'no_such_size' in result.stderr and 'tiny' in result.stderr
