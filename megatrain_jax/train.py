@@ -848,8 +848,12 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
                   int(ids.size), bool(ids.size and ids[-1] in stops)) for ids in outputs]
   if settings.prompts:
     return _write_samples(settings.out, texts, completions, source)
-  text, tokens, _ = completions[0]
+  text, tokens, stopped = completions[0]
   print(f'{settings.prompt}{text}', flush=True)
+  # What ended it: a continuation that is empty or short reads as a failure without this line.
+  end = (f'the model wrote {tokenizer.decode(outputs[0][-1:])!r}, a stop id' if stopped else
+         f'sample.max_new_tokens={settings.max_new_tokens}')
+  print(f'[{tokens - stopped} new token{"s" * (tokens - stopped != 1)}; {end}]', flush=True)
   return {'sample/prompt': settings.prompt, 'sample/text': text, 'sample/tokens': tokens,
           'sample/source': source}
 

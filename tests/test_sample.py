@@ -146,9 +146,13 @@ def test_sample_command_reads_a_run_or_a_hugging_face_checkpoint(checkpoints, tm
   train.train_and_evaluate(config, str(workdir))
   capsys.readouterr()
   first = train.sample(config, str(workdir))
-  assert capsys.readouterr().out == ('sampling: temperature 0.8, top_k 50, top_p 1\n'
-                                      f"The {first['sample/text']}\n")
+  out = capsys.readouterr().out.splitlines()
+  assert out[:2] == ['sampling: temperature 0.8, top_k 50, top_p 1', f"The {first['sample/text']}"]
   assert 0 < first['sample/tokens'] <= 20 and 'step 1' in first['sample/source']
+  # The last line says what ended it: the token budget, or a stop id (then not in the text).
+  assert out[2:] == ([f"[{first['sample/tokens'] - 1} new tokens; the model wrote '\\x00', a "
+                      'stop id]'] if first['sample/tokens'] < 20 else
+                     ['[20 new tokens; sample.max_new_tokens=20]'])
   assert train.sample(config, str(workdir)) == first
   config.sample.seed = 1
   assert train.sample(config, str(workdir))['sample/text'] != first['sample/text']
@@ -197,7 +201,8 @@ def test_sample_command_stops_at_generation_config_eos_ids(checkpoints, tmp_path
   assert got['sample/text'] == ' '.join(f't{i}' for i in greedy[:end])
   assert capsys.readouterr().out.splitlines() == [
       f'sampling: greedy (as {tmp_path}/tok/generation_config.json asks, where the command line '
-      'is silent)', words + got['sample/text']]
+      'is silent)', words + got['sample/text'], f"[{end} new tokens; the model wrote 't{stop}', a "
+      'stop id]']
   # An instruct tokenizer whose own EOS ends its chat turns, with data.eos_token ending the
   # documents instead (as the EOS-inside-documents refusal asks): both stop it.
   config.data.tokenizer = _word_tokenizer(tmp_path / 'own', {}, eos=f't{stop}')
