@@ -50,16 +50,17 @@ def get_config() -> ml_collections.ConfigDict:
   #                         block (online logsumexp, each block recomputed in the backward), so it
   #                         holds [tokens, chunk] float32 logits instead of [tokens, vocab_size].
   #                         Same math; 0 = auto = min(vocab_size, 8192); must be <= vocab_size.
-  model.document_mask = False  # Training rows are windows of the packed token stream, where every
-  #                               document ends with EOS (data.eos_token). False: attention runs
-  #                               across the documents of a row, positions 0..seq_len-1 (GPT-style
-  #                               packing). True: each token attends only to its own document and
-  #                               positions restart after each EOS, so a packed row computes what
-  #                               each document would alone (instruction and chat data, short
-  #                               documents); the target after each EOS (the next document's
-  #                               first token) is then not learned. Validation uses it, and
-  #                               --eval / --sample of a run trained with it unless set.
-  #                               docs/data.md: Packed rows.
+  model.document_mask = False  # Training rows are windows of the packed token stream of
+  #                               documents (records, each ending with data.eos_token). False:
+  #                               attention runs across the documents of a row, positions
+  #                               0..seq_len-1 (GPT-style packing). True: each token attends only
+  #                               to its own document and positions restart where each begins
+  #                               (as the prepare step records the records' ends, whatever ids
+  #                               they hold), so a packed row computes what each document would
+  #                               alone (instruction and chat data, short documents); a
+  #                               document's first token is then not learned as the previous
+  #                               one's target. Validation uses it, and --eval of a run trained
+  #                               with it unless set. docs/data.md: Packed rows.
   model.init_std = 0.02  # Std of the normal init of every matrix (HF initializer_range).
   model.dtype = 'float32'  # Compute dtype: 'float32' or 'bfloat16'. Params are always float32.
   model.matmul_precision = 'highest'  # 'highest' = true FP32 matmuls on GPU (no TF32); 'default'.

@@ -33,6 +33,7 @@ import functools
 import math
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +42,8 @@ import numpy as np
 from megatrain_jax import metrics
 from megatrain_jax import model as model_lib
 from megatrain_jax import partition
-from megatrain_jax.data import data_format, document_format, unlearn_document_starts
+from megatrain_jax.data import data_format, document_format, unlearn_starts
 from megatrain_jax.data import formats
-from megatrain_jax.data.loader import eos_inside_documents
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import head_chunks
 from megatrain_jax.prefetch import Prefetcher
@@ -84,59 +84,58 @@ def _text_tokens(file: Path, tokenizer) -> np.ndarray:
   return np.asarray(tokenizer.encode(text), np.int32)
 
 
-def _record_tokens(file: Path, tokenizer, fmt) -> tuple[np.ndarray, np.ndarray | None, int]:
+def _record_tokens(file: Path, tokenizer, fmt) -> tuple[np.ndarray, np.ndarray | None,
+                                                         np.ndarray]:
   """A JSONL(.zst/.gz), Parquet or Arrow file's documents as training stores them: (tokens,
-  loss mask or None when every token is learned, the number of documents). Bad records are
-  errors naming file and line/row, or skipped with data.skip_bad_records."""
-  tokens, masks, skipped, documents = [], [], 0, 0
+  loss mask or None when every token is learned, where each document ends: [documents] int64
+  offsets just past it). Bad records are errors naming file and line/row, or skipped with
+  data.skip_bad_records."""
+  tokens, masks, ends, skipped, at = [], [], [], 0, 0
   for task, _ in formats.record_tasks(file, fmt, _FIELD):
     result = formats.run_task(task, tokenizer, fmt, np.dtype(np.int32))
     if result.bad and not fmt.skip_bad_records:
       raise formats.bad_records_error(result.bad, result.skipped, _FIELD)
     skipped += result.skipped
-    documents += result.documents
+    ends.append(result.ends + at)
+    at += result.tokens.size
     tokens.append(result.tokens)
     masks.append(result.mask)
   if skipped:
     print(f'{_FIELD}: {file}: skipped {skipped} bad records (data.skip_bad_records=True)',
           flush=True)
   if not tokens:
-    return np.zeros(0, np.int32), None, 0
+    return np.zeros(0, np.int32), None, np.zeros(0, np.int64)
   mask = None
   if any(m is not None for m in masks):
     mask = np.concatenate([np.ones(t.size, np.uint8) if m is None else m
                            for t, m in zip(tokens, masks)])
-  return np.concatenate(tokens), mask, documents
+  return np.concatenate(tokens), mask, np.concatenate(ends)
 
 
-def _check_document_ends(file: Path, tokens: np.ndarray, documents: int, document_eos: int,
-                         fmt) -> None:
-  """Refuses a record file whose EOS also occurs inside its documents where the model finds
-  documents by it (`document_eos` >= 0: model.document_mask), as training does
-  (data.check_document_ends): with a chat template that ends every turn with it, each
-  conversation would be scored cut at its turns."""
-  inside = int(np.count_nonzero(tokens == document_eos)) if document_eos >= 0 else 0
-  if inside > documents:
-    raise eos_inside_documents(document_eos, fmt.eos_text, f'ends each document of {file} and '
-                               f'also occurs inside them ({inside:,} of it in {documents:,} '
-                               'documents', 'model.document_mask')
+class EvalData(NamedTuple):
+  """eval.path as one stream (`read_eval_data`)."""
+  tokens: np.ndarray  # [N] int32
+  mask: np.ndarray | None  # [N] uint8: token i is scored as a target where 1 (None: all are)
+  starts: np.ndarray | None  # [N] uint8: 1 where a document begins (with a document mask)
 
 
 def read_tokens(path: str, tokenizer, data_config=None) -> np.ndarray:
   """The token stream of `path` (eval.path); see `read_eval_data`, of which it keeps only the
   tokens."""
-  return read_eval_data(path, tokenizer, data_config)[0]
+  return read_eval_data(path, tokenizer, data_config).tokens
 
 
-def read_eval_data(path: str, tokenizer, data_config=None,
-                   document_eos: int = -1) -> tuple[np.ndarray, np.ndarray | None]:
-  """(tokens int32 [N], mask uint8 [N] or None) of eval.path: its files in order (module
-  docstring) as one stream; mask[i] = 1 when token i is scored as a target (None: all are).
+def read_eval_data(path: str, tokenizer, data_config=None, document_eos: int = -1) -> EvalData:
+  """The EvalData of eval.path: its files in order (module docstring) as one stream; mask[i] =
+  1 when token i is scored as a target (None: all are).
 
   `data_config` (config.data) gives the record fields and EOS of record files (text_field,
   prompt_field, completion_field, eos_token, skip_bad_records); None: their defaults.
-  `document_eos` (the model's document_eos_id; -1: none): the token after each EOS is not scored,
-  as training does not learn it (data.unlearn_document_starts).
+  `document_eos` (the model's document_eos_id; -1: none): model.document_mask is on; the
+  documents of record files are kept apart where each record's ends (EvalData.starts, whatever
+  ids they hold: a chat template may end every turn with the EOS), and the first token of each
+  is not scored, as training does not learn it (data.unlearn_starts). Text files have no
+  documents inside them.
 
   Raises:
     ConfigError: naming eval.path: it is empty or does not exist, a file is not UTF-8 text, a
@@ -151,42 +150,49 @@ def read_eval_data(path: str, tokenizer, data_config=None,
   pieces = []
   for file in files:
     if formats.source_format(file) == formats.TEXT:
-      pieces.append((_text_tokens(file, tokenizer), None))
+      pieces.append((_text_tokens(file, tokenizer), None, np.zeros(0, np.int64)))
       continue
     if fmt is None:
       fmt = (document_format(tokenizer) if data_config is None else
              data_format(data_config, tokenizer))
-    tokens, mask, documents = _record_tokens(file, tokenizer, fmt)
-    _check_document_ends(file, tokens, documents, document_eos, fmt)
-    pieces.append((tokens, mask))
-  tokens = np.concatenate([t for t, _ in pieces])
-  mask = None
-  if any(m is not None for _, m in pieces):
-    mask = np.concatenate([np.ones(t.size, np.uint8) if m is None else m for t, m in pieces])
+    pieces.append(_record_tokens(file, tokenizer, fmt))
+  tokens = np.concatenate([t for t, _, _ in pieces])
+  mask = starts = None
+  if any(m is not None for _, m, _ in pieces):
+    mask = np.concatenate([np.ones(t.size, np.uint8) if m is None else m for t, m, _ in pieces])
   if document_eos >= 0 and tokens.size:
-    mask = np.concatenate([np.ones(1, np.uint8), unlearn_document_starts(
-        tokens, None if mask is None else mask[1:], document_eos)])
+    offsets = np.cumsum([0] + [t.size for t, _, _ in pieces[:-1]])
+    ends = np.concatenate([e + at for (_, _, e), at in zip(pieces, offsets)])
+    starts = np.zeros(tokens.size, np.uint8)
+    starts[ends[ends < tokens.size]] = 1  # the next document begins where one ends
+    mask = unlearn_starts(starts[None], (np.ones(tokens.size, np.uint8) if mask is None
+                                         else mask)[None, 1:])[0]
+    mask = np.concatenate([np.ones(1, np.uint8), mask])
   if tokens.size < 2:
     raise ConfigError(f'eval.path: {path} has {tokens.size} token(s); perplexity needs at least 2.')
   if mask is not None and not mask[1:].any():
     raise ConfigError(f'eval.path: {path} has no learned token to score (every record is all '
                       'prompt); evaluate on records with completions or assistant turns.')
-  return tokens, mask
+  return EvalData(tokens, mask, starts)
 
 
 def batch_windows(tokens: np.ndarray, chosen: list[Window], max_len: int, batch_size: int,
-                  token_mask: np.ndarray | None = None):
-  """([B, max_len + 1] int32 tokens, [B, max_len] float32 mask of the targets scored) for up to
-  `batch_size` windows; missing rows and the tail of a short window are padding, masked out.
-  `token_mask` [N] (read_eval_data): targets whose token has mask 0 are not scored either."""
+                  token_mask: np.ndarray | None = None, token_starts: np.ndarray | None = None):
+  """([B, max_len + 1] int32 tokens, [B, max_len] float32 mask of the targets scored, and where
+  documents begin [B, max_len + 1] uint8 or None) for up to `batch_size` windows; missing rows
+  and the tail of a short window are padding, masked out. `token_mask` [N] (EvalData.mask):
+  targets whose token has mask 0 are not scored either; `token_starts` [N] (EvalData.starts)."""
   batch = np.zeros((batch_size, max_len + 1), np.int32)
   mask = np.zeros((batch_size, max_len), np.float32)
+  starts = None if token_starts is None else np.zeros(batch.shape, np.uint8)
   for row, w in enumerate(chosen):
     stop = min(w.begin + max_len + 1, tokens.size)
     batch[row, :stop - w.begin] = tokens[w.begin:stop]
+    if starts is not None:
+      starts[row, :stop - w.begin] = token_starts[w.begin:stop]
     scored = slice(w.first - w.begin - 1, w.end - w.begin - 1)
     mask[row, scored] = 1.0 if token_mask is None else token_mask[w.first:w.end]
-  return batch, mask
+  return batch, mask, starts
 
 
 def _read_piece(reader, abstract_params, kind: str, start: int, stop: int) -> dict:
@@ -269,12 +275,15 @@ class Evaluator:
   def _pieces(self, kind: str, count: int) -> Prefetcher:
     return Prefetcher(self._fetch(kind), range(count), self.depth)
 
-  def nll_sums(self, batches: list[tuple[np.ndarray, np.ndarray]]) -> list[float]:
-    """Σ of the masked-in tokens' negative log-likelihood, per ([B, S+1] tokens, [B, S] mask)."""
-    inputs = [jnp.asarray(b[:, :-1]) for b, _ in batches]
-    targets = [jnp.asarray(b[:, 1:]) for b, _ in batches]
+  def nll_sums(self, batches: list[tuple]) -> list[float]:
+    """Σ of the masked-in tokens' negative log-likelihood, per ([B, S+1] tokens, [B, S] mask,
+    [B, S+1] document starts or None) of `batch_windows`."""
+    inputs = [jnp.asarray(b[:, :-1]) for b, _, _ in batches]
+    targets = [jnp.asarray(b[:, 1:]) for b, _, _ in batches]
+    starts = [None if s is None else jnp.asarray(s[:, :-1]) for _, _, s in batches]
     # Positions with their RoPE tables, computed once for every group (model.RopePositions).
-    positions = model_lib.positions_of_batches(self.cfg, inputs, self.fn.token_positions)
+    positions = model_lib.positions_of_batches(self.cfg, inputs, self.fn.token_positions,
+                                               starts)
     hidden = None
     for c, piece in self._pieces('embed', len(self.vocab)):
       start, rows = jnp.int32(self.vocab[c][0]), piece['embed']['embedding']
@@ -293,13 +302,15 @@ class Evaluator:
                 piece['head']['lm_head']['kernel'])
       carry = [self.fn.lse_update(weight, n, t, start, k)
                for n, t, k in zip(normed, targets, carry)]
-    return [float(self.fn.nll_sum(k, jnp.asarray(m))) for k, (_, m) in zip(carry, batches)]
+    return [float(self.fn.nll_sum(k, jnp.asarray(m))) for k, (_, m, _) in zip(carry, batches)]
 
 
 def perplexity(evaluator: Evaluator, tokens: np.ndarray, max_len: int, stride: int,
-               batch_size: int, progress: bool = True, mask: np.ndarray | None = None) -> dict:
+               batch_size: int, progress: bool = True, mask: np.ndarray | None = None,
+               starts: np.ndarray | None = None) -> dict:
   """eval/loss, eval/perplexity, eval/tokens (and the windows, timing) of `tokens`; with `mask`
-  [N] (read_eval_data) only the targets it marks are scored (eval/tokens counts them)."""
+  [N] (EvalData.mask) only the targets it marks are scored (eval/tokens counts them); with
+  `starts` [N] (EvalData.starts) each document is kept to itself."""
   chosen = windows(int(tokens.size), max_len, stride)
   d = evaluator.cfg.d_model
   per_pass = max(1, PASS_BYTES // (batch_size * max_len * d * 4))
@@ -309,9 +320,9 @@ def perplexity(evaluator: Evaluator, tokens: np.ndarray, max_len: int, stride: i
     for first in range(0, len(chosen), per_pass * batch_size):
       part = chosen[first:first + per_pass * batch_size]
       groups = [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
-      batches = [batch_windows(tokens, g, max_len, batch_size, mask) for g in groups]
+      batches = [batch_windows(tokens, g, max_len, batch_size, mask, starts) for g in groups]
       total += sum(evaluator.nll_sums(batches))
-      count += int(sum(m.sum() for _, m in batches))
+      count += int(sum(m.sum() for _, m, _ in batches))
       bar.update(len(part))
   seconds = time.perf_counter() - started
   loss = total / count

@@ -61,6 +61,10 @@ def generate_all(cfg: model_lib.ModelConfig, params, prompts, *, max_new_tokens:
     return []
   length = check_request(cfg, prompts, max_new_tokens, top_p, repetition_penalty)
   stop_ids = tuple(sorted({int(i) for i in np.atleast_1d(eos_id) if int(i) >= 0}))
+  # A prompt is one document, as transformers' generate reads it: a chat prompt holds the EOS of
+  # its earlier turns where a chat template ends every turn with it (model.document_mask then
+  # learned documents as the data recorded them, not as that id would cut them).
+  cfg = cfg.replace(document_eos_id=-1)
   loop = _generation_loop(cfg, float(temperature), min(int(top_k), cfg.vocab_size),
                           float(top_p), float(repetition_penalty), stop_ids)
   rows = max(1, min(int(batch_size), len(prompts)))

@@ -443,20 +443,15 @@ def _main_first(name: str, make):
 def _workdir_data(config, source, workdir: pathlib.Path, microbatches: int,
                   document_eos: int):
   """(config, train sampler, eval batches): the tokenizer adopted (`_adopt_tokenizer`) and the
-  data opened (`_open_data`). Where documents are found by their EOS, it must not occur inside
-  them: the first records are looked at before anything is written into the workdir, all of them
-  after the prepare step."""
-  uses = _finding_documents_by_eos(config, document_eos)
-  if uses:
-    data_lib.check_first_documents(config.data, data_lib.load_tokenizer(config.data.tokenizer),
-                                   uses)
+  data opened (`_open_data`)."""
   config = _adopt_chat_template(_adopt_tokenizer(config, source, workdir), workdir)
-  return _open_data(config, workdir, microbatches, document_eos, uses)
+  return _open_data(config, workdir, microbatches, document_eos,
+                    _finding_documents(config, document_eos))
 
 
-def _finding_documents_by_eos(config, document_eos: int) -> str:
-  """The settings that find documents by their EOS ('model.document_mask and data.pack=...'),
-  '' for none."""
+def _finding_documents(config, document_eos: int) -> str:
+  """The settings that find documents ('model.document_mask and data.pack=...'), '' for none:
+  by the ends the prepared data records, or in data prepared without them by their EOS."""
   return ' and '.join(name for name, on in (
       ('model.document_mask', document_eos >= 0),
       (f"data.pack='{config.data.pack}'", config.data.pack != 'stream')) if on)
@@ -466,8 +461,9 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: i
   """(config, train sampler, eval batches) over the token files prepared (or reused) in
   <workdir>/data; with train.epochs, the config's train.steps are the epochs' (`epoch_steps`).
   `document_eos` (the model's document_eos_id, -1 without model.document_mask): the target after
-  each EOS is neither learned nor scored (data.unlearn_document_starts). `uses`: what finds
-  documents by their EOS (`_finding_documents_by_eos`), whose count is checked once prepared."""
+  each document's first token is neither learned nor scored (data.unlearn_starts). `uses`: what
+  finds documents (`_finding_documents`): in data prepared without their recorded ends (an older
+  version's), by their EOS, whose count is checked."""
   train_cfg = config.train
   info, tokenizer = data_lib.load_data(config.data, workdir)
   row_packing = data_lib.row_packing(config.data, tokenizer)  # data.pack: rows of whole documents
@@ -788,16 +784,16 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
     raise ConfigError(f'eval.max_len: {max_len} is longer than the model maximum '
                       f'model.max_seq_len={model_cfg.max_seq_len}; lower eval.max_len.')
   model_cfg, tokenizer = _model_and_tokenizer(config, model_cfg)
-  tokens, mask = evaluate_lib.read_eval_data(config.eval.path, tokenizer, config.data,
-                                             document_eos=model_cfg.document_eos_id)
+  data = evaluate_lib.read_eval_data(config.eval.path, tokenizer, config.data,
+                                     document_eos=model_cfg.document_eos_id)
   enable_compilation_cache(config.jax_cache_dir)
   with _weights_reader(config, model_cfg, path, meta, checkpoint) as (reader, source):
     evaluator = evaluate_lib.Evaluator(reader, model_cfg, *_eval_pieces(config, model_cfg, path))
     try:
       result = evaluate_lib.perplexity(
-          evaluator, tokens, max_len, config.eval.stride or max_len,
+          evaluator, data.tokens, max_len, config.eval.stride or max_len,
           config.eval.batch_size or config.train.batch_size, progress=config.train.progress_bar,
-          mask=mask)
+          mask=data.mask, starts=data.starts)
     finally:
       evaluator.close()
     result = {**result, 'eval/source': source, 'eval/path': str(config.eval.path),

@@ -426,89 +426,98 @@ def _write_template(path: Path) -> Path:
   return path
 
 
-def test_an_eos_that_ends_every_chat_turn_is_refused_where_documents_are_found_by_it(
-    tmp_path, tokenizer_dir):
-  """A tokenizer whose EOS is the template's turn end (Qwen2.5 Instruct's '<|im_end|>'): the
-  document mask and rows of whole documents find documents by that id, so they would cut each
-  conversation at its turns. Refused, naming the fix: by the first records before the prepare
-  step writes anything, and by a count over the whole prepared data (a directory prepared
-  before, or records past the first). The EOS the fix names ('<|endoftext|>' here) trains, and
-  without either feature nothing is refused."""
+def test_an_eos_that_ends_every_chat_turn_keeps_each_conversation_whole(tmp_path,
+                                                                        tokenizer_dir):
+  """A tokenizer whose EOS is the template's turn end (Qwen2.5 Instruct's '<|im_end|>', Mistral
+  Instruct's '</s>'): the prepared data records where each record ends (shard by shard, the
+  validation split cut at one), so the document mask and rows of whole documents keep each
+  conversation whole where finding documents by that id would cut it at its turns: batches mark
+  each conversation's start (Batch.starts) and learn no target there, in windows of the stream
+  and in packed rows. Data prepared without the ends (an older version) is refused as before,
+  naming the fix; a run trains with the tokenizer's own EOS."""
   from megatrain_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   from megatrain_jax import data as data_lib  # pylint: disable=import-outside-toplevel
+  from megatrain_jax import train  # pylint: disable=import-outside-toplevel
+  from megatrain_jax.data import packing  # pylint: disable=import-outside-toplevel
+  instruct = tmp_path / 'instruct'
+  tok = _tokenizer_with(instruct, tokenizer_dir, {'eos_token': '<|im_end|>',
+                                                  'chat_template': CHAT_TEMPLATE})
+  eos = tok.token_id('<|im_end|>')
+  source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': CONVERSATION}] * 40)
+  info = prepare_dataset(tmp_path / 'prepared', tok, train_sources=[source], val_fraction=0.1,
+                         shard_tokens=97)  # documents run on across shards
+  length = info.train_tokens // 36  # 40 equal conversations, the last 4 held out
+  assert info.document_ends and info.train_tokens == 36 * length
+  whole = TokenStream(info.splits['train'] + info.splits['val'], info.dtype, True)
+  np.testing.assert_array_equal(whole.document_ends(), length * np.arange(1, 41))
+  assert np.count_nonzero(whole[:] == eos) == 240  # six of the id per conversation
+  train_split = data_lib.load_split(info, 'train')
+  for row_packing in (None, packing.RowPacking('best_fit', eos)):
+    sampler = BatchSampler(train_split, seq_len=64, batch_size=3, microbatches=2, seed=0,
+                           document_eos=eos, row_packing=row_packing)
+    batch = sampler.batch(0)
+    starts, mask = batch.starts.reshape(6, 65), batch.loss_mask.reshape(6, 64)
+    for row, first in enumerate(sampler.window_starts(0).reshape(-1).tolist()):
+      if row_packing is None:  # a window of the stream: where its offsets pass a conversation
+        want = [j for j in range(1, 65) if (first + j) % length == 0]
+      else:  # whole conversations, then the padding
+        fits = 65 // length
+        want = [k * length for k in range(1, fits + 1) if k * length < 65]
+      assert np.flatnonzero(starts[row]).tolist() == want, (row, first)
+      assert all(mask[row, j - 1] == 0 for j in want)
+    # Found by the id, the same rows would start a document after every turn.
+    assert np.count_nonzero(data_lib.loader.eos_starts(batch.tokens, eos)) > np.count_nonzero(
+        batch.starts)
+  # The tokenizer's own EOS trains, with both ways of finding documents.
+  config = config_lib.load_config(
+      'tiny', data__path=str(source), data__tokenizer=str(instruct), model__vocab_size=600,
+      model__document_mask=True, data__pack='best_fit', train__steps=1, train__seq_len=64,
+      train__batch_size=2, train__eval_every=0, train__progress_bar=False, jax_cache_dir='')
+  assert train.train_and_evaluate(config, str(tmp_path / 'run'))['learning/loss'] > 0
+  # Prepared by an older version (no ends recorded): found by the id, so refused, naming the fix.
+  meta = json.loads((tmp_path / 'prepared' / 'meta.json').read_text())
+  (tmp_path / 'prepared' / 'meta.json').write_text(json.dumps(meta | {'document_ends': False}))
+  old = read_dataset_info(tmp_path / 'prepared')
+  with pytest.raises(ConfigError, match=r'\(240 of it in 40 documents: .*prepared without '
+                     r'recording where its documents end .* model.document_mask finds its '
+                     r'documents by that id.*Prepare it again'):
+    data_lib.check_document_ends(old, eos, '<|im_end|>', 'model.document_mask')
+  data_lib.check_document_ends(old, tok.token_id(EOS), EOS, 'model.document_mask')  # fine
+  data_lib.check_document_ends(info, eos, '<|im_end|>', 'model.document_mask')  # ends recorded
+
+
+def test_a_damaged_document_ends_file_is_refused(tmp_path, documents):
+  """A shard's `.ends` cut short, or holding ends out of order, is refused naming the file and
+  the fix when the documents are read, rather than misplacing them."""
+  source = _write_jsonl(tmp_path / 'docs.jsonl', [{'text': d} for d in documents[:50]])
+  info = prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[source])
+  assert len(load_split(info, 'train').document_ends()) >= 40
+  ends_file = tmp_path / 'out' / 'train-00000.ends'
+  good = ends_file.read_bytes()
+  for damaged in (good[:-3], good[8:16] + good[:8] + good[16:]):
+    ends_file.write_bytes(damaged)
+    with pytest.raises(ConfigError, match=r'train-00000.ends is damaged: .* Delete .*out to '
+                       'prepare the data again'):
+      load_split(info, 'train').document_ends()
+
+
+def test_eval_keeps_each_conversation_whole_and_reads_the_runs_eos(tmp_path, tokenizer_dir):
+  """--eval of a run trained with model.document_mask keeps each record whole as training did,
+  whatever ids it holds: told the tokenizer's own EOS ('<|im_end|>', every turn's end), its
+  documents are the 40 conversations. A run trained with data.eos_token='<|endoftext|>' is
+  evaluated with that EOS without being told again (it comes with the run's tokenizer)."""
+  from megatrain_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from megatrain_jax import evaluate as evaluate_lib  # pylint: disable=import-outside-toplevel
   from megatrain_jax import train  # pylint: disable=import-outside-toplevel
   instruct = tmp_path / 'instruct'
   tok = _tokenizer_with(instruct, tokenizer_dir, {'eos_token': '<|im_end|>',
                                                   'chat_template': CHAT_TEMPLATE})
   source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': CONVERSATION}] * 40)
-  template = tmp_path / 'template.jinja'  # the run would keep a copy of it
-  template.write_text(CHAT_TEMPLATE)
-  for overrides in (dict(model__document_mask=True), dict(data__pack='best_fit'),
-                    dict(model__document_mask=True, data__pack='documents')):
-    config = config_lib.load_config(
-        'tiny', data__path=str(source), data__tokenizer=str(instruct), model__vocab_size=600,
-        data__chat_template=str(template), train__steps=1, train__seq_len=64,
-        train__batch_size=2, train__eval_every=0, train__progress_bar=False, jax_cache_dir='',
-        **overrides)
-    with pytest.raises(ConfigError, match=r"data.eos_token: '<\|im_end\|>' \(id \d+\) occurs "
-                       r'inside the documents of .*chat.jsonl \(its first 8 records hold 40 of '
-                       r'it: .*Set data.eos_token'):
-      train.train_and_evaluate(config, str(tmp_path / 'run'))
-    assert not (tmp_path / 'run').exists()  # nothing written: no template copy, no data
-  # Parquet, and the Arrow files of `datasets`' save_to_disk: their first rows, before too.
-  pq.write_table(pa.table({'messages': [CONVERSATION] * 40}), tmp_path / 'chat.parquet')
-  arrow = _save_to_disk(tmp_path / 'saved', {'messages': [CONVERSATION] * 40})
-  for other in (tmp_path / 'chat.parquet', arrow):
-    config.data.path = str(other)
-    with pytest.raises(ConfigError, match=r'occurs inside the documents of .*(parquet|arrow) '
-                       r'\(its first 8 records hold 40 of it'):
-      train.train_and_evaluate(config, str(tmp_path / 'run'))
-    assert not (tmp_path / 'run').exists()
-  config.data.path = str(source)
-  # The whole data, prepared: 40 conversations of 5 turns, each turn and document ended by it.
-  info = prepare_dataset(tmp_path / 'prepared', tok, train_sources=[source])
-  eos = tok.token_id('<|im_end|>')
-  with pytest.raises(ConfigError, match=r'\(240 of it in 40 documents: .* model.document_mask '
-                     'finds documents'):
-    data_lib.check_document_ends(info, eos, '<|im_end|>', 'model.document_mask')
-  data_lib.check_document_ends(info, tok.token_id(EOS), EOS, 'model.document_mask')  # fine
-  config.data.eos_token = EOS
-  assert train.train_and_evaluate(config, str(tmp_path / 'fixed'))['learning/loss'] > 0
-  config.data.eos_token, config.model.document_mask, config.data.pack = '', False, 'stream'
-  assert train.train_and_evaluate(config, str(tmp_path / 'plain'))['learning/loss'] > 0
-
-
-def test_first_records_of_every_record_format(tmp_path, documents):
-  """formats.first_documents (what checks read before the prepare step): the first records of a
-  JSONL, Parquet or Arrow file, the same parts from each; a damaged file gives none (the prepare
-  step names the damage) rather than an error of its own."""
-  fmt = document_format(ByteTokenizer())
-  records = [{'text': d} for d in documents[:12]]
-  jsonl = _write_jsonl(tmp_path / 'docs.jsonl', records)
-  parquet = tmp_path / 'docs.parquet'
-  pq.write_table(pa.table({'text': documents[:12]}), parquet)
-  arrow = next(_save_to_disk(tmp_path / 'saved', {'text': documents[:12]}, shards=1,
-                            batch_rows=3).glob('*.arrow'))  # batches of 3 records
-  want = [documents_module.record_parts(r, fmt) for r in records[:8]]
-  for path in (jsonl, parquet, arrow):
-    assert formats.first_documents(path, fmt) == want, path
-  damaged = tmp_path / 'damaged.parquet'
-  damaged.write_bytes(parquet.read_bytes()[:200])
-  assert formats.first_documents(damaged, fmt) == []
-
-
-def test_eval_reads_documents_by_the_eos_the_run_trained_with(tmp_path, tokenizer_dir):
-  """--eval of a run trained with model.document_mask and data.eos_token='<|endoftext|>' (the
-  fix the refusal above names) finds documents by that EOS, as training did, without being told
-  again: the run's data.eos_token comes with its tokenizer (the tokenizer's own EOS,
-  '<|im_end|>', would cut each conversation at its turns). Told the other EOS on the command
-  line, --eval refuses the records as training would have."""
-  from megatrain_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from megatrain_jax import train  # pylint: disable=import-outside-toplevel
-  instruct = tmp_path / 'instruct'
-  _tokenizer_with(instruct, tokenizer_dir, {'eos_token': '<|im_end|>',
-                                            'chat_template': CHAT_TEMPLATE})
-  source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': CONVERSATION}] * 40)
+  data = evaluate_lib.read_eval_data(str(source), tok,
+                                     document_eos=tok.token_id('<|im_end|>'))
+  length = data.tokens.size // 40
+  assert np.flatnonzero(data.starts).tolist() == [k * length for k in range(1, 40)]
+  assert not data.mask[data.starts == 1].any()  # a conversation's first token is not scored
   config = config_lib.load_config(
       'tiny', data__path=str(source), data__tokenizer=str(instruct), data__eos_token=EOS,
       model__vocab_size=600, model__document_mask=True, train__steps=1, train__seq_len=64,
@@ -522,10 +531,8 @@ def test_eval_reads_documents_by_the_eos_the_run_trained_with(tmp_path, tokenize
 
   told = evaluate(data__eos_token=EOS)
   assert evaluate()['eval/loss'] == told['eval/loss'] and told['eval/document_mask']
-  with pytest.raises(ConfigError, match=r"data.eos_token: '<\|im_end\|>' \(id \d+\) ends each "
-                     r'document of .*chat.jsonl and also occurs inside them \(240 of it in 40 '
-                     'documents: .*model.document_mask finds documents'):
-    evaluate(data__eos_token='<|im_end|>')
+  own = evaluate(data__eos_token='<|im_end|>')  # other tokens (no <|endoftext|>), still whole
+  assert own['eval/loss'] != told['eval/loss'] and np.isfinite(own['eval/loss'])
 
 
 def test_sharegpt_and_conversational_prompt_completion(tmp_path, tokenizer_dir):
@@ -861,6 +868,7 @@ def test_prepare_killed_midway_resumes_to_identical_files(tmp_path, documents, m
   names = sorted(p.name for p in clean.iterdir())
   assert names == sorted(p.name for p in resumed.iterdir())
   assert any(name.endswith('.mask') for name in names)
+  assert any(name.endswith('.ends') for name in names)  # where each document ends, resumed too
   for name in names:
     assert (clean / name).read_bytes() == (resumed / name).read_bytes(), name
   assert read_dataset_info(resumed).splits['train'][0][0].endswith('train-00000.bin')

@@ -60,17 +60,17 @@ def test_every_format_reads_as_the_documents_stream(tmp_path):
   tok = ByteTokenizer()
   want = _stream(DOCS)
   for name in ('a.jsonl', 'b.jsonl.gz', 'c.jsonl.zst', 'd.parquet', 'e.arrow'):
-    tokens, mask = evaluate_lib.read_eval_data(str(files / name), tok)
+    tokens, mask, _ = evaluate_lib.read_eval_data(str(files / name), tok)
     np.testing.assert_array_equal(tokens, want)
     assert mask is None
   # A directory and a glob: the files in sorted order, one stream.
-  tokens, _ = evaluate_lib.read_eval_data(str(files), tok)
+  tokens, _, _ = evaluate_lib.read_eval_data(str(files), tok)
   np.testing.assert_array_equal(tokens, np.tile(want, 5))
-  tokens, _ = evaluate_lib.read_eval_data(str(files / '*.jsonl*'), tok)
+  tokens, _, _ = evaluate_lib.read_eval_data(str(files / '*.jsonl*'), tok)
   np.testing.assert_array_equal(tokens, np.tile(want, 3))
   # A text file stays one stream tokenized whole, no EOS (as before).
   (tmp_path / 'plain.txt').write_text('hello\nworld\n')
-  tokens, mask = evaluate_lib.read_eval_data(str(tmp_path / 'plain.txt'), tok)
+  tokens, mask, _ = evaluate_lib.read_eval_data(str(tmp_path / 'plain.txt'), tok)
   np.testing.assert_array_equal(tokens, np.frombuffer(b'hello\nworld\n', np.uint8))
   assert mask is None
 
@@ -79,12 +79,12 @@ def test_prompt_completion_records_score_only_completions(tmp_path):
   path = tmp_path / 'sft.jsonl'
   path.write_bytes(_jsonl([{'prompt': 'Q: 2+2?', 'completion': ' 4'}, {'text': 'xy'},
                            {'prompt': 'Hi', 'completion': '!'}]))
-  tokens, mask = evaluate_lib.read_eval_data(str(path), ByteTokenizer())
+  tokens, mask, _ = evaluate_lib.read_eval_data(str(path), ByteTokenizer())
   np.testing.assert_array_equal(tokens, _stream(['Q: 2+2? 4', 'xy', 'Hi!']))
   np.testing.assert_array_equal(mask, [0] * 7 + [1, 1, 1] + [1, 1, 1] + [0, 0, 1, 1])
   # Only the marked targets are scored (and a window's first token is context, never a target).
   chosen = evaluate_lib.windows(tokens.size, 6, 6)
-  _, scored = evaluate_lib.batch_windows(tokens, chosen[:2], 6, 2, mask)
+  _, scored, _ = evaluate_lib.batch_windows(tokens, chosen[:2], 6, 2, mask)
   np.testing.assert_array_equal(scored[0], mask[1:7])
   np.testing.assert_array_equal(scored[1], mask[7:13])
 

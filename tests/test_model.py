@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from megatrain_jax import data as data_lib
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax.engine import resident
@@ -214,6 +215,43 @@ def test_document_mask_gradients_equal_each_document_alone(params, chunk):
   assert max(jax.tree.leaves(errors)) <= 1e-5, errors
   unmasked, _ = value_and_grad(alone_cfg, params, inputs, targets)
   assert abs(float(unmasked) - float(packed)) > 1e-2
+
+
+@pytest.mark.parametrize('chunk', [0, 4], ids=['whole-attention', 'query-blocks'])
+def test_documents_the_data_marks_equal_each_document_alone(params, chunk):
+  """Given where documents begin (data.Batch.starts: as the prepared data records them), the
+  model keeps those documents apart whatever ids they hold: a row whose documents hold the EOS id
+  inside them (a chat template that ends every turn with it) has the loss and the gradients of
+  its documents run alone; found by that id, the documents would be cut at it."""
+  cfg = CFG.replace(document_eos_id=0, attention_chunk=chunk)
+  alone_cfg = cfg.replace(document_eos_id=-1)
+  rng = np.random.default_rng(6)
+  lengths = (5, 7, 5)
+  row = rng.integers(1, CFG.vocab_size, sum(lengths)).astype(np.int32)
+  row[1::3] = 0  # EOS ids inside the documents
+  bounds = np.cumsum((0,) + lengths)
+  starts = np.zeros(row.size, np.uint8)
+  starts[bounds[1:-1]] = 1
+  weights = jnp.asarray(data_lib.unlearn_starts(starts[None], None), jnp.float32)  # Σ w·nll
+
+  def loss(cfg, params, tokens, weights, starts):
+    return model_lib.loss_fn(cfg, params, jnp.asarray(tokens), weights, starts)
+
+  value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)
+  marked, marked_grads = value_and_grad(cfg, params, row[None], weights, jnp.asarray(starts[None]))
+  parts = [value_and_grad(alone_cfg, params, row[None, a:b], jnp.ones((1, b - a - 1)), None)
+           for a, b in zip(bounds[:-1], bounds[1:])]
+  np.testing.assert_allclose(marked, sum(v for v, _ in parts), rtol=1e-6)
+  summed = jax.tree.map(lambda *g: sum(g), *[g for _, g in parts])
+  errors = jax.tree.map(lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)),
+                        marked_grads, summed)
+  assert max(jax.tree.leaves(errors)) <= 1e-5, errors
+  by_id, _ = value_and_grad(cfg, params, row[None], weights, None)  # documents cut at every 0
+  assert abs(float(by_id) - float(marked)) > 1e-2
+  # The positions restart where the marks say, as document_positions numbers them.
+  positions = model_lib.token_positions(cfg, jnp.asarray(row[None]), jnp.asarray(starts[None]))
+  np.testing.assert_array_equal(positions.ids[0], np.concatenate([np.arange(n) for n in lengths]))
+  np.testing.assert_array_equal(positions.segments[0], np.repeat(np.arange(3), lengths))
 
 
 @pytest.mark.parametrize('extra', [dict(), dict(sliding_window=5, qk_norm=True),

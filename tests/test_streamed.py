@@ -9,7 +9,9 @@ import jax
 import numpy as np
 import pytest
 
+from megatrain_jax import data as data_lib
 from megatrain_jax import partition, train
+from megatrain_jax.data import Batch
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError
@@ -273,6 +275,37 @@ def test_document_mask_streamed_matches_resident(placement):
   # The mask changes the numbers (the same batches without it).
   plain = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, initial_state()))
   assert abs(float(plain.train_step(data[0])['learning/loss']) - want[0]) > 1e-3
+
+
+@pytest.mark.parametrize('placement', [
+    dict(layers_per_group=1, park_grads='device'),
+    dict(layers_per_group=2, keep_layer_inputs=True, optimizer_on='host', activations='host'),
+], ids=['K=1', 'K=2-layer-inputs-host-optimizer'])
+def test_documents_the_batch_marks_streamed_match_resident(placement):
+  """data.Batch.starts (documents as the prepared data records them): the streamed engine keeps
+  the documents they mark apart in the forward, the backward and evaluation, as the resident
+  step does; they decide, not the EOS ids the tokens hold (found by those, other numbers)."""
+  tx, schedule, clip = make_tx(1.0)
+  rng = np.random.default_rng(5)
+  data = []
+  for tokens in with_documents(batches(2), seed=11):
+    starts = (rng.random(tokens.shape) < 0.15).astype(np.uint8)
+    data.append(Batch(tokens, data_lib.unlearn_starts(starts, None), starts))
+  res = resident.ResidentEngine(DOCUMENTS_CFG, tx, schedule, clip,
+                                jax.tree.map(np.copy, initial_state()))
+  streamed = StreamedEngine(DOCUMENTS_CFG, tx, schedule, clip,
+                            Placement(params='host', opt_state='host', **placement),
+                            jax.tree.map(np.copy, initial_state()))
+  evals = [Batch(*(a[m] for a in b)) for b in data[:2] for m in range(2)]
+  np.testing.assert_allclose(streamed.eval_losses(evals), res.eval_losses(evals), rtol=1e-6)
+  want = [float(res.train_step(b)['learning/loss']) for b in data]
+  got = [float(streamed.train_step(b)['learning/loss']) for b in data]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert_states_match(streamed.export_state(), jax.tree.map(np.asarray, res.export_state()))
+  by_id = resident.ResidentEngine(DOCUMENTS_CFG, tx, schedule, clip,
+                                  jax.tree.map(np.copy, initial_state()))
+  first = Batch(data[0].tokens, data[0].loss_mask)  # no starts: documents end at each EOS id
+  assert abs(float(by_id.train_step(first)['learning/loss']) - want[0]) > 1e-3
 
 
 @pytest.mark.parametrize('placement', [

@@ -18,8 +18,8 @@ from megatrain_jax.data.formats import read_prompts
 from megatrain_jax.data.generation import sampling_defaults, stop_ids
 from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, batch_scalars,
                                        check_document_ends, eval_batches, load_split,
-                                       open_tokens, unlearn_document_starts)
-from megatrain_jax.data.pipeline import (check_data_config, check_first_documents, data_format,
+                                       open_tokens, unlearn_document_starts, unlearn_starts)
+from megatrain_jax.data.pipeline import (check_data_config, data_format,
                                          load_data, prepare_summary, row_packing)
 from megatrain_jax.data.prepare import DatasetInfo, prepare_dataset, read_dataset_info
 from megatrain_jax.data.shards import TokenStream
@@ -36,7 +36,6 @@ __all__ = [
     'Tokenizer',
     'check_data_config',
     'check_document_ends',
-    'check_first_documents',
     'data_format',
     'default_corpus_text',
     'document_format',
@@ -47,6 +46,7 @@ __all__ = [
     'MixtureSplit',
     'open_tokens',
     'unlearn_document_starts',
+    'unlearn_starts',
     'prepare_dataset',
     'prepare_summary',
     'prompt_ids',

@@ -530,13 +530,16 @@ def prompt_ids(prompt: str | list | dict, tokenizer: Tokenizer, fmt: DocumentFor
 
 
 def encode_documents(documents: Sequence[Parts], tokenizer: Tokenizer, fmt: DocumentFormat,
-                     dtype: np.dtype) -> tuple[np.ndarray, np.ndarray | None]:
-  """Tokens of the documents, each as [BOS] parts EOS, and their loss mask (None when every
-  token is learned, as for plain text)."""
+                     dtype: np.dtype) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+  """Tokens of the documents, each as [BOS] parts EOS, their loss mask (None when every token
+  is learned, as for plain text) and where each document ends ([n] int64 offsets just past its
+  EOS): the documents as they were, whatever ids they hold (a chat template may end every turn
+  with the EOS)."""
   texts = [text for parts in documents for text, _ in parts]
   ids = encode_batch(tokenizer, texts)
   prefix = [] if fmt.bos is None else [fmt.bos]
   flat: list[int] = []
+  ends: list[int] = []
   learned_flags = []
   masked = any(not learned for parts in documents for _, learned in parts)
   k = 0
@@ -550,16 +553,18 @@ def encode_documents(documents: Sequence[Parts], tokenizer: Tokenizer, fmt: Docu
         learned_flags.append((len(ids[k]), int(learned)))
       k += 1
     flat.append(fmt.eos)
+    ends.append(len(flat))
     if masked:
       learned_flags.append((1, 1))
   tokens = np.array(flat, dtype=dtype)
+  ends = np.array(ends, dtype=np.int64)
   if not masked:
-    return tokens, None
+    return tokens, None, ends
   counts, values = zip(*learned_flags) if learned_flags else ((), ())
   mask = np.repeat(np.array(values, dtype=np.uint8), np.array(counts, dtype=np.int64))
   if mask.all():
-    return tokens, None
-  return tokens, mask
+    return tokens, None, ends
+  return tokens, mask, ends
 
 
 def check_ids(tokens: np.ndarray, tokenizer: Tokenizer) -> None:

@@ -296,41 +296,6 @@ def _jsonl_documents(task: JsonlTask, fmt: DocumentFormat, bad: list) -> list:
   return docs
 
 
-def first_documents(path: Path, fmt: DocumentFormat, count: int = 8) -> list:
-  """The parts of the first `count` records of a record file, JSONL(.zst/.gz), Parquet or Arrow
-  (bad ones left out): what a check can look at before the prepare step reads the whole file.
-  A damaged or unreadable file gives [] (the prepare step names the damage)."""
-  if source_format(path) == JSONL:
-    with open(path, 'rb') as raw:
-      stream = open_decompressed(path, raw)
-      try:
-        head = b''.join(stream.readline() for _ in range(count))
-      except _STREAM_ERRORS:
-        return []
-    return _jsonl_documents(JsonlTask(str(path), 1, head), fmt, [])
-  docs = []
-  try:
-    columns, batches = _record_batches(path, fmt, count)
-    for batch in batches:  # until `count` records (a file may hold batches of a few rows)
-      _batch_documents(batch, columns, str(path), 0, fmt, docs, [])
-      if len(docs) >= count:
-        break
-  except (ConfigError, OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
-    return []
-  return docs[:count]
-
-
-def _record_batches(path: Path, fmt: DocumentFormat, count: int) -> tuple:
-  """(the record columns, an iterator of the record batches) of a Parquet (batches of at most
-  `count` rows) or Arrow file."""
-  if source_format(path) == PARQUET:
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top  (only Parquet needs it)
-    columns = parquet_columns(path, fmt, 'data.path')
-    return columns, pq.ParquetFile(path).iter_batches(batch_size=count, columns=columns)
-  schema, batches = _arrow_batches(path, 'data.path')
-  return _record_columns(schema.names, path, fmt, 'data.path'), batches
-
-
 # --- Parquet -----------------------------------------------------------------------------------
 
 
@@ -489,6 +454,7 @@ def record_tasks(path: Path, fmt: DocumentFormat, field: str) -> Iterator[tuple[
 class TaskResult:
   tokens: np.ndarray
   mask: np.ndarray | None  # None: every token is learned
+  ends: np.ndarray | None  # [documents] int64: where each document ends in `tokens`; None: text
   documents: int
   skipped: int
   bad: list[str]  # the first few bad records, 'file:line: why'
@@ -507,7 +473,9 @@ def run_task(task: Any, tokenizer: Tokenizer, fmt: DocumentFormat | None,
           [fmt.eos] if task.last else [])
     tokens = np.asarray(ids, dtype=np.int64).astype(dtype)
     documents.check_ids(tokens, tokenizer)
-    return TaskResult(tokens, None, int(document and task.last), 0, [], len(task.text))
+    ends = np.array([len(tokens)] if document and task.last else [], np.int64)
+    return TaskResult(tokens, None, ends if document else None, int(document and task.last), 0,
+                      [], len(task.text))
   bad: list[str] = []
   if isinstance(task, JsonlTask):
     docs, size = _jsonl_documents(task, fmt, bad), len(task.data)
@@ -515,9 +483,9 @@ def run_task(task: Any, tokenizer: Tokenizer, fmt: DocumentFormat | None,
     docs = (_parquet_documents(task, fmt, bad) if isinstance(task, ParquetTask) else
             _arrow_documents(task, fmt, bad))
     size = sum(len(text) for parts in docs for text, _ in parts)
-  tokens, mask = documents.encode_documents(docs, tokenizer, fmt, dtype)
+  tokens, mask, ends = documents.encode_documents(docs, tokenizer, fmt, dtype)
   documents.check_ids(tokens, tokenizer)
-  return TaskResult(tokens, mask, len(docs), len(bad), bad[:MAX_BAD_QUOTED], size)
+  return TaskResult(tokens, mask, ends, len(docs), len(bad), bad[:MAX_BAD_QUOTED], size)
 
 
 # --- validation before anything is written ----------------------------------------------------

@@ -46,8 +46,8 @@ def read_generation_config(tokenizer: Tokenizer) -> tuple[dict[str, Any], Path |
 
 def stop_ids(tokenizer: Tokenizer, fmt: DocumentFormat) -> tuple[int, ...]:
   """The ids that end a generated text: the data's EOS, the tokenizer's own (an instruct
-  tokenizer's turn end, where the run's data.eos_token ends its documents instead:
-  data/loader.eos_inside_documents) and generation_config.json's `eos_token_id` (an id or a
+  tokenizer's turn end, where the run's data.eos_token ends its documents instead) and
+  generation_config.json's `eos_token_id` (an id or a
   list), as transformers' `generate` stops.
 
   Raises:

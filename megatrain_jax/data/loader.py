@@ -29,9 +29,30 @@ class Batch(NamedTuple):
     loss_mask: uint8 [..., seq_len], aligned to the targets `tokens[..., 1:]`: loss_mask[..., j]
       is 1 when target tokens[..., j + 1] is learned, 0 when it is not (a prompt or a
       non-assistant turn).
+    starts: With model.document_mask, uint8 [..., seq_len + 1], aligned to `tokens`: 1 where a
+      document begins (never at 0): the model keeps each document to itself by them
+      (model.token_positions). None: the model finds documents by their EOS itself, or there is
+      no document mask.
   """
   tokens: np.ndarray
   loss_mask: np.ndarray
+  starts: np.ndarray | None = None
+
+
+def eos_starts(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+  """Batch.starts of tokens [..., S + 1] whose documents each end with `eos_id`: 1 at each
+  token after an EOS."""
+  starts = np.zeros(tokens.shape, np.uint8)
+  starts[..., 1:] = tokens[..., :-1] == eos_id
+  return starts
+
+
+def unlearn_starts(starts: np.ndarray, target_mask: np.ndarray | None) -> np.ndarray:
+  """target_mask [..., S] (None: every target learned) with 0 at each target that begins a
+  document (Batch.starts [..., S + 1]): under model.document_mask a document sees only itself,
+  so the next one's first token is not its to predict."""
+  keep = 1 - starts[..., 1:]
+  return keep if target_mask is None else (target_mask * keep).astype(np.uint8)
 
 
 def unlearn_document_starts(tokens: np.ndarray, target_mask: np.ndarray | None,
@@ -41,8 +62,7 @@ def unlearn_document_starts(tokens: np.ndarray, target_mask: np.ndarray | None,
   document, so the next document's first token is not its to predict (as transformers'
   DataCollatorWithFlattening and MaxText's packed targets leave it out). E.g. eos 0, tokens
   [5 0 7 8] -> mask [1 0 1]; the EOS itself stays a target."""
-  keep = (tokens[..., :-1] != eos_id).astype(np.uint8)
-  return keep if target_mask is None else (target_mask * keep).astype(np.uint8)
+  return unlearn_starts(eos_starts(tokens, eos_id), target_mask)
 
 
 def open_tokens(path: str | Path) -> np.ndarray:
@@ -52,13 +72,14 @@ def open_tokens(path: str | Path) -> np.ndarray:
   return memmap(path, read_dataset_info(path.parent).dtype)
 
 
-def _segments_stream(segments, dtype: str) -> np.ndarray | TokenStream:
-  """One segment without a mask as a plain read-only memmap (slicing views the file); anything
-  else as a TokenStream."""
-  if len(segments) == 1 and segments[0][1] is None:
+def _segments_stream(segments, dtype: str,
+                     document_ends: bool = False) -> np.ndarray | TokenStream:
+  """One segment without a mask or document ends as a plain read-only memmap (slicing views
+  the file); anything else as a TokenStream."""
+  if len(segments) == 1 and segments[0][1] is None and not document_ends:
     file, _, start, count = segments[0]
     return memmap(Path(file), dtype)[start:start + count]
-  return TokenStream(segments, dtype)
+  return TokenStream(segments, dtype, document_ends)
 
 
 def load_split(info_or_dir: DatasetInfo | str | Path, split: str):
@@ -69,10 +90,11 @@ def load_split(info_or_dir: DatasetInfo | str | Path, split: str):
     split: 'train' or 'val'.
 
   Returns:
-    A read-only 1-D memmap when the split is one shard without a loss mask (as before shards
-    existed); a TokenStream (1-D array-like over the shards, with `.mask`) for several shards or
-    a mask; for the training split of a mixture, a MixtureSplit. BatchSampler and eval_batches
-    accept all three.
+    A read-only 1-D memmap when the split is one shard without a loss mask or recorded
+    document ends (as before shards existed); a TokenStream (1-D array-like over the shards,
+    with `.mask` and `.document_ends()`) for several shards, a mask or document ends; for the
+    training split of a mixture, a MixtureSplit. BatchSampler and eval_batches accept all
+    three.
   """
   if split not in SPLITS:
     raise ValueError(f'split must be one of {SPLITS}, got {split!r}')
@@ -81,7 +103,7 @@ def load_split(info_or_dir: DatasetInfo | str | Path, split: str):
   if info.mixture and split == 'train':
     return MixtureSplit(tuple(w for w, _ in info.mixture),
                         tuple(load_split(source, 'train') for _, source in info.mixture))
-  return _segments_stream(info.splits[split], info.dtype)
+  return _segments_stream(info.splits[split], info.dtype, info.document_ends)
 
 
 class MixtureSplit(NamedTuple):
@@ -126,18 +148,20 @@ _SCAN_TOKENS = 1 << 26
 
 
 def check_document_ends(info: DatasetInfo, eos: int, eos_text: str, uses: str) -> None:
-  """Refuses data whose EOS also occurs inside its documents, where `uses` (model.document_mask,
-  data.pack) finds the documents by that id: a chat template that ends every turn with it (Qwen2.5
-  Instruct's '<|im_end|>', Llama 3 Instruct's '<|eot_id|>', Mistral Instruct's '</s>') would have
-  each conversation cut at its turns, an answer no longer seeing its question. Counts the EOS ids
-  of each prepared directory (a scan of its token files) against the documents it holds.
+  """Refuses data prepared without the ends of its documents (an older version's prepare step)
+  whose EOS also occurs inside its documents, where `uses` (model.document_mask, data.pack) would
+  find the documents by that id: a chat template that ends every turn with it (Qwen2.5
+  Instruct's '<|im_end|>', Llama 3 Instruct's '<|eot_id|>', Mistral Instruct's '</s>') would
+  have each conversation cut at its turns, an answer no longer seeing its question. Counts the
+  EOS ids of each such prepared directory (a scan of its token files) against the documents it
+  holds. Data that records its documents' ends (DatasetInfo.document_ends) is not looked at.
 
   Raises:
     ConfigError: (naming data.eos_token and `uses`) more EOS ids than documents.
   """
   for part in [part for _, part in info.mixture] or [info]:
     documents = part.stats.get('documents') or 0
-    if not documents:  # plain text streams: no documents, nothing to cut
+    if not documents or part.document_ends:  # nothing to cut, or cut where the records end
       continue
     count = 0
     for split in SPLITS:
@@ -145,21 +169,17 @@ def check_document_ends(info: DatasetInfo, eos: int, eos_text: str, uses: str) -
       for start in range(0, len(tokens), _SCAN_TOKENS):
         count += int(np.count_nonzero(tokens[start:start + _SCAN_TOKENS] == eos))
     if count > documents:
-      raise eos_inside_documents(eos, eos_text, f'ends each document of {part.dir} and also '
-                                 f'occurs inside them ({count:,} of it in {documents:,} '
-                                 'documents', uses)
-
-
-def eos_inside_documents(eos: int, eos_text: str, where: str, uses: str) -> ConfigError:
-  """The error of an EOS found inside documents (`check_document_ends`, or a first record's
-  tokens before the prepare step), `where` saying where."""
-  return ConfigError(
-      f'data.eos_token: {eos_text!r} (id {eos}) {where}: a chat template that ends every turn '
-      f'with it). {uses} {"find" if " and " in uses else "finds"} documents by that id, so each '
-      'conversation would be cut at its turns, an answer apart from its question. Set '
-      "data.eos_token to a token the documents do not hold (Qwen: '<|endoftext|>', Llama 3: "
-      "'<|end_of_text|>'), or turn off what finds documents (model.document_mask=false, "
-      "data.pack='stream').")
+      raise ConfigError(
+          f'data.eos_token: {eos_text!r} (id {eos}) ends each document of {part.dir} and also '
+          f'occurs inside them ({count:,} of it in {documents:,} documents: a chat template '
+          'that ends every turn with it), and that directory was prepared without recording '
+          f'where its documents end (an older version). {uses} '
+          f'{"find" if " and " in uses else "finds"} its documents by that id, so each '
+          'conversation would be cut at its turns, an answer apart from its question. Prepare '
+          f'it again (delete {part.dir}: this version records where each document ends), or '
+          "set data.eos_token to a token the documents do not hold (Qwen: '<|endoftext|>', "
+          "Llama 3: '<|end_of_text|>'), or turn off what finds documents "
+          "(model.document_mask=false, data.pack='stream').")
 
 
 class _Windows:
@@ -211,19 +231,44 @@ class _Windows:
       return windows * self.window
     return self._rows.starts[self._rows.offsets[windows]]
 
-  def gather(self, windows: np.ndarray, with_mask: bool):
-    """(tokens [n, window] int32, mask [n, window - 1] uint8 of the targets, or None)."""
+  def gather(self, windows: np.ndarray, with_mask: bool, document_eos: int = -1):
+    """(tokens [n, window] int32, mask [n, window - 1] uint8 of the targets or None, and with
+    `document_eos` >= 0 (model.document_mask) Batch.starts [n, window] uint8, else None): where
+    documents begin as the stream records them, else after each `document_eos`."""
+    ends = self.tokens.document_ends() if getattr(self.tokens, 'has_document_ends', False) else None
     if self._rows is not None:
-      return packing.gather_rows(self.tokens, self._rows, windows, self.window,
-                                 self._packing.eos, self.tokens.mask if self.stored_mask else None)
-    index = self.starts(windows)[:, None] + np.arange(self.window)
+      tokens, mask = packing.gather_rows(self.tokens, self._rows, windows, self.window,
+                                         self._packing.eos,
+                                         self.tokens.mask if self.stored_mask else None)
+      if document_eos < 0:
+        return tokens, mask, None
+      return tokens, mask, (eos_starts(tokens, document_eos) if ends is None else
+                            packing.row_starts(self._rows, windows, self.window, ends))
+    first = self.starts(windows)
+    index = first[:, None] + np.arange(self.window)
     # np.array (not asarray) so the result is a plain in-memory ndarray, not a memmap view.
     tokens = np.array(self.tokens[index], dtype=np.int32)
+    starts = None
+    if document_eos >= 0:
+      starts = (eos_starts(tokens, document_eos) if ends is None else
+                window_starts(ends, first, self.window))
     if not with_mask:
-      return tokens, None
+      return tokens, None, starts
     if not self.stored_mask:
-      return tokens, np.ones((len(windows), self.window - 1), dtype=np.uint8)
-    return tokens, self.tokens.mask(index[:, 1:])
+      return tokens, np.ones((len(windows), self.window - 1), dtype=np.uint8), starts
+    return tokens, self.tokens.mask(index[:, 1:]), starts
+
+
+def window_starts(ends: np.ndarray, first: np.ndarray, window: int) -> np.ndarray:
+  """Batch.starts [n, window] of the stream windows beginning at offsets `first` [n], of a
+  stream whose documents end at `ends` (TokenStream.document_ends): 1 at each offset inside a
+  window (not its first) where a document ends and so the next begins."""
+  starts = np.zeros((len(first), window), np.uint8)
+  lo = np.searchsorted(ends, first, side='right')  # the first end past each window's start
+  hi = np.searchsorted(ends, first + window, side='left')  # ... and inside it
+  for row, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
+    starts[row, ends[a:b] - first[row]] = 1
+  return starts
 
 
 class BatchSampler:
@@ -253,8 +298,9 @@ class BatchSampler:
       microbatches: Microbatches per step (gradient accumulation).
       seed: Shuffle seed, >= 0.
       document_eos: With model.document_mask, the EOS id that ends every document (-1: none):
-        batches then carry a loss mask without the targets that follow an EOS
-        (`unlearn_document_starts`).
+        batches then carry where documents begin (Batch.starts: as the stream records them,
+        TokenStream.document_ends, else after each EOS) and a loss mask without the targets
+        that begin one (`unlearn_starts`).
       row_packing: With data.pack = 'documents' or 'best_fit' (None: windows of the stream):
         samples are rows of whole documents, padded with its EOS (packing.py); a loss mask
         always.
@@ -327,40 +373,45 @@ class BatchSampler:
       Without a loss mask (`has_mask` False): int32 array [microbatches, batch_size,
       seq_len + 1]; `[..., :-1]` are the inputs and `[..., 1:]` the targets. With one: a Batch
       (tokens as above, loss_mask uint8 [microbatches, batch_size, seq_len] aligned to the
-      targets).
+      targets; with `document_eos`, starts uint8 [microbatches, batch_size, seq_len + 1]).
     """
-    tokens, mask = self._samples(position, self.samples_per_step)
+    tokens, mask, starts = self._samples(position, self.samples_per_step)
     shape = (self._microbatches, self._batch_size)
     tokens = tokens.reshape(*shape, self._seq_len + 1)
     if mask is None:
       return tokens
-    return Batch(tokens, mask.reshape(*shape, self._seq_len))
+    return Batch(tokens, mask.reshape(*shape, self._seq_len),
+                 None if starts is None else starts.reshape(tokens.shape))
 
   def digest(self, position: int, count: int = 4) -> str:
     """A hash of samples `position .. position + count - 1` (tokens and loss mask), whatever
     the batch shape: a checkpoint records the next one, and a resume whose data gives another
     is told that its batches are no longer those of an uninterrupted run."""
-    tokens, mask = self._samples(position, count)
+    tokens, mask, _ = self._samples(position, count)  # the mask holds what starts changes
     digest = hashlib.blake2b(tokens.tobytes(), digest_size=8)
     if mask is not None:
       digest.update(mask.tobytes())
     return digest.hexdigest()
 
-  def _samples(self, position: int, count: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """(tokens [count, seq_len + 1] int32, loss mask [count, seq_len] uint8 or None) of samples
-    `position ..`."""
+  def _samples(self, position: int, count: int) -> tuple:
+    """(tokens [count, seq_len + 1] int32, loss mask [count, seq_len] uint8 or None, Batch.starts
+    [count, seq_len + 1] uint8 or None) of samples `position ..`."""
     sources, windows = self._locate(position, count)
     window = self._seq_len + 1
     tokens = np.empty((len(windows), window), dtype=np.int32)
     mask = np.empty((len(windows), window - 1), dtype=np.uint8) if self.has_mask else None
+    starts = np.empty_like(tokens, np.uint8) if self._document_eos >= 0 else None
     for source in np.unique(sources):
       sel = sources == source
-      tokens[sel], source_mask = self._streams[int(source)].gather(windows[sel], self.has_mask)
+      tokens[sel], source_mask, source_starts = self._streams[int(source)].gather(
+          windows[sel], self.has_mask, self._document_eos)
       if mask is not None:
         mask[sel] = source_mask
-    if mask is not None and self._document_eos >= 0:
-      mask = unlearn_document_starts(tokens, mask, self._document_eos)
-    return tokens, mask
+      if starts is not None:
+        starts[sel] = source_starts
+    if starts is not None:
+      mask = unlearn_starts(starts, mask)
+    return tokens, mask, starts
 
 
 def batch_scalars(batch, position: int, samples_per_epoch: int) -> dict:
@@ -401,52 +452,27 @@ def eval_batches(tokens, *, seq_len: int, batch_size: int, num_batches: int,
   window = seq_len + 1
   if len(tokens) < window:
     raise _val_too_short(len(tokens), seq_len)
-  has_mask = bool(getattr(tokens, 'has_mask', False))
-  if row_packing is not None:
-    return _packed_eval_batches(tokens, seq_len, batch_size, num_batches, document_eos,
-                                row_packing, has_mask)
-  windows = len(tokens) // window
+  split = _Windows(tokens, seq_len, 0, None, row_packing)  # its windows, or rows, in order
+  with_mask = split.has_mask or document_eos >= 0
   out = []
-  for i in range(min(num_batches, max(windows // batch_size, 1))):
-    rows = min(batch_size, windows - i * batch_size)
-    span = slice(i * batch_size * window, (i * batch_size + rows) * window)
-    batch = np.array(tokens[span], dtype=np.int32).reshape(rows, window)
-    mask = None
-    if has_mask:
-      mask = np.ascontiguousarray(tokens.mask(span).reshape(rows, window)[:, 1:])
-    if document_eos >= 0:
-      mask = unlearn_document_starts(batch, mask, document_eos)
-    if rows < batch_size:
-      out.append(_padded(batch, mask, batch_size))
+  for i in range(min(num_batches, max(split.n_windows // batch_size, 1))):
+    taken = np.arange(i * batch_size, min((i + 1) * batch_size, split.n_windows))
+    batch, mask, starts = split.gather(taken, split.has_mask, document_eos)
+    if starts is not None:
+      mask = unlearn_starts(starts, mask)
+    if taken.size < batch_size:
+      out.append(_padded(batch, mask, batch_size, starts))
     else:
-      out.append(batch if mask is None else Batch(batch, mask))
+      out.append(Batch(batch, mask, starts) if with_mask else batch)
   return out
 
 
-def _padded(batch, mask, batch_size: int) -> Batch:
-  """The rows there are, batch [R, S+1] and mask [R, S] (None: every target counts), filled up
-  to batch_size rows of zeros whose targets do not count: the eval step's shape, and the loss
-  (a masked mean, weighted by learned targets across batches) that of the R rows alone."""
+def _padded(batch, mask, batch_size: int, starts=None) -> Batch:
+  """The rows there are, batch [R, S+1] and mask [R, S] (None: every target counts; and starts
+  [R, S+1] or None), filled up to batch_size rows of zeros whose targets do not count: the eval
+  step's shape, and the loss (a masked mean, weighted by learned targets across batches) that of
+  the R rows alone."""
   pad = batch_size - batch.shape[0]
   mask = np.ones((batch.shape[0], batch.shape[1] - 1), np.uint8) if mask is None else mask
-  return Batch(np.concatenate([batch, np.zeros((pad, batch.shape[1]), batch.dtype)]),
-               np.concatenate([mask, np.zeros((pad, mask.shape[1]), mask.dtype)]))
-
-
-def _packed_eval_batches(tokens, seq_len: int, batch_size: int, num_batches: int,
-                         document_eos: int, row_packing: packing.RowPacking,
-                         has_mask: bool) -> list:
-  """eval_batches of the split's rows of whole documents, in order (full batches only, or the
-  rows there are, `_padded`, when they do not fill one)."""
-  window = seq_len + 1
-  rows = row_packing.rows(tokens, window)
-  out = []
-  for i in range(min(num_batches, max(len(rows) // batch_size, 1))):
-    taken = np.arange(i * batch_size, min((i + 1) * batch_size, len(rows)))
-    batch, mask = packing.gather_rows(tokens, rows, taken, window, row_packing.eos,
-                                      tokens.mask if has_mask else None)
-    if document_eos >= 0:
-      mask = unlearn_document_starts(batch, mask, document_eos)
-    out.append(Batch(batch, mask) if taken.size == batch_size else
-               _padded(batch, mask, batch_size))
-  return out
+  zeros = lambda a: np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)])
+  return Batch(zeros(batch), zeros(mask), None if starts is None else zeros(starts))

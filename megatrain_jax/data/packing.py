@@ -16,9 +16,10 @@ not learned:
 
 A document longer than a row is cut into row-sized pieces from its start, each a row of its own;
 its remainder is then packed like a document (the only rows that start inside a document).
-Documents are the spans the prepared stream ends with EOS (data/documents.py); a trailing span
-without one is the last document (last in its row too, so the document mask never joins it to
-another).
+Documents are those the prepared stream records (TokenStream.document_ends: the records'
+ends), or in a stream without them the spans it ends with EOS (data/documents.py); a trailing
+span without an end is the last document (last in its row too, so the document mask never joins
+it to another). With the document mask, `row_starts` marks where a row's documents begin.
 
 The rows are found once per stream, scanning the token ids for EOS a block at a time (a memmap
 or the shards of a TokenStream: bounded memory), and kept as Rows: each span's start in the
@@ -69,8 +70,10 @@ class RowPacking:
   eos: int
 
   def rows(self, tokens, window: int) -> Rows:
-    """The rows of at most `window` tokens of stream `tokens` (module docstring)."""
-    ends = document_ends(tokens, self.eos)
+    """The rows of at most `window` tokens of stream `tokens` (module docstring): its documents
+    as it records them (TokenStream.document_ends), else as the EOS ends them."""
+    ends = (tokens.document_ends() if getattr(tokens, 'has_document_ends', False) else
+            document_ends(tokens, self.eos))
     if self.strategy == 'documents':
       return _stream_order_rows(ends, window)
     if self.strategy == 'best_fit':
@@ -251,3 +254,23 @@ def gather_rows(tokens, rows: Rows, ids: np.ndarray, window: int, pad: int,
       positions = np.concatenate([np.arange(start, start + length) for start, length in spans])
       mask[i, :at - 1] = stored_mask(positions[1:])
   return out, mask
+
+
+def row_starts(rows: Rows, ids: np.ndarray, window: int, ends: np.ndarray) -> np.ndarray:
+  """Batch.starts [n, window] uint8 of rows `ids` (as gather_rows lays them out) of a stream
+  whose documents end at `ends` (TokenStream.document_ends): 1 where each span after a row's
+  first begins (a span is a document, the rest of a long one, or for 'documents' a run of
+  them), where a document ends inside a span and so the next begins, and where the padding
+  begins."""
+  starts = np.zeros((len(ids), window), np.uint8)
+  for i, row in enumerate(np.asarray(ids).tolist()):
+    at = 0
+    for start, length in rows.spans(row):
+      inside = ends[np.searchsorted(ends, start, 'right'):
+                    np.searchsorted(ends, start + length, 'left')]
+      starts[i, at + inside - start] = 1
+      starts[i, at] = at > 0
+      at += length
+    if 0 < at < window:
+      starts[i, at] = 1
+  return starts

@@ -21,13 +21,10 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from megatrain_jax.data import formats, packing
 from megatrain_jax.data.corpus import default_corpus_text
-from megatrain_jax.data.documents import (DocumentFormat, document_format, encode_documents,
-                                          read_chat_template)
-from megatrain_jax.data.loader import check_split_sizes, eos_inside_documents
+from megatrain_jax.data.documents import DocumentFormat, document_format, read_chat_template
+from megatrain_jax.data.loader import check_split_sizes
 from megatrain_jax.data.mixture import block_counts, parse_mixture
 from megatrain_jax.data.prepare import (DEFAULT_SHARD_TOKENS, META_FILE, DatasetInfo,
                                         check_shard_tokens, check_sources, check_val_fraction,
@@ -109,31 +106,6 @@ def data_format(data_config: Any, tokenizer: Tokenizer) -> DocumentFormat:
 
 # data.pack: rows as windows of the stream, or of whole documents (packing.py).
 PACKINGS = ('stream',) + packing.STRATEGIES
-
-
-def check_first_documents(data_config: Any, tokenizer: Tokenizer, uses: str) -> None:
-  """Before the prepare step: refuses record data whose first records hold the EOS inside them,
-  where `uses` (model.document_mask, data.pack) finds documents by that id (a chat template
-  ending every turn with it; loader.check_document_ends counts the whole prepared data after).
-  Looks at the first 8 records of the first record file (JSONL, Parquet or Arrow) of data.path
-  and data.val_path.
-
-  Raises:
-    ConfigError: (naming data.eos_token and `uses`) such records.
-  """
-  fmt = data_format(data_config, tokenizer)
-  for key in ('path', 'val_path'):
-    source = _field(data_config, key)
-    files = formats.expand_sources([source], f'data.{key}') if source else []
-    path = next((f for f in files if formats.source_format(f) != formats.TEXT), None)
-    if path is None:
-      continue
-    docs = formats.first_documents(path, fmt)
-    tokens, _ = encode_documents(docs, tokenizer, fmt, np.dtype(np.int64))  # as prepare stores
-    inside = int(np.count_nonzero(tokens == fmt.eos)) - len(docs)  # beyond one EOS per document
-    if inside:
-      raise eos_inside_documents(fmt.eos, fmt.eos_text, f'occurs inside the documents of {path} '
-                                 f'(its first {len(docs)} records hold {inside} of it', uses)
 
 
 def row_packing(data_config: Any, tokenizer: Tokenizer) -> packing.RowPacking | None:
@@ -291,15 +263,18 @@ def _load_mixture(data_config: Any, tokenizer: Tokenizer, cache_dir: Path,
     val = _prepare(data_config, tokenizer, cache_dir / 'mixture-val', [val_path], [], None,
                    progress)
     val_segments, val_tokens = val.splits['train'], val.train_tokens
+    val_ends = val.document_ends
   else:
     val_segments = tuple(seg for _, info in parts for seg in info.splits['val'])
     val_tokens = sum(info.val_tokens for _, info in parts)
+    val_ends = all(info.document_ends for _, info in parts)
   first = parts[0][1]
   return DatasetInfo(
       dir=cache_dir.expanduser().resolve(), dtype=first.dtype, vocab_size=first.vocab_size,
       train_tokens=sum(info.train_tokens for _, info in parts), val_tokens=val_tokens,
       tokenizer=first.tokenizer, splits={'train': (), 'val': val_segments},
-      has_mask=any(info.has_mask for _, info in parts), mixture=tuple(parts),
+      has_mask=any(info.has_mask for _, info in parts), document_ends=val_ends,
+      mixture=tuple(parts),
       stats=_sum_stats([info.stats for _, info in parts]))
 
 

@@ -57,7 +57,8 @@ DEFAULT_SHARD_TOKENS = 1 << 27
 # Inputs below this many bytes are tokenized in this process: starting workers costs more.
 _POOL_MIN_BYTES = 32 << 20
 _LOG = logging.getLogger(__name__)
-_OUR_FILES = ('train-*.bin', 'train-*.mask', 'val-*.bin', 'val-*.mask', 'train.bin', 'val.bin',
+_OUR_FILES = ('train-*.bin', 'train-*.mask', 'train-*.ends', 'val-*.bin', 'val-*.mask',
+              'val-*.ends', 'train.bin', 'val.bin',
               '.train-*.tmp', '.val-*.tmp', '.train.bin.*.tmp', '.val.bin.*.tmp',
               shards.PROGRESS_FILE)
 
@@ -76,6 +77,9 @@ class DatasetInfo:
     splits: {'train': segments, 'val': segments}, each (token file, mask file or None, first
       token, count) with absolute paths, in stream order.
     has_mask: Whether some token is not learned (a loss mask is stored).
+    document_ends: Whether every shard records where its documents end (shards.py): documents
+      are then known as they were; else (plain text, or a prepare of an older version) by
+      their EOS. A mixture's: its validation split's (each source says its own).
     mixture: For a mixture, ((weight, DatasetInfo of the source), ...); else ().
     stats: What the prepare run that produced it measured (not compared).
   """
@@ -87,6 +91,7 @@ class DatasetInfo:
   tokenizer: str
   splits: dict = dataclasses.field(default_factory=dict, hash=False)
   has_mask: bool = False
+  document_ends: bool = False
   mixture: tuple = ()
   stats: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
@@ -295,7 +300,8 @@ def _run(job: _Job, identity: dict[str, Any]) -> dict[str, Any]:
   """Tokenizes every stream (resuming recorded shards), then commits meta.json."""
   progress = shards.read_progress(job.out_dir, identity['fingerprint'])
   kept = {s['file'] for st in progress.get('streams', {}).values() for s in st['shards']}
-  kept |= {s['mask'] for st in progress.get('streams', {}).values() for s in st['shards']}
+  kept |= {s.get(kind) for st in progress.get('streams', {}).values() for s in st['shards']
+           for kind in ('mask', 'ends')}
   (job.out_dir / META_FILE).unlink(missing_ok=True)
   for pattern in _OUR_FILES:  # stale shards of another prepare, or beyond the recorded ones
     for path in job.out_dir.glob(pattern):
@@ -378,7 +384,8 @@ def _tokenize_stream(job: _Job, name: str, files: Sequence[Path], state: dict[st
     state['shards'] = writer.shards
     fs.write_json_atomic(job.out_dir / shards.PROGRESS_FILE, progress)
 
-  writer = shards.ShardWriter(job.out_dir, name, job.dtype, job.shard_tokens, state, record)
+  writer = shards.ShardWriter(job.out_dir, name, job.dtype, job.shard_tokens, state, record,
+                              record_ends=job.fmt is not None)
   text_bytes = 0
   if state.get('done'):
     bar.update(sum(f.stat().st_size for f in files) if files else bar.total)
@@ -393,7 +400,8 @@ def _tokenize_stream(job: _Job, name: str, files: Sequence[Path], state: dict[st
       if result.bad and not (job.fmt and job.fmt.skip_bad_records):
         raise formats.bad_records_error(result.bad, result.skipped, field)
       skip = resume_skip if task == resume_task else 0
-      writer.write(result.tokens, result.mask, task, skip, result.documents, result.skipped)
+      writer.write(result.tokens, result.mask, task, skip, result.documents, result.skipped,
+                   result.ends)
       text_bytes += result.text_bytes
       index = task + 1
     writer.finish(max(index, resume_task))
@@ -447,14 +455,27 @@ def _splits(job: _Job, progress: dict[str, Any]) -> dict[str, Any]:
   has_mask = any(s['mask'] for st in streams.values() for s in st['shards'])
   return {'train_tokens': train_tokens, 'val_tokens': val_tokens,
           'splits': {k: [list(seg) for seg in v] for k, v in splits.items()},
-          'has_mask': bool(has_mask)}
+          'has_mask': bool(has_mask), 'document_ends': _records_ends(streams)}
+
+
+def _records_ends(streams: dict[str, Any]) -> bool:
+  """Whether every shard records where its documents end (shards.py); a prepare of an older
+  version resumed by this one may have shards without."""
+  return all(s.get('ends') is not None for st in streams.values() for s in st['shards'])
 
 
 def _document_boundary(job: _Job, train_shards: list, cut: int) -> int:
   """The end of the document the cut before token `cut` falls in (just past its EOS; `cut`
-  itself when token cut - 1 is an EOS), or `cut` when no EOS follows before the stream's last
-  token (the validation split would be empty)."""
+  itself when a document ends there), or `cut` when no document ends before the stream's last
+  token (the validation split would be empty). Where the shards record their documents' ends,
+  those; else the first EOS."""
   total = sum(s['tokens'] for s in train_shards)
+  if _records_ends({'train': {'shards': train_shards}}):
+    ends = shards.TokenStream([(str(job.out_dir / f), None, start, n) for f, _, start, n in
+                               shards.split_segments(train_shards, 0, total)], job.dtype,
+                              document_ends=True).document_ends()
+    after = ends[(ends >= cut) & (ends < total)]
+    return int(after[0]) if after.size else cut
   tail = shards.TokenStream([(str(job.out_dir / f), None, start, n) for f, _, start, n in
                              shards.split_segments(train_shards, cut - 1, total)], job.dtype)
   for first in range(0, len(tail) - 1, _BOUNDARY_SCAN):
@@ -545,7 +566,8 @@ def _meta_splits(meta: dict[str, Any]) -> dict[str, list]:
 
 
 def _token_files_complete(directory: Path, meta: dict[str, Any]) -> bool:
-  """Whether meta.json has every field and the token files hold the segments it lists."""
+  """Whether meta.json has every field and the token files hold the segments it lists (and,
+  where it says the documents' ends are recorded, their files exist)."""
   required = ('dtype', 'vocab_size', 'train_tokens', 'val_tokens', 'tokenizer')
   if not all(name in meta for name in required):
     return False
@@ -559,6 +581,8 @@ def _token_files_complete(directory: Path, meta: dict[str, Any]) -> bool:
           return False
         if mask is not None and (directory / mask).stat().st_size < start + count:
           return False
+        if meta.get('document_ends') and not (directory / shards.ends_name(file)).is_file():
+          return False
     return True
   except (KeyError, TypeError, ValueError, OSError):
     return False
@@ -571,4 +595,6 @@ def _info_from_meta(directory: Path, meta: dict[str, Any]) -> DatasetInfo:
   return DatasetInfo(dir=directory, dtype=meta['dtype'], vocab_size=meta['vocab_size'],
                      train_tokens=meta['train_tokens'], val_tokens=meta['val_tokens'],
                      tokenizer=meta['tokenizer'], splits=splits,
-                     has_mask=bool(meta.get('has_mask', False)), stats=meta.get('stats', {}))
+                     has_mask=bool(meta.get('has_mask', False)),
+                     document_ends=bool(meta.get('document_ends', False)),
+                     stats=meta.get('stats', {}))

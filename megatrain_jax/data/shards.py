@@ -3,10 +3,14 @@
 A stream (the tokens of `data.path`, or of `data.val_path`) is written as shards
 `<stream>-00000.bin`, `<stream>-00001.bin`, ... of at most `shard_tokens` little-endian ids each,
 and, for a shard holding a token that is not learned, a loss mask `<stream>-00000.mask` (one
-uint8 per token, 1 = learned). Each shard is written to a hidden temp file and renamed into place
-once complete and fsynced; then `prepare.json` (atomically replaced) records it, with the input
-position (task index, tokens of that task already stored) the next shard starts from. A prepare
-killed at any point resumes from the last recorded shard and rewrites the same bytes.
+uint8 per token, 1 = learned). A stream of documents (records, or text files with
+data.text_documents) also records where each document ends: `<stream>-00000.ends`, the offsets
+in the shard just past each document's last token (little-endian int64, increasing; a document
+that goes on into the next shard ends there), so that documents are known as they were, not by
+an id that may also occur inside them. Each shard is written to a hidden temp file and renamed
+into place once complete and fsynced; then `prepare.json` (atomically replaced) records it, with
+the input position (task index, tokens of that task already stored) the next shard starts from.
+A prepare killed at any point resumes from the last recorded shard and rewrites the same bytes.
 """
 
 import json
@@ -17,6 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from megatrain_jax import fs
+from megatrain_jax.errors import ConfigError
 
 PROGRESS_FILE = 'prepare.json'
 _ONES = np.ones(1 << 20, dtype=np.uint8)
@@ -24,6 +29,11 @@ _ONES = np.ones(1 << 20, dtype=np.uint8)
 
 def shard_name(stream: str, index: int, suffix: str = 'bin') -> str:
   return f'{stream}-{index:05d}.{suffix}'
+
+
+def ends_name(token_file: str) -> str:
+  """The document ends file of a shard's token file (`train-00000.bin` -> `train-00000.ends`)."""
+  return str(Path(token_file).with_suffix('.ends'))
 
 
 def read_progress(out_dir: Path, fingerprint: str) -> dict[str, Any]:
@@ -51,6 +61,9 @@ def _shard_complete(out_dir: Path, shard: dict[str, Any], itemsize: int) -> bool
   try:
     if (out_dir / shard['file']).stat().st_size != shard['tokens'] * itemsize:
       return False
+    if shard.get('ends') is not None and (
+        (out_dir / shard['ends']).stat().st_size != 8 * shard['ends_count']):
+      return False
     return shard['mask'] is None or (out_dir / shard['mask']).stat().st_size == shard['tokens']
   except (OSError, KeyError, TypeError):
     return False
@@ -61,12 +74,12 @@ class ShardWriter:
 
   Attributes:
     shards: The committed shards: {'file', 'mask' (name or None), 'tokens', 'next': [task,
-      skip], 'documents', 'skipped'}.
+      skip], 'documents', 'skipped'}, and with `record_ends` 'ends' (name) and 'ends_count'.
     resume: (task index, tokens of that task already stored) to continue from.
   """
 
   def __init__(self, out_dir: Path, stream: str, dtype: str, shard_tokens: int,
-               state: dict[str, Any], on_commit):
+               state: dict[str, Any], on_commit, record_ends: bool = False):
     self._dir, self._stream = out_dir, stream
     self._stored = np.dtype(dtype).newbyteorder('<')
     self._shard_tokens = shard_tokens
@@ -77,15 +90,19 @@ class ShardWriter:
     self.documents = last['documents'] if last else 0
     self.skipped = last['skipped'] if last else 0
     self.tokens = sum(s['tokens'] for s in self.shards)
-    self._file = self._mask = None
-    self._tmp = self._mask_tmp = None
-    self._count = 0
+    self._record_ends = record_ends
+    self._file = self._mask = self._ends = None
+    self._tmp = self._mask_tmp = self._ends_tmp = None
+    self._count = self._ends_count = 0
 
   def _open(self) -> None:
     index = len(self.shards)
     self._tmp = fs.new_temp(self._dir, shard_name(self._stream, index))
     self._file = open(self._tmp, 'wb')
-    self._count = 0
+    self._count = self._ends_count = 0
+    if self._record_ends:
+      self._ends_tmp = fs.new_temp(self._dir, shard_name(self._stream, index, 'ends'))
+      self._ends = open(self._ends_tmp, 'wb')
 
   def _open_mask(self) -> None:
     """Starts the shard's mask at its first unlearned token: the tokens before it are learned."""
@@ -98,9 +115,10 @@ class ShardWriter:
       left -= n
 
   def write(self, tokens: np.ndarray, mask: np.ndarray | None, task: int, skip: int,
-            documents: int, skipped: int) -> None:
-    """Stores task `task`'s tokens from its `skip`-th on; `documents`/`skipped` count the task's
-    records (added once the whole task is stored)."""
+            documents: int, skipped: int, ends: np.ndarray | None = None) -> None:
+    """Stores task `task`'s tokens from its `skip`-th on (`ends`: where its documents end in
+    `tokens`, None: none does); `documents`/`skipped` count the task's records (added once the
+    whole task is stored)."""
     done = skip
     while done < len(tokens):
       if self._file is None:
@@ -112,6 +130,10 @@ class ShardWriter:
       self._file.write(tokens[done:done + n].astype(self._stored, copy=False).tobytes())
       if self._mask is not None:
         self._mask.write((_ONES[:n] if piece_mask is None else piece_mask).tobytes())
+      if self._ends is not None and ends is not None:  # those in (done, done + n], shard-local
+        inside = ends[(ends > done) & (ends <= done + n)]
+        self._ends.write((inside - done + self._count).astype('<i8').tobytes())
+        self._ends_count += inside.size
       self._count += n
       done += n
       if self._count == self._shard_tokens:
@@ -132,15 +154,20 @@ class ShardWriter:
       mask_name = shard_name(self._stream, index, 'mask')
       _close_durably(self._mask)
       os.replace(self._mask_tmp, self._dir / mask_name)
+    recorded = {}
+    if self._ends is not None:
+      recorded = {'ends': shard_name(self._stream, index, 'ends'), 'ends_count': self._ends_count}
+      _close_durably(self._ends)
+      os.replace(self._ends_tmp, self._dir / recorded['ends'])
     fs.fsync(self._dir, directory=True)
     self.documents += documents
     self.skipped += skipped
     self.tokens += self._count
     self.shards.append({'file': name, 'mask': mask_name, 'tokens': self._count,
                         'next': list(next_pos), 'documents': self.documents,
-                        'skipped': self.skipped})
-    self._file = self._mask = self._tmp = self._mask_tmp = None
-    self._count = 0
+                        'skipped': self.skipped, **recorded})
+    self._file = self._mask = self._ends = self._tmp = self._mask_tmp = self._ends_tmp = None
+    self._count = self._ends_count = 0
     self._on_commit()
 
   def finish(self, tasks: int) -> None:
@@ -150,11 +177,12 @@ class ShardWriter:
 
   def abort(self) -> None:
     """Removes the shard being written (after an error)."""
-    for handle, path in ((self._file, self._tmp), (self._mask, self._mask_tmp)):
+    for handle, path in ((self._file, self._tmp), (self._mask, self._mask_tmp),
+                         (self._ends, self._ends_tmp)):
       if handle is not None:
         handle.close()
         path.unlink(missing_ok=True)
-    self._file = self._mask = None
+    self._file = self._mask = self._ends = None
 
 
 def _close_durably(f) -> None:
@@ -188,6 +216,23 @@ def memmap(path: Path, dtype: str) -> np.ndarray:
   return np.memmap(path, dtype=stored, mode='r')
 
 
+def _read_ends(path: Path, tokens: int) -> np.ndarray:
+  """A shard's document ends ([n] int64), checked: increasing offsets in 1..`tokens` (the
+  shard's length). A damaged file is refused, naming the fix, rather than misplacing documents."""
+  try:
+    raw = path.read_bytes()
+  except OSError as e:
+    raise ConfigError(f'{path}: cannot read where the documents of {path.parent} end ({e}); '
+                      'delete that directory to prepare the data again.') from e
+  ends = np.frombuffer(raw[:len(raw) // 8 * 8], dtype='<i8').astype(np.int64)
+  if len(raw) % 8 or (ends.size and (ends[0] < 1 or ends[-1] > tokens or
+                                     np.any(np.diff(ends) <= 0))):
+    raise ConfigError(f'{path} is damaged: it does not hold increasing document ends within '
+                      f'its shard of {tokens:,} tokens. Delete {path.parent} to prepare the data '
+                      'again.')
+  return ends
+
+
 class TokenStream:
   """One split as a 1-D array-like over one or more shard segments, with its loss mask.
 
@@ -196,9 +241,13 @@ class TokenStream:
   Attributes:
     dtype: The stored dtype.
     has_mask: Whether any segment has a loss mask (segments without one are all learned).
+    has_document_ends: Whether the shards record where their documents end (`document_ends`).
   """
 
-  def __init__(self, segments: Sequence[Segment], dtype: str):
+  def __init__(self, segments: Sequence[Segment], dtype: str, document_ends: bool = False):
+    self._segments = list(segments)
+    self.has_document_ends = document_ends
+    self._ends = None
     self.dtype = np.dtype(dtype).newbyteorder('<')
     self._parts = [memmap(Path(f), dtype)[s:s + n] for f, _, s, n in segments]
     self._masks = [None if m is None else memmap(Path(m), 'uint8')[s:s + n]
@@ -231,6 +280,24 @@ class TokenStream:
     if isinstance(index, slice):
       index = np.arange(*index.indices(self._len))
     return self._gather(self._masks, index, np.uint8, 1)
+
+  def document_ends(self) -> np.ndarray:
+    """The stream offsets just past each document's last token ([n] int64, increasing), read
+    from the shards' `.ends` files (the segments' parts of them), once; the stream's last token
+    ends a document too."""
+    if not self.has_document_ends:
+      raise ValueError('these shards do not record where their documents end')
+    if self._ends is None:
+      parts = []
+      for (file, _, start, count), offset in zip(self._segments, self._starts[:-1].tolist()):
+        local = _read_ends(Path(ends_name(file)), Path(file).stat().st_size // self.dtype.itemsize)
+        inside = local[(local > start) & (local <= start + count)]
+        parts.append(inside - start + offset)
+      ends = np.concatenate(parts + [np.zeros(0, np.int64)]).astype(np.int64)
+      if self._len and (not ends.size or ends[-1] != self._len):
+        ends = np.append(ends, np.int64(self._len))
+      self._ends = ends
+    return self._ends
 
   def __array__(self, dtype=None, copy=None):
     del copy

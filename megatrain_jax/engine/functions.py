@@ -50,17 +50,19 @@ def _on_host(fn):
   return compute_on_lib.compute_on(**kwargs)(fn)
 
 
-def step_inputs(batch) -> tuple[np.ndarray, np.ndarray | None]:
-  """(tokens [..., S+1] int32, per-token loss weights [..., S] float32 or None) of a batch.
+def step_inputs(batch) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+  """(tokens [..., S+1] int32, per-token loss weights [..., S] float32 or None, where documents
+  begin [..., S+1] uint8 or None) of a batch.
 
   `batch` is a token array (every target learned: weights None, the engines' plain mean) or a
-  data.Batch (tokens, loss_mask): weights = model.token_weights(loss_mask), the same host
-  numbers for every engine. A leading microbatch axis M (train steps) spreads the normalisation
-  over the whole step; an eval batch [B, S+1] is one batch of its own."""
+  data.Batch (tokens, loss_mask, starts): weights = model.token_weights(loss_mask), the same
+  host numbers for every engine; starts as the data gives them (model.token_positions). A
+  leading microbatch axis M (train steps) spreads the normalisation over the whole step; an
+  eval batch [B, S+1] is one batch of its own."""
   mask = getattr(batch, 'loss_mask', None)
   if mask is None:
-    return batch, None
-  return batch.tokens, model_lib.token_weights(mask)
+    return batch, None, None
+  return batch.tokens, model_lib.token_weights(mask), batch.starts
 
 
 def tree_add(a, b):

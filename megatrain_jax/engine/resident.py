@@ -42,7 +42,8 @@ def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, see
   return jax.eval_shape(functools.partial(init_state, model_cfg, tx), seed)
 
 
-def accumulate_gradients(loss_and_grad, params, batch, weights=None, constrain=lambda t: t):
+def accumulate_gradients(loss_and_grad, params, batch, weights=None, constrain=lambda t: t,
+                         starts=None):
   """Mean loss and gradient over the microbatches of `batch` [M, B, S+1].
 
   Gradients are summed in float32 over microbatches (a scan, so one microbatch's activations
@@ -50,13 +51,15 @@ def accumulate_gradients(loss_and_grad, params, batch, weights=None, constrain=l
   mean loss over the whole M*B batch. With `weights` [M, B, S] (model.token_weights of a loss
   mask, normalised over the whole step) each microbatch's loss is Σ w·nll and the same mean is
   the whole step's masked mean. `constrain`: holds the gradient sum to the state's sharding
-  (Layout.constrain) so that on N devices each keeps 1/N of it through the scan.
+  (Layout.constrain) so that on N devices each keeps 1/N of it through the scan. `starts`
+  [M, B, S+1]: where documents begin (data.Batch.starts).
   """
   num_micro = batch.shape[0]
+  # loss_and_grad(params, batch[, weights[, starts]]): only the arguments there are.
+  given = (batch,) + ((weights,) if weights is not None or starts is not None else ()) + (
+      (starts,) if starts is not None else ())
   if num_micro == 1:
-    if weights is None:
-      return loss_and_grad(params, batch[0])
-    return loss_and_grad(params, batch[0], weights[0])
+    return loss_and_grad(params, *(None if a is None else a[0] for a in given))
 
   def add_microbatch(carry, microbatch):
     loss_sum, grad_sum = carry
@@ -64,7 +67,7 @@ def accumulate_gradients(loss_and_grad, params, batch, weights=None, constrain=l
     return (loss_sum + loss, constrain(jax.tree.map(jnp.add, grad_sum, grads))), None
 
   zeros = constrain(jax.tree.map(jnp.zeros_like, params))
-  xs = (batch,) if weights is None else (batch, weights)
+  xs = given
   (loss_sum, grad_sum), _ = jax.lax.scan(add_microbatch, (jnp.zeros((), jnp.float32), zeros), xs)
   return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grad_sum)
 
@@ -74,8 +77,9 @@ def accumulate_gradients(loss_and_grad, params, batch, weights=None, constrain=l
 @functools.lru_cache(maxsize=8)
 def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, grad_clip: float,
                     schedule: optax.Schedule, layout: Layout | None = None):
-  """Returns jitted `step(state, batch[M, B, S+1] int32, weights[M, B, S] float32 or None) ->
-  (state, metrics)`; donates `state`. `weights`: engine/functions.step_inputs of a masked batch.
+  """Returns jitted `step(state, batch[M, B, S+1] int32, weights[M, B, S] float32 or None,
+  starts[M, B, S+1] or None) -> (state, metrics)`; donates `state`. `weights`, `starts`:
+  engine/functions.step_inputs of a masked batch.
   With `layout`, the state goes in and comes out with its per-leaf shardings, the batch split
   along B, the metrics whole on every device."""
   several = layout is not None and layout.num_devices > 1
@@ -83,9 +87,9 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, gr
       model_lib.loss_fn, model_cfg, shard_layer=layout.shard_layer if several else None))
   constrain = layout.constrain if layout is not None else (lambda t: t)
 
-  def train_step(state, batch, weights=None):
+  def train_step(state, batch, weights=None, starts=None):
     params = state['params']
-    loss, grads = accumulate_gradients(loss_and_grad, params, batch, weights, constrain)
+    loss, grads = accumulate_gradients(loss_and_grad, params, batch, weights, constrain, starts)
     grads, grad_norm = optim.clip_by_global_norm(grads, grad_clip)
     updates, opt_state = tx.update(grads, state['opt_state'], params)
     new_state = {'step': state['step'] + 1, 'params': optax.apply_updates(params, updates),
@@ -97,21 +101,22 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, gr
   if layout is None:
     return jax.jit(train_step, donate_argnums=0)
   state = layout.shardings(abstract_state(model_cfg, tx))
-  batch = layout.split_along(1)  # tokens [M, B, S+1], weights [M, B, S]: along B
-  return jax.jit(train_step, donate_argnums=0, in_shardings=(state, batch, batch),
+  batch = layout.split_along(1)  # tokens, starts [M, B, S+1], weights [M, B, S]: along B
+  return jax.jit(train_step, donate_argnums=0, in_shardings=(state, batch, batch, batch),
                  out_shardings=(state, layout.replicated()))
 
 
 @functools.lru_cache(maxsize=8)
 def make_eval_step(model_cfg: ModelConfig, layout: Layout | None = None):
-  """Returns jitted `eval_step(params, batch[B, S+1], weights[B, S] or None) -> mean loss`;
-  with `layout`, params in their per-leaf shardings and the batch split along B."""
+  """Returns jitted `eval_step(params, batch[B, S+1], weights[B, S] or None, starts[B, S+1] or
+  None) -> mean loss`; with `layout`, params in their per-leaf shardings and the batch split
+  along B."""
   loss = functools.partial(model_lib.loss_fn, model_cfg)
   if layout is None:
     return jax.jit(loss)
   abstract_params = model_lib.abstract_params(model_cfg)
-  batch = layout.split_along(0)  # tokens [B, S+1], weights [B, S]
-  return jax.jit(loss, in_shardings=(layout.shardings(abstract_params), batch, batch),
+  batch = layout.split_along(0)  # tokens, starts [B, S+1], weights [B, S]
+  return jax.jit(loss, in_shardings=(layout.shardings(abstract_params), batch, batch, batch),
                  out_shardings=layout.replicated())
 
 
@@ -136,10 +141,10 @@ class ResidentEngine:
 
   def train_step(self, batch) -> dict:
     """One step on `batch`: int32 [M, B, S+1], or a data.Batch with its loss mask."""
-    tokens, weights = step_inputs(batch)
+    tokens, weights, starts = step_inputs(batch)
     faults.point('forward')
-    self.state, metrics = self._train_step(self.state, self.layout.put_batch(tokens),
-                                           self.layout.put_batch(weights))
+    put = self.layout.put_batch
+    self.state, metrics = self._train_step(self.state, put(tokens), put(weights), put(starts))
     faults.point('backward')  # the step is in flight: old state donated, new one not yet ready
     self.step += 1
     return metrics
@@ -149,9 +154,10 @@ class ResidentEngine:
     none)."""
     out = []
     for batch in batches:
-      tokens, weights = step_inputs(batch)
-      out.append(float(self._eval_step(self.state['params'], self.layout.put_batch(tokens),
-                                       self.layout.put_batch(weights))))
+      tokens, weights, starts = step_inputs(batch)
+      put = self.layout.put_batch
+      out.append(float(self._eval_step(self.state['params'], put(tokens), put(weights),
+                                       put(starts))))
     return out
 
   def export_state(self) -> dict:

@@ -350,20 +350,23 @@ class StreamedEngine:
     """Starts a step: the batch's tokens (and loss weights) on the device and the final norm
     fetched."""
     self.stats.reset()
-    batch, weights = step_inputs(batch)
+    batch, weights, starts = step_inputs(batch)
     batch = np.asarray(batch)  # host [M, B, S+1]; weights host [M, B, S] or None
     put = self.layout.put_batch  # each microbatch split along B over the devices
     schedule = StepSchedule(self.placement, self.cfg, len(batch), self.grad_clip > 0)
     tokens = [put(b[:, :-1]) for b in batch]
-    return _Step(schedule, tokens, [put(b[:, 1:]) for b in batch], self._positions(tokens),
+    return _Step(schedule, tokens, [put(b[:, 1:]) for b in batch],
+                 self._positions(tokens, None if starts is None else starts[..., :-1]),
                  norm=resolve(self.stores['final_norm'].params.fetch(0)),
                  weights=None if weights is None else [put(w) for w in weights])
 
-  def _positions(self, tokens: list) -> list:
+  def _positions(self, tokens: list, starts=None) -> list:
     """The layers' positions (model.token_positions) of each of M [B, S] token arrays on the
     device, split along B like them, with their RoPE tables (computed once here, not in every
-    group program)."""
-    return model_lib.positions_of_batches(self.cfg, tokens, self.fn.token_positions)
+    group program). `starts`: host [M, B, S] where documents begin (data.Batch.starts of the
+    inputs), or None."""
+    starts = None if starts is None else [self.layout.put_batch(s) for s in starts]
+    return model_lib.positions_of_batches(self.cfg, tokens, self.fn.token_positions, starts)
 
   def _chunks(self, store, order=None) -> Prefetcher:
     """The vocabulary chunks of `store` in `order`, read ahead like layer groups."""
@@ -564,10 +567,12 @@ class StreamedEngine:
     """Mean loss of each [B, S+1] batch (a data.Batch: over its learned targets, 0 if none);
     layer-major, so each piece is fetched once for all."""
     inputs = [step_inputs(b) for b in batches]
-    tokens = [self.layout.put_batch(b[:, :-1]) for b, _ in inputs]  # [B, S], split along B
-    weights = [self.layout.put_batch(w) for _, w in inputs]
+    tokens = [self.layout.put_batch(b[:, :-1]) for b, _, _ in inputs]  # [B, S], split along B
+    weights = [self.layout.put_batch(w) for _, w, _ in inputs]
+    starts = [None if s is None else s[:, :-1] for _, _, s in inputs]
     norm = resolve(self.stores['final_norm'].params.fetch(0))
-    hidden, _, _ = self._forward(self._embed(tokens), self._positions(tokens), keep_inputs=False)
+    hidden, _, _ = self._forward(self._embed(tokens), self._positions(tokens, starts),
+                                 keep_inputs=False)
     losses, _ = self._head_losses([self.fn.final_norm(norm, h) for h in hidden],
-                                  [self.layout.put_batch(b[:, 1:]) for b, _ in inputs], weights)
+                                  [self.layout.put_batch(b[:, 1:]) for b, _, _ in inputs], weights)
     return [float(loss) for loss in losses]

@@ -151,26 +151,38 @@ def document_positions(tokens, eos_id: int):
   row's documents 0, 1, ... (an EOS belongs to the document it ends); positions counts from 0 at
   each document's first token in the row. E.g. eos 0, tokens [5 6 0 7 0 8] -> segments
   [0 0 0 1 1 2], positions [0 1 2 0 1 0]."""
-  b, s = tokens.shape
-  index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  starts = jnp.pad(tokens[:, :-1] == eos_id, ((0, 0), (1, 0)))  # the token after an EOS
+  return start_positions(jnp.pad(tokens[:, :-1] == eos_id, ((0, 0), (1, 0))))
+
+
+def start_positions(starts):
+  """[B, S] where documents begin (nonzero: a document's first token; data.Batch.starts of the
+  inputs) -> (positions, segments), each [B, S] int32, as `document_positions` numbers them."""
+  index = jnp.broadcast_to(jnp.arange(starts.shape[1], dtype=jnp.int32), starts.shape)
+  starts = starts.astype(bool) & (index > 0)  # a row's first token begins its first document
   segments = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
   first = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)  # its document's first index
   return index - first, segments
 
 
-def token_positions(cfg: ModelConfig, tokens) -> layers_lib.RopePositions:
-  """The layers' positions of [B, S] tokens: 0..S-1, or with `cfg.document_eos_id` (>= 0) each
-  document's own positions and the segments that keep attention inside it; RoPE tables once."""
+def token_positions(cfg: ModelConfig, tokens, starts=None) -> layers_lib.RopePositions:
+  """The layers' positions of [B, S] tokens: 0..S-1, or, where documents are kept apart, each
+  document's own positions and the segments that keep attention inside it (RoPE tables once).
+  The documents are those `starts` [B, S] marks (data.Batch.starts of the inputs: as the data
+  records them), else, with `cfg.document_eos_id` >= 0, those its EOS ends."""
+  if starts is not None:
+    return layers_lib.rope_positions(cfg, *start_positions(starts))
   if cfg.document_eos_id < 0:
     return layers_lib.rope_positions(cfg, default_positions(tokens))
   return layers_lib.rope_positions(cfg, *document_positions(tokens, cfg.document_eos_id))
 
 
-def positions_of_batches(cfg: ModelConfig, tokens: list, positions_fn) -> list:
+def positions_of_batches(cfg: ModelConfig, tokens: list, positions_fn, starts=None) -> list:
   """positions_fn(t) (a jitted token_positions) of each [B, S] tokens t of a list, for programs
-  that run several batches by the same weights. Without a document mask all are 0..S-1: the
-  first batch's object serves all (its RoPE tables [B, S, Dh] held once)."""
+  that run several batches by the same weights; given `starts` (each batch's [B, S]
+  data.Batch.starts of the inputs), positions_fn(t, s). Without a document mask all are
+  0..S-1: the first batch's object serves all (its RoPE tables [B, S, Dh] held once)."""
+  if starts is not None and starts[0] is not None:
+    return [positions_fn(t, s) for t, s in zip(tokens, starts, strict=True)]
   if cfg.document_eos_id < 0:
     return [positions_fn(tokens[0])] * len(tokens)
   return [positions_fn(t) for t in tokens]
@@ -322,17 +334,19 @@ def forward(cfg: ModelConfig, params, tokens, positions=None):
   return head(cfg, params, x)
 
 
-def loss_fn(cfg: ModelConfig, params, batch, weights=None, shard_layer=None):
+def loss_fn(cfg: ModelConfig, params, batch, weights=None, starts=None, shard_layer=None):
   """batch [B, S + 1] int tokens -> mean next-token cross-entropy (inputs [:, :-1], targets [:, 1:]).
 
   The same stages as `forward`, but the head and loss run over vocabulary blocks (`logits_loss`),
   so the [B, S, V] logits are never materialised. `weights` [B, S] float32 (per target; from
-  vocab.token_weights of a loss mask): the loss is Σ weights·nll instead of the mean.
+  vocab.token_weights of a loss mask): the loss is Σ weights·nll instead of the mean. `starts`
+  [B, S + 1] (data.Batch.starts): where documents begin (`token_positions`).
   `shard_layer`: see apply_group.
   """
   tokens, targets = batch[:, :-1], batch[:, 1:]
   x = embed(cfg, params, tokens)
-  positions = token_positions(cfg, tokens)  # RoPE tables once per batch
+  # RoPE tables once per batch.
+  positions = token_positions(cfg, tokens, None if starts is None else starts[:, :-1])
   x = apply_group(cfg, params['layers'], x, positions, shard_layer)
   return head_loss(cfg, params, x, targets, weights=weights)
 
