@@ -184,7 +184,7 @@ def collectives(layout: Layout) -> dict:
   engine = resident.ResidentEngine(CFG, tx, schedule, clip, jax.tree.map(np.copy, initial_state()),
                                    layout=layout)
   step = engine._train_step.lower(  # pylint: disable=protected-access
-      engine.state, layout.put_batch(tokens), None)
+      engine.state, layout.put_batch(tokens), None, None)
   fn = StageFunctions(CFG, tx, layout)
   params = layout.put(initial_state()['params'], 'device')
   group = {'layers': jax.tree.map(lambda a: a[:2], params['layers'])}  # K = 2 layers
