@@ -185,6 +185,17 @@ def test_document_positions_number_documents_and_restart_positions():
   np.testing.assert_array_equal(plain.ids, model_lib.default_positions(tokens))
 
 
+def _assert_equals_the_sum(value, grads, parts):
+  """`value` and `grads` equal the sums of the (value, grads) `parts`: the value to 1e-6, the
+  gradients leaf by leaf ||a - b|| / ||b|| <= 1e-5 (measured 2e-7..1.2e-6, one sum of parts
+  against one program; a mask letting one document see another moves the logits by ~1e-1)."""
+  np.testing.assert_allclose(value, sum(v for v, _ in parts), rtol=1e-6)
+  summed = jax.tree.map(lambda *g: sum(g), *[g for _, g in parts])
+  errors = jax.tree.map(lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)),
+                        grads, summed)
+  assert max(jax.tree.leaves(errors)) <= 1e-5, errors
+
+
 @pytest.mark.parametrize('chunk', [0, 4], ids=['whole-attention', 'query-blocks'])
 def test_document_mask_gradients_equal_each_document_alone(params, chunk):
   """The summed next-token log-likelihood of a packed row (documents ending with EOS 0), and its
@@ -206,13 +217,7 @@ def test_document_mask_gradients_equal_each_document_alone(params, chunk):
   bounds = np.cumsum([0] + [len(d) for d in documents] + [2])  # the cut one: 3 tokens, 2 targets
   parts = [value_and_grad(alone_cfg, params, inputs[a:b], targets[a:b])
            for a, b in zip(bounds[:-1], bounds[1:])]
-  np.testing.assert_allclose(packed, sum(v for v, _ in parts), rtol=1e-6)
-  summed = jax.tree.map(lambda *g: sum(g), *[g for _, g in parts])
-  # Leaf by leaf ||a - b|| / ||b||: measured 2e-7..1.2e-6 (one sum of 4 parts against one
-  # program); a mask letting one document see another moves the logits by ~1e-1.
-  errors = jax.tree.map(lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)),
-                        packed_grads, summed)
-  assert max(jax.tree.leaves(errors)) <= 1e-5, errors
+  _assert_equals_the_sum(packed, packed_grads, parts)
   unmasked, _ = value_and_grad(alone_cfg, params, inputs, targets)
   assert abs(float(unmasked) - float(packed)) > 1e-2
 
@@ -241,11 +246,7 @@ def test_documents_the_data_marks_equal_each_document_alone(params, chunk):
   marked, marked_grads = value_and_grad(cfg, params, row[None], weights, jnp.asarray(starts[None]))
   parts = [value_and_grad(alone_cfg, params, row[None, a:b], jnp.ones((1, b - a - 1)), None)
            for a, b in zip(bounds[:-1], bounds[1:])]
-  np.testing.assert_allclose(marked, sum(v for v, _ in parts), rtol=1e-6)
-  summed = jax.tree.map(lambda *g: sum(g), *[g for _, g in parts])
-  errors = jax.tree.map(lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)),
-                        marked_grads, summed)
-  assert max(jax.tree.leaves(errors)) <= 1e-5, errors
+  _assert_equals_the_sum(marked, marked_grads, parts)
   by_id, _ = value_and_grad(cfg, params, row[None], weights, None)  # documents cut at every 0
   assert abs(float(by_id) - float(marked)) > 1e-2
   # The positions restart where the marks say, as document_positions numbers them.
