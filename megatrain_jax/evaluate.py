@@ -42,7 +42,7 @@ import numpy as np
 from megatrain_jax import metrics
 from megatrain_jax import model as model_lib
 from megatrain_jax import partition
-from megatrain_jax.data import data_format, document_format, unlearn_starts
+from megatrain_jax.data import data_format, document_format
 from megatrain_jax.data import formats
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import head_chunks
@@ -134,8 +134,8 @@ def read_eval_data(path: str, tokenizer, data_config=None, document_eos: int = -
   `document_eos` (the model's document_eos_id; -1: none): model.document_mask is on; the
   documents of record files are kept apart where each record's ends (EvalData.starts, whatever
   ids they hold: a chat template may end every turn with the EOS), and the first token of each
-  is not scored, as training does not learn it (data.unlearn_starts). Text files have no
-  documents inside them.
+  is not scored, as training does not learn it (data.unlearn_starts). In a text file, as in a
+  text stream training reads, documents end at the EOS ids it holds.
 
   Raises:
     ConfigError: naming eval.path: it is empty or does not exist, a file is not UTF-8 text, a
@@ -150,7 +150,8 @@ def read_eval_data(path: str, tokenizer, data_config=None, document_eos: int = -
   pieces = []
   for file in files:
     if formats.source_format(file) == formats.TEXT:
-      pieces.append((_text_tokens(file, tokenizer), None, np.zeros(0, np.int64)))
+      text = _text_tokens(file, tokenizer)  # its documents end at the EOS ids it holds, if any
+      pieces.append((text, None, np.flatnonzero(text == document_eos).astype(np.int64) + 1))
       continue
     if fmt is None:
       fmt = (document_format(tokenizer) if data_config is None else
@@ -165,9 +166,9 @@ def read_eval_data(path: str, tokenizer, data_config=None, document_eos: int = -
     ends = np.concatenate([e + at for (_, _, e), at in zip(pieces, offsets)])
     starts = np.zeros(tokens.size, np.uint8)
     starts[ends[ends < tokens.size]] = 1  # the next document begins where one ends
-    mask = unlearn_starts(starts[None], (np.ones(tokens.size, np.uint8) if mask is None
-                                         else mask)[None, 1:])[0]
-    mask = np.concatenate([np.ones(1, np.uint8), mask])
+    # A document's first token is not scored (data.unlearn_starts; token 0 never begins one).
+    mask = ((np.ones(tokens.size, np.uint8) if mask is None else mask) * (1 - starts)).astype(
+        np.uint8)
   if tokens.size < 2:
     raise ConfigError(f'eval.path: {path} has {tokens.size} token(s); perplexity needs at least 2.')
   if mask is not None and not mask[1:].any():

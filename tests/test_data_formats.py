@@ -518,6 +518,12 @@ def test_eval_keeps_each_conversation_whole_and_reads_the_runs_eos(tmp_path, tok
   length = data.tokens.size // 40
   assert np.flatnonzero(data.starts).tolist() == [k * length for k in range(1, 40)]
   assert not data.mask[data.starts == 1].any()  # a conversation's first token is not scored
+  # A text file's documents end at the EOS ids it holds, as training finds them in a text stream.
+  (tmp_path / 'plain.txt').write_text(f'Capital of France?{EOS}Rome.{EOS}Paris.')
+  plain = evaluate_lib.read_eval_data(str(tmp_path / 'plain.txt'), tok,
+                                      document_eos=tok.token_id(EOS))
+  after = np.flatnonzero(plain.tokens == tok.token_id(EOS)) + 1
+  assert after.size == 2 and np.flatnonzero(plain.starts).tolist() == after.tolist()
   config = config_lib.load_config(
       'tiny', data__path=str(source), data__tokenizer=str(instruct), data__eos_token=EOS,
       model__vocab_size=600, model__document_mask=True, train__steps=1, train__seq_len=64,

@@ -231,11 +231,18 @@ class _Windows:
       return windows * self.window
     return self._rows.starts[self._rows.offsets[windows]]
 
+  def _document_ends(self) -> np.ndarray | None:
+    """The stream's recorded document ends (TokenStream.document_ends), None where it has none:
+    its documents are then found by their EOS."""
+    if getattr(self.tokens, 'has_document_ends', False):
+      return self.tokens.document_ends()
+    return None
+
   def gather(self, windows: np.ndarray, with_mask: bool, document_eos: int = -1):
     """(tokens [n, window] int32, mask [n, window - 1] uint8 of the targets or None, and with
     `document_eos` >= 0 (model.document_mask) Batch.starts [n, window] uint8, else None): where
     documents begin as the stream records them, else after each `document_eos`."""
-    ends = self.tokens.document_ends() if getattr(self.tokens, 'has_document_ends', False) else None
+    ends = self._document_ends() if document_eos >= 0 else None
     if self._rows is not None:
       tokens, mask = packing.gather_rows(self.tokens, self._rows, windows, self.window,
                                          self._packing.eos,
