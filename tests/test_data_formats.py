@@ -260,6 +260,9 @@ def test_text_documents_make_each_text_file_one_document(tmp_path, tokenizer_dir
   assert bytes(_stream(info, 'train').astype(np.uint8)) == want
   assert bytes(_stream(info, 'val').astype(np.uint8)) == b'x\n\0'
   assert info.stats['documents'] == 5 and not info.has_mask  # 4 files, then c.txt for val
+  # Where each document ends is recorded, whatever chunks a file was read in.
+  ends = np.cumsum([len(t.encode()) + 1 for t in texts.values()] + [len(b'a record\0')])
+  np.testing.assert_array_equal(load_split(info, 'train').document_ends(), ends)
   plain, _ = load_data(_data_config(path=str(tmp_path), val_path=str(tmp_path / 'c.txt'),
                                     cache_dir=str(tmp_path / 'cache')), tmp_path / 'run')
   assert bytes(_stream(plain, 'train').astype(np.uint8)) == (
