@@ -53,8 +53,9 @@ class ModelConfig:
   matmul_precision: str = 'highest'
   remat: str = 'full'
   scan_layers: bool = True
-  # >= 0: the token id that ends each document of a packed row (data's EOS): attention stays
-  # inside a document and positions restart after it (model.document_mask). -1 = off.
+  # >= 0: model.document_mask is on: attention stays inside each document of a packed row and
+  # positions restart at each. Its documents are those the batch marks (data.Batch.starts, as
+  # the prepared data records them), else those this token id (the data's EOS) ends. -1 = off.
   document_eos_id: int = -1
 
   def __post_init__(self):
