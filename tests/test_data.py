@@ -591,6 +591,28 @@ def test_best_fit_rows_are_not_longest_first():
 
 
 @pytest.mark.parametrize('strategy', packing.STRATEGIES)
+def test_row_starts_mark_spans_recorded_ends_and_padding(strategy):
+  """packing.row_starts (Batch.starts of packed rows, documents as the stream records them): a
+  row's marks are where each span after its first begins, where a recorded document end falls
+  inside a span, and where its padding begins; nothing else (a plain walk over each row's
+  spans, on rows whose spans straddle recorded ends)."""
+  rng = np.random.default_rng(4)
+  tokens, ends = _documents(list(rng.integers(1, 20, 300)), rng)
+  rows = packing.RowPacking(strategy, 0).rows(tokens, 13)
+  recorded = np.unique(np.concatenate([ends, rng.integers(1, len(tokens), 60)]))
+  ids = rng.permutation(len(rows))[:40]
+  got = packing.row_starts(rows, ids, 13, recorded)
+  for i, row in enumerate(ids.tolist()):
+    want, at = set(), 0
+    for start, length in rows.spans(row):
+      want |= {at} if at else set()
+      want |= {at + e - start for e in recorded.tolist() if start < e < start + length}
+      at += length
+    want |= {at} if at < 13 else set()
+    assert set(np.flatnonzero(got[i]).tolist()) == want, row
+
+
+@pytest.mark.parametrize('strategy', packing.STRATEGIES)
 def test_packed_sampler_and_eval_batches_pad_and_mask(strategy):
   """The sampler over rows of whole documents: each epoch visits every row once; a row is its
   documents then EOS padding, whose targets are not learned; eval batches are the rows in order."""

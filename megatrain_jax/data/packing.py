@@ -235,24 +235,37 @@ def _take(rooms: list[int], bins_with: dict[int, list[int]], at: int, most: int)
   return taken
 
 
+def _layout(rows: Rows, ids: np.ndarray) -> tuple[np.ndarray, ...]:
+  """Where the spans of rows `ids` go (every row has one or more): (row of each span [k], its
+  stream start [k], its length [k], its offset in its row [k]), rows in `ids` order and each
+  row's spans in order."""
+  ids = np.asarray(ids, np.int64).reshape(-1)
+  first = rows.offsets[ids]
+  counts = rows.offsets[ids + 1] - first
+  before = np.cumsum(counts) - counts  # each row's first span among the k
+  span = np.repeat(first - before, counts) + np.arange(counts.sum())
+  lengths = rows.lengths[span]
+  offsets = np.cumsum(lengths) - lengths  # of each span among all the rows' tokens
+  at = offsets - np.repeat(offsets[before], counts)
+  return np.repeat(np.arange(ids.size), counts), rows.starts[span], lengths, at
+
+
 def gather_rows(tokens, rows: Rows, ids: np.ndarray, window: int, pad: int,
                 stored_mask=None) -> tuple[np.ndarray, np.ndarray]:
   """(tokens [n, window] int32, mask [n, window - 1] uint8 of the targets) of rows `ids` of
   `rows`: each row's spans, then `pad` to `window`; a target is learned (1) when it is one of the
   row's own tokens and, given `stored_mask` (the stream's `.mask(index)`), learned there."""
-  out = np.full((len(ids), window), pad, np.int32)
-  mask = np.zeros((len(ids), window - 1), np.uint8)
-  for i, row in enumerate(np.asarray(ids).tolist()):
-    spans = rows.spans(row)
-    at = 0
-    for start, length in spans:
-      out[i, at:at + length] = tokens[start:start + length]
-      at += length
-    if at > 1 and stored_mask is None:
-      mask[i, :at - 1] = 1
-    elif at > 1:  # the stream positions of the row's tokens, the first one's dropped
-      positions = np.concatenate([np.arange(start, start + length) for start, length in spans])
-      mask[i, :at - 1] = stored_mask(positions[1:])
+  n = len(ids)
+  out = np.full((n, window), pad, np.int32)
+  mask = np.zeros((n, window - 1), np.uint8)
+  row, start, length, at = _layout(rows, ids)
+  span = np.repeat(np.arange(length.size), length)  # of each token
+  within = np.arange(length.sum()) - np.repeat(np.cumsum(length) - length, length)
+  where = start[span] + within  # each token's stream offset
+  r, c = row[span], at[span] + within  # and its place in the batch
+  out[r, c] = tokens[where]
+  target = c > 0  # the row's tokens after its first are its learned targets
+  mask[r[target], c[target] - 1] = 1 if stored_mask is None else stored_mask(where[target])
   return out, mask
 
 
@@ -263,14 +276,14 @@ def row_starts(rows: Rows, ids: np.ndarray, window: int, ends: np.ndarray) -> np
   them), where a document ends inside a span and so the next begins, and where the padding
   begins."""
   starts = np.zeros((len(ids), window), np.uint8)
-  for i, row in enumerate(np.asarray(ids).tolist()):
-    at = 0
-    for start, length in rows.spans(row):
-      inside = ends[np.searchsorted(ends, start, 'right'):
-                    np.searchsorted(ends, start + length, 'left')]
-      starts[i, at + inside - start] = 1
-      starts[i, at] = at > 0
-      at += length
-    if 0 < at < window:
-      starts[i, at] = 1
+  row, start, length, at = _layout(rows, ids)
+  starts[row[at > 0], at[at > 0]] = 1
+  lo = np.searchsorted(ends, start, 'right')  # the ends inside each span
+  count = np.searchsorted(ends, start + length, 'left') - lo
+  inside = np.repeat(lo - (np.cumsum(count) - count), count) + np.arange(count.sum())
+  span = np.repeat(np.arange(count.size), count)
+  starts[row[span], at[span] + ends[inside] - start[span]] = 1
+  size = np.bincount(row, weights=length, minlength=len(ids)).astype(np.int64)
+  padded = (size > 0) & (size < window)
+  starts[np.flatnonzero(padded), size[padded]] = 1
   return starts
