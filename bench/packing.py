@@ -1,6 +1,6 @@
 """Padding of rows of whole documents: data.pack='documents' (stream order) vs 'best_fit'.
 
-    python bench/packing.py [--seq_lens 512,1024,2048,4096] [--synthetic 1000000]
+    python bench/packing.py [--seq_lens 512,1024,2048,4096] [--synthetic 1000000] [--batch_rows 64]
 
 Documents are real text from ../shared/data, byte tokens (one per byte, as data.tokenizer='byte'
 stores them), each ending with EOS (byte 0), in an order fixed by a seeded shuffle:
@@ -10,16 +10,19 @@ stores them), each ending with EOS (byte 0), in an order fixed by a seeded shuff
 For each source and row length (seq_len + 1) it prints the rows each packing makes, the share of
 row tokens that are padding (not learned: the steps per epoch spent on nothing), and the seconds
 packing.RowPacking.rows took. `--synthetic N` adds N documents of log-normal lengths (median
-245 tokens, the scale of chat turns) to time the packer at corpus scale.
+245 tokens, the scale of chat turns) to time the packer at corpus scale, and the milliseconds
+laying out a batch of `--batch_rows` of its rows takes (and marking where their documents begin).
 """
 
 import argparse
 import pathlib
+import tempfile
 import time
 
 import numpy as np
 
 from megatrain_jax.data import packing
+from megatrain_jax.data import shards
 
 SHARED = pathlib.Path(__file__).resolve().parents[1].parent / 'shared' / 'data'
 
@@ -55,6 +58,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--seq_lens', default='512,1024,2048,4096')
   parser.add_argument('--synthetic', type=int, default=1_000_000)
+  parser.add_argument('--batch_rows', type=int, default=64)
   args = parser.parse_args()
   streams = {name: _stream(docs) for name, docs in _real_documents().items()}
   if args.synthetic:
@@ -78,6 +82,36 @@ def main():
       print(f'| {name} | {len(ends):,} | {median} | {seq_len} | {greedy:,} | {best:,} | '
             f'{greedy_pad:.1%} | {best_pad:.2%} | {1 - best / greedy:.1%} | {greedy_s:.2f} | '
             f'{best_s:.2f} |', flush=True)
+  if args.synthetic:
+    _batch_assembly(streams[f'synthetic {args.synthetic:,}'], args.batch_rows)
+
+
+def _batch_assembly(tokens: np.ndarray, batch_rows: int, repeats: int = 20) -> None:
+  """Milliseconds to lay out a batch of `batch_rows` packed rows (gather_rows: tokens and loss
+  mask) and, with the document mask over recorded ends, to mark where its documents begin
+  (row_starts): host work the training loop does before every step. The tokens are read as
+  prepared data is, from a shard file through a TokenStream."""
+  ends = packing.document_ends(tokens, 0)
+  shard = pathlib.Path(tempfile.mkdtemp()) / 'train-00000.bin'
+  tokens.astype('<u2').tofile(shard)
+  tokens = shards.TokenStream([(str(shard), None, 0, len(tokens))], 'uint16')
+  print(f'\n| seq_len | strategy | ms: gather_rows ({batch_rows} rows) | ms: row_starts |')
+  print('|---:|---|---:|---:|')
+  for seq_len in (512, 2048):
+    for strategy in packing.STRATEGIES:
+      rows = packing.RowPacking(strategy, 0).rows(tokens, seq_len + 1)
+      ids = np.random.default_rng(0).permutation(len(rows))[:batch_rows * repeats]
+      times = {}
+      for name, fn in (('gather', lambda b: packing.gather_rows(tokens, rows, b, seq_len + 1, 0)),
+                       ('starts', lambda b: packing.row_starts(rows, b, seq_len + 1, ends))):
+        if not hasattr(packing, 'row_starts') and name == 'starts':
+          continue  # a checkout from before Batch.starts
+        start = time.perf_counter()
+        for batch in ids.reshape(repeats, batch_rows):
+          fn(batch)
+        times[name] = 1e3 * (time.perf_counter() - start) / repeats
+      print(f"| {seq_len} | {strategy} | {times['gather']:.2f} | "
+            f"{times.get('starts', float('nan')):.2f} |", flush=True)
 
 
 if __name__ == '__main__':

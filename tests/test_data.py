@@ -19,7 +19,7 @@ from megatrain_jax.data import (BatchSampler, ByteTokenizer, HFTokenizer, check_
                                 default_corpus_text, eval_batches, load_data, load_split,
                                 load_tokenizer, open_tokens, prepare_dataset, read_dataset_info,
                                 unlearn_document_starts)
-from megatrain_jax.data import packing
+from megatrain_jax.data import TokenStream, packing
 from megatrain_jax.data import prepare as prepare_module
 from megatrain_jax.errors import ConfigError
 
@@ -488,6 +488,30 @@ def test_rows_of_whole_documents():
   # A trailing document without EOS is a document too.
   rows = packing.RowPacking('documents', 0).rows(np.array([3, 4, 0, 5, 6], np.uint16), 4)
   assert rows.starts.tolist() == [0, 3] and rows.lengths.tolist() == [3, 2]
+
+
+def test_token_stream_slices_equal_its_gather(tmp_path):
+  """TokenStream's slices of step 1 are copied part by part (a packed row's spans, the scans of
+  a split): the tokens and mask the same as gathered index by index, across segments of
+  several shards (with and without a mask), empty and out-of-range bounds included."""
+  rng = np.random.default_rng(2)
+  segments, tokens, masks = [], [], []
+  for i, (first, count) in enumerate([(3, 10), (0, 7), (29, 1), (5, 20)]):
+    ids = rng.integers(0, 1000, 30).astype('<u2')
+    ids.tofile(tmp_path / f'train-{i}.bin')
+    mask = (rng.random(30) < 0.5).astype(np.uint8)
+    mask.tofile(tmp_path / f'train-{i}.mask')
+    segments.append((str(tmp_path / f'train-{i}.bin'),
+                     str(tmp_path / f'train-{i}.mask') if i % 2 else None, first, count))
+    tokens.append(ids[first:first + count])
+    masks.append(mask[first:first + count] if i % 2 else np.ones(count, np.uint8))
+  stream = TokenStream(segments, 'uint16')
+  tokens, masks = np.concatenate(tokens), np.concatenate(masks)
+  for a in range(len(tokens) + 2):
+    for b in range(a, len(tokens) + 3):
+      np.testing.assert_array_equal(stream[a:b], tokens[a:b])
+      np.testing.assert_array_equal(stream.mask(slice(a, b)), masks[a:b])
+  np.testing.assert_array_equal(stream[1::3], tokens[1::3])  # other steps: gathered
 
 
 def _best_fit_loads(sizes, capacity):

@@ -255,17 +255,19 @@ def gather_rows(tokens, rows: Rows, ids: np.ndarray, window: int, pad: int,
   """(tokens [n, window] int32, mask [n, window - 1] uint8 of the targets) of rows `ids` of
   `rows`: each row's spans, then `pad` to `window`; a target is learned (1) when it is one of the
   row's own tokens and, given `stored_mask` (the stream's `.mask(index)`), learned there."""
-  n = len(ids)
-  out = np.full((n, window), pad, np.int32)
-  mask = np.zeros((n, window - 1), np.uint8)
-  row, start, length, at = _layout(rows, ids)
-  span = np.repeat(np.arange(length.size), length)  # of each token
-  within = np.arange(length.sum()) - np.repeat(np.cumsum(length) - length, length)
-  where = start[span] + within  # each token's stream offset
-  r, c = row[span], at[span] + within  # and its place in the batch
-  out[r, c] = tokens[where]
-  target = c > 0  # the row's tokens after its first are its learned targets
-  mask[r[target], c[target] - 1] = 1 if stored_mask is None else stored_mask(where[target])
+  out = np.full((len(ids), window), pad, np.int32)
+  mask = np.zeros((len(ids), window - 1), np.uint8)
+  for i, row in enumerate(np.asarray(ids).tolist()):
+    spans = rows.spans(row)
+    at = 0
+    for start, length in spans:
+      out[i, at:at + length] = tokens[start:start + length]
+      at += length
+    if at > 1 and stored_mask is None:
+      mask[i, :at - 1] = 1
+    elif at > 1:  # the stream positions of the row's tokens, the first one's dropped
+      positions = np.concatenate([np.arange(start, start + length) for start, length in spans])
+      mask[i, :at - 1] = stored_mask(positions[1:])
   return out, mask
 
 

@@ -270,14 +270,36 @@ class TokenStream:
       out[sel] = fill if parts[k] is None else parts[k][index[sel] - self._starts[k]]
     return out
 
+  def _slice(self, parts, index: slice, dtype, fill) -> np.ndarray | None:
+    """parts' values at `index` copied part by part, for a slice of step 1 (None otherwise:
+    gathered by index instead)."""
+    start, stop, step = index.indices(self._len)
+    if step != 1:
+      return None
+    out = np.empty(max(0, stop - start), dtype=dtype)
+    k = int(np.searchsorted(self._starts, start, side='right')) - 1
+    at = start
+    while at < stop:
+      end = min(stop, int(self._starts[k + 1]))
+      base = int(self._starts[k])
+      out[at - start:end - start] = fill if parts[k] is None else parts[k][at - base:end - base]
+      at, k = end, k + 1
+    return out
+
   def __getitem__(self, index) -> np.ndarray:
     if isinstance(index, slice):
+      sliced = self._slice(self._parts, index, self.dtype, 0)
+      if sliced is not None:
+        return sliced
       index = np.arange(*index.indices(self._len))
     return self._gather(self._parts, index, self.dtype, 0)
 
   def mask(self, index) -> np.ndarray:
     """The loss mask (uint8, 1 = learned) at `index` (an int array or slice)."""
     if isinstance(index, slice):
+      sliced = self._slice(self._masks, index, np.uint8, 1)
+      if sliced is not None:
+        return sliced
       index = np.arange(*index.indices(self._len))
     return self._gather(self._masks, index, np.uint8, 1)
 
