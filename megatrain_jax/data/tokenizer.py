@@ -180,6 +180,6 @@ def load_tokenizer(spec: str) -> Tokenizer:
 def _load_hf(path: Path, version: tuple) -> HFTokenizer:
   """The tokenizer of `path` as it is now (`version`: its inode, mtime and size, so a file
   written again is loaded again): a run's start asks for it several times (the model's check,
-  the data, the first records), and a 152k vocabulary takes ~0.3 s to parse each time."""
+  then the data), and a 152k vocabulary takes ~0.3 s to parse each time."""
   del version
   return HFTokenizer(path)
