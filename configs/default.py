@@ -42,6 +42,11 @@ def get_config() -> ml_collections.ConfigDict:
   model.tie_embeddings = True  # LM head = embedding transposed (no separate head matrix).
   model.norm_eps = 1e-5  # RMSNorm epsilon.
   model.sliding_window = 0  # Attend only to the last N positions (Mistral); 0 = full causal.
+  model.hf_architecture = ''  # The Hugging Face architecture the model was imported as
+  #                              (init.from_hf sets it): --export_hf writes that one where it
+  #                              computes the same function (a Mistral without a window stays
+  #                              MistralForCausalLM); '' = by function: Qwen3 with qk_norm, Qwen2
+  #                              with qkv_bias, Mistral with a window, else Llama.
   model.attention_chunk = 512  # Queries per attention block. Longer sequences run attention block by
   #                             block, each recomputed in the backward, so a layer holds B·H·512·S
   #                             scores instead of B·H·S·S (17 GB for 405B at 4096 tokens). Same

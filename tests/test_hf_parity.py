@@ -69,6 +69,10 @@ CASES = {
     # A window of 8 < SEQ makes it matter; head_dim 32 != d_model / num_heads tests that path.
     'mistral_window': (_MISTRAL, dict(num_key_value_heads=2, head_dim=32, sliding_window=8),
                        dict(sliding_window=8, head_dim=32, num_kv_heads=2)),
+    # Mistral v0.2 / v0.3: no window; it still exports as MistralForCausalLM (hf_architecture).
+    'mistral_no_window': (_MISTRAL, dict(num_key_value_heads=2, sliding_window=None),
+                          dict(sliding_window=0, num_kv_heads=2,
+                               hf_architecture='MistralForCausalLM')),
     # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, and Phi-3-mini's window (2047 there). No
     # pad_token_id: transformers' nn.Embedding(padding_idx) would keep that row's gradient zero.
     'phi3_window': (_PHI3, dict(num_key_value_heads=2, sliding_window=8, pad_token_id=None),
@@ -254,7 +258,7 @@ def test_save_hf_round_trip(case, saved, tokens, tmp_path):
   cfg, params = hf.load_hf(directory)
   hf.save_hf(tmp_path, cfg, params)
   cfg2, params2 = hf.load_hf(tmp_path)
-  assert cfg2 == cfg
+  assert cfg2.replace(hf_architecture=cfg.hf_architecture) == cfg
   jax.tree.map(np.testing.assert_array_equal, params2, params)
   # transformers itself must read the export as the same model.
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(
@@ -262,6 +266,7 @@ def test_save_hf_round_trip(case, saved, tokens, tmp_path):
   # Phi-3 is written unfused: the Mistral checkpoint (a window) of the same function.
   assert type(reloaded) is (transformers.MistralForCausalLM if case == 'phi3_window'
                             else type(model))
+  assert cfg2.hf_architecture == type(reloaded).__name__
   assert _max_err(_torch_logits(reloaded, tokens), _torch_logits(model, tokens)) <= 1e-5
 
 

@@ -37,10 +37,9 @@ import safetensors
 import safetensors.numpy
 
 from megatrain_jax.errors import ConfigError, UnsupportedModelError
-from megatrain_jax.model.config import ModelConfig, yarn_mscale
+from megatrain_jax.model.config import HF_ARCHITECTURES, ModelConfig, yarn_mscale
 
-SUPPORTED_ARCHITECTURES = ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM',
-                           'MistralForCausalLM', 'Phi3ForCausalLM')
+SUPPORTED_ARCHITECTURES = HF_ARCHITECTURES
 # `model_type` -> architecture, for config.json files without an `architectures` list.
 _MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
                 'qwen3': 'Qwen3ForCausalLM', 'mistral': 'MistralForCausalLM',
@@ -354,7 +353,7 @@ def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
         tie_embeddings=bool(hf_config.get('tie_word_embeddings', False)),
         init_std=float(hf_config.get('initializer_range', _DEFAULT_INIT_STD)),
         qkv_bias=arch == 'Qwen2ForCausalLM', qk_norm=arch == 'Qwen3ForCausalLM',
-        sliding_window=window, **rope)
+        sliding_window=window, hf_architecture=arch, **rope)
   except ConfigError as e:
     # ModelConfig names its own fields (model.*); say where the bad values came from.
     raise ConfigError(f'config.json does not describe a valid {arch}: {e}') from e
@@ -375,7 +374,8 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
   """The config.json (transformers 5 layout) of `cfg`; inverse of `model_config_from_hf`.
 
   Qwen3 when the model has q/k norms, Qwen2 when it has q/k/v biases, Mistral when it has a
-  sliding window, Llama otherwise.
+  sliding window or was imported as Mistral (model.hf_architecture: a Mistral without a window
+  stays one), Llama otherwise.
   """
   if cfg.qk_norm and cfg.qkv_bias:
     raise UnsupportedModelError('model.qk_norm with model.qkv_bias has no transformers '
@@ -385,7 +385,7 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
     arch = 'Qwen3ForCausalLM'
   elif cfg.qkv_bias:
     arch = 'Qwen2ForCausalLM'
-  elif cfg.sliding_window:
+  elif cfg.sliding_window or cfg.hf_architecture == 'MistralForCausalLM':
     arch = 'MistralForCausalLM'
   else:
     arch = 'LlamaForCausalLM'
@@ -415,7 +415,7 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
   if arch == 'LlamaForCausalLM':
     hf_config.update(attention_bias=False, mlp_bias=False)
   elif arch == 'MistralForCausalLM':
-    hf_config['sliding_window'] = cfg.sliding_window
+    hf_config['sliding_window'] = cfg.sliding_window or None
   else:  # Qwen2, Qwen3
     if arch == 'Qwen3ForCausalLM':
       hf_config['attention_bias'] = False

@@ -58,7 +58,7 @@ MODEL_FIELDS = {
     'qkv_bias': 'model.qkv_bias', 'qk_norm': 'model.qk_norm',
     'tie_embeddings': 'model.tie_embeddings',
     'norm_eps': 'model.norm_eps', 'sliding_window': 'model.sliding_window',
-    'init_std': 'model.init_std',
+    'init_std': 'model.init_std', 'hf_architecture': 'model.hf_architecture',
 }
 TOKENIZER_KEY = 'data.tokenizer'
 # Tokenizer files copied with a checkpoint (into a run, and by export); tokenizer.json is the one

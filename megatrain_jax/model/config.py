@@ -15,6 +15,9 @@ ROPE_SCALING_TYPES = ('none', 'linear', 'llama3', 'yarn')
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 MATMUL_PRECISIONS = ('highest', 'high', 'default')
 AUTO_VOCAB_CHUNK = 8192  # model.vocab_chunk = 0: see ModelConfig.resolved_vocab_chunk
+# The transformers architectures a model is imported from and exported as (hf/format.py).
+HF_ARCHITECTURES = ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM',
+                    'MistralForCausalLM', 'Phi3ForCausalLM')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,9 @@ class ModelConfig:
   tie_embeddings: bool = False
   norm_eps: float = 1e-5
   sliding_window: int = 0  # 0 = full causal attention (Mistral uses a window)
+  # The Hugging Face architecture it was imported as ('' = none): --export_hf writes that one
+  # where it computes the same function (hf/format.hf_config_from_model_config).
+  hf_architecture: str = ''
   attention_chunk: int = 512  # queries per attention block; 0 = all at once
   vocab_chunk: int = 0  # vocabulary columns per loss block; 0 = auto (resolved_vocab_chunk)
   init_std: float = 0.02
@@ -79,10 +85,7 @@ class ModelConfig:
           f'model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads='
           f'{self.num_kv_heads}: grouped-query attention shares each key/value head among '
           'num_heads / num_kv_heads query heads. Pick num_kv_heads dividing num_heads.')
-    _check_choice('model.remat', self.remat, REMAT_POLICIES)
-    _check_choice('model.rope_scaling.type', self.rope_scaling_type, ROPE_SCALING_TYPES)
-    _check_choice('model.dtype', self.dtype, COMPUTE_DTYPES)
-    _check_choice('model.matmul_precision', self.matmul_precision, MATMUL_PRECISIONS)
+    self._check_choices()
     # `not x > 0` rather than `x <= 0`: NaN fails every comparison and must be refused too.
     if not self.rope_theta > 0:
       raise ConfigError(f'model.rope_theta={self.rope_theta} must be > 0 (Llama uses 10000 or 500000).')
@@ -119,6 +122,15 @@ class ModelConfig:
                         f'{self.vocab_size}-token vocabulary (-1 = no document mask): '
                         'model.document_mask takes it from data.eos_token.')
 
+  def _check_choices(self) -> None:
+    for field, value, choices in (
+        ('remat', self.remat, REMAT_POLICIES),
+        ('rope_scaling.type', self.rope_scaling_type, ROPE_SCALING_TYPES),
+        ('dtype', self.dtype, COMPUTE_DTYPES),
+        ('matmul_precision', self.matmul_precision, MATMUL_PRECISIONS),
+        ('hf_architecture', self.hf_architecture, ('',) + HF_ARCHITECTURES)):
+      _check_choice(f'model.{field}', value, choices)
+
   def _check_yarn(self) -> None:
     fast, slow = self.rope_beta_fast, self.rope_beta_slow
     if not 0 < slow < fast:
@@ -153,7 +165,8 @@ class ModelConfig:
         rope_beta_slow=scaling.beta_slow, rope_attention_factor=scaling.attention_factor,
         rope_truncate=scaling.truncate, qkv_bias=model.qkv_bias,
         qk_norm=model.qk_norm, tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps,
-        sliding_window=model.sliding_window, attention_chunk=model.attention_chunk,
+        sliding_window=model.sliding_window, hf_architecture=model.hf_architecture,
+        attention_chunk=model.attention_chunk,
         vocab_chunk=model.vocab_chunk,
         init_std=model.init_std, dtype=model.dtype,
         matmul_precision=model.matmul_precision, remat=model.remat,
@@ -225,7 +238,8 @@ def _check_vocab_chunk(chunk, vocab_size):
 
 def _check_choice(field, value, choices):
   if value not in choices:
-    raise ConfigError(f'{field}={value!r} is not one of {", ".join(choices)}.')
+    raise ConfigError(f'{field}={value!r} is not one of '
+                      f'{", ".join(choice or repr(choice) for choice in choices)}.')
 
 
 def rope_inverse_frequencies(cfg: ModelConfig):
