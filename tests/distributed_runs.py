@@ -73,6 +73,7 @@ from helpers import (CFG, DOCUMENTS_CFG, JAX_CACHE_DIR, STEPS,  # noqa: E402
                      assert_states_match, initial_state, make_tx, small_config, with_documents)
 from megatrain_jax import distributed, train  # noqa: E402
 from megatrain_jax.checkpoint import Checkpointer, WeightsOnly  # noqa: E402
+from megatrain_jax.data import Batch, unlearn_starts  # noqa: E402
 from megatrain_jax.engine import resident  # noqa: E402
 from megatrain_jax.engine.functions import StageFunctions  # noqa: E402
 from megatrain_jax.engine.streamed import StreamedEngine  # noqa: E402
@@ -138,16 +139,24 @@ def streamed_run(layout: Layout, offload_dir: str, export: bool = True, cfg=CFG,
 
 def document_mask_runs(four: Layout, offload_dir: str) -> dict:
   """model.document_mask (EOS 3, at random places: each microbatch and row packs its own
-  documents) on one device, and the resident and host-tier streamed engines on the 4 devices:
-  {'reference': losses, name: {'losses', 'state_error'}}."""
+  documents; 'marked': data.Batch.starts at other random places, documents as prepared data
+  records them) on one device, and the resident and host-tier streamed engines on the 4
+  devices: {'reference' / 'marked reference': losses, name: {'losses', 'state_error'}}."""
   cfg, data = DOCUMENTS_CFG, with_documents(batches(), seed=17)
-  ref_losses, ref_state, _ = resident_run(Layout.single_device(), cfg=cfg, data=data)
-  out = {'reference': ref_losses}
-  for name, run in [('resident', lambda: resident_run(four, cfg=cfg, data=data)),
-                    ('host', lambda: streamed_run(four, offload_dir, cfg=cfg, data=data,
-                                                  **PLACEMENTS['host']))]:
-    losses, state, _ = run()
-    out[name] = {'losses': losses, 'state_error': state_error(state, ref_state)}
+  rng = np.random.default_rng(18)
+  marked = []
+  for tokens in data:
+    starts = (rng.random(tokens.shape) < 0.15).astype(np.uint8)
+    marked.append(Batch(tokens, unlearn_starts(starts, None), starts))
+  out = {}
+  for prefix, steps in (('', data), ('marked ', marked)):
+    ref_losses, ref_state, _ = resident_run(Layout.single_device(), cfg=cfg, data=steps)
+    out[prefix + 'reference'] = ref_losses
+    for name, run in [('resident', lambda: resident_run(four, cfg=cfg, data=steps)),
+                      ('host', lambda: streamed_run(four, offload_dir, cfg=cfg, data=steps,
+                                                    **PLACEMENTS['host']))]:
+      losses, state, _ = run()
+      out[prefix + name] = {'losses': losses, 'state_error': state_error(state, ref_state)}
   return out
 
 

@@ -144,13 +144,16 @@ def test_four_devices_train_like_one(runs, name):
   assert runs[name]['state_error'] is None, runs[name]['state_error']
 
 
+@pytest.mark.parametrize('marked', ['', 'marked '], ids=['by-eos', 'batch-starts'])
 @pytest.mark.parametrize('name', ['resident', 'host'])
-def test_four_devices_with_a_document_mask_train_like_one(runs, name):
+def test_four_devices_with_a_document_mask_train_like_one(runs, name, marked):
   """model.document_mask: positions and segments of batches split along B over the devices give
-  the one-device numbers, resident and streamed."""
+  the one-device numbers, resident and streamed; with documents found by their EOS, and where
+  the batches mark them (data.Batch.starts, split along B like the tokens)."""
   runs = runs['document_mask']
-  _assert_losses_match(runs[name]['losses'], runs['reference'])
-  assert runs[name]['state_error'] is None, runs[name]['state_error']
+  _assert_losses_match(runs[marked + name]['losses'], runs[marked + 'reference'])
+  assert runs[marked + name]['state_error'] is None, runs[marked + name]['state_error']
+  assert runs['marked reference'] != runs['reference']  # the marks, not the EOS ids, decide
 
 
 @pytest.mark.parametrize('name', ['resident', 'host', 'nvme'])
