@@ -42,7 +42,7 @@ import numpy as np
 from megatrain_jax import metrics
 from megatrain_jax import model as model_lib
 from megatrain_jax import partition
-from megatrain_jax.data import data_format, document_format
+from megatrain_jax.data import data_format, document_format, unlearn_starts
 from megatrain_jax.data import formats
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import head_chunks
@@ -166,9 +166,9 @@ def read_eval_data(path: str, tokenizer, data_config=None, document_eos: int = -
     ends = np.concatenate([e + at for (_, _, e), at in zip(pieces, offsets)])
     starts = np.zeros(tokens.size, np.uint8)
     starts[ends[ends < tokens.size]] = 1  # the next document begins where one ends
-    # A document's first token is not scored (data.unlearn_starts; token 0 never begins one).
-    mask = ((np.ones(tokens.size, np.uint8) if mask is None else mask) * (1 - starts)).astype(
-        np.uint8)
+    # A document's first token is not scored as a target (token 0 never is one).
+    mask = np.concatenate([np.ones(1, np.uint8),
+                           unlearn_starts(starts, None if mask is None else mask[1:])])
   if tokens.size < 2:
     raise ConfigError(f'eval.path: {path} has {tokens.size} token(s); perplexity needs at least 2.')
   if mask is not None and not mask[1:].any():

@@ -231,39 +231,35 @@ class _Windows:
       return windows * self.window
     return self._rows.starts[self._rows.offsets[windows]]
 
-  def _document_ends(self) -> np.ndarray | None:
-    """The stream's recorded document ends (TokenStream.document_ends), None where it has none:
-    its documents are then found by their EOS."""
-    if getattr(self.tokens, 'has_document_ends', False):
-      return self.tokens.document_ends()
-    return None
-
   def gather(self, windows: np.ndarray, with_mask: bool, document_eos: int = -1):
     """(tokens [n, window] int32, mask [n, window - 1] uint8 of the targets or None, and with
-    `document_eos` >= 0 (model.document_mask) Batch.starts [n, window] uint8, else None): where
-    documents begin as the stream records them, else after each `document_eos`."""
-    ends = self._document_ends() if document_eos >= 0 else None
+    `document_eos` >= 0 (model.document_mask) Batch.starts [n, window] uint8, else None)."""
     if self._rows is not None:
       tokens, mask = packing.gather_rows(self.tokens, self._rows, windows, self.window,
                                          self._packing.eos,
                                          self.tokens.mask if self.stored_mask else None)
-      if document_eos < 0:
-        return tokens, mask, None
-      return tokens, mask, (eos_starts(tokens, document_eos) if ends is None else
-                            packing.row_starts(self._rows, windows, self.window, ends))
-    first = self.starts(windows)
-    index = first[:, None] + np.arange(self.window)
+      return tokens, mask, self._document_starts(tokens, windows, document_eos)
+    index = self.starts(windows)[:, None] + np.arange(self.window)
     # np.array (not asarray) so the result is a plain in-memory ndarray, not a memmap view.
     tokens = np.array(self.tokens[index], dtype=np.int32)
-    starts = None
-    if document_eos >= 0:
-      starts = (eos_starts(tokens, document_eos) if ends is None else
-                window_starts(ends, first, self.window))
-    if not with_mask:
-      return tokens, None, starts
-    if not self.stored_mask:
-      return tokens, np.ones((len(windows), self.window - 1), dtype=np.uint8), starts
-    return tokens, self.tokens.mask(index[:, 1:]), starts
+    mask = None
+    if with_mask:
+      mask = (self.tokens.mask(index[:, 1:]) if self.stored_mask else
+              np.ones((len(windows), self.window - 1), dtype=np.uint8))
+    return tokens, mask, self._document_starts(tokens, windows, document_eos)
+
+  def _document_starts(self, tokens: np.ndarray, windows: np.ndarray,
+                       document_eos: int) -> np.ndarray | None:
+    """Batch.starts of these windows' `tokens`: where documents begin as the stream records them,
+    else after each `document_eos`; None without a document mask (`document_eos` < 0)."""
+    if document_eos < 0:
+      return None
+    ends = packing.recorded_ends(self.tokens)
+    if ends is None:
+      return eos_starts(tokens, document_eos)
+    if self._rows is not None:
+      return packing.row_starts(self._rows, windows, self.window, ends)
+    return window_starts(ends, self.starts(windows), self.window)
 
 
 def window_starts(ends: np.ndarray, first: np.ndarray, window: int) -> np.ndarray:
@@ -271,10 +267,8 @@ def window_starts(ends: np.ndarray, first: np.ndarray, window: int) -> np.ndarra
   stream whose documents end at `ends` (TokenStream.document_ends): 1 at each offset inside a
   window (not its first) where a document ends and so the next begins."""
   starts = np.zeros((len(first), window), np.uint8)
-  lo = np.searchsorted(ends, first, side='right')  # the first end past each window's start
-  hi = np.searchsorted(ends, first + window, side='left')  # ... and inside it
-  for row, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
-    starts[row, ends[a:b] - first[row]] = 1
+  packing.mark_ends_inside(starts, ends, np.arange(len(first)), first,
+                           np.full(len(first), window), np.zeros(len(first), np.int64))
   return starts
 
 

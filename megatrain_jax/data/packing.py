@@ -72,13 +72,27 @@ class RowPacking:
   def rows(self, tokens, window: int) -> Rows:
     """The rows of at most `window` tokens of stream `tokens` (module docstring): its documents
     as it records them (TokenStream.document_ends), else as the EOS ends them."""
-    ends = (tokens.document_ends() if getattr(tokens, 'has_document_ends', False) else
-            document_ends(tokens, self.eos))
+    ends = recorded_ends(tokens)
+    if ends is None:
+      ends = document_ends(tokens, self.eos)
     if self.strategy == 'documents':
       return _stream_order_rows(ends, window)
     if self.strategy == 'best_fit':
       return _best_fit_rows(ends, window)
     raise ValueError(f'packing strategy {self.strategy!r} is not one of {STRATEGIES}')
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+  """[sum(counts)] int64: each element's place in its group, of groups of `counts` laid end to
+  end (counts [2, 3] -> [0 1 0 1 2])."""
+  counts = np.asarray(counts, np.int64)
+  return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def recorded_ends(tokens) -> np.ndarray | None:
+  """The document ends a stream records (TokenStream.document_ends), None where it has none
+  (plain text, data prepared by an older version): its documents are then found by their EOS."""
+  return tokens.document_ends() if getattr(tokens, 'has_document_ends', False) else None
 
 
 def document_ends(tokens, eos: int) -> np.ndarray:
@@ -143,8 +157,7 @@ def _best_fit_rows(ends: np.ndarray, window: int) -> Rows:
     # A document longer than a row: its row-sized pieces from its start, each a row of its own
     # (in document order), then its remainder (1..window tokens) packed like a document.
     pieces = (lengths - 1) // window  # [n] full pieces before the remainder
-    piece_starts = np.repeat(starts, pieces) + window * (
-        np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces))
+    piece_starts = np.repeat(starts, pieces) + window * _within(pieces)
     items, sizes = starts + window * pieces, lengths - window * pieces
     bins = _best_fit_decreasing(sizes, window)
     packed = np.lexsort((np.arange(len(bins)), bins))  # by row, stream order within a row
@@ -165,8 +178,7 @@ def _shuffled_rows(starts: np.ndarray, lengths: np.ndarray, row_spans: np.ndarra
   order = np.random.default_rng(seed).permutation(len(row_spans))
   spans = row_spans[order]
   # Span k of the new order: its row's first span, plus its place within that row.
-  index = np.repeat(first_span[order], spans) + (
-      np.arange(spans.sum()) - np.repeat(np.cumsum(spans) - spans, spans))
+  index = np.repeat(first_span[order], spans) + _within(spans)
   return np.asarray(starts, np.int64)[index], np.asarray(lengths, np.int64)[index], spans
 
 
@@ -243,7 +255,7 @@ def _layout(rows: Rows, ids: np.ndarray) -> tuple[np.ndarray, ...]:
   first = rows.offsets[ids]
   counts = rows.offsets[ids + 1] - first
   before = np.cumsum(counts) - counts  # each row's first span among the k
-  span = np.repeat(first - before, counts) + np.arange(counts.sum())
+  span = np.repeat(first, counts) + _within(counts)
   lengths = rows.lengths[span]
   offsets = np.cumsum(lengths) - lengths  # of each span among all the rows' tokens
   at = offsets - np.repeat(offsets[before], counts)
@@ -280,12 +292,20 @@ def row_starts(rows: Rows, ids: np.ndarray, window: int, ends: np.ndarray) -> np
   starts = np.zeros((len(ids), window), np.uint8)
   row, start, length, at = _layout(rows, ids)
   starts[row[at > 0], at[at > 0]] = 1
-  lo = np.searchsorted(ends, start, 'right')  # the ends inside each span
-  count = np.searchsorted(ends, start + length, 'left') - lo
-  inside = np.repeat(lo - (np.cumsum(count) - count), count) + np.arange(count.sum())
-  span = np.repeat(np.arange(count.size), count)
-  starts[row[span], at[span] + ends[inside] - start[span]] = 1
+  mark_ends_inside(starts, ends, row, start, length, at)
   size = np.bincount(row, weights=length, minlength=len(ids)).astype(np.int64)
   padded = (size > 0) & (size < window)
   starts[np.flatnonzero(padded), size[padded]] = 1
   return starts
+
+
+def mark_ends_inside(starts: np.ndarray, ends: np.ndarray, row: np.ndarray, start: np.ndarray,
+                     length: np.ndarray, at: np.ndarray) -> None:
+  """Sets 1 in Batch.starts [n, window] where a document ends inside a span and so the next
+  begins: spans of the stream [start, start + length) [k], each laid at offset `at` [k] of row
+  `row` [k] (a stream window: one span per row, at 0); `ends` as TokenStream.document_ends."""
+  lo = np.searchsorted(ends, start, 'right')
+  count = np.searchsorted(ends, start + length, 'left') - lo  # the ends inside each span
+  inside = np.repeat(lo, count) + _within(count)
+  span = np.repeat(np.arange(count.size), count)
+  starts[row[span], at[span] + ends[inside] - start[span]] = 1

@@ -455,13 +455,14 @@ def _splits(job: _Job, progress: dict[str, Any]) -> dict[str, Any]:
   has_mask = any(s['mask'] for st in streams.values() for s in st['shards'])
   return {'train_tokens': train_tokens, 'val_tokens': val_tokens,
           'splits': {k: [list(seg) for seg in v] for k, v in splits.items()},
-          'has_mask': bool(has_mask), 'document_ends': _records_ends(streams)}
+          'has_mask': bool(has_mask),
+          'document_ends': _records_ends(s for st in streams.values() for s in st['shards'])}
 
 
-def _records_ends(streams: dict[str, Any]) -> bool:
+def _records_ends(shard_list: Iterable[dict[str, Any]]) -> bool:
   """Whether every shard records where its documents end (shards.py); a prepare of an older
   version resumed by this one may have shards without."""
-  return all(s.get('ends') is not None for st in streams.values() for s in st['shards'])
+  return all(s.get('ends') is not None for s in shard_list)
 
 
 def _document_boundary(job: _Job, train_shards: list, cut: int) -> int:
@@ -470,7 +471,7 @@ def _document_boundary(job: _Job, train_shards: list, cut: int) -> int:
   token (the validation split would be empty). Where the shards record their documents' ends,
   those; else the first EOS."""
   total = sum(s['tokens'] for s in train_shards)
-  if _records_ends({'train': {'shards': train_shards}}):
+  if _records_ends(train_shards):
     ends = shards.TokenStream([(str(job.out_dir / f), None, start, n) for f, _, start, n in
                                shards.split_segments(train_shards, 0, total)], job.dtype,
                               document_ends=True).document_ends()

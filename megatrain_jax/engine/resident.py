@@ -55,9 +55,9 @@ def accumulate_gradients(loss_and_grad, params, batch, weights=None, constrain=l
   [M, B, S+1]: where documents begin (data.Batch.starts).
   """
   num_micro = batch.shape[0]
-  # loss_and_grad(params, batch[, weights[, starts]]): only the arguments there are.
-  given = (batch,) + ((weights,) if weights is not None or starts is not None else ()) + (
-      (starts,) if starts is not None else ())
+  given = (batch, weights, starts)
+  while given[-1] is None:  # loss_and_grad(params, batch[, weights[, starts]]): no trailing Nones
+    given = given[:-1]
   if num_micro == 1:
     return loss_and_grad(params, *(None if a is None else a[0] for a in given))
 
