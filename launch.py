@@ -23,6 +23,7 @@ training started (nothing trained yet). docs/preemption.md.
 """
 
 import os
+import re
 import signal
 import sys
 import traceback
@@ -119,7 +120,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   try:
     rest = flags.FLAGS(argv)
   except flags.Error as e:
-    sys.exit(f'error: {e}. Run with --helpshort to list the flags.')
+    sys.exit(_config_file_error(str(e)) or f'error: {e}. Run with --helpshort to list the flags.')
   if len(rest) > 1:
     jobs = [name for name in _MEANT_FOR if flags.FLAGS[name].value]
     hint = (_meant(jobs[0], rest[1]) if jobs and len(rest) == 2 else
@@ -129,6 +130,23 @@ def _parse_flags(argv: list[str]) -> list[str]:
              f'{" ".join(repr(a) for a in rest[1:])}: launch.py takes flags only; {hint}. Run '
              'with --helpshort to list the flags.')
   return rest
+
+
+def _config_file_error(message: str) -> str | None:
+  """One line for an exception raised inside a config file's get_config() (ml_collections hands
+  on its traceback inside the flag error): the file, the line and the exception, or None for
+  another flag error."""
+  head, marker, trace = message.partition('Error whilst parsing config file:')
+  if not marker:
+    return None
+  path = head.strip().rstrip(':').split('=', 1)[-1]
+  frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n +(.+)', trace)
+  where = [f'line {line} ({code.strip()})' for file, line, code in frames if file == path]
+  lines = [line for line in trace.strip().splitlines() if line.strip()]
+  raised = next((line.strip() for line in reversed(lines)
+                 if re.match(r'[\w.]+(Error|Exception)\b.*:', line)), lines[-1].strip())
+  at = f' at {where[-1]}' if where else ''
+  return f'error: --config={path}: its get_config() raised{at}: {raised}. Fix the config file.'
 
 
 def _meant(job: str, value: str) -> str:

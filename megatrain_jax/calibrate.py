@@ -171,6 +171,9 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
   baseline = process_rss_bytes()
   known = PRESETS['cpu'] if cpu else PRESETS.get(preset_for(device.device_kind) or '')
   probe_dir = pathlib.Path(directory).expanduser() / '.calibrate'
+  # The directories mkdir makes (innermost first), removed again if empty: a calibration leaves
+  # no <workdir>/offload behind.
+  made = [path for path in (probe_dir, *probe_dir.parents) if not path.exists()]
   probe_dir.mkdir(parents=True, exist_ok=True)
   started = time.perf_counter()
   try:
@@ -194,6 +197,11 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
         'assumes the host link for more)')
   finally:
     shutil.rmtree(probe_dir, ignore_errors=True)
+    for path in made[1:]:
+      try:
+        path.rmdir()
+      except OSError:  # not empty: something else is there now
+        break
   profile = HardwareProfile(
       name=f'calibrated-{device.device_kind}', device_kind=device.device_kind,
       device_memory_gb=machine_memory_gb() if cpu else device_memory_gb(),

@@ -899,11 +899,14 @@ def _sampling(config, tokenizer, overrides) -> dict:
     chosen = {field for field in SAMPLING_FIELDS if settings[field] != default[field]}
   adopted, path = data_lib.sampling_defaults(tokenizer, chosen)
   values = {field: adopted.get(field, settings[field]) for field in SAMPLING_FIELDS}
-  described = ('greedy' if values['temperature'] == 0 else ', '.join(
-      f'{field} {values[field]:g}' for field in SAMPLING_FIELDS[:3]))
-  if values['repetition_penalty'] != 1:
-    described += f', repetition_penalty {values["repetition_penalty"]:g}'
-  source = f' (as {path} asks, where the command line is silent)' if adopted else ''
+  shown = ['temperature'] + [field for field in SAMPLING_FIELDS[1:3] if values['temperature']]
+  shown += ['repetition_penalty'] * (values['repetition_penalty'] != 1)
+  described = ', '.join(f'{field} {values[field]:g}' for field in shown)
+  if values['temperature'] == 0:
+    described = described.replace('temperature 0', 'greedy')
+  from_file = [field for field in shown if field in adopted]  # the rest: command line or config
+  source = (f' ({", ".join(from_file)} as {path} asks, where the command line is silent)'
+            if from_file else '')
   print(f'sampling: {described}{source}', flush=True)
   return values
 

@@ -143,6 +143,23 @@ def test_launch_refuses_words_that_are_not_flags(tmp_path, args, fragment):
   assert not (tmp_path / 'w').exists()
 
 
+def test_a_config_file_whose_get_config_raises_is_one_line_naming_the_file_and_line(tmp_path):
+  """A config file that assigns a float to an integer field raises inside ml_collections, which
+  hands its whole traceback on inside absl's flag error. One line instead: the file, the line of
+  it that raised and the exception, before anything is written."""
+  config_file = tmp_path / 'mine.py'
+  config_file.write_text('from megatrain_jax import config as config_lib\n\n\n'
+                         'def get_config():\n'
+                         '  config = config_lib.load_config("tiny")\n'
+                         '  config.train.steps = 2.5\n'
+                         '  return config\n')
+  result = run_launch('--config', str(config_file), f'--workdir={tmp_path / "w"}')
+  _assert_one_error_line(result, f'--config={config_file}: its get_config() raised at line 6 '
+                         '(config.train.steps = 2.5): TypeError: Could not override field')
+  assert 'Fix the config file.' in result.stderr and 'Traceback' not in result.stderr
+  assert not (tmp_path / 'w').exists()
+
+
 def test_launch_reports_an_unknown_config_name():
   result = run_launch('--config', 'no_such_size', '--dry_run')
   assert result.returncode != 0 and 'no_such_size' in result.stderr and 'tiny' in result.stderr

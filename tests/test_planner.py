@@ -452,15 +452,17 @@ def test_runtime_baseline_of_a_multi_process_run_is_the_profile_figure(monkeypat
 
 @pytest.fixture(scope='module')
 def calibrated_profile(tmp_path_factory):
-  """`launch.py --calibrate` writes a loadable profile in under 60 s."""
+  """`launch.py --calibrate` writes a loadable profile in under 60 s, and leaves no directory
+  behind for its disk probe (<workdir>/offload/.calibrate)."""
   out = tmp_path_factory.mktemp('profile') / 'hw.json'
   started = time.perf_counter()
   result = subprocess.run([sys.executable, 'launch.py', '--calibrate', f'--profile_out={out}',
-                           f'--workdir={out.parent}'], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=180)
+                           f'--workdir={out.parent / "run"}'], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=180)
   elapsed = time.perf_counter() - started
   assert result.returncode == 0, result.stderr[-3000:]
   assert elapsed < 60, elapsed
+  assert not (out.parent / 'run').exists()
   profile = hardware.load_profile(str(out))
   assert profile.disk_read_gbps > 0 and profile.compute_tflops
   return out

@@ -200,8 +200,7 @@ def test_sample_command_stops_at_generation_config_eos_ids(checkpoints, tmp_path
   assert got['sample/tokens'] == end + 1
   assert got['sample/text'] == ' '.join(f't{i}' for i in greedy[:end])
   assert capsys.readouterr().out.splitlines() == [
-      f'sampling: greedy (as {tmp_path}/tok/generation_config.json asks, where the command line '
-      'is silent)', words + got['sample/text'], f"[{end} new tokens; the model wrote 't{stop}', a "
+      'sampling: greedy', words + got['sample/text'], f"[{end} new tokens; the model wrote 't{stop}', a "
       'stop id]']
   # An instruct tokenizer whose own EOS ends its chat turns, with data.eos_token ending the
   # documents instead (as the EOS-inside-documents refusal asks): both stop it.
@@ -231,7 +230,9 @@ def test_sample_command_samples_as_generation_config_asks(checkpoints, tmp_path,
   assert got['sample/tokens'] == want.size
   assert got['sample/text'] == ' '.join(f't{i}' for i in want[:want.size - (want[-1] == 0)])
   assert capsys.readouterr().out.startswith(
-      'sampling: temperature 0.7, top_k 20, top_p 0.8, repetition_penalty 1.05 (as ')
+      'sampling: temperature 0.7, top_k 20, top_p 0.8, repetition_penalty 1.05 (temperature, '
+      f'top_k, top_p, repetition_penalty as {tmp_path}/tok/generation_config.json asks, where the '
+      'command line is silent)')
   # The command line's temperature (greedy) wins; the file's penalty still applies.
   config.sample.temperature = 0.0
   greedy = train.sample(config, str(tmp_path / 'w'), overrides=['sample.temperature'])
@@ -239,6 +240,8 @@ def test_sample_command_samples_as_generation_config_asks(checkpoints, tmp_path,
                          eos_id=0)
   assert greedy['sample/tokens'] == want.size and greedy['sample/text'].startswith(
       ' '.join(f't{i}' for i in want[:3]))
+  assert capsys.readouterr().out.startswith(  # greedy came from the command line, not the file
+      'sampling: greedy, repetition_penalty 1.05 (repetition_penalty as ')
   config.data.tokenizer = _word_tokenizer(tmp_path / 'bad', {**asks, 'top_p': 1.5})
   with pytest.raises(ConfigError, match=r'generation_config.json has top_p=1.5.*sample.top_p'):
     train.sample(config, str(tmp_path / 'w'))
@@ -315,7 +318,8 @@ def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):
        'sample.prompt and sample.prompts: set one'),
       (dict(sample__prompts='p.txt', sample__out='/nonexistent/o.jsonl'),
        "sample.out='/nonexistent/o.jsonl': its directory does not exist"),
-      (dict(sample__prompt='x', sample__chat=True), 'sample.chat: data.tokenizer has no chat'),
+      (dict(sample__prompt='x', sample__chat=True), 'sample.chat: data.tokenizer has no chat '
+       'template .*set data.chat_template to a template file'),
   ]:
     with pytest.raises(ConfigError, match=message):
       train.sample(config_with(**base, **overrides), str(tmp_path / 'w'))

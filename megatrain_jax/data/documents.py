@@ -518,7 +518,8 @@ def prompt_ids(prompt: str | list | dict, tokenizer: Tokenizer, fmt: DocumentFor
   elif chat:
     if not fmt.chat_template:
       raise ConfigError('sample.chat: data.tokenizer has no chat template (tokenizer_config.json '
-                        "'chat_template'); set sample.chat=False to continue the plain text.")
+                        "'chat_template'); set data.chat_template to a template file (jinja2), "
+                        'or sample.chat=False to continue the plain text.')
     messages = [{'role': 'system', 'content': system}] if system else []
     text = _render(messages + [{'role': 'user', 'content': prompt}], fmt, generation_prompt=True)
   else:
