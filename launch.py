@@ -2,7 +2,7 @@
 
   python launch.py                                  # configs/default.py (tiny model, CPU minutes)
   python launch.py --config tiny --config.train.steps=50 --workdir runs/x
-  python launch.py --config 101b --dry_run          # memory plan and predicted step time, no allocation
+  python launch.py --config 101b --dry_run --config.hardware=h200  # plan for an H200, no allocation
   python launch.py --calibrate                      # measure this machine for the planner (< 60 s)
   python launch.py --prepare --config.data.path=corpus.jsonl.zst   # tokenize only (resumable)
   python launch.py --config.init.from_hf=/models/llama --workdir runs/ft   # fine-tune an HF model
@@ -209,9 +209,7 @@ def main(argv):
 def _run(train):
   """The job the flags ask for."""
   if _PREPARE.value:
-    from megatrain_jax import data  # pylint: disable=g-import-not-at-top
-    info, _ = data.load_data(_CONFIG.value.data, _WORKDIR.value, progress=True)
-    print(data.prepare_summary(info))
+    train.prepare(_CONFIG.value, _WORKDIR.value, _overrides())
   elif _CALIBRATE.value:
     train.calibrate(_CONFIG.value, _WORKDIR.value, _PROFILE_OUT.value)
   elif _DRY_RUN.value:

@@ -31,6 +31,8 @@ import numpy as np
 
 from megatrain_jax import fs
 from megatrain_jax import hf
+from megatrain_jax import data as data_lib
+from megatrain_jax.data import documents
 from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.hf.format import tensor_map
@@ -162,6 +164,22 @@ def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
   return [out_dir / name for name in names]
 
 
+def special_token_ids(tokenizer: str) -> dict[str, int]:
+  """config.json's bos_token_id, eos_token_id and pad_token_id: the ids of the tokens the
+  tokenizer's tokenizer_config.json names, where it names them. transformers' generate stops at
+  config.json's eos_token_id where no generation_config.json says otherwise (a source without
+  one exported without them would never stop)."""
+  loaded = data_lib.load_tokenizer(tokenizer)
+  names = documents.read_tokenizer_config(loaded)
+  ids = {}
+  for field in ('bos_token', 'eos_token', 'pad_token'):
+    text = documents.token_text(names.get(field))
+    token = loaded.token_id(text) if text else None
+    if token is not None:
+      ids[f'{field}_id'] = int(token)
+  return ids
+
+
 def _write_files(reader, cfg: ModelConfig, out_dir: Path, dtype: str, max_shard_bytes: int,
                  tokenizer: str, chat_template: str) -> list[str]:
   """`export`'s files written into `out_dir`; returns their names."""
@@ -179,6 +197,8 @@ def _write_files(reader, cfg: ModelConfig, out_dir: Path, dtype: str, max_shard_
     (out_dir / _INDEX_FILE).write_text(json.dumps(index, indent=2) + '\n')
     written.append(_INDEX_FILE)
   config = hf.hf_config_from_model_config(cfg) | {'dtype': dtype}
+  if tokenizer != 'byte':
+    config |= special_token_ids(tokenizer)
   (out_dir / 'config.json').write_text(json.dumps(config, indent=2) + '\n')
   written.append('config.json')
   if tokenizer != 'byte':

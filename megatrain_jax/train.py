@@ -110,6 +110,21 @@ def dry_run(config: ml_collections.ConfigDict, workdir: str | None = None,
   return {**sizes, 'plan': plan}
 
 
+def prepare(config: ml_collections.ConfigDict, workdir: str,
+            overrides: Iterable[str] | None = None) -> data_lib.DatasetInfo:
+  """--prepare: tokenizes config.data into <workdir>/data as the run in `workdir` will read it,
+  with the tokenizer it will use (init.from_hf's, init.from_run's or its checkpoint's unless
+  data.tokenizer is set, copied into the workdir as training copies it); prints the summary."""
+  config, source = resolve_init(config, workdir, overrides)
+  path = config_lib.check_workdir(workdir)
+  data_lib.check_data_config(config.data, config.train)
+  _check_tokenizer(config, config_lib.validate(config))
+  config = _adopt_chat_template(_adopt_tokenizer(config, source, path), path)
+  info, _ = data_lib.load_data(config.data, path, progress=True)
+  print(data_lib.prepare_summary(info), flush=True)
+  return info
+
+
 def calibrate(config: ml_collections.ConfigDict, workdir: str, out: str = '') -> pathlib.Path:
   """Measures this machine, saves its hardware profile (default: hardware.PROFILE_CACHE)."""
   enable_compilation_cache(config.jax_cache_dir)
@@ -201,25 +216,77 @@ def newest_checkpoint_meta(workdir: pathlib.Path) -> dict | None:
 
 
 def _run_data_field(workdir: pathlib.Path, name: str) -> str | None:
-  """data.<name> of the run in `workdir` (its config.json), if it recorded one."""
+  """data.<name> of the run in `workdir` (its config.json), if it recorded one. A file the run
+  copied into its workdir (its tokenizer, its chat template) is read from `workdir`: config.json
+  records the path it had when it was written, and the run may have been moved or copied since
+  (a copy would otherwise read the original's files, a moved run find none)."""
   try:
-    return json.loads((workdir / 'config.json').read_text())['data'][name]
+    value = json.loads((workdir / 'config.json').read_text())['data'][name]
   except (OSError, ValueError, KeyError, TypeError):
     return None
+  if not isinstance(value, str) or not value:
+    return value
+  recorded = pathlib.Path(value)
+  for copy in (pathlib.Path(HF_TOKENIZER_DIR, recorded.name), pathlib.Path(CHAT_TEMPLATE_FILE)):
+    if recorded.parts[-len(copy.parts):] == copy.parts and (workdir / copy).is_file():
+      return str(workdir / copy)
+  return value
 
 
 def _config_from_run(config, workdir: pathlib.Path, meta: dict, overrides):
   """`config` with the model shape of the run's checkpoint and, unless set, its tokenizer, chat
   template and EOS (data.eos_token: what ends each document, and with model.document_mask the
   id the model finds documents by, as it did in training)."""
+  trained_with = _run_data_field(workdir, 'tokenizer')
   config = hf.apply_fields(config, hf.model_fields(meta['model_config']),
-                           f'the checkpoint in {workdir / "checkpoints"}', overrides,
-                           _run_data_field(workdir, 'tokenizer'))
+                           f'the checkpoint in {workdir / "checkpoints"}', overrides, trained_with)
+  _check_same_tokenizer(config.data.tokenizer, trained_with, workdir)
   for field in ('chat_template', 'eos_token'):
     value = _run_data_field(workdir, field)
     if value and not config.data[field]:
       config_lib.set_field(config, f'data.{field}', value)
   return config
+
+
+def _check_same_tokenizer(given: str, trained_with: str | None, workdir: pathlib.Path) -> None:
+  """Refuses data.tokenizer `given` where its content differs from the tokenizer the run in
+  `workdir` trained with: its ids would name other tokens to the checkpoint's embedding rows.
+  The same file elsewhere is that tokenizer; a run whose tokenizer is gone is not compared."""
+  if not trained_with or given == trained_with:
+    return
+  try:
+    was = data_lib.load_tokenizer(trained_with).name
+  except ConfigError:  # moved or deleted since: nothing to compare with
+    return
+  if data_lib.load_tokenizer(given).name != was:
+    raise ConfigError(f'data.tokenizer={given} is not the tokenizer the run in {workdir} trained '
+                      f'with ({trained_with}): its ids name other tokens to the checkpoint\'s '
+                      'embeddings. Drop the data.tokenizer override to use the run\'s own.')
+
+
+def _check_same_start(config, workdir: pathlib.Path, meta: dict) -> None:
+  """Refuses an init.from_hf or init.from_run that differs from the one the run in `workdir`
+  recorded when it started: a run with a checkpoint resumes from it and never reads them, so a
+  changed one would be silently ignored (the user asked for other weights)."""
+  try:
+    recorded = json.loads((workdir / 'config.json').read_text())['init']
+  except (OSError, ValueError, KeyError, TypeError):
+    return
+  for field in ('from_hf', 'from_run'):
+    given, was = config.init[field], recorded.get(field) or ''
+    if given and given != was and not (was and _same_path(given, was)):
+      raise ConfigError(
+          f'init.{field}={given}: {workdir} holds a run (checkpoint step {meta["step"]}) that '
+          f'started from {was or "a fresh init"}; a workdir with a checkpoint resumes from it '
+          f'(--eval and --sample read it), and init.{field} is read only where there is none. '
+          f'Drop the init.{field} override, or pass a new --workdir to start from it.')
+
+
+def _same_path(a: str, b: str) -> bool:
+  try:
+    return pathlib.Path(a).expanduser().resolve() == pathlib.Path(b).expanduser().resolve()
+  except OSError:
+    return False
 
 
 class RunSource(NamedTuple):
@@ -245,6 +312,7 @@ def resolve_init(config, workdir: str, overrides: Iterable[str] | None = None):
   path = config_lib.check_workdir(workdir)
   meta = newest_checkpoint_meta(path)
   if meta is not None:
+    _check_same_start(config, path, meta)
     return _config_from_run(config, path, meta, overrides), None
   if init.from_hf:
     checkpoint = hf.inspect_checkpoint(init.from_hf)
@@ -421,7 +489,11 @@ def _check_tokenizer(config, model_cfg):
   do not fit the model's vocabulary."""
   tokenizer = data_lib.load_tokenizer(config.data.tokenizer)
   if tokenizer.vocab_size > model_cfg.vocab_size:
-    fix = ('the checkpoint (init.from_hf) fixes the model\'s vocabulary: use its tokenizer '
+    own = config.init.from_hf and _same_path(
+        str(pathlib.Path(config.data.tokenizer).parent), config.init.from_hf)
+    fix = ('the checkpoint\'s own tokenizer.json and its config.json disagree: it is not the '
+           'tokenizer this model was trained with; set data.tokenizer to the one it was' if own
+           else 'the checkpoint (init.from_hf) fixes the model\'s vocabulary: use its tokenizer '
            '(leave data.tokenizer unset) or one that fits' if config.init.from_hf else
            'Raise model.vocab_size or change data.tokenizer')
     raise ConfigError(f'model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer '
@@ -740,6 +812,7 @@ def _eval_config(config, workdir: str, overrides):
   path = config_lib.check_workdir(workdir)
   meta = newest_checkpoint_meta(path)
   if meta is not None:
+    _check_same_start(config, path, meta)
     config = _config_from_run(config, path, meta, overrides)
     # A run trained with model.document_mask is read with it, unless the command line says not.
     if (meta['model_config'].get('document_eos_id', -1) >= 0 and not config.model.document_mask
@@ -937,10 +1010,15 @@ def export_hf(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> 
     raise ConfigError(f'--export_hf: {path} holds no checkpoint to export. Pass the --workdir of '
                       'a run that has saved one (checkpoints/<step>/).')
   model_cfg = model_lib.ModelConfig(**meta['model_config'])
+  tokenizer = _run_data_field(path, 'tokenizer') or 'byte'
+  if tokenizer != 'byte' and not pathlib.Path(tokenizer).exists():
+    raise ConfigError(f'--export_hf: the run\'s tokenizer {tokenizer} (data.tokenizer in '
+                      f'{path / "config.json"}) does not exist any more, and an export without it '
+                      'cannot be read: put it back there, then export again.')
   with _run_checkpoint(config, path, model_cfg) as reader:
     files = export_lib.export(reader, model_cfg, out, dtype=config.export.dtype,
                               max_shard_bytes=int(config.export.max_shard_gb * 1e9),
-                              tokenizer=_run_data_field(path, 'tokenizer') or 'byte',
+                              tokenizer=tokenizer,
                               chat_template=_run_data_field(path, 'chat_template') or '')
   print(f'exported step {reader.meta["step"]} of {path} to {out}: '
         f'{", ".join(f.name for f in files)}', flush=True)

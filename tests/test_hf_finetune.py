@@ -34,6 +34,7 @@ from megatrain_jax import model as model_lib
 from megatrain_jax import optim
 from megatrain_jax import train
 from megatrain_jax.checkpoint import Checkpointer
+from megatrain_jax.data import HFTokenizer
 from megatrain_jax.engine import resident
 from megatrain_jax.errors import ConfigError, UnsupportedModelError
 from megatrain_jax.placement import Placement
@@ -247,20 +248,53 @@ def test_a_chat_template_of_the_run_trains_and_is_exported(checkpoints, tmp_path
   data = tmp_path / 'chat.jsonl'
   data.write_text(''.join(json.dumps({'messages': conversation}) + '\n' for _ in range(200)))
   workdir, out = tmp_path / 'run', tmp_path / 'export'
-  train.train_and_evaluate(_config(init__from_hf=str(source), data__path=str(data),
-                                   data__chat_template=str(template)), str(workdir))
+  start = dict(init__from_hf=str(source), data__path=str(data), data__chat_template=str(template))
+  # --prepare tokenizes with the checkpoint's tokenizer and the template, as training will.
+  prepared = train.prepare(_config(**start), str(workdir))
+  assert prepared.tokenizer == HFTokenizer(source / 'tokenizer.json').name
+  meta_file = workdir / 'data' / 'meta.json'
+  prepared_at = meta_file.stat().st_mtime_ns
+  train.train_and_evaluate(_config(**start), str(workdir))
+  assert meta_file.stat().st_mtime_ns == prepared_at  # training read what --prepare wrote
   copy = workdir / 'chat_template.jinja'
   assert copy.read_text() == template.read_text()
   assert json.loads((workdir / 'config.json').read_text())['data']['chat_template'] == str(copy)
   template.unlink()  # readers of the run use its copy
-  meta = json.loads((workdir / 'checkpoints' / '2' / 'meta.json').read_text())
-  adopted = train._config_from_run(_config(), workdir, meta, [])  # pylint: disable=protected-access
-  assert adopted.data.chat_template == str(copy)
-  train.export_hf(_config(), str(workdir), str(out))
-  assert (out / 'chat_template.jinja').read_text() == copy.read_text()
+  # Moved, the run reads its own copies, not the paths config.json recorded before the move.
+  moved = tmp_path / 'moved'
+  workdir.rename(moved)
+  meta = json.loads((moved / 'checkpoints' / '2' / 'meta.json').read_text())
+  adopted = train._config_from_run(_config(), moved, meta, [])  # pylint: disable=protected-access
+  assert adopted.data.chat_template == str(moved / 'chat_template.jinja')
+  assert adopted.data.tokenizer == str(moved / 'hf_tokenizer' / 'tokenizer.json')
+  train.export_hf(_config(), str(moved), str(out))
+  assert (out / 'chat_template.jinja').read_text() == (moved / 'chat_template.jinja').read_text()
+  assert (out / 'tokenizer.json').is_file()
   rendered = transformers.AutoTokenizer.from_pretrained(out).apply_chat_template(
       conversation, tokenize=False)
   assert rendered == '<user> Who wrote Hamlet?\n<assistant> Shakespeare.\n'
+  # config.json names the EOS, which generate stops at where no generation_config.json says.
+  assert json.loads((out / 'config.json').read_text())['eos_token_id'] == 300
+  assert transformers.GenerationConfig.from_model_config(
+      transformers.AutoConfig.from_pretrained(out)).eos_token_id == 300
+  # A resume (or --eval) asking for other weights or another tokenizer is refused, not ignored.
+  moved_start = dict(start, data__chat_template='', train__steps=4)
+  for change, message in [
+      (dict(init__from_hf=str(checkpoints['qwen2'])), 'holds a run .checkpoint step 2. that '
+       f'started from {source}'),
+      (dict(data__tokenizer=str(checkpoints['llama'] / 'tokenizer.json')),  # no <|end|>
+       'data.tokenizer=.*llama/tokenizer.json is not the tokenizer the run in .* trained with'),
+  ]:
+    with pytest.raises(ConfigError, match=message):
+      train.train_and_evaluate(_config(**moved_start | change), str(moved))
+    with pytest.raises(ConfigError, match=message):
+      train.evaluate(_config(**moved_start | change, eval__path=str(data)), str(moved))
+  assert sorted(p.name for p in (moved / 'checkpoints').iterdir()) == ['2']
+  # An export whose tokenizer is gone is refused (it could not be read), before writing.
+  shutil.rmtree(moved / 'hf_tokenizer')
+  with pytest.raises(ConfigError, match=r"the run's tokenizer .* does not exist any more"):
+    train.export_hf(_config(), str(moved), str(tmp_path / 'export2'))
+  assert not (tmp_path / 'export2').exists()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -446,7 +480,12 @@ BAD_DIRECTORIES = {
     'shapes disagree with config.json': (_edit_json('config.json', lambda c: c.update(
         intermediate_size=48)), ConfigError, r'has shape \[64, 32\], but config.json implies'),
     'tokenizer vocab > model vocab': (_bigger_tokenizer, ConfigError,
-                                      'model.vocab_size=320 is smaller than the tokenizer'),
+                                      'model.vocab_size=320 is smaller than the tokenizer.*the '
+                                      "checkpoint's own tokenizer.json and its config.json "
+                                      'disagree'),
+    # The byte tokenizer's ids would name other tokens to the model's 320 embedding rows.
+    'no tokenizer.json': (lambda p: (p / 'tokenizer.json').unlink(), ConfigError,
+                          "has no tokenizer.json, and the model's 320 ids need its own"),
 }
 
 

@@ -122,7 +122,7 @@ class DocumentFormat:
     return out
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
   """A special token from tokenizer_config.json: a string or {'content': ...}."""
   if isinstance(value, dict):
     value = value.get('content')
@@ -208,7 +208,7 @@ def document_format(tokenizer: Tokenizer, *, eos_token: str = '', text_field: st
     return _byte_format(eos_token, {**fields, 'chat_template': chat_template})
   config = read_tokenizer_config(tokenizer)
   token_id = getattr(tokenizer, 'token_id', lambda _: None)
-  eos_text = eos_token or _token_text(config.get('eos_token'))
+  eos_text = eos_token or token_text(config.get('eos_token'))
   eos = token_id(eos_text) if eos_text else None
   if eos is None:
     where = (f'{eos_token!r} is not a token of data.tokenizer' if eos_token else
@@ -216,7 +216,7 @@ def document_format(tokenizer: Tokenizer, *, eos_token: str = '', text_field: st
     raise ConfigError(f'data.eos_token: {where}; documents are separated by EOS. Set '
                       "data.eos_token to the tokenizer's end-of-text token (e.g. '</s>', "
                       "'<|endoftext|>').")
-  bos_text = _token_text(config.get('bos_token')) or ''
+  bos_text = token_text(config.get('bos_token')) or ''
   bos = None
   if config.get('add_bos_token') is True and bos_text:
     bos = token_id(bos_text)

@@ -32,6 +32,7 @@ import ml_collections
 import numpy as np
 
 from megatrain_jax import config as config_lib
+from megatrain_jax.data import ByteTokenizer
 from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.hf.format import HfCheckpoint, _open_safetensors
@@ -61,6 +62,7 @@ MODEL_FIELDS = {
     'init_std': 'model.init_std', 'hf_architecture': 'model.hf_architecture',
 }
 TOKENIZER_KEY = 'data.tokenizer'
+BYTE_VOCAB = ByteTokenizer().vocab_size  # data.tokenizer='byte', the default
 # Tokenizer files copied with a checkpoint (into a run, and by export); tokenizer.json is the one
 # the data pipeline reads, the others let transformers' AutoTokenizer load the export.
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
@@ -136,8 +138,21 @@ def tokenizer_file(directory: Path) -> Path | None:
 def config_from_checkpoint(config: ml_collections.ConfigDict, checkpoint: HfCheckpoint,
                            explicit: Iterable[str] | None = None) -> ml_collections.ConfigDict:
   """`config` with the model shape of `checkpoint` and, unless the user chose one, its
-  tokenizer.json as data.tokenizer."""
+  tokenizer.json as data.tokenizer.
+
+  Raises:
+    ConfigError: if the checkpoint has no tokenizer.json and data.tokenizer is not set, and its
+      vocabulary is not the byte tokenizer's 256 ids (an export of a byte-level run has no
+      tokenizer files): the byte tokenizer's ids would name other tokens to its embeddings.
+  """
   found = tokenizer_file(checkpoint.directory)
+  if (found is None and checkpoint.cfg.vocab_size != BYTE_VOCAB and
+      TOKENIZER_KEY not in set_fields(config, explicit)):
+    raise ConfigError(
+        f'init.from_hf: {checkpoint.directory} has no {TOKENIZER_FILES[0]}, and the model\'s '
+        f'{checkpoint.cfg.vocab_size:,} ids need its own tokenizer: save it there '
+        '(AutoTokenizer.from_pretrained(...).save_pretrained(directory) writes tokenizer.json), '
+        'or set data.tokenizer to the model\'s tokenizer.json.')
   return apply_fields(config, model_fields(checkpoint.cfg),
                       f'{checkpoint.directory}/config.json', explicit,
                       str(found) if found else None)
