@@ -918,7 +918,8 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
   if settings.prompts:
     return _write_samples(settings.out, texts, completions, source)
   text, tokens, stopped = completions[0]
-  print(f'{settings.prompt}{text}', flush=True)
+  # A chat prompt is the user's turn and the text the assistant's reply: not one running text.
+  print(f'{settings.prompt}{chr(10) * settings.chat}{text}', flush=True)
   # What ended it: a continuation that is empty or short reads as a failure without this line.
   end = (f'the model wrote {tokenizer.decode(outputs[0][-1:])!r}, a stop id' if stopped else
          f'sample.max_new_tokens={settings.max_new_tokens}')

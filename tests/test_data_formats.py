@@ -25,7 +25,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from megatrain_jax.data import (Batch, BatchSampler, ByteTokenizer, MixtureSplit, TokenStream,
                                 check_data_config, document_format, eval_batches, load_data,
-                                load_split, load_tokenizer, prepare_dataset, read_dataset_info)
+                                load_split, load_tokenizer, prepare_dataset, prepare_summary,
+                                read_dataset_info)
 from megatrain_jax.data import documents as documents_module
 from megatrain_jax.data import formats
 from megatrain_jax.data import prepare as prepare_module
@@ -975,6 +976,25 @@ def test_skip_bad_records_counts_them(tmp_path, monkeypatch):
   monkeypatch.setattr(documents_module, 'RECORDS_VERSION', documents_module.RECORDS_VERSION - 1)
   load_data(config, tmp_path)
   assert json.loads((tmp_path / 'out' / 'meta.json').read_text())['fingerprint'] != fingerprint
+
+
+def test_documents_that_learn_nothing_are_counted_and_named(tmp_path, monkeypatch):
+  """Records the format reads otherwise than their author meant (an empty completion, a pair
+  whose prompt holds everything) learn nothing but their EOS: counted exactly (a shard boundary
+  between documents included) and named by the prepare summary, not trained on in silence."""
+  records = [{'prompt': f'question {i} ', 'completion': f'answer {i}'} for i in range(40)]
+  for i in (3, 17, 38):
+    records[i]['completion'] = ''
+  source = _write_jsonl(tmp_path / 'pairs.jsonl', records)
+  info, _ = load_data(_data_config(path=str(source), cache_dir=str(tmp_path / 'out'),
+                                   shard_tokens=97), tmp_path)
+  assert info.stats['documents'] == 40 and info.stats['documents_learning_nothing'] == 3
+  assert len(list((tmp_path / 'out').glob('train-*.ends'))) > 1
+  assert 'warning: 3 documents learn no token but their EOS' in prepare_summary(info)
+  clean = _write_jsonl(tmp_path / 'clean.jsonl', [{'text': 'all learned'}] * 5)
+  info, _ = load_data(_data_config(path=str(clean), cache_dir=str(tmp_path / 'clean')), tmp_path)
+  assert info.stats['documents_learning_nothing'] == 0
+  assert 'learn no token' not in prepare_summary(info)
 
 
 def test_launch_prepare_prints_counts_and_throughput(tmp_path, documents):

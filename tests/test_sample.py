@@ -298,8 +298,10 @@ def test_sample_command_continues_a_file_of_prompts(checkpoints, tmp_path, capsy
   want, without = (sample.generate(cfg, params, np.frombuffer(text, np.uint8), max_new_tokens=6,
                                    eos_id=0) for text in (b'Be brief.|hi|>', b'hi|>'))
   assert not np.array_equal(want, without)  # the system turn changes what follows
+  capsys.readouterr()
   got = train.sample(config, str(tmp_path / 'w'))
   assert got['sample/text'] == ByteTokenizer().decode(want[:want.size - (want[-1] == 0)])
+  assert capsys.readouterr().out.splitlines()[1:3] == ['hi', *got['sample/text'].splitlines()[:1]]
 
 
 def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):

@@ -330,6 +330,10 @@ def prepare_summary(info: DatasetInfo) -> str:
   if stats.get('documents') or stats.get('skipped_records'):
     lines.append(f'  {stats.get("documents", 0):,} documents, '
                  f'{stats.get("skipped_records", 0):,} bad records skipped')
+    if stats.get('documents_learning_nothing'):
+      lines.append(f'  warning: {stats["documents_learning_nothing"]:,} documents learn no token '
+                   'but their EOS (a chat without an assistant turn, an empty completion): check '
+                   "the records' roles and fields")
   seconds = stats.get('seconds')
   if seconds:
     mb = stats.get('input_bytes', 0) / 1e6
