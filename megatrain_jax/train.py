@@ -722,6 +722,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     locked.callback(engine.close)  # before the checkpointer's: waits for write-behind, stops I/O
     start_step = engine.step
     position, early = _resumed(restored, config, sampler, main)
+    if main and restored is not None:
+      _note_changed_settings(config, workdir, restored.step)  # before config.json is rewritten
     del restored
     if main:
       fs.write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
@@ -773,6 +775,34 @@ def _resumed(restored, config, sampler, main: bool) -> tuple[int, metrics_lib.Ea
           'on are not those of an uninterrupted run'
           f'{" (set those fields back to resume exactly)" if changed else ""}.', flush=True)
   return position, early
+
+
+# The settings a resume may change that change the steps ahead (model shapes are refused, data
+# changes are named by _resumed, placements and microbatches resume exactly).
+RESUME_SETTINGS = ('model.document_mask', 'model.matmul_precision', 'train.steps', 'train.epochs',
+                   'train.batch_size', 'train.lr', 'train.warmup_steps', 'train.warmup_ratio',
+                   'train.lr_schedule', 'train.min_lr_ratio', 'train.weight_decay', 'train.b1',
+                   'train.b2', 'train.eps', 'train.grad_clip')
+
+
+def _note_changed_settings(config, workdir: pathlib.Path, step: int) -> None:
+  """Says which RESUME_SETTINGS differ from those the run last trained with (its config.json):
+  a resume takes them, so its steps from here are not those of the run as it was (train.steps,
+  say, stretches the learning-rate schedule)."""
+  try:
+    before = json.loads((workdir / 'config.json').read_text())
+  except (OSError, ValueError):
+    return
+  changed = []
+  for key in RESUME_SETTINGS:
+    section, field = key.split('.')
+    was, now = before.get(section, {}).get(field), config[section][field]
+    if was is not None and was != now:
+      changed.append(f'{key} {was!r} -> {now!r}')
+  if changed:
+    print(f'note: resuming from step {step} with {"; ".join(changed)} (the run trained with the '
+          'values on the left): the steps from here differ from those of the run as it was',
+          flush=True)
 
 
 def _finished(restored, config, main: bool) -> bool:

@@ -241,6 +241,29 @@ def test_resume_on_other_data_says_what_changed(tmp_path, shared_data, capsys):
   assert resume(5, train__seed=1) == []  # trained on these since
 
 
+def test_resume_with_other_settings_names_them(tmp_path, shared_data, capsys):
+  """A resume takes the settings it is given; those that change the steps ahead (the schedule,
+  AdamW, the document mask) are named against the ones the run trained with, once."""
+  data = tmp_path / 'corpus.txt'
+  data.write_text((shared_data / 'tinyshakespeare' / 'input.txt').read_text()[:60_000])
+  workdir = str(tmp_path / 'run')
+
+  def resume(steps, **overrides):
+    capsys.readouterr()
+    train.train_and_evaluate(small_config(data, train__steps=steps, checkpoint__every=1,
+                                          **overrides), workdir)
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith('note: res')]
+
+  assert resume(1) == []
+  noted = resume(2, train__lr=5e-4, model__document_mask=True)
+  assert len(noted) == 1 and noted[0].startswith(
+      'note: resuming from step 1 with model.document_mask False -> True; train.steps 1 -> 2; '
+      'train.lr 0.003 -> 0.0005 (the run trained with the values on the left)'), noted
+  assert resume(3, train__lr=5e-4, model__document_mask=True) == [
+      'note: resuming from step 2 with train.steps 2 -> 3 (the run trained with the values on the '
+      'left): the steps from here differ from those of the run as it was']
+
+
 def test_early_stopping_counts():
   """EarlyStopping as Hugging Face's callback: the first evaluation is the best so far; one that
   does not beat the best by more than the threshold counts; `patience` of them in a row stop."""
