@@ -16,7 +16,7 @@ presets' 80% of 450 GB/s per direction), either all in one machine (one process:
 2 TB of RAM, its 4 drives and its CPU's host AdamW) or one GPU in each of N such machines (the
 collectives then cross a 400 Gb/s InfiniBand adapter per GPU, at 80%: 40 GB/s).
 
-  python bench/projection.py > projection.md     # ~2 min, no accelerator needed
+  python bench/projection.py > projection.md     # ~12 min on the 2-core VM, no accelerator needed
   python bench/projection.py 405b                # only the named models
   python bench/projection.py --devices           # only 405B on 1-8 GPUs
 """
