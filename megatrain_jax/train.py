@@ -721,9 +721,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     engine = _build_engine(model_cfg, config, plan, restored, source, layout)
     locked.callback(engine.close)  # before the checkpointer's: waits for write-behind, stops I/O
     start_step = engine.step
-    position, early = _resumed(restored, config, sampler, main)
-    if main and restored is not None:
-      _note_changed_settings(config, workdir, restored.step)  # before config.json is rewritten
+    position, early = _resumed(restored, config, sampler, main, workdir)
     del restored
     if main:
       fs.write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
@@ -754,16 +752,20 @@ def _data_record(config, sampler, position: int) -> dict:
   return {'next_samples': sampler.digest(position), 'fields': _data_fields(config)}
 
 
-def _resumed(restored, config, sampler, main: bool) -> tuple[int, metrics_lib.EarlyStopping]:
+def _resumed(restored, config, sampler, main: bool,
+             workdir: pathlib.Path) -> tuple[int, metrics_lib.EarlyStopping]:
   """(data position, early stopping) to train on from: the checkpoint's (`restored`), else 0
   and none yet. A resume whose data no longer gives the checkpoint's next samples (another
   data.path, data.pack, train.seq_len, seed, or changed files) goes on from that position of the
-  data as it is now; process 0 says so, naming the fields that changed."""
+  data as it is now; process 0 says so, naming the fields that changed, and names the settings
+  that differ from those the run trained with in `workdir` (`_note_changed_settings`)."""
   early = metrics_lib.EarlyStopping.resumed(
       config.train.early_stopping_patience, config.train.early_stopping_threshold,
       None if restored is None else restored.meta.get('early_stopping'))
   if restored is None:
     return 0, early
+  if main:
+    _note_changed_settings(config, workdir, restored.step)  # before config.json is rewritten
   position, recorded = restored.meta['data_position'], restored.meta.get('data')
   if main and recorded and recorded['next_samples'] != sampler.digest(position):
     now = _data_fields(config)
