@@ -411,6 +411,7 @@ class CheckpointReader:
     # NVMe stores' writer threads read boxes too (partition.LazySlice): counted under a lock.
     self.bytes_read = 0
     self._count_lock = threading.Lock()
+    self.bytes_verified = 0  # by verify_data: this process's share of the chunks
 
   def check_model(self, model_cfg: ModelConfig) -> None:
     saved = ModelConfig.recorded(self.meta['model_config'])
@@ -456,21 +457,32 @@ class CheckpointReader:
       raise DamagedCheckpoint(self.directory / 'meta.json', f'format {self.format} of earlier '
                               'versions, which this version does not read')
 
-  def verify_data(self, prefix: str = '') -> None:
+  def verify_data(self, prefix: str = '', share: tuple[int, int] = (0, 1)) -> None:
     """Reads every inner chunk of every array (of the leaves whose path starts with `prefix`)
     once, VERIFY_BYTES at a time, keeping nothing: a chunk that fails its crc32c (or is missing)
     is named by its file. Format 2's orbax arrays are only opened: the manifest's crc32 covers
-    every byte of them."""
+    every byte of them. `share` = (i, P): only the chunks of process i of P, each chunk going to
+    the process with the fewest bytes so far (the same split in every process), so P processes
+    read the checkpoint once between them (`_newest_intact` has them agree on the verdict)."""
+    index, count = share
+    loads = [0] * count
     for path in [*self._memory, *self._disk_names]:
       if not path.startswith(prefix):
         continue
       array = self._open(path)
       if path in self._memory and self.format == 2:
         continue
+      itemsize = array.dtype.numpy_dtype.itemsize
       chunk_bytes = math.prod(array.chunk_layout.read_chunk.shape or array.shape or (1,))
-      in_flight = max(1, VERIFY_BYTES // (chunk_bytes * array.dtype.numpy_dtype.itemsize))
+      in_flight = max(1, VERIFY_BYTES // (chunk_bytes * itemsize))
       pending = collections.deque()
       for box in _inner_boxes(array):
+        nbytes = math.prod(s.stop - s.start for s in box) * itemsize
+        owner = loads.index(min(loads))
+        loads[owner] += nbytes
+        if owner != index:
+          continue
+        self.bytes_verified += nbytes
         pending.append((box, array[box].read()))
         if len(pending) >= in_flight:
           self._check_read(path, array, *pending.popleft())
@@ -960,17 +972,18 @@ def _newest_intact(directory: pathlib.Path, model_cfg: ModelConfig,
       hold.close()
       return _newest_intact(directory, model_cfg, held, verify)
     with hold:
-      try:
-        reader = CheckpointReader(directory / str(step))
-        reader.verify_files()
-        reader.check_model(model_cfg)
-        reader.verify_data(verify)
-      except DamagedCheckpoint as error:
+      reader, error = _verified(directory / str(step), model_cfg, verify)
+      # Each process read its share of the chunks: one that found a damaged chunk speaks for all.
+      found_by = distributed.processes_where(error is not None)
+      if found_by:
         damaged.append(step)
         older = [s for s in steps if s < step]
         then = (f'trying the previous one (step {older[-1]})' if older else 'no older one is left')
-        print(f'warning: checkpoint step {step} in {directory} is damaged: {error.file}: '
-              f'{error.reason}; {then}.', file=sys.stderr, flush=True)
+        what = (f'{error.file}: {error.reason}' if error is not None else
+                f'process {found_by[0]} names the bad file in its log')
+        if error is not None or distributed.is_main():
+          print(f'warning: checkpoint step {step} in {directory} is damaged: {what}; {then}.',
+                file=sys.stderr, flush=True)
         continue
       if held is not None:
         held.enter_context(hold.pop_all())
@@ -981,6 +994,20 @@ def _newest_intact(directory: pathlib.Path, model_cfg: ModelConfig,
         f'{", ".join(map(str, sorted(damaged)))}; see the warnings above for the bad files). '
         f'Delete {directory} to start training from scratch, or use a new --workdir.')
   return None
+
+
+def _verified(directory: pathlib.Path, model_cfg: ModelConfig,
+              verify: str) -> tuple[CheckpointReader | None, DamagedCheckpoint | None]:
+  """(reader, None) of the checkpoint in `directory` once its files and this process's share of
+  its chunks under `verify` verify, else (None, what is damaged). Other model shapes raise."""
+  try:
+    reader = CheckpointReader(directory)
+    reader.verify_files()
+    reader.check_model(model_cfg)
+    reader.verify_data(verify, distributed.share())
+  except DamagedCheckpoint as error:
+    return None, error
+  return reader, None
 
 
 def _write_manifest(tmp: pathlib.Path) -> None:

@@ -26,6 +26,7 @@ import typing
 
 import jax
 from jax.experimental import multihost_utils
+import numpy as np
 
 from megatrain_jax.errors import ConfigError, ProcessLostError
 from megatrain_jax.layout import Layout, platform
@@ -71,6 +72,22 @@ def barrier(name: str) -> None:
   must be the same in every process, and the barriers passed in the same order."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
+
+
+def share() -> tuple[int, int]:
+  """(this process's index, the process count): the share of a job the processes split between
+  them (checkpoint.py's verification); (0, 1) with one process."""
+  return jax.process_index(), jax.process_count()
+
+
+def processes_where(flag: bool) -> list[int]:
+  """The processes whose `flag` is true (every process calls it, in the same order, and gets the
+  same list): how processes that each checked a share of something agree on the whole. One
+  process: [0] or []."""
+  if jax.process_count() == 1:
+    return [0] if flag else []
+  flags = multihost_utils.process_allgather(np.asarray([int(bool(flag))], np.int32))
+  return [int(i) for i in np.flatnonzero(np.asarray(flags).reshape(-1))]
 
 
 @contextlib.contextmanager

@@ -293,19 +293,30 @@ def restored_runs(layout: Layout, workdir: pathlib.Path) -> dict:
   data, out = batches(), {}
   engine = StreamedEngine(CFG, tx, schedule, clip, Placement(**PLACEMENTS['host']),
                           jax.tree.map(np.copy, initial_state()), layout=layout)
-  out['first'] = [float(engine.train_step(b)['learning/loss']) for b in data[:2]]
+  both = Checkpointer(workdir / 'damaged', keep=2)  # steps 1 and 2, the newest damaged below
+  out['first'] = []
+  for step, batch in enumerate(data[:2], 1):
+    out['first'].append(float(engine.train_step(batch)['learning/loss']))
+    both.save(step, engine, data_position=0, model_cfg=CFG)
+  both.close()
   checkpointer = Checkpointer(workdir / 'restored', keep=1)
   checkpointer.save(2, engine, data_position=0, model_cfg=CFG)
   checkpointer.close()
   engine.close()
   if jax.process_index() == 0:
     save_hf(workdir / 'hf', CFG, initial_state()['params'])
+    _flip_a_byte_of_one_chunk(workdir / 'damaged' / 'checkpoints' / '2')
   distributed.barrier('restored: the checkpoints are written')
+  # Each process verifies its share of the chunks; the one whose share holds the flipped byte
+  # speaks for both, and both fall back to step 1.
+  out['verified'] = Checkpointer(workdir / 'restored', keep=1).restore(CFG).bytes_verified
+  out['damaged'] = Checkpointer(workdir / 'damaged', keep=2).restore(CFG).step
   abstract = resident.abstract_state(CFG, tx)
   restore = Checkpointer(workdir / 'restored', keep=1).restore
   placements = {'resident': {}, 'host': PLACEMENTS['host'],
                 'nvme': dict(PLACEMENTS['nvme'], dir=str(workdir / 'offload'))}
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(initial_state()))
+  out['verified'] /= state_bytes
   params_bytes = sum(x.nbytes for x in jax.tree.leaves(initial_state()['params']))
   runs = [  # (source, its reader, placements, steps, bytes it holds)
       ('checkpoint', lambda: restore(CFG), placements, data[2:], state_bytes),
@@ -323,6 +334,15 @@ def restored_runs(layout: Layout, workdir: pathlib.Path) -> dict:
           'read': reader.bytes_read / source_bytes}
       getattr(engine, 'close', lambda: None)()
   return out
+
+
+def _flip_a_byte_of_one_chunk(checkpoint: pathlib.Path) -> None:
+  """Flips the middle byte of the largest chunk file of `checkpoint` (one inner chunk damaged)."""
+  chunks = [p for p in checkpoint.rglob('*') if p.is_file() and '/c/' in str(p)]
+  victim = max(chunks, key=lambda p: (p.stat().st_size, str(p)))
+  data = bytearray(victim.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  victim.write_bytes(bytes(data))
 
 
 def _count_value_checks() -> list:
