@@ -305,7 +305,7 @@ def resolve_init(config, workdir: str, overrides: Iterable[str] | None = None):
   fields that differ from configs/default.py); one that disagrees with the source is an error."""
   init = config.init
   if not init.from_hf and not init.from_run:
-    return config, None
+    return _resumed_from_source(config, workdir, overrides), None
   if init.from_hf and init.from_run:
     raise ConfigError('init.from_hf and init.from_run are both set; a run starts from one of '
                       'them: clear the other.')
@@ -319,6 +319,27 @@ def resolve_init(config, workdir: str, overrides: Iterable[str] | None = None):
     return hf.config_from_checkpoint(config, checkpoint, overrides), checkpoint
   source = _run_source(init.from_run, path)
   return _config_from_run(config, source.directory, source.meta, overrides), source
+
+
+def _resumed_from_source(config, workdir: str, overrides):
+  """`config` for a command without init.from_hf / init.from_run in a workdir whose run started
+  from one (its config.json) and has a checkpoint: the model shape and tokenizer come from that
+  checkpoint, as with the init field given again (the source is not read on a resume), so
+  `launch.py --workdir runs/ft` resumes a fine-tune. Else `config` as it is."""
+  path = config_lib.check_workdir(workdir)
+  try:
+    started = json.loads((path / 'config.json').read_text())['init']
+  except (OSError, ValueError, KeyError, TypeError):
+    return config
+  fields = ('from_hf', 'from_run')
+  meta = newest_checkpoint_meta(path) if isinstance(started, dict) and any(
+      started.get(field) for field in fields) else None
+  if meta is None:
+    return config
+  config = _config_from_run(config, path, meta, overrides)
+  for field in fields:  # config.json keeps saying where the run started
+    config_lib.set_field(config, f'init.{field}', started.get(field) or '')
+  return config
 
 
 def _run_source(from_run: str, workdir: pathlib.Path) -> RunSource:

@@ -290,6 +290,12 @@ def test_a_chat_template_of_the_run_trains_and_is_exported(checkpoints, tmp_path
     with pytest.raises(ConfigError, match=message):
       train.evaluate(_config(**moved_start | change, eval__path=str(data)), str(moved))
   assert sorted(p.name for p in (moved / 'checkpoints').iterdir()) == ['2']
+  # Without the init field the run resumes as it started (shape, tokenizer and template from its
+  # checkpoint and copies), and config.json goes on naming where it started.
+  train.train_and_evaluate(_config(**moved_start | dict(init__from_hf='', train__steps=3)),
+                           str(moved))
+  assert read_rows(moved)[-1]['step'] == 3
+  assert json.loads((moved / 'config.json').read_text())['init']['from_hf'] == str(source)
   # An export whose tokenizer is gone is refused (it could not be read), before writing.
   shutil.rmtree(moved / 'hf_tokenizer')
   with pytest.raises(ConfigError, match=r"the run's tokenizer .* does not exist any more"):
