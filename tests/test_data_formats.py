@@ -737,6 +737,36 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path, tokenizer_
   assert tok.decode(tokens[mask == 1]) == 'Paris.<|im_end|>\nRome.<|im_end|>\n' + EOS
 
 
+# Mistral's (and Llama 2's) chat template: the rendering writes the BOS first and ends each reply
+# with the EOS, which are also the tokens the prepare step puts around every document.
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} "
+    "[/INST]{% elif m.role == 'assistant' %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def test_a_template_that_writes_bos_and_eos_gives_each_once(tmp_path, tokenizer_dir):
+  """A template that writes {{ bos_token }} and ends the last reply with {{ eos_token }}
+  (Mistral, Llama 2; Llama 3 writes its BOS): the document holds each once, as transformers'
+  apply_chat_template tokenizes the conversation (twice each before), the reply and its EOS
+  learned; --sample's chat prompt starts with one BOS."""
+  import transformers  # pylint: disable=import-outside-toplevel  (a dev dependency)
+  config = {'eos_token': EOS, 'bos_token': '<s>', 'add_bos_token': True,
+            'chat_template': MISTRAL_TEMPLATE}
+  tok = _tokenizer_with(tmp_path / 'mistral', tokenizer_dir, config)
+  conversation = CONVERSATION[1:]  # the template has no system turn
+  tokens, mask = _prepared_chat(tmp_path, tok, {'messages': conversation})
+  theirs = transformers.PreTrainedTokenizerFast(
+      tokenizer_file=str(tmp_path / 'mistral' / 'tokenizer.json'), bos_token='<s>',
+      eos_token=EOS, chat_template=MISTRAL_TEMPLATE).apply_chat_template(conversation)
+  theirs = theirs['input_ids'] if 'input_ids' in theirs else theirs
+  assert tokens.tolist() == list(theirs)
+  assert tokens.tolist().count(tok.token_id('<s>')) == 1
+  assert tok.decode(tokens[mask == 1]) == f'Paris.{EOS}Rome.{EOS}'
+  fmt = document_format(tok)
+  ids = documents_module.prompt_ids('Hi', tok, fmt, chat=True)
+  assert ids[:2] == [tok.token_id('<s>')] + tok.encode('[INST]').tolist()[:1]
+
+
 # Qwen3's chat template as its tokenizer_config.json has it, without the tool branches: an
 # assistant turn after the last user message opens with a thinking block (empty without
 # reasoning_content) and earlier ones do not, so a conversation cut after an assistant turn

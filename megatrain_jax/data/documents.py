@@ -463,12 +463,21 @@ def chat_parts(messages: list, fmt: DocumentFormat, learn_from: int = 0,
     parts += [(full[done:start], False), (full[start:end], True)]
     done = end
   parts.append((full[done:], False))
-  if fmt.eos_text and full.endswith(fmt.eos_text):
-    # The template ends the conversation with EOS itself; the EOS we append replaces it.
-    text, learned = parts[-1]
-    parts[-1] = (text[:-len(fmt.eos_text)], learned)
   if fmt.refuse_nul and '\0' in full:
     raise BadRecord('the conversation holds a NUL character, which the byte tokenizer uses as EOS')
+  return _without_template_bos_eos([(text, learned) for text, learned in parts if text], fmt)
+
+
+def _without_template_bos_eos(parts: Parts, fmt: DocumentFormat) -> Parts:
+  """`parts` of a rendered conversation without the BOS its template writes first where the
+  document gets the tokenizer's BOS anyway (Llama 3's and Mistral's templates begin with
+  {{ bos_token }}), and without the EOS it writes last (Mistral's ends the last reply with
+  {{ eos_token }}): the document's own BOS and EOS (encode_documents) replace them, so each is
+  there once, as transformers' apply_chat_template gives them (each twice before)."""
+  if parts and fmt.bos is not None and fmt.bos_text and parts[0][0].startswith(fmt.bos_text):
+    parts[0] = (parts[0][0][len(fmt.bos_text):], parts[0][1])
+  if parts and fmt.eos_text and parts[-1][0].endswith(fmt.eos_text):
+    parts[-1] = (parts[-1][0][:-len(fmt.eos_text)], parts[-1][1])
   return [(text, learned) for text, learned in parts if text]
 
 
@@ -524,6 +533,10 @@ def prompt_ids(prompt: str | list | dict, tokenizer: Tokenizer, fmt: DocumentFor
     text = _render(messages + [{'role': 'user', 'content': prompt}], fmt, generation_prompt=True)
   else:
     text = prompt
+  if isinstance(prompt, list) or chat:  # a rendering: its own BOS is the one prepended below
+    text = ''.join(part for part, _ in _without_template_bos_eos([(text, False)],
+                                                               dataclasses.replace(fmt,
+                                                                                   eos_text='')))
   return ([] if fmt.bos is None else [fmt.bos]) + list(encode_batch(tokenizer, [text])[0])
 
 
