@@ -765,6 +765,9 @@ def test_a_template_that_writes_bos_and_eos_gives_each_once(tmp_path, tokenizer_
   fmt = document_format(tok)
   ids = documents_module.prompt_ids('Hi', tok, fmt, chat=True)
   assert ids[:2] == [tok.token_id('<s>')] + tok.encode('[INST]').tolist()[:1]
+  # Such data prepared before (BOS and EOS doubled) is prepared again; a ChatML template's is not.
+  assert fmt.identity()['chat_rendering'] == documents_module.CHAT_RENDERING_VERSION
+  assert 'chat_rendering' not in document_format(load_tokenizer(str(tokenizer_dir))).identity()
 
 
 # Qwen3's chat template as its tokenizer_config.json has it, without the tool branches: an

@@ -56,6 +56,11 @@ TOOLS_FIELD = 'tools'
 # The rules that read records (record_parts): raised when a kind of record that was bad becomes
 # readable.
 RECORDS_VERSION = 3
+# How a chat template's rendering becomes a document (chat_parts), part of the prepared data's
+# identity where the template writes bos_token or eos_token (the ones it changed): 2 = the
+# template's own first BOS and last EOS are the document's (they were doubled before), so such
+# data prepared before is prepared again (other data, large corpora included, is not).
+CHAT_RENDERING_VERSION = 2
 # Alpaca records (record_parts): the field names (where two, Alpaca's, then Dolly's).
 ALPACA_INSTRUCTION = 'instruction'
 ALPACA_OUTPUT = ('output', 'response')
@@ -119,6 +124,8 @@ class DocumentFormat:
     template = out.pop('chat_template')
     out['chat_template_sha256'] = (hashlib.sha256(template.encode()).hexdigest()
                                    if template else None)
+    if template and ('bos_token' in template or 'eos_token' in template):
+      out['chat_rendering'] = CHAT_RENDERING_VERSION
     return out
 
 
