@@ -173,6 +173,20 @@ def _train(train):
     signal.signal(signal.SIGINT, previous)
 
 
+def _end_prepare(signum, frame) -> None:
+  """SIGINT during --prepare: its worker processes ended, then this one, at once (130). The
+  committed shards are kept and a rerun resumes after them. A KeyboardInterrupt instead could
+  land in one of JAX's gc callbacks, which swallow it (the prepare went on to the end), or leave
+  a page of tracebacks from the workers."""
+  del signum, frame
+  import multiprocessing  # pylint: disable=g-import-not-at-top
+  for child in multiprocessing.active_children():
+    child.terminate()
+  print('\nprepare stopped by SIGINT: the shards written so far are kept; rerun the command to '
+        'resume.', file=sys.stderr, flush=True)
+  os._exit(130)  # pylint: disable=protected-access
+
+
 def _fail(message: str, several_processes: bool) -> None:
   """Ends the process with `message` on stderr and status 1. A process of a multi-process run
   ends at once (os._exit): jax.distributed's exit handler would wait at a shutdown barrier for the
@@ -209,6 +223,7 @@ def main(argv):
 def _run(train):
   """The job the flags ask for."""
   if _PREPARE.value:
+    signal.signal(signal.SIGINT, _end_prepare)
     train.prepare(_CONFIG.value, _WORKDIR.value, _overrides())
   elif _CALIBRATE.value:
     train.calibrate(_CONFIG.value, _WORKDIR.value, _PROFILE_OUT.value)

@@ -119,8 +119,10 @@ def prepare(config: ml_collections.ConfigDict, workdir: str,
   path = config_lib.check_workdir(workdir)
   data_lib.check_data_config(config.data, config.train)
   _check_tokenizer(config, config_lib.validate(config))
-  config = _adopt_chat_template(_adopt_tokenizer(config, source, path), path)
-  info, _ = data_lib.load_data(config.data, path, progress=True)
+  path.mkdir(parents=True, exist_ok=True)
+  with locks.hold_workdir(path):  # a second --prepare (or a run) would delete its shards
+    config = _adopt_chat_template(_adopt_tokenizer(config, source, path), path)
+    info, _ = data_lib.load_data(config.data, path, progress=True)
   print(data_lib.prepare_summary(info), flush=True)
   return info
 

@@ -317,6 +317,43 @@ def test_a_second_sigint_goes_to_the_previous_handler(tmp_path, shared_data, mon
   assert rerun['step'] == 6
 
 
+def test_sigint_ends_a_prepare_at_once_and_keeps_its_shards(tmp_path, shared_data):
+  """Ctrl-C during --prepare (one worker: the tokenizer runs in this process, where a
+  KeyboardInterrupt could land in one of JAX's gc callbacks and be swallowed, and the prepare
+  went on to the end) ends it within seconds, status 130, one line saying how to resume; the
+  shards committed so far stay for the rerun."""
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  text = (shared_data / 'wikitext-2' / 'valid.txt').read_text()
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.train_from_iterator([text], trainers.BpeTrainer(
+      vocab_size=1000, special_tokens=['<eos>'], show_progress=False,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tokenizer.save(str(tmp_path / 'tokenizer.json'))
+  corpus = tmp_path / 'corpus.txt'
+  corpus.write_text(text * 10)  # ~11 MB: several seconds of tokenizing here
+  workdir = tmp_path / 'run'
+  process = subprocess.Popen(
+      [sys.executable, str(LAUNCH_PY), '--prepare', f'--workdir={workdir}',
+       f'--config.data.path={corpus}', f'--config.data.tokenizer={tmp_path / "tokenizer.json"}',
+       '--config.data.eos_token=<eos>', '--config.model.vocab_size=1000',
+       '--config.data.num_workers=1', '--config.data.shard_tokens=50000'],
+      cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS='cpu'), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 120
+  while not list((workdir / 'data').glob('train-00000.bin')) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  process.send_signal(signal.SIGINT)
+  sent = time.monotonic()
+  _, stderr = process.communicate(timeout=60)
+  assert process.returncode == 130, stderr[-2000:]
+  assert time.monotonic() - sent < 10
+  assert 'prepare stopped by SIGINT: the shards written so far are kept; rerun the command to ' \
+      'resume.' in stderr and 'Traceback' not in stderr, stderr[-2000:]
+  assert (workdir / 'data' / 'train-00000.bin').is_file()
+  assert not (workdir / 'data' / 'meta.json').exists()  # not finished: the rerun resumes
+
+
 def test_stop_signals_in_the_main_thread_only():
   previous = signal.getsignal(signal.SIGTERM)
   with preemption.StopSignals() as stop:
