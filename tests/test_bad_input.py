@@ -216,6 +216,9 @@ CONFIG_CASES = [
      ['data.val_path', 'is empty']),
     ('data.val_path binary', lambda d: dict(data__val_path=write(d / 'val.bin', b'\0\1\2' * 9)),
      ['data.val_path', 'binary']),
+    ('data.val_path is data.path', lambda d: dict(data__path=(same := write(d / 's.txt', TEXT)),
+                                                   data__val_path=same),
+     ['data.val_path', 's.txt is in data.path too', 'score text the run trains on']),
     ('data.path bad meta.json', lambda d: dict(data__path=write(d / 'p' / 'meta.json', '{oops')
                                                .rsplit('/', 1)[0]),
      ['data.path', 'has no readable meta.json', 'not a prepared dataset']),

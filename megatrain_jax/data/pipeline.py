@@ -214,9 +214,21 @@ def _validate(data_config: Any, train_config: Any = None) -> DatasetInfo | None:
     train_files = sources.check(path, 'data.path')
   if val_path:
     val_files = sources.check(val_path, 'data.val_path')
+    _check_held_out(train_files or [], val_files)
   if train_config is not None and not mixture:
     _check_sizes(data_config, train_config, prepared, train_files, val_files)
   return prepared
+
+
+def _check_held_out(train_files: list[Path], val_files: list[Path]) -> None:
+  """Refuses validation files that are training files too (data.val_path = data.path, or globs
+  that overlap): the validation loss would score text the run trains on."""
+  shared = sorted({f.resolve() for f in train_files} & {f.resolve() for f in val_files})
+  if shared:
+    more = f' (and {len(shared) - 1} more)' if len(shared) > 1 else ''
+    raise ConfigError(f'data.val_path: {shared[0]}{more} is in data.path too, so the validation '
+                      'loss would score text the run trains on. Point data.val_path at held-out '
+                      "files, or set it to '' to hold out data.val_fraction of data.path.")
 
 
 def check_data_config(data_config: Any, train_config: Any = None) -> None:
