@@ -582,9 +582,12 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: i
     config = ml_collections.ConfigDict(config.to_dict())
     config_lib.set_field(config, 'train.steps', steps)
     if distributed.is_main():
+      passes = sampler.source_passes(steps * sampler.samples_per_step)
       print(f'train.epochs={train_cfg.epochs:g}: {steps:,} steps of {sampler.samples_per_step} '
-            f'samples over {sampler.n_windows:,} windows of {train_cfg.seq_len + 1} tokens',
-            flush=True)
+            f'samples over {sampler.n_windows:,} windows of {train_cfg.seq_len + 1} tokens'
+            + (f' (the mixture\'s weights decide how often each source is read: '
+               f'{", ".join(f"{p:.2f}" for p in passes)} passes over its sources)'
+               if passes else ''), flush=True)
   if distributed.is_main() and (note := optim.warmup_note(config.train)):  # steps known now
     print(note, flush=True)
   return config, sampler, eval_data

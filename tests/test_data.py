@@ -670,3 +670,21 @@ def test_packed_sampler_and_eval_batches_pad_and_mask(strategy):
       want = row_tokens(i * 4 + row)
       np.testing.assert_array_equal(batch.tokens[row, :len(want)], want)
       assert batch.loss_mask[row].sum() == len(want) - 1
+
+
+def test_a_mixture_says_how_often_each_source_is_read():
+  """With a mixture the weights, not the sources' sizes, decide how often each is read: one
+  epoch of the whole (the windows of both) reads a small source weighted 3:1 many times over
+  and a large one partly. source_passes says so, as the samples drawn count them."""
+  from megatrain_jax.data import MixtureSplit  # pylint: disable=import-outside-toplevel
+  from megatrain_jax.data import mixture  # pylint: disable=import-outside-toplevel
+  small, large = np.arange(10 * 17, dtype=np.int32), np.arange(1000 * 17, dtype=np.int32)
+  sampler = BatchSampler(MixtureSplit((3.0, 1.0), (small, large)), seq_len=16, batch_size=1,
+                         microbatches=1, seed=0)
+  assert sampler.n_windows == 1010
+  sources, _ = sampler._locate(0, mixture.BLOCK)  # pylint: disable=protected-access
+  drawn = np.bincount(sources, minlength=2) / np.array([10, 1000])
+  assert sampler.source_passes(mixture.BLOCK) == pytest.approx(drawn.tolist())
+  assert sampler.source_passes(sampler.n_windows) == pytest.approx([75.75, 0.2525])
+  assert BatchSampler(small, seq_len=16, batch_size=1, microbatches=1,
+                      seed=0).source_passes(10) == []

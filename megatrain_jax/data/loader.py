@@ -330,6 +330,17 @@ class BatchSampler:
     """Number of distinct training windows (samples per epoch; a mixture: of all sources)."""
     return sum(stream.n_windows for stream in self._streams)
 
+  def source_passes(self, samples: int) -> list[float]:
+    """Passes `samples` training samples make over each source of a mixture ([] for one
+    stream): the weights decide each source's share of the samples, whatever its size, so one
+    epoch of the whole (train.epochs=1) passes over a small, heavily weighted source several
+    times and over a large one partly."""
+    if self._mixture is None:
+      return []
+    shares = self._mixture.counts / self._mixture.counts.sum()
+    return [float(samples * share / stream.n_windows)
+            for share, stream in zip(shares, self._streams)]
+
   @property
   def samples_per_step(self) -> int:
     """Samples one `batch` call consumes; advance `position` by this much per step."""
