@@ -109,8 +109,9 @@ class StopSignals:
     self.received = name
     # From now on SIGINT goes straight to the handler from before the run: the way out at once.
     self._restore([signal.SIGINT])
-    _say(f'{name} received: stopping after the step in flight, with a checkpoint; press Ctrl-C '
-         'again to exit at once without it.')
+    again = ' again' if signum == signal.SIGINT else ' (SIGINT)'
+    _say(f'{name} received: stopping after the step in flight, with a checkpoint; press Ctrl-C'
+         f'{again} to exit at once without it.')
 
 
 def _say(line: str) -> None:

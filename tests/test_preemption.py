@@ -201,6 +201,8 @@ def test_preemption_chain(tmp_path, shared_data, reference, placement):
   assert run.finish() == 0, run.output[-3000:]
   stopped = STOPPED.search(run.output)
   assert stopped and stopped.group(2) == 'SIGTERM', run.output[-3000:]
+  assert 'SIGTERM received: stopping after the step in flight, with a checkpoint; press Ctrl-C ' \
+      '(SIGINT) to exit at once without it.' in run.output, run.output[-3000:]
   stop_step = int(stopped.group(1))
   assert step <= stop_step < STEPS and latest_checkpoint(chain, fields) == stop_step
   assert not (chain / locks.LOCK_FILE).exists()  # a clean exit removes it
@@ -210,7 +212,8 @@ def test_preemption_chain(tmp_path, shared_data, reference, placement):
   step = rng.randint(stop_step + 1, stop_step + 3)
   run.wait_for(f'step {step}/{STEPS} ')
   run.signal(signal.SIGINT)
-  run.wait_for('SIGINT received: stopping after the step in flight')
+  run.wait_for('SIGINT received: stopping after the step in flight, with a checkpoint; press '
+               'Ctrl-C again')
   run.signal(signal.SIGINT)
   returncode = run.finish()
   assert resumed_from(run.output) == stop_step, run.output[-3000:]
