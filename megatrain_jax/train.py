@@ -270,12 +270,9 @@ def _check_same_start(config, workdir: pathlib.Path, meta: dict) -> None:
   """Refuses an init.from_hf or init.from_run that differs from the one the run in `workdir`
   recorded when it started: a run with a checkpoint resumes from it and never reads them, so a
   changed one would be silently ignored (the user asked for other weights)."""
-  try:
-    recorded = json.loads((workdir / 'config.json').read_text())['init']
-  except (OSError, ValueError, KeyError, TypeError):
-    return
-  for field in ('from_hf', 'from_run'):
-    given, was = config.init[field], recorded.get(field) or ''
+  recorded = _recorded_init(workdir)
+  for field in INIT_FIELDS:
+    given, was = config.init[field], recorded[field]
     if given and given != was and not (was and _same_path(given, was)):
       raise ConfigError(
           f'init.{field}={given}: {workdir} holds a run (checkpoint step {meta["step"]}) that '
@@ -329,19 +326,28 @@ def _resumed_from_source(config, workdir: str, overrides):
   checkpoint, as with the init field given again (the source is not read on a resume), so
   `launch.py --workdir runs/ft` resumes a fine-tune. Else `config` as it is."""
   path = config_lib.check_workdir(workdir)
-  try:
-    started = json.loads((path / 'config.json').read_text())['init']
-  except (OSError, ValueError, KeyError, TypeError):
-    return config
-  fields = ('from_hf', 'from_run')
-  meta = newest_checkpoint_meta(path) if isinstance(started, dict) and any(
-      started.get(field) for field in fields) else None
+  started = _recorded_init(path)
+  meta = newest_checkpoint_meta(path) if any(started.values()) else None
   if meta is None:
     return config
   config = _config_from_run(config, path, meta, overrides)
-  for field in fields:  # config.json keeps saying where the run started
-    config_lib.set_field(config, f'init.{field}', started.get(field) or '')
+  for field in INIT_FIELDS:  # config.json keeps saying where the run started
+    config_lib.set_field(config, f'init.{field}', started[field])
   return config
+
+
+INIT_FIELDS = ('from_hf', 'from_run')
+
+
+def _recorded_init(workdir: pathlib.Path) -> dict:
+  """{from_hf, from_run} of the run in `workdir` as its config.json recorded them ('' each when
+  it has none, or no readable config.json)."""
+  try:
+    init = json.loads((workdir / 'config.json').read_text())['init']
+  except (OSError, ValueError, KeyError, TypeError):
+    init = {}
+  init = init if isinstance(init, dict) else {}
+  return {field: init.get(field) or '' for field in INIT_FIELDS}
 
 
 def _run_source(from_run: str, workdir: pathlib.Path) -> RunSource:
