@@ -44,6 +44,7 @@ from megatrain_jax import model as model_lib
 from megatrain_jax import partition
 from megatrain_jax.data import data_format, document_format, unlearn_starts
 from megatrain_jax.data import formats
+from megatrain_jax.data.tokenizer import encode_text
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import head_chunks
 from megatrain_jax.prefetch import Prefetcher
@@ -75,13 +76,12 @@ _FIELD = 'eval.path'
 
 
 def _text_tokens(file: Path, tokenizer) -> np.ndarray:
-  """A text file's tokens: its whole text tokenized at once (as the perplexity guide does)."""
-  try:
-    with open(file, encoding='utf-8', newline='') as f:
-      text = f.read()
-  except UnicodeDecodeError as e:
-    raise formats.not_utf8_error(file, _FIELD, e) from e
-  return np.asarray(tokenizer.encode(text), np.int32)
+  """A text file's tokens: those of its whole text tokenized at once (as the perplexity guide
+  does), read and encoded in bounded chunks, cut where the ids do not change (formats.text_tasks
+  with the tokenizer, as the prepare step reads text): a whole file at once took ~300x its size."""
+  ids = [encode_text(tokenizer, task.text)
+         for task, _ in formats.text_tasks(file, _FIELD, formats.TEXT_CHUNK_CHARS, tokenizer)]
+  return np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32)
 
 
 def _record_tokens(file: Path, tokenizer, fmt) -> tuple[np.ndarray, np.ndarray | None,
@@ -146,6 +146,7 @@ def read_eval_data(path: str, tokenizer, data_config=None, document_eos: int = -
                       '.jsonl, .jsonl.zst, .jsonl.gz, .parquet or .arrow file, a directory or a '
                       'glob pattern).')
   files = formats.expand_sources([path], _FIELD)
+  formats.check_directories([path], None, _FIELD)
   fmt = None
   pieces = []
   for file in files:

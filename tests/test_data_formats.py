@@ -5,6 +5,7 @@ prepare, and bad input.
 Everything is written under pytest's tmp_path; the tokenizers are trained here (no download).
 """
 
+import dataclasses
 import gzip
 import json
 import os
@@ -254,7 +255,10 @@ def test_text_documents_make_each_text_file_one_document(tmp_path, tokenizer_dir
   for name, text in texts.items():
     (tmp_path / name).write_text(text)
   _write_jsonl(tmp_path / 'd.jsonl', [{'text': 'a record'}])
-  config = _data_config(path=str(tmp_path), val_path=str(tmp_path / 'c.txt'),
+  held_out = tmp_path / 'val' / 'c.txt'  # a copy: a file of data.path is refused as val_path
+  held_out.parent.mkdir()
+  held_out.write_text(texts['c.txt'])
+  config = _data_config(path=str(tmp_path), val_path=str(held_out),
                         text_documents=True, cache_dir=str(tmp_path / 'cache'))
   info, _ = load_data(config, tmp_path / 'run')
   want = b''.join(t.encode() + b'\0' for t in texts.values()) + b'a record\0'
@@ -264,7 +268,11 @@ def test_text_documents_make_each_text_file_one_document(tmp_path, tokenizer_dir
   # Where each document ends is recorded, whatever chunks a file was read in.
   ends = np.cumsum([len(t.encode()) + 1 for t in texts.values()] + [len(b'a record\0')])
   np.testing.assert_array_equal(load_split(info, 'train').document_ends(), ends)
-  plain, _ = load_data(_data_config(path=str(tmp_path), val_path=str(tmp_path / 'c.txt'),
+  # Without it, the text would run into the record as raw text: that directory is refused.
+  with pytest.raises(ConfigError, match=r'mixes record files \(d.jsonl\) with text files'):
+    load_data(_data_config(path=str(tmp_path), val_path=str(held_out),
+                           cache_dir=str(tmp_path / 'cache')), tmp_path / 'run')
+  plain, _ = load_data(_data_config(path=f'{tmp_path}/*.*', val_path=str(held_out),
                                     cache_dir=str(tmp_path / 'cache')), tmp_path / 'run')
   assert bytes(_stream(plain, 'train').astype(np.uint8)) == (
       b'first line\nsecond line\nanother file\nx\na record\0')
@@ -1070,3 +1078,187 @@ def test_document_mask_ends_documents_at_the_tokenizers_eos(tmp_path, tokenizer_
   config.model.document_mask = False
   validate = train._validate  # pylint: disable=protected-access
   assert validate(config, str(tmp_path / 'run'))[0].document_eos_id == -1  # fine without it
+
+
+# --- text in bounded memory; .json / .ndjson; directories; Parquet records as JSON ones --------
+
+
+SHAKESPEARE = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
+
+
+class _Recording:
+  """A tokenizer that records the longest text it was given."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer, self.longest = tokenizer, 0
+
+  def __getattr__(self, name):
+    return getattr(self.tokenizer, name)
+
+  def encode_batch(self, texts):
+    self.longest = max([self.longest] + [len(t) for t in texts])
+    return self.tokenizer.encode_batch(texts)
+
+
+def _whitespace_bpe(documents, prepend: bool) -> tokenizers.Tokenizer:
+  """A Metaspace BPE, or (prepend) one whose normalizer puts '▁' before every text (Llama 2's
+  tokenizer.json), which no cut leaves unchanged."""
+  from tokenizers import normalizers  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.Tokenizer(models.BPE(unk_token='<unk>'))
+  if prepend:
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend('▁'),
+                                           normalizers.Replace(' ', '▁')])
+  else:
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+  tok.train_from_iterator(documents[:100], trainers.BpeTrainer(
+      vocab_size=400, special_tokens=['<unk>'], show_progress=False))
+  return tok
+
+
+@pytest.mark.parametrize('corpus', [WIKITEXT_VALID, SHAKESPEARE], ids=['wikitext', 'shakespeare'])
+def test_text_is_encoded_in_pieces_to_the_ids_of_the_whole_text(tmp_path, corpus, documents,
+                                                                 tokenizer_dir, monkeypatch):
+  """Text is encoded a piece at a time (a whole file at once took ~300x its size), cut only
+  where the ids do not change: prepare (in chunks) and --eval give the whole text's ids."""
+  from megatrain_jax import evaluate  # pylint: disable=g-import-not-at-top
+  from megatrain_jax.data import tokenizer as tokenizer_module  # pylint: disable=g-import-not-at-top
+  text = corpus.read_text(encoding='utf-8')
+  tok = load_tokenizer(str(tokenizer_dir))
+  whole = tok.encode(text)
+  recording = _Recording(tok)
+  assert np.array_equal(tokenizer_module.encode_text(recording, text, 5000), whole)
+  assert recording.longest < 20000  # pieces, not the 1 MB text
+  for hf in (_whitespace_bpe(documents, False), _whitespace_bpe(documents, True)):
+    hf.save(str(tmp_path / 'ws.json'))
+    other = load_tokenizer(str(tmp_path / 'ws.json'))
+    assert np.array_equal(tokenizer_module.encode_text(other, text[:200_000], 5000),
+                          other.encode(text[:200_000]))
+  monkeypatch.setattr(prepare_module, '_CHUNK_CHARS', 50_000)  # 20+ chunks, cut by the reader
+  monkeypatch.setattr(formats, 'TEXT_CHUNK_CHARS', 50_000)
+  info = prepare_dataset(tmp_path / 'out', tok, train_sources=[corpus], val_fraction=0.1)
+  assert np.array_equal(_stream(info), whole)
+  assert np.array_equal(evaluate.read_eval_data(str(corpus), tok).tokens, whole)
+
+
+def test_a_text_files_bom_is_not_tokenized(tmp_path):
+  source = tmp_path / 'bom.txt'
+  source.write_bytes(b'\xef\xbb\xbfHello, world. ' * 1 + b'x' * 40)
+  info = prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[source])
+  assert bytes(_stream(info).astype(np.uint8)) == b'Hello, world. ' + b'x' * 40
+
+
+def test_json_arrays_and_ndjson_are_records(tmp_path, documents):
+  """A .json file is records (a JSON array, as Stanford Alpaca's alpaca_data.json, or JSON
+  lines) and .ndjson is JSON lines: the same documents as the .jsonl file."""
+  records = [{'instruction': f'Say {i}.', 'output': d[:80]} for i, d in enumerate(documents[:60])]
+  _write_jsonl(tmp_path / 'a.jsonl', records)
+  (tmp_path / 'array.json').write_text(json.dumps(records, indent=4))
+  (tmp_path / 'lines.json').write_text((tmp_path / 'a.jsonl').read_text())
+  (tmp_path / 'b.ndjson').write_text((tmp_path / 'a.jsonl').read_text())
+  want = _stream(prepare_dataset(tmp_path / 'o', ByteTokenizer(),
+                                 train_sources=[tmp_path / 'a.jsonl']))
+  for name in ('array.json', 'lines.json', 'b.ndjson'):
+    got = prepare_dataset(tmp_path / f'o-{name}', ByteTokenizer(),
+                          train_sources=[tmp_path / name])
+    assert np.array_equal(_stream(got), want), name
+  records[41]['output'] = 7
+  (tmp_path / 'bad.json').write_text(json.dumps(records, indent=1))
+  with pytest.raises(ConfigError, match=r'bad.json:\d+: field .output. is int'):
+    prepare_dataset(tmp_path / 'o-bad', ByteTokenizer(), train_sources=[tmp_path / 'bad.json'])
+  (tmp_path / 'broken.json').write_text('[\n{"text": "a"},\n{"text": }\n]')
+  with pytest.raises(ConfigError, match='broken.json line 3: malformed JSON'):
+    prepare_dataset(tmp_path / 'o-br', ByteTokenizer(), train_sources=[tmp_path / 'broken.json'])
+
+
+def test_directories_that_would_be_misread_are_refused(tmp_path):
+  """A Hub repository's layout: README.md beside train.jsonl, or data/*.parquet below it."""
+  beside = tmp_path / 'beside'
+  beside.mkdir()
+  (beside / 'README.md').write_text('# A dataset card\n')
+  _write_jsonl(beside / 'train.jsonl', [{'text': 'hello'}])
+  with pytest.raises(ConfigError, match=r'mixes record files \(train.jsonl\) with text files '
+                     r'\(README.md\).*beside/\*.jsonl'):
+    prepare_dataset(tmp_path / 'o', ByteTokenizer(), train_sources=[beside])
+  below = tmp_path / 'below'
+  (below / 'data').mkdir(parents=True)
+  (below / 'README.md').write_text('# A dataset card\n')
+  _write_parquet(below / 'data' / 'train-00000-of-00001.parquet', {'text': ['hello']})
+  with pytest.raises(ConfigError, match=r'no record files at its top level \(only README.md\), '
+                     r'but its subdirectories do \(train-00000-of-00001.parquet\).*below/data'):
+    formats.expand_sources([below], 'data.path')
+  assert formats.expand_sources([below / 'data'], 'data.path')[0].name.endswith('.parquet')
+  assert len(formats.expand_sources([f'{below}/**/*.parquet'], 'data.path')) == 1
+
+
+def test_parquet_rows_read_as_their_json_records(tmp_path, tokenizer_dir):
+  """Every column the record rules read (tools, Alpaca's), and no null Arrow adds: a Parquet
+  row gives the tokens of its JSONL line."""
+  template = ("{% if tools %}tools: {{ tools|length }}\n{% endif %}{% for m in messages %}"
+              "{{ m['role'] }}{% if 'tool_calls' in m %} calls {{ m['tool_calls'][0]['name'] }}"
+              "{% endif %}: {{ m['content'] }}\n{% endfor %}")
+  tok = _tokenizer_with(tmp_path / 'tok', tokenizer_dir, {'eos_token': EOS,
+                                                          'chat_template': template})
+  chats = [{'messages': [{'role': 'user', 'content': 'weather?'},
+                         {'role': 'assistant', 'content': '',
+                          'tool_calls': [{'name': 'get_weather'}]}],
+            'tools': [{'name': 'get_weather'}]},
+           {'messages': [{'role': 'user', 'content': 'hi'},
+                         {'role': 'assistant', 'content': 'hello'}]}]
+  alpaca = [{'instruction': 'Add.', 'input': '1 and 2', 'output': '3'},
+            {'instruction': 'Greet.', 'output': 'Hello.'}]
+  for name, records in (('chat', chats), ('alpaca', alpaca)):
+    _write_jsonl(tmp_path / f'{name}.jsonl', records)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / f'{name}.parquet')
+    want, got = (_stream(prepare_dataset(tmp_path / f'o-{name}{ext}', tok, val_fraction=0.5,
+                                         train_sources=[tmp_path / f'{name}{ext}']))
+                 for ext in ('.jsonl', '.parquet'))
+    assert np.array_equal(got, want), name
+
+
+def test_empty_files_are_empty_in_every_format(tmp_path):
+  _write_jsonl(tmp_path / 'a.jsonl', [{'text': 'hello'}])
+  for name in ('b.parquet', 'c.arrow', 'd.jsonl', 'e.json'):
+    (tmp_path / name).write_bytes(b'')
+  info = prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[tmp_path])
+  assert bytes(_stream(info).astype(np.uint8)) == b'hello\0'
+
+
+def test_lone_surrogate_is_a_bad_record(tmp_path, tokenizer_dir):
+  source = tmp_path / 'sur.jsonl'
+  source.write_text('{"text": "fine"}\n{"text": "bad \\ud800 half"}\n{"text": "pair \\ud83d\\ude00"}'
+                    '\n')
+  for tok in (ByteTokenizer(), load_tokenizer(str(tokenizer_dir))):
+    with pytest.raises(ConfigError, match=r'sur.jsonl:2: a lone surrogate escape \\ud800'):
+      prepare_dataset(tmp_path / 'o', tok, train_sources=[source])
+    fmt = document_format(tok)
+    info = prepare_dataset(tmp_path / f'o-{tok.name}', tok, train_sources=[source],
+                           doc_format=dataclasses.replace(fmt, skip_bad_records=True))
+    assert info.stats['skipped_records'] == 1 and info.stats['documents'] == 2
+
+
+def test_where_bad_input_is_reported(tmp_path):
+  """Counts and positions: every bad record counted, a bad byte's offset in the file, the line
+  a truncated stream ends after, UTF-16 JSONL named as such."""
+  lines = [json.dumps({'text': 'x' * 100})] * 2000
+  for i in range(800, 810):
+    lines[i] = '{"text": 5}'
+  (tmp_path / 'late.jsonl').write_text('\n'.join(lines) + '\n')
+  (tmp_path / 'early.jsonl').write_text('{"text": 5}\n' * 10)
+  for name, first in (('late', 801), ('early', 1)):
+    with pytest.raises(ConfigError, match=rf'{name}.jsonl:{first}: .* \(and 9 more\)'):
+      prepare_dataset(tmp_path / f'o-{name}', ByteTokenizer(),
+                      train_sources=[tmp_path / f'{name}.jsonl'])
+  (tmp_path / 'bad.txt').write_bytes(b'a' * 99 + b'\n' + b'b' * 100_000 + b'\xe9 tail\n')
+  with pytest.raises(ConfigError, match=r'byte 0xe9 at offset 100100 \(line 2\)'):
+    prepare_dataset(tmp_path / 'o-t', ByteTokenizer(), train_sources=[tmp_path / 'bad.txt'])
+  data = ''.join(json.dumps({'text': f'record {i} ' * 10}) + '\n' for i in range(3000)).encode()
+  for ext, packed in (('gz', gzip.compress(data)),
+                      ('zst', zstandard.ZstdCompressor().compress(data))):
+    (tmp_path / f'trunc.jsonl.{ext}').write_bytes(packed[:len(packed) * 2 // 3])
+    with pytest.raises(ConfigError, match=r'cannot read past line (\d+)') as err:
+      prepare_dataset(tmp_path / f'o-{ext}', ByteTokenizer(),
+                      train_sources=[tmp_path / f'trunc.jsonl.{ext}'])
+    assert 1000 < int(re.search(r'line (\d+)', str(err.value)).group(1)) < 3000, ext
+  (tmp_path / 'u16.jsonl').write_bytes('{"text": "hello"}\n'.encode('utf-16'))
+  with pytest.raises(ConfigError, match='convert UTF-16 text to UTF-8'):
+    prepare_dataset(tmp_path / 'o-16', ByteTokenizer(), train_sources=[tmp_path / 'u16.jsonl'])

@@ -26,6 +26,8 @@ import glob
 import gzip
 import io
 import json
+import os
+import re
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,14 +37,17 @@ import zstandard
 
 from megatrain_jax.data import documents
 from megatrain_jax.data.documents import BadRecord, DocumentFormat
-from megatrain_jax.data.tokenizer import Tokenizer
+from megatrain_jax.data.tokenizer import Tokenizer, cut_point, encode_text
 from megatrain_jax.errors import ConfigError
 
-TEXT, JSONL, PARQUET, ARROW = 'text', 'jsonl', 'parquet', 'arrow'
-_JSONL_SUFFIXES = ('.jsonl', '.jsonl.zst', '.jsonl.zstd', '.jsonl.gz')
+TEXT, JSONL, JSON, PARQUET, ARROW = 'text', 'jsonl', 'json', 'parquet', 'arrow'
+_JSONL_SUFFIXES = ('.jsonl', '.jsonl.zst', '.jsonl.zstd', '.jsonl.gz', '.ndjson', '.ndjson.zst',
+                   '.ndjson.zstd', '.ndjson.gz')
 # Bytes of input per task: large enough that a task amortises its trip to a worker, small enough
 # that (workers x in-flight tasks) of them stay well within the memory bound.
 CHUNK_BYTES = 4 << 20
+# Characters of text per task (text_tasks; `--eval` reads text files in the same chunks).
+TEXT_CHUNK_CHARS = 8 << 20
 # Bytes of each source read during validation (before anything is written).
 SNIFF_BYTES = 64 << 10
 # Rows per Arrow batch inside a Parquet row group.
@@ -59,6 +64,8 @@ def source_format(path: Path) -> str:
     return JSONL
   if name.endswith('.arrow'):
     return ARROW
+  if name.endswith('.json'):
+    return JSON
   return TEXT
 
 
@@ -92,8 +99,7 @@ def expand_sources(sources, field: str) -> list[Path]:
     elif path.is_dir():
       children = _saved_dataset_files(path, field)
       if children is None:
-        children = sorted(child for child in path.iterdir()
-                          if child.is_file() and not child.name.startswith('.'))
+        children = _directory_files(path, field)
       if not children:
         raise ConfigError(f'{field}: directory {path} contains no (non-hidden) files; put data '
                           f'files in it or point {field} at a file.')
@@ -101,6 +107,66 @@ def expand_sources(sources, field: str) -> list[Path]:
     else:
       files.append(path.resolve())
   return files
+
+
+def _directory_files(path: Path, field: str) -> list[Path]:
+  """A directory's non-hidden files, sorted, refusing what would be misread: record files beside
+  text files (a Hub repository's README.md would be one more document of raw text), or a top level
+  without record files whose subdirectories (not read) hold some (a Hub repository's data/)."""
+  children = sorted(c for c in path.iterdir() if c.is_file() and not c.name.startswith('.'))
+  records = [c for c in children if source_format(c) != TEXT]
+  texts = [c for c in children if source_format(c) == TEXT]
+  nested = [] if records else _nested_record_files(path)
+  if nested:
+    only = f' (only {_names(texts)})' if texts else ''
+    raise ConfigError(f'{field}: directory {path} holds no record files at its top level{only}, '
+                      f'but its subdirectories do ({_names(nested)}), and they are not read; '
+                      f'point {field} at {nested[0].parent} or at a pattern such as '
+                      f"'{path}/**/*{nested[0].suffix}'.")
+  return children
+
+
+def check_directories(sources, fmt: DocumentFormat | None, field: str) -> None:
+  """Refuses a directory source that mixes record files with text files, unless each text file
+  is a document (data.text_documents): the text would run, as raw text without an EOS, into the
+  next record (a Hub repository's README.md beside its train.jsonl).
+
+  Raises:
+    ConfigError: (naming `field`, the files and the fix).
+  """
+  if fmt is not None and fmt.text_documents:
+    return
+  for source in sources:
+    path = Path(source).expanduser()
+    if not path.is_dir() or (path / 'state.json').is_file():
+      continue
+    children = sorted(c for c in path.iterdir() if c.is_file() and not c.name.startswith('.'))
+    records = [c for c in children if source_format(c) != TEXT]
+    texts = [c for c in children if source_format(c) == TEXT]
+    if records and texts:
+      raise ConfigError(f'{field}: directory {path} mixes record files ({_names(records)}) with '
+                        f'text files ({_names(texts)}), which would be read as raw text running '
+                        f'into the records; point {field} at the records, e.g. '
+                        f"'{path}/*{records[0].suffix}', or move the text files out (or set "
+                        'data.text_documents=True to read each text file as a document).')
+
+
+def _names(files: list[Path]) -> str:
+  return ', '.join(f.name for f in files[:3]) + (f' and {len(files) - 3} more'
+                                                  if len(files) > 3 else '')
+
+
+def _nested_record_files(path: Path, limit: int = 3) -> list[Path]:
+  """Up to `limit` record files in the non-hidden subdirectories of `path`, in walk order."""
+  found = []
+  for root, dirs, names in os.walk(path):
+    dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
+    if Path(root) != path:
+      found += [Path(root) / n for n in sorted(names)
+                if not n.startswith('.') and source_format(Path(n)) != TEXT]
+    if len(found) >= limit:
+      break
+  return found[:limit]
 
 
 def _saved_dataset_files(path: Path, field: str) -> list[Path] | None:
@@ -137,8 +203,29 @@ def binary_error(path: Path, field: str, offset: int) -> ConfigError:
 
 
 def not_utf8_error(path: Path, field: str, error: UnicodeDecodeError) -> ConfigError:
-  return ConfigError(f'{field}: {path} is not UTF-8 text ({error}); convert it to UTF-8 or '
+  """The error for a file that is not UTF-8; `error`'s position is within the block decoded, so
+  the first bad byte's offset and line in the file are found again."""
+  where = _first_bad_utf8(path) or str(error)
+  return ConfigError(f'{field}: {path} is not UTF-8 text ({where}); convert it to UTF-8 or '
                      f'remove it from {field}.')
+
+
+def _first_bad_utf8(path: Path) -> str | None:
+  """Where the first byte of `path` that is not UTF-8 is ('byte 0xe9 at offset 100003 (line
+  12): invalid continuation byte'), or None."""
+  decoder, done, lines = codecs.getincrementaldecoder('utf-8')(), 0, 1
+  with open(path, 'rb') as f:
+    while block := f.read(1 << 20):
+      try:
+        decoder.decode(block)
+      except UnicodeDecodeError as e:
+        # The decoder holds back an unfinished character's bytes: `e.start` counts from them.
+        at = done - (len(e.object) - len(block)) + e.start
+        line = lines + e.object[:e.start].count(b'\n')
+        return f'byte 0x{e.object[e.start]:02x} at offset {at} (line {line}): {e.reason}'
+      done += len(block)
+      lines += block.count(b'\n')
+  return None
 
 
 def check_text_head(path: Path, field: str) -> None:
@@ -164,9 +251,23 @@ class TextTask:
   last: bool = False
 
 
-def text_tasks(path: Path, field: str, chunk_chars: int) -> Iterator[tuple[TextTask, int]]:
-  """(task, bytes of the file read so far) for chunks of whole lines of about `chunk_chars`."""
-  offset, held = 0, None  # each chunk is yielded once the next is read: is it the last?
+def text_tasks(path: Path, field: str, chunk_chars: int,
+               tokenizer: Tokenizer | None = None) -> Iterator[tuple[TextTask, int]]:
+  """(task, bytes of the file read so far) for chunks of about `chunk_chars`: whole lines, or
+  with `tokenizer`, cut where its ids do not change (tokenizer.cut_point), so the chunks encode
+  to the ids of the whole file (as `--eval` encodes it). A UTF-8 BOM is not text: dropped."""
+  held = None  # each chunk is yielded once the next is read: is it the last?
+  for text, done in _text_chunks(path, field, chunk_chars, tokenizer):
+    if held is not None:
+      yield held
+    held = TextTask(text, first=held is None), done
+  if held is not None:
+    yield dataclasses.replace(held[0], last=True), held[1]
+
+
+def _text_chunks(path: Path, field: str, chunk_chars: int,
+                 tokenizer: Tokenizer | None) -> Iterator[tuple[str, int]]:
+  offset, carry = 0, ''  # carry: the text after the last cut, which starts the next chunk
   # newline='' keeps '\r\n' as is, so a byte tokenizer stores the file's exact bytes.
   with open(path, encoding='utf-8', newline='') as f:
     while True:
@@ -174,17 +275,20 @@ def text_tasks(path: Path, field: str, chunk_chars: int) -> Iterator[tuple[TextT
         lines = f.readlines(chunk_chars)
       except UnicodeDecodeError as e:
         raise not_utf8_error(path, field, e) from e
-      if not lines:
+      new = ''.join(lines)
+      if '\0' in new:
+        raise binary_error(path, field, offset + len(carry) + new.index('\0'))
+      if offset == 0 and not carry and new.startswith('\ufeff'):
+        new = new[1:]  # a BOM marks the encoding (JSONL's reader drops it too)
+      text, carry = carry + new, ''
+      if len(new) >= chunk_chars and tokenizer is not None:  # more follows: cut the text
+        at = cut_point(tokenizer, text, len(text) - len(text) // 4)
+        if at > 0:
+          text, carry = text[:at], text[at:]
+      if not text:
         break
-      text = ''.join(lines)
-      if '\0' in text:
-        raise binary_error(path, field, offset + text.index('\0'))
-      if held is not None:
-        yield held
-      held = TextTask(text, first=offset == 0), f.buffer.tell()
+      yield text, f.buffer.tell()
       offset += len(text)
-  if held is not None:
-    yield dataclasses.replace(held[0], last=True), held[1]
 
 
 # --- JSONL -------------------------------------------------------------------------------------
@@ -234,13 +338,30 @@ class _ZstdReader(io.RawIOBase):
     self._pending += b''.join(out)
 
 
+class _Read1(io.RawIOBase):
+  """A buffered stream read as raw: each read returns what is decompressed so far, so the lines
+  before a truncated end are read (GzipFile.read(n) raises, losing up to n bytes read)."""
+
+  def __init__(self, stream):
+    super().__init__()
+    self._stream = stream
+
+  def readable(self) -> bool:
+    return True
+
+  def readinto(self, buffer) -> int:
+    data = self._stream.read1(len(buffer))
+    buffer[:len(data)] = data
+    return len(data)
+
+
 def open_decompressed(path: Path, raw) -> io.BufferedReader:
   """The decompressed byte stream of `raw` (an open file of `path`), by extension."""
   name = path.name.lower()
   if name.endswith(('.zst', '.zstd')):
     return io.BufferedReader(_ZstdReader(raw), 1 << 20)
   if name.endswith('.gz'):
-    return io.BufferedReader(gzip.GzipFile(fileobj=raw, mode='rb'), 1 << 20)
+    return io.BufferedReader(_Read1(gzip.GzipFile(fileobj=raw, mode='rb')), 1 << 20)
   return io.BufferedReader(raw, 1 << 20) if not isinstance(raw, io.BufferedReader) else raw
 
 
@@ -255,10 +376,12 @@ def stream_error(path: Path, field: str, line: int, error: Exception) -> ConfigE
 
 @dataclasses.dataclass(frozen=True)
 class JsonlTask:
-  """Whole lines of a JSONL file: `data` (bytes, decompressed), its first line number (1-based)."""
+  """Whole lines of a JSONL file: `data` (bytes, decompressed), its first line number (1-based);
+  or records of a JSON array, one a line, with the line each starts at in the file (`lines`)."""
   file: str
   first_line: int
   data: bytes
+  lines: tuple[int, ...] = ()
 
 
 def jsonl_tasks(path: Path, field: str,
@@ -270,10 +393,13 @@ def jsonl_tasks(path: Path, field: str,
   with open(path, 'rb') as raw:
     stream = open_decompressed(path, raw)
     while True:
-      try:
-        lines = stream.readlines(chunk_bytes)
+      lines, size = [], 0
+      try:  # line by line, so a truncated stream is reported after the last whole line read
+        while size < chunk_bytes and (text := stream.readline()):
+          lines.append(text)
+          size += len(text)
       except _STREAM_ERRORS as e:
-        raise stream_error(path, field, line - 1, e) from e
+        raise stream_error(path, field, line - 1 + len(lines), e) from e
       if not lines:
         return
       yield JsonlTask(str(path), line, b''.join(lines)), raw.tell()
@@ -282,7 +408,8 @@ def jsonl_tasks(path: Path, field: str,
 
 def _jsonl_documents(task: JsonlTask, fmt: DocumentFormat, bad: list) -> list:
   docs = []
-  for number, raw_line in enumerate(task.data.splitlines(), task.first_line):
+  for index, raw_line in enumerate(task.data.splitlines()):
+    number = task.lines[index] if task.lines else task.first_line + index
     if not raw_line.strip():
       continue
     try:
@@ -290,10 +417,130 @@ def _jsonl_documents(task: JsonlTask, fmt: DocumentFormat, bad: list) -> list:
         record = json.loads(raw_line)
       except ValueError as e:
         raise BadRecord(f'malformed JSON ({e})') from e
-      docs.append(documents.record_parts(record, fmt))
+      parts = documents.record_parts(record, fmt)
+      if _SURROGATE_ESCAPE.search(raw_line):  # rare: look for what the escape decoded to
+        _check_no_lone_surrogate(parts)
+      docs.append(parts)
     except BadRecord as e:
       bad.append(f'{task.file}:{number}: {e}')
   return docs
+
+
+# JSON may escape half of a UTF-16 surrogate pair alone ("\ud800"): json.loads makes it a code
+# point that no UTF-8 text holds, which the tokenizers cannot encode (a TypeError in Hugging Face's).
+_SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F]')
+_LONE_SURROGATE = re.compile('[\ud800-\udfff]')
+
+
+def _check_no_lone_surrogate(parts: list) -> None:
+  for text, _ in parts:
+    found = _LONE_SURROGATE.search(text)
+    if found:
+      raise BadRecord(f'a lone surrogate escape \\u{ord(found.group()):04x} (half of a UTF-16 '
+                      'pair, not a character) in a text; write the character itself, or the '
+                      'whole pair')
+
+
+# --- JSON (.json): one array of records, or JSON lines ------------------------------------------
+
+
+def json_is_array(path: Path) -> bool:
+  """Whether a .json file holds a JSON array (its first non-blank character is '['), not lines."""
+  with open(path, 'rb') as f:
+    head = f.read(SNIFF_BYTES).removeprefix(codecs.BOM_UTF8).lstrip()
+  return head.startswith(b'[')
+
+
+# The longest record of a JSON array read (the reader holds one whole).
+_MAX_RECORD_CHARS = 256 << 20
+_DECODER = json.JSONDecoder()
+_BLANK = re.compile(r'[ \t\r\n]*')  # JSON's whitespace
+
+
+class _JsonArray:
+  """The records of a file holding one JSON array, read a block at a time (bounded memory):
+  each as one line of JSON (its text, the newlines between its tokens made spaces)."""
+
+  def __init__(self, path: Path, field: str, raw):
+    self.path, self.field, self.raw = path, field, raw
+    self.buf, self.pos, self.line, self.eof = '', 0, 1, False  # line: the line at buf[pos]
+    self._utf8 = codecs.getincrementaldecoder('utf-8-sig')()
+
+  def _more(self) -> bool:
+    block = self.raw.read(1 << 20)
+    try:
+      text = self._utf8.decode(block, final=not block)
+    except UnicodeDecodeError as e:
+      raise not_utf8_error(self.path, self.field, e) from e
+    self.buf, self.pos, self.eof = self.buf[self.pos:] + text, 0, not block
+    return bool(block)
+
+  def _advance(self, to: int) -> None:
+    self.line += self.buf.count('\n', self.pos, to)
+    self.pos = to
+
+  def _next_char(self) -> str:
+    """The next non-blank character (not consumed), '' at the end of the file."""
+    while True:
+      self._advance(_BLANK.match(self.buf, self.pos).end())
+      if self.pos < len(self.buf):
+        return self.buf[self.pos]
+      if not self._more():
+        return ''
+
+  def error(self, what: str) -> ConfigError:
+    return ConfigError(f'{self.field}: {self.path} line {self.line}: {what}; a .json file holds '
+                       'one JSON array of records ([{...}, ...]) or one record per line: fix it, '
+                       'or write it as JSON lines (.jsonl).')
+
+  def _record(self) -> str:
+    while True:
+      try:
+        _, end = _DECODER.raw_decode(self.buf, self.pos)
+        if end < len(self.buf) or self.eof:  # else a number might go on in the next block
+          return self.buf[self.pos:end]
+      except ValueError as e:
+        if self.eof or len(self.buf) - self.pos > _MAX_RECORD_CHARS:
+          raise self.error(f'malformed JSON ({e})') from e
+      self._more()
+
+  def records(self) -> Iterator[tuple[bytes, int, int]]:
+    """(record as one line, the line it starts at, bytes of the file read so far)."""
+    if self._next_char() != '[':
+      raise self.error("expected '['")
+    self._advance(self.pos + 1)
+    char = self._next_char()
+    while char != ']':
+      text, line = self._record(), self.line
+      self._advance(self.pos + len(text))
+      yield text.replace('\n', ' ').replace('\r', ' ').encode('utf-8'), line, self.raw.tell()
+      char = self._next_char()
+      if char == ',':
+        self._advance(self.pos + 1)
+        self._next_char()
+      elif char != ']':
+        raise self.error("expected ',' or ']' after a record")
+    self._advance(self.pos + 1)
+    if self._next_char():
+      raise self.error('more after the array')
+
+
+def json_array_tasks(path: Path, field: str,
+                     chunk_bytes: int | None = None) -> Iterator[tuple[JsonlTask, int]]:
+  """(task, bytes read so far) of a file holding a JSON array: about `chunk_bytes` (default
+  CHUNK_BYTES) of records per task."""
+  chunk_bytes = chunk_bytes or CHUNK_BYTES
+  lines, numbers, size, number = [], [], 0, 1
+  with open(path, 'rb') as raw:
+    for record, line, done in _JsonArray(path, field, raw).records():
+      lines.append(record)
+      numbers.append(line)
+      size += len(record)
+      if size >= chunk_bytes:
+        yield JsonlTask(str(path), number, b'\n'.join(lines), tuple(numbers)), done
+        number, lines, numbers, size = number + len(lines), [], [], 0
+    if lines:
+      yield JsonlTask(str(path), number, b'\n'.join(lines), tuple(numbers)), raw.tell()
 
 
 # --- Parquet -----------------------------------------------------------------------------------
@@ -313,18 +560,29 @@ def parquet_columns(path: Path, fmt: DocumentFormat, field: str) -> list[str]:
   return _record_columns(names, path, fmt, field)
 
 
+# The columns a record may be read from besides data.text_field / prompt_field / completion_field
+# (documents.record_parts: chat, its tools, ShareGPT, Alpaca and Dolly): every one a table holds
+# is read, so a row is the record its JSONL line would be.
+_RECORD_COLUMNS = (documents.MESSAGES_FIELD, documents.SHAREGPT_FIELD, documents.TOOLS_FIELD,
+                   documents.ALPACA_INSTRUCTION, *documents.ALPACA_OUTPUT,
+                   *documents.ALPACA_INPUT, 'system')
+
+
 def _record_columns(names: list[str], path: Path, fmt: DocumentFormat, field: str) -> list[str]:
   """Of a table's column `names`: those its records are read from (`parquet_columns`)."""
-  if fmt.prompt_field in names and fmt.completion_field in names:
-    return [fmt.prompt_field, fmt.completion_field]
-  for column in (fmt.text_field, documents.MESSAGES_FIELD, documents.SHAREGPT_FIELD):
-    if column in names:
-      return [column]
-  raise ConfigError(f'{field}: {path} has no column {fmt.text_field!r} (nor '
-                    f'{fmt.prompt_field!r}+{fmt.completion_field!r}, '
-                    f'{documents.MESSAGES_FIELD!r} or {documents.SHAREGPT_FIELD!r}); its columns: '
-                    f'{", ".join(names[:12])}. Set data.text_field to the column holding the '
-                    'text.')
+  wanted = (fmt.text_field, fmt.prompt_field, fmt.completion_field, *_RECORD_COLUMNS)
+  columns = [name for name in names if name in wanted]
+  has = set(columns)
+  if not ({fmt.prompt_field, fmt.completion_field} <= has or has & {
+      fmt.text_field, documents.MESSAGES_FIELD, documents.SHAREGPT_FIELD} or (
+          documents.ALPACA_INSTRUCTION in has and has & set(documents.ALPACA_OUTPUT))):
+    raise ConfigError(f'{field}: {path} has no column {fmt.text_field!r} (nor '
+                      f'{fmt.prompt_field!r}+{fmt.completion_field!r}, '
+                      f'{documents.MESSAGES_FIELD!r}, {documents.SHAREGPT_FIELD!r} or '
+                      f'{documents.ALPACA_INSTRUCTION!r}+{documents.ALPACA_OUTPUT[0]!r}); its '
+                      f'columns: {", ".join(names[:12])}. Set data.text_field to the column '
+                      'holding the text.')
+  return columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,11 +626,23 @@ def _batch_documents(batch, columns, file: str, row: int, fmt: DocumentFormat, d
   values = [batch.column(name).to_pylist() for name in columns]
   for record_values in zip(*values):
     try:
-      docs.append(documents.record_parts(dict(zip(columns, record_values)), fmt))
+      docs.append(documents.record_parts(_without_nulls(dict(zip(columns, record_values))), fmt))
     except BadRecord as e:
       bad.append(f'{file}: row {row}: {e}')
     row += 1
   return row
+
+
+def _without_nulls(value: Any) -> Any:
+  """A row as its JSON record: Arrow gives every row every column, and every struct (a chat
+  message) every field any row has, null where the record had none (a plain turn's tool_calls,
+  an Alpaca row's input); templates test `'tool_calls' in m`, so nulls are dropped, at any
+  depth. A null text is a missing text (a bad record, as in JSON)."""
+  if isinstance(value, dict):
+    return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+  if isinstance(value, list):
+    return [_without_nulls(v) for v in value]
+  return value
 
 
 # --- Arrow IPC (Hugging Face datasets' save_to_disk) -------------------------------------------
@@ -440,8 +710,12 @@ def _arrow_documents(task: ArrowTask, fmt: DocumentFormat, bad: list) -> list:
 def record_tasks(path: Path, fmt: DocumentFormat, field: str) -> Iterator[tuple[Any, int]]:
   """(task, input bytes so far) of a record file: JSONL(.zst/.gz), Parquet or Arrow."""
   kind = source_format(path)
-  if kind == JSONL:
+  if path.stat().st_size == 0:  # an empty file holds no records, whatever its format
+    return iter(())
+  if kind == JSONL or (kind == JSON and not json_is_array(path)):
     return jsonl_tasks(path, field)
+  if kind == JSON:
+    return json_array_tasks(path, field)
   if kind == PARQUET:
     return parquet_tasks(path, fmt, field)
   return arrow_tasks(path, fmt, field)
@@ -466,12 +740,12 @@ def run_task(task: Any, tokenizer: Tokenizer, fmt: DocumentFormat | None,
   """Tokens (and mask) of one task. Bad records are counted and quoted, never raised: the
   caller decides (fail or skip)."""
   if isinstance(task, TextTask):
-    ids = list(tokenizer.encode(task.text))
+    ids = encode_text(tokenizer, task.text).astype(np.int64)  # in pieces: bounded memory
     document = fmt is not None and fmt.text_documents  # the file is one [BOS] text EOS
     if document:
-      ids = ([fmt.bos] if task.first and fmt.bos is not None else []) + ids + (
-          [fmt.eos] if task.last else [])
-    tokens = np.asarray(ids, dtype=np.int64).astype(dtype)
+      ids = np.concatenate([[fmt.bos] if task.first and fmt.bos is not None else [], ids,
+                            [fmt.eos] if task.last else []]).astype(np.int64)
+    tokens = ids.astype(dtype)
     documents.check_ids(tokens, tokenizer)
     ends = np.array([len(tokens)] if document and task.last else [], np.int64)
     return TaskResult(tokens, None, ends if document else None, int(document and task.last), 0,
@@ -494,12 +768,17 @@ def run_task(task: Any, tokenizer: Tokenizer, fmt: DocumentFormat | None,
 def _check_jsonl_head(path: Path, fmt: DocumentFormat, field: str) -> int:
   """Parses the records in the first `SNIFF_BYTES` (the whole file if smaller, which also
   finds a truncated small file); returns how many were read, or -1 if the file is longer."""
+  head = b''
   with open(path, 'rb') as raw:
     stream = open_decompressed(path, raw)
-    try:
-      head = stream.read(SNIFF_BYTES + 1)
+    try:  # in blocks, so a truncated stream is reported after the last whole line read
+      while len(head) <= SNIFF_BYTES and (block := stream.read1(8192)):
+        head += block
     except _STREAM_ERRORS as e:
-      raise stream_error(path, field, 0, e) from e
+      raise stream_error(path, field, head.count(b'\n'), e) from e
+  head = head[:SNIFF_BYTES + 1]
+  if b'\0' in head:  # UTF-16 (or binary): every line would be malformed JSON
+    raise binary_error(path, field, head.index(b'\0'))
   complete = len(head) <= SNIFF_BYTES
   if not complete:
     head = head[:head.rfind(b'\n') + 1]
@@ -510,19 +789,33 @@ def _check_jsonl_head(path: Path, fmt: DocumentFormat, field: str) -> int:
   return len(docs) if complete else -1
 
 
+def _check_json_array_head(path: Path, fmt: DocumentFormat, field: str) -> int:
+  """`_check_jsonl_head` for a JSON array: the records in its first `SNIFF_BYTES`."""
+  task = next(json_array_tasks(path, field, SNIFF_BYTES), (None, 0))[0]
+  if task is None:
+    return 0
+  bad: list[str] = []
+  docs = _jsonl_documents(task, fmt, bad)
+  if bad and not fmt.skip_bad_records:
+    raise bad_records_error(bad, len(bad), field)
+  return -1 if len(task.data) >= SNIFF_BYTES else len(docs)
+
+
 def check_head(path: Path, fmt: DocumentFormat | None, field: str) -> int:
   """Checks what can be checked cheaply before writing: text is UTF-8, the first JSON records
   parse and hold the fields, a Parquet or Arrow file has the column. Returns the file's record
   count when known (a small JSONL file, any Parquet or Arrow file; the byte size for text), else
   -1."""
   kind = source_format(path)
-  if kind == TEXT:
+  if kind == TEXT or path.stat().st_size == 0:  # an empty Parquet/Arrow file: empty, as JSONL
     check_text_head(path, field)
     return path.stat().st_size
   if fmt is None:
     raise ValueError('a document format is needed for record sources')
-  if kind == JSONL:
+  if kind == JSONL or (kind == JSON and not json_is_array(path)):
     return _check_jsonl_head(path, fmt, field)
+  if kind == JSON:
+    return _check_json_array_head(path, fmt, field)
   if kind == ARROW:
     schema, batches = _arrow_batches(path, field)
     _record_columns(schema.names, path, fmt, field)
@@ -533,7 +826,8 @@ def check_head(path: Path, fmt: DocumentFormat | None, field: str) -> int:
 
 
 def bad_records_error(bad: list[str], count: int, field: str) -> ConfigError:
-  more = f' (and {count - len(bad)} more)' if count > len(bad) else ''
+  """The error for `count` bad records, of which `bad` quotes the first few (one is shown)."""
+  more = f' (and {count - 1} more)' if count > 1 else ''
   return ConfigError(f'{field}: bad record {bad[0]}{more}. Fix the data, or set '
                      'data.skip_bad_records=True to skip (and count) bad records.')
 

@@ -51,8 +51,9 @@ META_FILE = 'meta.json'
 # Bumped whenever the on-disk layout or the tokenization procedure changes, so old caches are
 # re-prepared instead of being misread. 1: train.bin/val.bin. 2: shards, documents, masks.
 _FORMAT_VERSION = 2
-# Text files are tokenized in chunks of about this many characters (whole lines).
-_CHUNK_CHARS = 8 << 20
+# Text files are tokenized in chunks of about this many characters, cut where the tokenizer's ids
+# do not change (formats.text_tasks), each encoded a piece at a time (tokenizer.encode_text).
+_CHUNK_CHARS = formats.TEXT_CHUNK_CHARS
 DEFAULT_SHARD_TOKENS = 1 << 27
 # Inputs below this many bytes are tokenized in this process: starting workers costs more.
 _POOL_MIN_BYTES = 32 << 20
@@ -233,6 +234,8 @@ def _plan(out_dir, tokenizer, train_sources, val_sources, val_fraction, doc_form
                       '(it is created if missing).')
   if doc_format is None and needs_documents(train_files + val_files):
     doc_format = document_format(tokenizer)
+  formats.check_directories(train_sources, doc_format, 'data.path')
+  formats.check_directories(val_sources, doc_format, 'data.val_path')
   check_sources(train_files, doc_format, 'data.path')
   check_sources(val_files, doc_format, 'data.val_path')
   streams = {'train': train_files}
@@ -385,9 +388,9 @@ def _stream_tasks(job: _Job, name: str, files: Sequence[Path]) -> Iterator[tuple
   for path in files:
     kind, done = formats.source_format(path), 0
     if kind == formats.TEXT:
-      tasks = formats.text_tasks(path, field, _CHUNK_CHARS)
-    elif kind == formats.JSONL:
-      tasks = formats.jsonl_tasks(path, field)
+      tasks = formats.text_tasks(path, field, _CHUNK_CHARS, job.tokenizer)
+    elif kind in (formats.JSONL, formats.JSON):  # read as they go: not listed ahead
+      tasks = formats.record_tasks(path, job.fmt, field)
     else:
       tasks = _scaled_progress(path, job.fmt, field)
     for task, position in tasks:

@@ -6,6 +6,7 @@ the samplers rely on. Nothing here downloads: a Hugging Face tokenizer must alre
 
 import functools
 import hashlib
+import re
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -43,6 +44,60 @@ def encode_batch(tokenizer: Tokenizer, texts: Sequence[str]) -> list[Sequence[in
   if batch is not None:
     return batch(texts)
   return [tokenizer.encode(text) for text in texts]
+
+
+# Long text is encoded in pieces of about this many characters: a Hugging Face tokenizer's working
+# memory grows with the text it is given (~16 bytes of alignment per byte, each token's string and
+# offsets), ~300x the text at once; a piece keeps it to tens of MB.
+PIECE_CHARS = 1 << 18
+# Where text may be cut: before a space between two letters ('the| cat'), or after a newline
+# between two non-blank characters ('end.\n|Next'; text without spaces, such as Chinese, has
+# those). The common pre-tokenizers (ByteLevel with GPT-2's, Llama 3's or Qwen's pattern,
+# Whitespace, BERT's, Metaspace) split there anyway, so the pieces encode to the ids of the text
+# whole. Each cut is also checked on the text around it (_CHECK_CHARS each side), which turns
+# down the tokenizers that do not split there (one whose normalizer prepends '▁' to every text).
+_CUT = re.compile(r'(?<=[^\W\d_])(?= [^\W\d_])|(?<=\S\n)(?=\S)')
+_CHECK_CHARS = 64
+# Candidates checked before giving up on cutting a text (the rest is then encoded whole).
+_CUT_TRIES = 8
+
+
+def cut_point(tokenizer: Tokenizer, text: str, start: int) -> int:
+  """The first cut (_CUT) at or after `start` where encoding the text on each side apart gives
+  the ids of encoding it together, or -1 if none passes that check within _CUT_TRIES."""
+  for tries, match in enumerate(_CUT.finditer(text, start)):
+    at = match.start()
+    if tries >= _CUT_TRIES:
+      return -1
+    lo = max(0, at - _CHECK_CHARS)
+    left, right, both = encode_batch(
+        tokenizer, [text[lo:at], text[at:at + _CHECK_CHARS], text[lo:at + _CHECK_CHARS]])
+    if list(left) + list(right) == list(both):
+      return at
+  return -1
+
+
+def encode_text(tokenizer: Tokenizer, text: str, piece_chars: int | None = None) -> np.ndarray:
+  """The ids of `text` ([N] int32), those of `tokenizer.encode(text)`, in bounded memory: encoded
+  in pieces of about `piece_chars` (default PIECE_CHARS) cut where `cut_point` finds the ids
+  unchanged (no cut found: the rest whole)."""
+  piece_chars = piece_chars or PIECE_CHARS
+  ids, start = [], 0
+  while len(text) - start > 2 * piece_chars:  # no cut leaves a piece of a few characters
+    at = cut_point(tokenizer, text, start + piece_chars)
+    if at < 0:
+      break
+    ids.append(_piece_ids(tokenizer, text[start:at]))
+    start = at
+  ids.append(_piece_ids(tokenizer, text[start:]))
+  return ids[0] if len(ids) == 1 else np.concatenate(ids)
+
+
+def _piece_ids(tokenizer: Tokenizer, text: str) -> np.ndarray:
+  ids = encode_batch(tokenizer, [text])[0]
+  if isinstance(ids, bytes):  # the byte tokenizer's
+    return np.frombuffer(ids, np.uint8).astype(_ID_DTYPE)
+  return np.asarray(ids, _ID_DTYPE)
 
 
 class ByteTokenizer:
