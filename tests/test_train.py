@@ -212,20 +212,26 @@ def test_resume_keeps_the_microbatches_the_run_started_with(tmp_path, shared_dat
   assert json.loads((tmp_path / 'config.json').read_text())['train']['microbatches'] == started_with
 
 
-def test_resume_on_other_data_says_what_changed(tmp_path, shared_data, capsys):
-  """A checkpoint records a digest of the next samples and the data fields: resuming on the
-  same data says nothing; on another train.seed, or the same config over changed files, the run
-  goes on and a warning says so, naming the fields that changed."""
+def _resumer(tmp_path, shared_data, capsys, keep):
+  """(resume, corpus): resume(steps, **overrides) trains the run in tmp_path/run to `steps` on
+  60 KB of Shakespeare (the corpus file; a checkpoint every step) and returns the console lines
+  `keep` accepts."""
   data = tmp_path / 'corpus.txt'
   data.write_text((shared_data / 'tinyshakespeare' / 'input.txt').read_text()[:60_000])
-  workdir = str(tmp_path / 'run')
 
   def resume(steps, **overrides):
     capsys.readouterr()
     train.train_and_evaluate(small_config(data, train__steps=steps, checkpoint__every=1,
-                                          **overrides), workdir)
-    return [line for line in capsys.readouterr().out.splitlines() if 'other data' in line]
+                                          **overrides), str(tmp_path / 'run'))
+    return [line for line in capsys.readouterr().out.splitlines() if keep(line)]
+  return resume, data
 
+
+def test_resume_on_other_data_says_what_changed(tmp_path, shared_data, capsys):
+  """A checkpoint records a digest of the next samples and the data fields: resuming on the
+  same data says nothing; on another train.seed, or the same config over changed files, the run
+  goes on and a warning says so, naming the fields that changed."""
+  resume, data = _resumer(tmp_path, shared_data, capsys, lambda line: 'other data' in line)
   assert resume(1) == [] and resume(2) == []
   first, second = [row for row in read_rows(tmp_path / 'run') if 'data/epoch' in row]
   assert first['data/learned_fraction'] == second['data/learned_fraction'] == 1.0  # plain text
@@ -244,16 +250,7 @@ def test_resume_on_other_data_says_what_changed(tmp_path, shared_data, capsys):
 def test_resume_with_other_settings_names_them(tmp_path, shared_data, capsys):
   """A resume takes the settings it is given; those that change the steps ahead (the schedule,
   AdamW, the document mask) are named against the ones the run trained with, once."""
-  data = tmp_path / 'corpus.txt'
-  data.write_text((shared_data / 'tinyshakespeare' / 'input.txt').read_text()[:60_000])
-  workdir = str(tmp_path / 'run')
-
-  def resume(steps, **overrides):
-    capsys.readouterr()
-    train.train_and_evaluate(small_config(data, train__steps=steps, checkpoint__every=1,
-                                          **overrides), workdir)
-    return [line for line in capsys.readouterr().out.splitlines() if line.startswith('note: res')]
-
+  resume, _ = _resumer(tmp_path, shared_data, capsys, lambda line: line.startswith('note: res'))
   assert resume(1) == []
   noted = resume(2, train__lr=5e-4, model__document_mask=True)
   assert len(noted) == 1 and noted[0].startswith(
