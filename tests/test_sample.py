@@ -350,3 +350,21 @@ def test_sample_command_refuses_bad_settings(checkpoints, tmp_path):
     train.sample(config_with(**base, sample__prompt='x', hardware=str(tmp_path / 'small.json')),
                  str(tmp_path / 'w'))
   assert not (tmp_path / 'w').exists()
+
+
+def test_a_json_file_of_prompts_is_an_array_or_lines(tmp_path):
+  """sample.prompts may be a .json file as data.path may (Stanford Alpaca's alpaca_data.json: an
+  array of records; or JSON lines): each record is a prompt, one without any is named by its
+  place in the array."""
+  from megatrain_jax.data import formats  # pylint: disable=import-outside-toplevel
+  alpaca = {'instruction': 'Say hi', 'input': '', 'output': 'hi'}
+  array = tmp_path / 'prompts.json'
+  array.write_text(json.dumps([alpaca, {'prompt': 'Once'}, {'messages': [
+      {'role': 'user', 'content': 'hi'}]}], indent=2))
+  assert formats.read_prompts(array) == [alpaca, 'Once', [{'role': 'user', 'content': 'hi'}]]
+  lines = tmp_path / 'lines.json'
+  lines.write_text('{"prompt": "x"}\n\n{"prompt": "y"}\n')
+  assert formats.read_prompts(lines) == ['x', 'y']
+  (tmp_path / 'bad.json').write_text('[{"prompt": "x"}, {"text": "y"}]')
+  with pytest.raises(ConfigError, match="bad.json record 2 has no string 'prompt'"):
+    formats.read_prompts(tmp_path / 'bad.json')

@@ -836,7 +836,7 @@ def bad_records_error(bad: list[str], count: int, field: str) -> ConfigError:
 
 def read_prompts(path: str | Path, prompt_field: str = 'prompt') -> list:
   """The prompts of a `sample.prompts` file, in file order: a text file's non-blank lines (each
-  one prompt), or a JSONL(.zst/.gz) file's records, each a prompt string in `prompt_field`, a
+  one prompt), or a JSONL(.zst/.gz) file's records (or a .json file's: an array, or lines), each a prompt string in `prompt_field`, a
   chat `messages` list (continued as the assistant's next turn) or an Alpaca record (the dict,
   rendered as training renders it up to its output).
 
@@ -860,26 +860,35 @@ def read_prompts(path: str | Path, prompt_field: str = 'prompt') -> list:
     raise stream_error(path, field, 0, e) from e
   if kind == TEXT:
     prompts = [line for line in lines if line.strip()]
+  elif kind == JSON and json_is_array(path):  # a JSON array of records: each one is a prompt
+    try:
+      records = json.loads('\n'.join(lines))
+    except ValueError as e:
+      raise ConfigError(f'sample.prompts: {path} is not a JSON array of records ({e}).') from e
+    prompts = [_prompt_of_record(record, f'record {number}', path, prompt_field)
+               for number, record in enumerate(records, 1)]
   else:
-    prompts = [_prompt_of_record(line, number, path, prompt_field)
+    prompts = [_prompt_of_record(line, f'line {number}', path, prompt_field)
                for number, line in enumerate(lines, 1) if line.strip()]
   if not prompts:
     raise ConfigError(f'{field}: {path} holds no prompts.')
   return prompts
 
 
-def _prompt_of_record(line: str, number: int, path: Path, prompt_field: str):
-  """The prompt of one JSONL line: its `prompt_field` string, its `messages` list, or the record
-  itself where it is an Alpaca record (`instruction`)."""
-  try:
-    record = json.loads(line)
-  except ValueError as e:
-    raise ConfigError(f'sample.prompts: {path} line {number} is not JSON ({e}).') from e
+def _prompt_of_record(record: Any, where: str, path: Path, prompt_field: str):
+  """The prompt of one record (a JSONL line, or a JSON array's record; `where` names it: 'line
+  3'): its `prompt_field` string, its `messages` list, or the record itself where it is an Alpaca
+  record (`instruction`)."""
+  if isinstance(record, str):
+    try:
+      record = json.loads(record)
+    except ValueError as e:
+      raise ConfigError(f'sample.prompts: {path} {where} is not JSON ({e}).') from e
   value = record.get(prompt_field, record.get('messages')) if isinstance(record, dict) else None
   if isinstance(value, str) or (isinstance(value, list) and value):
     return value
   if isinstance(record, dict) and 'instruction' in record:  # Alpaca: rendered as in training
     return record
-  raise ConfigError(f'sample.prompts: {path} line {number} has no string {prompt_field!r} '
+  raise ConfigError(f'sample.prompts: {path} {where} has no string {prompt_field!r} '
                     "(data.prompt_field), no 'messages' list and no Alpaca 'instruction' to "
                     'continue.')
