@@ -1019,23 +1019,29 @@ def test_skip_bad_records_counts_them(tmp_path, monkeypatch):
   assert json.loads((tmp_path / 'out' / 'meta.json').read_text())['fingerprint'] != fingerprint
 
 
-def test_documents_that_learn_nothing_are_counted_and_named(tmp_path, monkeypatch):
+def test_documents_that_learn_nothing_or_everything_are_counted_and_named(tmp_path):
   """Records the format reads otherwise than their author meant (an empty completion, a pair
-  whose prompt holds everything) learn nothing but their EOS: counted exactly (a shard boundary
-  between documents included) and named by the prepare summary, not trained on in silence."""
+  whose prompt holds everything) learn nothing but their EOS, and text records among pairs are
+  learned whole (a mix of kinds): both counted exactly (a shard boundary between documents
+  included) and named by the prepare summary, not trained on in silence."""
   records = [{'prompt': f'question {i} ', 'completion': f'answer {i}'} for i in range(40)]
   for i in (3, 17, 38):
     records[i]['completion'] = ''
+  for i in (5, 6, 30, 31, 32):
+    records[i] = {'text': f'a plain text record number {i}'}
   source = _write_jsonl(tmp_path / 'pairs.jsonl', records)
   info, _ = load_data(_data_config(path=str(source), cache_dir=str(tmp_path / 'out'),
                                    shard_tokens=97), tmp_path)
   assert info.stats['documents'] == 40 and info.stats['documents_learning_nothing'] == 3
+  assert info.stats['documents_learned_whole'] == 5
   assert len(list((tmp_path / 'out').glob('train-*.ends'))) > 1
-  assert 'warning: 3 documents learn no token but their EOS' in prepare_summary(info)
+  summary = prepare_summary(info)
+  assert 'warning: 3 documents learn no token but their EOS' in summary
+  assert 'note: 5 documents are learned whole (text records) and 32 in part' in summary
   clean = _write_jsonl(tmp_path / 'clean.jsonl', [{'text': 'all learned'}] * 5)
   info, _ = load_data(_data_config(path=str(clean), cache_dir=str(tmp_path / 'clean')), tmp_path)
   assert info.stats['documents_learning_nothing'] == 0
-  assert 'learn no token' not in prepare_summary(info)
+  assert 'learn no token' not in prepare_summary(info) and 'mix' not in prepare_summary(info)
 
 
 def test_launch_prepare_prints_counts_and_throughput(tmp_path, documents):

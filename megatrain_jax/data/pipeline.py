@@ -346,6 +346,12 @@ def prepare_summary(info: DatasetInfo) -> str:
       lines.append(f'  warning: {stats["documents_learning_nothing"]:,} documents learn no token '
                    'but their EOS (a chat without an assistant turn, an empty completion): check '
                    "the records' roles and fields")
+    part = (stats.get('documents', 0) - stats.get('documents_learned_whole', 0)
+            - stats.get('documents_learning_nothing', 0))
+    if stats.get('documents_learned_whole') and part > 0:
+      lines.append(f'  note: {stats["documents_learned_whole"]:,} documents are learned whole (text '
+                   f'records) and {part:,} in part (prompt/completion pairs, chats): the records '
+                   'mix kinds')
   seconds = stats.get('seconds')
   if seconds:
     mb = stats.get('input_bytes', 0) / 1e6

@@ -317,42 +317,51 @@ def _run(job: _Job, identity: dict[str, Any]) -> dict[str, Any]:
   except ConfigError:
     _remove_ours(job.out_dir, keep_progress=False)  # bad input: nothing to resume
     raise
-  stats['documents_learning_nothing'] = nothing = _documents_learning_nothing(job.out_dir,
-                                                                            progress)
-  if nothing:
+  stats.update(_mask_census(job.out_dir, progress))
+  if nothing := stats['documents_learning_nothing']:
     _LOG.warning('prepare: %d of %d documents learn no token but the EOS that ends them (a chat '
                  'without an assistant turn, an empty completion): check that the records\' '
                  'roles and fields are the ones data.* names', nothing, stats['documents'])
   # Only what the data decides goes to meta.json (a resumed prepare writes the same bytes).
   meta = {**identity, 'dtype': job.dtype, **_splits(job, progress),
           'stats': {k: stats[k] for k in ('input_bytes', 'documents', 'skipped_records',
-                                          'documents_learning_nothing')}}
+                                          'documents_learning_nothing',
+                                          'documents_learned_whole')}}
   fs.write_json_atomic(job.out_dir / META_FILE, meta)
   (job.out_dir / shards.PROGRESS_FILE).unlink(missing_ok=True)
   return {**meta, 'stats': stats}
 
 
-def _documents_learning_nothing(out_dir: Path, progress: dict[str, Any]) -> int:
-  """Documents whose loss mask learns none of their tokens but the EOS that ends them (a chat
-  without an assistant turn, an empty completion: records the format reads otherwise than their
-  author meant). 0 for data without masks or recorded ends; a shard at a time, memory-mapped."""
-  count = 0
+def _mask_census(out_dir: Path, progress: dict[str, Any]) -> dict[str, int]:
+  """{documents_learning_nothing, documents_learned_whole} of masked data: the documents whose
+  loss mask learns none of their tokens but the EOS that ends them (a chat without an assistant
+  turn, an empty completion: records the format reads otherwise than their author meant), and
+  those it learns whole (text records among pairs or chats: a mix of kinds). A shard without a
+  mask file learns every token. Zeros for data without recorded ends; a shard at a time,
+  memory-mapped."""
+  nothing = whole = 0
   for stream in progress['streams'].values():
-    carried = 0  # learned tokens of the document the previous shard ended inside
+    carried = np.zeros(2, np.int64)  # (learned, length) of the document a shard ended inside
     for shard in stream['shards']:
-      if not shard.get('mask') or shard.get('ends') is None:
-        carried = 0
+      if shard.get('ends') is None:
+        carried[:] = 0
         continue
-      mask = np.memmap(out_dir / shard['mask'], np.uint8, 'r')
+      mask = (np.memmap(out_dir / shard['mask'], np.uint8, 'r') if shard.get('mask') else
+              np.ones(shard['tokens'], np.uint8))
       ends = np.fromfile(out_dir / shard['ends'], np.int64)  # shard-local, increasing
       if ends.size:
         starts = np.concatenate([[0], ends[:-1]])
-        learned = np.add.reduceat(mask, starts, dtype=np.int64) - mask[ends - 1]
-        learned[0] += carried
-        count += int(np.count_nonzero(learned == 0))
-        carried = 0
-      carried += int(np.sum(mask[ends[-1] if ends.size else 0:], dtype=np.int64))
-  return count
+        # (reduceat's last sum runs to the end of the array: cut at the last document's end)
+        learned = np.add.reduceat(mask[:ends[-1]], starts, dtype=np.int64) - mask[ends - 1]
+        length = ends - starts - 1
+        learned[0] += carried[0]
+        length[0] += carried[1]
+        nothing += int(np.count_nonzero(learned == 0))
+        whole += int(np.count_nonzero((learned == length) & (length > 0)))
+        carried[:] = 0
+      tail = mask[ends[-1] if ends.size else 0:]
+      carried += (int(np.sum(tail, dtype=np.int64)), tail.size)
+  return {'documents_learning_nothing': nothing, 'documents_learned_whole': whole}
 
 
 def _tokenize_streams(job: _Job, progress: dict[str, Any]) -> dict[str, Any]:
