@@ -347,7 +347,7 @@ def _mask_census(out_dir: Path, progress: dict[str, Any]) -> dict[str, int]:
         carried[:] = 0
         continue
       mask = (np.memmap(out_dir / shard['mask'], np.uint8, 'r') if shard.get('mask') else
-              np.ones(shard['tokens'], np.uint8))
+              np.broadcast_to(np.uint8(1), (shard['tokens'],)))  # ones, in no memory
       ends = np.fromfile(out_dir / shard['ends'], np.int64)  # shard-local, increasing
       if ends.size:
         starts = np.concatenate([[0], ends[:-1]])
