@@ -121,6 +121,13 @@ def _parse_flags(argv: list[str]) -> list[str]:
     rest = flags.FLAGS(argv)
   except flags.Error as e:
     sys.exit(_config_file_error(str(e)) or f'error: {e}. Run with --helpshort to list the flags.')
+  except Exception:  # pylint: disable=broad-except  (absl wraps only a config file's Type/ValueError)
+    path = _config_path(argv)
+    message = _config_file_error(f'flag --config={path}: Error whilst parsing config file:\n'
+                                 f'{traceback.format_exc()}')
+    if message is None or f'File "{path}"' not in traceback.format_exc():
+      raise  # not raised by the config file: a bug, with its traceback
+    sys.exit(message)
   if len(rest) > 1:
     jobs = [name for name in _MEANT_FOR if flags.FLAGS[name].value]
     hint = (_meant(jobs[0], rest[1]) if jobs and len(rest) == 2 else
@@ -130,6 +137,16 @@ def _parse_flags(argv: list[str]) -> list[str]:
              f'{" ".join(repr(a) for a in rest[1:])}: launch.py takes flags only; {hint}. Run '
              'with --helpshort to list the flags.')
   return rest
+
+
+def _config_path(argv: list[str]) -> str:
+  """The config file the (preprocessed) command line names, else configs/default.py."""
+  for i, arg in enumerate(argv):
+    if arg == '--config' and i + 1 < len(argv):
+      return argv[i + 1]
+    if arg.startswith('--config='):
+      return arg.split('=', 1)[1]
+  return str(config_lib.CONFIGS_DIR / 'default.py')
 
 
 def _config_file_error(message: str) -> str | None:

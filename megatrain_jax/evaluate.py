@@ -80,7 +80,8 @@ def _text_tokens(file: Path, tokenizer) -> np.ndarray:
   does), read and encoded in bounded chunks, cut where the ids do not change (formats.text_tasks
   with the tokenizer, as the prepare step reads text): a whole file at once took ~300x its size."""
   ids = [encode_text(tokenizer, task.text)
-         for task, _ in formats.text_tasks(file, _FIELD, formats.TEXT_CHUNK_CHARS, tokenizer)]
+         for task, _ in formats.text_tasks(file, _FIELD, formats.TEXT_CHUNK_CHARS, tokenizer,
+                                           exact=True)]
   return np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32)
 
 

@@ -132,7 +132,7 @@ def _write_shard(reader, file: Path, entries: list[_Entry], dtype: np.dtype, tag
 
 def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
            max_shard_bytes: int = 5 * 10**9, tokenizer: str = 'byte',
-           chat_template: str = '') -> list[Path]:
+           chat_template: str = '', eos_token: str = '') -> list[Path]:
   """Writes the params of `reader` (a checkpoint reader of a run of `cfg`) as a Hugging Face
   checkpoint in `out_dir` (new or empty), all at once: the files are written and fsynced in a
   hidden directory beside it, which is then renamed to `out_dir`; returns the files written.
@@ -146,6 +146,7 @@ def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
     tokenizer: The run's data.tokenizer: its tokenizer files are copied unless it is 'byte'.
     chat_template: The run's data.chat_template (a file), written with them as
       chat_template.jinja ('' = the tokenizer's own, copied with its files).
+    eos_token: The run's data.eos_token ('' = the tokenizer's): config.json's eos_token_id.
   """
   # Written into a hidden directory beside out_dir, then renamed to it: a killed export leaves no
   # partial checkpoint that from_pretrained could half-load, and the rerun is not refused for a
@@ -153,7 +154,8 @@ def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
   staging = out_dir.parent / f'.{out_dir.name}.export-tmp'
   shutil.rmtree(staging, ignore_errors=True)
   staging.mkdir(parents=True)
-  names = _write_files(reader, cfg, staging, dtype, max_shard_bytes, tokenizer, chat_template)
+  names = _write_files(reader, cfg, staging, dtype, max_shard_bytes, tokenizer, chat_template,
+                       eos_token)
   for name in names:
     fs.fsync(staging / name)
   fs.fsync(staging, directory=True)
@@ -164,13 +166,15 @@ def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
   return [out_dir / name for name in names]
 
 
-def special_token_ids(tokenizer: str) -> dict[str, int]:
+def special_token_ids(tokenizer: str, eos_token: str = '') -> dict[str, int]:
   """config.json's bos_token_id, eos_token_id and pad_token_id: the ids of the tokens the
-  tokenizer's tokenizer_config.json names, where it names them. transformers' generate stops at
+  tokenizer's tokenizer_config.json names, where it names them, the EOS the run's `eos_token`
+  (data.eos_token: what ended its documents) where set. transformers' generate stops at
   config.json's eos_token_id where no generation_config.json says otherwise (a source without
   one exported without them would never stop)."""
   loaded = data_lib.load_tokenizer(tokenizer)
-  names = documents.read_tokenizer_config(loaded)
+  names = {**documents.read_tokenizer_config(loaded), **({'eos_token': eos_token} if eos_token
+                                                         else {})}
   ids = {}
   for field in ('bos_token', 'eos_token', 'pad_token'):
     text = documents.token_text(names.get(field))
@@ -181,7 +185,7 @@ def special_token_ids(tokenizer: str) -> dict[str, int]:
 
 
 def _write_files(reader, cfg: ModelConfig, out_dir: Path, dtype: str, max_shard_bytes: int,
-                 tokenizer: str, chat_template: str) -> list[str]:
+                 tokenizer: str, chat_template: str, eos_token: str) -> list[str]:
   """`export`'s files written into `out_dir`; returns their names."""
   np_dtype, tag = _DTYPES[dtype]
   shards = _shards(_entries(cfg), np_dtype.itemsize, max_shard_bytes)
@@ -198,7 +202,7 @@ def _write_files(reader, cfg: ModelConfig, out_dir: Path, dtype: str, max_shard_
     written.append(_INDEX_FILE)
   config = hf.hf_config_from_model_config(cfg) | {'dtype': dtype}
   if tokenizer != 'byte':
-    config |= special_token_ids(tokenizer)
+    config |= special_token_ids(tokenizer, eos_token)
   (out_dir / 'config.json').write_text(json.dumps(config, indent=2) + '\n')
   written.append('config.json')
   if tokenizer != 'byte':

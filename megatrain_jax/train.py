@@ -118,11 +118,9 @@ def prepare(config: ml_collections.ConfigDict, workdir: str,
   config, source = resolve_init(config, workdir, overrides)
   path = config_lib.check_workdir(workdir)
   data_lib.check_data_config(config.data, config.train)
-  _check_tokenizer(config, config_lib.validate(config))
   path.mkdir(parents=True, exist_ok=True)
-  with locks.hold_workdir(path):  # a second --prepare (or a run) would delete its shards
-    config = _adopt_chat_template(_adopt_tokenizer(config, source, path), path)
-    info, _ = data_lib.load_data(config.data, path, progress=True)
+  config = _adopt_chat_template(_adopt_tokenizer(config, source, path), path)
+  info, _ = data_lib.load_data(config.data, path, progress=True)  # locks the data directory
   print(data_lib.prepare_summary(info), flush=True)
   return info
 
@@ -518,8 +516,9 @@ def _check_tokenizer(config, model_cfg):
   do not fit the model's vocabulary."""
   tokenizer = data_lib.load_tokenizer(config.data.tokenizer)
   if tokenizer.vocab_size > model_cfg.vocab_size:
+    given = pathlib.Path(config.data.tokenizer).expanduser()
     own = config.init.from_hf and _same_path(
-        str(pathlib.Path(config.data.tokenizer).parent), config.init.from_hf)
+        str(given if given.is_dir() else given.parent), config.init.from_hf)
     fix = ('the checkpoint\'s own tokenizer.json and its config.json disagree: it is not the '
            'tokenizer this model was trained with; set data.tokenizer to the one it was' if own
            else 'the checkpoint (init.from_hf) fixes the model\'s vocabulary: use its tokenizer '
@@ -869,9 +868,9 @@ def _print_workdir(config, plan, workdir: pathlib.Path) -> None:
 # Perplexity (`launch.py --eval`) and export (`launch.py --export_hf`).
 # ------------------------------------------------------------------------------------------------
 
-def _eval_config(config, workdir: str, overrides):
+def _eval_config(config, workdir: str, overrides, job: str = '--eval'):
   """(config, workdir path, run checkpoint meta or None, HF checkpoint or None) of an --eval or a
-  --sample: the run's newest checkpoint if it has one (its shape, its tokenizer and its
+  --sample (`job`): the run's newest checkpoint if it has one (its shape, its tokenizer and its
   model.document_mask), else init.from_hf."""
   path = config_lib.check_workdir(workdir)
   meta = newest_checkpoint_meta(path)
@@ -886,8 +885,9 @@ def _eval_config(config, workdir: str, overrides):
   if not config.init.from_hf:
     also = (f' (init.from_run starts a training run; to read {config.init.from_run}, pass it as '
             '--workdir)' if config.init.from_run else '')
-    raise ConfigError(f'--eval: {path} holds no checkpoint and init.from_hf is not set, so there '
-                      'is no model to evaluate. Pass the --workdir of a run, or '
+    raise ConfigError(f'{job}: {path} holds no checkpoint and init.from_hf is not set, so there '
+                      f'is no model to {"evaluate" if job == "--eval" else "sample"}. Pass the '
+                      '--workdir of a run, or '
                       f'--config.init.from_hf=<Hugging Face model directory>{also}.')
   checkpoint = hf.inspect_checkpoint(config.init.from_hf)
   return hf.config_from_checkpoint(config, checkpoint, overrides), path, None, checkpoint
@@ -949,7 +949,7 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
   none; sample.py): prints the prompt and its continuation, returns {'sample/prompt',
   'sample/text', 'sample/tokens', 'sample/source'}. Or, with sample.prompts, each prompt of that
   file, written to sample.out as JSONL (`_write_samples`). Reads the weights whole."""
-  config, path, meta, checkpoint = _eval_config(config, workdir, overrides)
+  config, path, meta, checkpoint = _eval_config(config, workdir, overrides, '--sample')
   settings = config.sample
   model_cfg = config_lib.validate(config)
   _check_sample_settings(settings)
@@ -1084,7 +1084,8 @@ def export_hf(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> 
     files = export_lib.export(reader, model_cfg, out, dtype=config.export.dtype,
                               max_shard_bytes=int(config.export.max_shard_gb * 1e9),
                               tokenizer=tokenizer,
-                              chat_template=_run_data_field(path, 'chat_template') or '')
+                              chat_template=_run_data_field(path, 'chat_template') or '',
+                              eos_token=_run_data_field(path, 'eos_token') or '')
   print(f'exported step {reader.meta["step"]} of {path} to {out}: '
         f'{", ".join(f.name for f in files)}', flush=True)
   return files

@@ -157,6 +157,11 @@ def test_a_config_file_whose_get_config_raises_is_one_line_naming_the_file_and_l
   _assert_one_error_line(result, f'--config={config_file}: its get_config() raised at line 6 '
                          '(config.train.steps = 2.5): TypeError: Could not override field')
   assert 'Fix the config file.' in result.stderr and 'Traceback' not in result.stderr
+  # An exception absl does not wrap (it wraps TypeError and ValueError only): one line too.
+  config_file.write_text('def get_config():\n  return 1 / 0\n')
+  result = run_launch('--config', str(config_file), f'--workdir={tmp_path / "w"}')
+  _assert_one_error_line(result, f'--config={config_file}: its get_config() raised at line 2 '
+                         '(return 1 / 0): ZeroDivisionError: division by zero. Fix the config')
   assert not (tmp_path / 'w').exists()
 
 

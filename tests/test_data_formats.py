@@ -778,6 +778,23 @@ def test_a_template_that_writes_bos_and_eos_gives_each_once(tmp_path, tokenizer_
   assert 'chat_rendering' not in document_format(load_tokenizer(str(tokenizer_dir))).identity()
 
 
+def test_a_template_that_renders_a_turn_otherwise_once_cut_names_the_fix(tmp_path,
+                                                                        tokenizer_dir):
+  """Mistral v0.3's template writes the system message into the last user turn only, so the
+  conversation up to a reply renders otherwise than the whole: the records are refused naming
+  why and the fix (data.chat_template), not with a bare "cannot be located"."""
+  template = ("{% set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+              "{% for m in messages if m['role'] != 'system' %}{% if m['role'] == 'user' %}"
+              "[INST] {% if loop.last and sys %}{{ sys }}\n\n{% endif %}{{ m['content'] }}[/INST]"
+              "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+  tok = _tokenizer_with(tmp_path / 'v03', tokenizer_dir, {'eos_token': EOS, 'chat_template':
+                                                           template})
+  source = _write_jsonl(tmp_path / 'chat.jsonl', [{'messages': CONVERSATION}] * 3)
+  with pytest.raises(ConfigError, match=r"chat.jsonl:1: the chat template does not render .*"
+                     r"Mistral v0.3's, for one.*set data.chat_template.*\(and 2 more\)"):
+    prepare_dataset(tmp_path / 'out', tok, train_sources=[source])
+
+
 # Qwen3's chat template as its tokenizer_config.json has it, without the tool branches: an
 # assistant turn after the last user message opens with a thinking block (empty without
 # reasoning_content) and earlier ones do not, so a conversation cut after an assistant turn
@@ -1019,7 +1036,8 @@ def test_skip_bad_records_counts_them(tmp_path, monkeypatch):
   assert json.loads((tmp_path / 'out' / 'meta.json').read_text())['fingerprint'] != fingerprint
 
 
-def test_documents_that_learn_nothing_or_everything_are_counted_and_named(tmp_path):
+def test_documents_that_learn_nothing_or_everything_are_counted_and_named(tmp_path,
+                                                                          tokenizer_dir):
   """Records the format reads otherwise than their author meant (an empty completion, a pair
   whose prompt holds everything) learn nothing but their EOS, and text records among pairs are
   learned whole (a mix of kinds): both counted exactly (a shard boundary between documents
@@ -1038,6 +1056,12 @@ def test_documents_that_learn_nothing_or_everything_are_counted_and_named(tmp_pa
   summary = prepare_summary(info)
   assert 'warning: 3 documents learn no token but their EOS' in summary
   assert 'note: 5 documents are learned whole (text records) and 32 in part' in summary
+  # With a tokenizer that adds a BOS (never learned), the same counts.
+  _tokenizer_with(tmp_path / 'bos', tokenizer_dir, {'eos_token': EOS, 'bos_token': '<s>',
+                                                    'add_bos_token': True})
+  info, _ = load_data(_data_config(path=str(source), cache_dir=str(tmp_path / 'bos-out'),
+                                   tokenizer=str(tmp_path / 'bos'), shard_tokens=97), tmp_path)
+  assert (info.stats['documents_learning_nothing'], info.stats['documents_learned_whole']) == (3, 5)
   clean = _write_jsonl(tmp_path / 'clean.jsonl', [{'text': 'all learned'}] * 5)
   info, _ = load_data(_data_config(path=str(clean), cache_dir=str(tmp_path / 'clean')), tmp_path)
   assert info.stats['documents_learning_nothing'] == 0
@@ -1054,6 +1078,20 @@ def test_launch_prepare_prints_counts_and_throughput(tmp_path, documents):
   assert 'train tokens' in run.stdout and 'MB/s' in run.stdout, run.stdout
   assert (tmp_path / 'run' / 'data' / 'meta.json').is_file()
   assert not (tmp_path / 'run' / 'checkpoints').exists()
+
+
+def test_prepare_needs_no_model_for_its_tokenizer(tmp_path, tokenizer_dir):
+  """--prepare tokenizes (train.prepare): a tokenizer larger than the preset's model.vocab_size
+  is the training run's concern (refused there), not the prepare's, as data.md's command
+  shows it (no vocab_size)."""
+  from megatrain_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from megatrain_jax import train  # pylint: disable=import-outside-toplevel
+  source = _write_jsonl(tmp_path / 'docs.jsonl', [{'text': 'a short record'}] * 40)
+  config = config_lib.load_config('tiny', data__path=str(source),
+                                  data__tokenizer=str(tokenizer_dir))
+  assert config.model.vocab_size < load_tokenizer(str(tokenizer_dir)).vocab_size
+  info = train.prepare(config, str(tmp_path / 'run'))
+  assert info.vocab_size == load_tokenizer(str(tokenizer_dir)).vocab_size and info.train_tokens
 
 
 def test_document_mask_ends_documents_at_the_tokenizers_eos(tmp_path, tokenizer_dir):
@@ -1144,6 +1182,13 @@ def test_text_is_encoded_in_pieces_to_the_ids_of_the_whole_text(tmp_path, corpus
   info = prepare_dataset(tmp_path / 'out', tok, train_sources=[corpus], val_fraction=0.1)
   assert np.array_equal(_stream(info), whole)
   assert np.array_equal(evaluate.read_eval_data(str(corpus), tok).tokens, whole)
+  # --eval with a tokenizer no cut leaves unchanged (Llama 2's '▁' before every text): its
+  # chunks grow rather than cut at lines, which would give each a '▁' of its own.
+  _whitespace_bpe(documents, True).save(str(tmp_path / 'prepend.json'))
+  prepend = load_tokenizer(str(tmp_path / 'prepend.json'))
+  (tmp_path / 'head.txt').write_text(text[:200_000], encoding='utf-8')
+  assert np.array_equal(evaluate.read_eval_data(str(tmp_path / 'head.txt'), prepend).tokens,
+                        prepend.encode(text[:200_000]))
 
 
 def test_a_text_files_bom_is_not_tokenized(tmp_path):
@@ -1194,6 +1239,12 @@ def test_directories_that_would_be_misread_are_refused(tmp_path):
     formats.expand_sources([below], 'data.path')
   assert formats.expand_sources([below / 'data'], 'data.path')[0].name.endswith('.parquet')
   assert len(formats.expand_sources([f'{below}/**/*.parquet'], 'data.path')) == 1
+  # A text corpus with its own metadata in a subdirectory is a text corpus.
+  corpus = tmp_path / 'corpus'
+  (corpus / 'meta').mkdir(parents=True)
+  (corpus / 'a.txt').write_text('hello')
+  (corpus / 'meta' / 'stats.json').write_text('{}')
+  assert formats.expand_sources([corpus], 'data.path') == [corpus / 'a.txt']
 
 
 def test_parquet_rows_read_as_their_json_records(tmp_path, tokenizer_dir):

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from helpers import JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, read_rows
 from megatrain_jax import config as config_lib
 from megatrain_jax import evaluate as evaluate_lib
+from megatrain_jax import export as export_lib
 from megatrain_jax import hf
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
@@ -495,6 +496,26 @@ BAD_DIRECTORIES = {
 }
 
 
+def test_a_model_without_tokenizer_json_reads_the_tokenizer_the_config_names(checkpoints,
+                                                                             tmp_path):
+  """A model directory without tokenizer.json is refused only where nothing names its
+  tokenizer: data.tokenizer set in a config file (not on the command line: `explicit` holds no
+  key) is taken. The export's config.json names the EOS the run ended its documents with
+  (data.eos_token) where tokenizer_config.json names none."""
+  directory = _broken(checkpoints, tmp_path, lambda p: (p / 'tokenizer.json').rename(
+      tmp_path / 'tokenizer.json'))
+  config = _config(init__from_hf=str(directory), data__tokenizer=str(tmp_path / 'tokenizer.json'))
+  adopted = hf.config_from_checkpoint(config, hf.inspect_checkpoint(directory), explicit=[])
+  assert adopted.data.tokenizer == str(tmp_path / 'tokenizer.json')
+  with pytest.raises(ConfigError, match='has no tokenizer.json'):
+    hf.config_from_checkpoint(_config(init__from_hf=str(directory)),
+                              hf.inspect_checkpoint(directory), explicit=[])
+  eos = Tokenizer.from_file(str(tmp_path / 'tokenizer.json')).id_to_token(7)
+  assert export_lib.special_token_ids(str(tmp_path / 'tokenizer.json')) == {}
+  assert export_lib.special_token_ids(str(tmp_path / 'tokenizer.json'), eos) == {
+      'eos_token_id': 7}
+
+
 @pytest.mark.parametrize('case', list(BAD_DIRECTORIES))
 def test_bad_checkpoint_directory(case, checkpoints, tmp_path):
   edit, error, match = BAD_DIRECTORIES[case]
@@ -509,8 +530,11 @@ def test_bad_checkpoint_directory(case, checkpoints, tmp_path):
 
 def test_eval_without_a_model_and_export_into_a_non_empty_directory(tmp_path):
   workdir = tmp_path / 'w'
-  with pytest.raises(ConfigError, match='holds no checkpoint and init.from_hf is not set'):
+  with pytest.raises(ConfigError, match='--eval: .*holds no checkpoint and init.from_hf is not '
+                     'set, so there is no model to evaluate'):
     train.evaluate(_config(eval__path=str(TEXT)), str(workdir))
+  with pytest.raises(ConfigError, match='--sample: .*no model to sample'):
+    train.sample(_config(sample__prompt='Once'), str(workdir))
   assert not workdir.exists()
   out = tmp_path / 'out'
   out.mkdir()

@@ -444,6 +444,23 @@ def test_locked_workdir_is_refused_before_anything_is_written(tmp_path):
     assert snapshot(tmp_path) == before
 
 
+def test_a_data_directory_being_prepared_is_refused_to_a_second_prepare(tmp_path, shared_data):
+  """One prepare at a time per data directory: a second (another --prepare, or a run sharing
+  data.cache_dir) is refused naming the holder, and its shards are left alone; once free, the
+  prepare runs."""
+  from megatrain_jax.data import ByteTokenizer, prepare_dataset  # pylint: disable=g-import-not-at-top
+  out = tmp_path / 'cache'
+  source = shared_data / 'tinyshakespeare' / 'input.txt'
+  with locks.hold(out, 'data directory', 'point data.cache_dir at another directory'):
+    (out / 'train-00000.bin').write_bytes(b'theirs')
+    with pytest.raises(locks.DirectoryInUseError,
+                       match=rf'data directory {re.escape(str(out))} is in use .*pid '
+                             rf'{os.getpid()}.*point data.cache_dir at another directory'):
+      prepare_dataset(out, ByteTokenizer(), train_sources=[source])
+    assert (out / 'train-00000.bin').read_bytes() == b'theirs'
+  assert prepare_dataset(out, ByteTokenizer(), train_sources=[source]).train_tokens > 0
+
+
 def test_locked_offload_dir_is_refused_before_anything_is_written(tmp_path):
   stores = tmp_path / 'stores'
   config = config_lib.load_config('tiny', jax_cache_dir='', offload__params='nvme',

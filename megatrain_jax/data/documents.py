@@ -466,7 +466,9 @@ def chat_parts(messages: list, fmt: DocumentFormat, learn_from: int = 0,
     end = _turn_end(full, messages, i, start, render)
     if not (full.startswith(prompt) and done <= start <= end <= len(full)):
       raise BadRecord('the chat template does not render conversations prefix by prefix, so '
-                      'the assistant turns cannot be located')
+                      'the assistant turns cannot be located (Mistral v0.3\'s, for one, writes '
+                      'the system message into the last user turn only): set data.chat_template '
+                      'to a template that renders each turn alike whatever follows it')
     parts += [(full[done:start], False), (full[start:end], True)]
     done = end
   parts.append((full[done:], False))

@@ -116,7 +116,8 @@ def _directory_files(path: Path, field: str) -> list[Path]:
   children = sorted(c for c in path.iterdir() if c.is_file() and not c.name.startswith('.'))
   records = [c for c in children if source_format(c) != TEXT]
   texts = [c for c in children if source_format(c) == TEXT]
-  nested = [] if records else _nested_record_files(path)
+  corpus = [c for c in texts if not _is_repository_file(c)]  # text that is data
+  nested = [] if records or corpus else _nested_record_files(path)
   if nested:
     only = f' (only {_names(texts)})' if texts else ''
     raise ConfigError(f'{field}: directory {path} holds no record files at its top level{only}, '
@@ -124,6 +125,13 @@ def _directory_files(path: Path, field: str) -> list[Path]:
                       f'point {field} at {nested[0].parent} or at a pattern such as '
                       f"'{path}/**/*{nested[0].suffix}'.")
   return children
+
+
+def _is_repository_file(path: Path) -> bool:
+  """A file a dataset repository holds beside its data, not data: README.md, LICENSE, ...."""
+  name = path.name.lower()
+  return name.startswith(('readme', 'license', 'licence', 'citation', 'changelog')) or \
+      path.suffix.lower() in ('.md', '.cff', '.gitattributes')
 
 
 def check_directories(sources, fmt: DocumentFormat | None, field: str) -> None:
@@ -147,8 +155,9 @@ def check_directories(sources, fmt: DocumentFormat | None, field: str) -> None:
       raise ConfigError(f'{field}: directory {path} mixes record files ({_names(records)}) with '
                         f'text files ({_names(texts)}), which would be read as raw text running '
                         f'into the records; point {field} at the records, e.g. '
-                        f"'{path}/*{records[0].suffix}', or move the text files out (or set "
-                        'data.text_documents=True to read each text file as a document).')
+                        f"'{path}/*{records[0].suffix}', or move the text files out"
+                        + (' (or set data.text_documents=True to read each text file as a '
+                           'document).' if field.startswith('data.') else '.'))
 
 
 def _names(files: list[Path]) -> str:
@@ -251,13 +260,15 @@ class TextTask:
   last: bool = False
 
 
-def text_tasks(path: Path, field: str, chunk_chars: int,
-               tokenizer: Tokenizer | None = None) -> Iterator[tuple[TextTask, int]]:
+def text_tasks(path: Path, field: str, chunk_chars: int, tokenizer: Tokenizer | None = None,
+               exact: bool = False) -> Iterator[tuple[TextTask, int]]:
   """(task, bytes of the file read so far) for chunks of about `chunk_chars`: whole lines, or
   with `tokenizer`, cut where its ids do not change (tokenizer.cut_point), so the chunks encode
-  to the ids of the whole file (as `--eval` encodes it). A UTF-8 BOM is not text: dropped."""
+  to the ids of the whole file; where no cut passes (a tokenizer that prepends '▁' to every
+  text), at whole lines, or with `exact` (`--eval`, which promises the ids of the whole file)
+  not at all: the chunk grows until a cut passes. A UTF-8 BOM is not text: dropped."""
   held = None  # each chunk is yielded once the next is read: is it the last?
-  for text, done in _text_chunks(path, field, chunk_chars, tokenizer):
+  for text, done in _text_chunks(path, field, chunk_chars, tokenizer, exact):
     if held is not None:
       yield held
     held = TextTask(text, first=held is None), done
@@ -265,8 +276,8 @@ def text_tasks(path: Path, field: str, chunk_chars: int,
     yield dataclasses.replace(held[0], last=True), held[1]
 
 
-def _text_chunks(path: Path, field: str, chunk_chars: int,
-                 tokenizer: Tokenizer | None) -> Iterator[tuple[str, int]]:
+def _text_chunks(path: Path, field: str, chunk_chars: int, tokenizer: Tokenizer | None,
+                 exact: bool) -> Iterator[tuple[str, int]]:
   offset, carry = 0, ''  # carry: the text after the last cut, which starts the next chunk
   # newline='' keeps '\r\n' as is, so a byte tokenizer stores the file's exact bytes.
   with open(path, encoding='utf-8', newline='') as f:
@@ -285,6 +296,9 @@ def _text_chunks(path: Path, field: str, chunk_chars: int,
         at = cut_point(tokenizer, text, len(text) - len(text) // 4)
         if at > 0:
           text, carry = text[:at], text[at:]
+        elif exact:  # no cut keeps the ids: read on
+          carry = text
+          continue
       if not text:
         break
       yield text, f.buffer.tell()

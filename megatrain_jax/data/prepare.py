@@ -38,6 +38,7 @@ import numpy as np
 import tqdm
 
 from megatrain_jax import fs
+from megatrain_jax import locks
 from megatrain_jax.data import formats, shards
 from megatrain_jax.data.corpus import DEFAULT_CORPUS_NAME, default_corpus_text
 from megatrain_jax.data.documents import DocumentFormat, document_format
@@ -214,7 +215,10 @@ def prepare_dataset(out_dir: str | Path,
     return _info_from_meta(job.out_dir, meta)
   job.out_dir.mkdir(parents=True, exist_ok=True)
   started = time.monotonic()
-  meta = _run(job, {**identity, 'fingerprint': fingerprint})
+  # One prepare at a time per directory (a second one would delete the first's unfinished
+  # shards): two --prepare runs, or runs sharing a data.cache_dir.
+  with locks.hold(job.out_dir, 'data directory', 'point data.cache_dir at another directory'):
+    meta = _run(job, {**identity, 'fingerprint': fingerprint})
   info = _info_from_meta(job.out_dir, meta)
   seconds = time.monotonic() - started
   return dataclasses.replace(info, stats={**meta['stats'], 'seconds': seconds})
@@ -317,7 +321,8 @@ def _run(job: _Job, identity: dict[str, Any]) -> dict[str, Any]:
   except ConfigError:
     _remove_ours(job.out_dir, keep_progress=False)  # bad input: nothing to resume
     raise
-  stats.update(_mask_census(job.out_dir, progress))
+  stats.update(_mask_census(job.out_dir, progress, job.fmt is not None and
+                            job.fmt.bos is not None))
   if nothing := stats['documents_learning_nothing']:
     _LOG.warning('prepare: %d of %d documents learn no token but the EOS that ends them (a chat '
                  'without an assistant turn, an empty completion): check that the records\' '
@@ -332,13 +337,13 @@ def _run(job: _Job, identity: dict[str, Any]) -> dict[str, Any]:
   return {**meta, 'stats': stats}
 
 
-def _mask_census(out_dir: Path, progress: dict[str, Any]) -> dict[str, int]:
+def _mask_census(out_dir: Path, progress: dict[str, Any], bos: bool) -> dict[str, int]:
   """{documents_learning_nothing, documents_learned_whole} of masked data: the documents whose
   loss mask learns none of their tokens but the EOS that ends them (a chat without an assistant
   turn, an empty completion: records the format reads otherwise than their author meant), and
   those it learns whole (text records among pairs or chats: a mix of kinds). A shard without a
-  mask file learns every token. Zeros for data without recorded ends; a shard at a time,
-  memory-mapped."""
+  mask file learns every token; with `bos` a masked document's first token (its BOS) is never
+  learned. Zeros for data without recorded ends; a shard at a time, memory-mapped."""
   nothing = whole = 0
   for stream in progress['streams'].values():
     carried = np.zeros(2, np.int64)  # (learned, length) of the document a shard ended inside
@@ -357,7 +362,7 @@ def _mask_census(out_dir: Path, progress: dict[str, Any]) -> dict[str, int]:
         learned[0] += carried[0]
         length[0] += carried[1]
         nothing += int(np.count_nonzero(learned == 0))
-        whole += int(np.count_nonzero((learned == length) & (length > 0)))
+        whole += int(np.count_nonzero((learned >= length - int(bos)) & (learned > 0)))
         carried[:] = 0
       tail = mask[ends[-1] if ends.size else 0:]
       carried += (int(np.sum(tail, dtype=np.int64)), tail.size)

@@ -141,13 +141,13 @@ def config_from_checkpoint(config: ml_collections.ConfigDict, checkpoint: HfChec
   tokenizer.json as data.tokenizer.
 
   Raises:
-    ConfigError: if the checkpoint has no tokenizer.json and data.tokenizer is not set, and its
+    ConfigError: if the checkpoint has no tokenizer.json and data.tokenizer is 'byte', and its
       vocabulary is not the byte tokenizer's 256 ids (an export of a byte-level run has no
       tokenizer files): the byte tokenizer's ids would name other tokens to its embeddings.
   """
   found = tokenizer_file(checkpoint.directory)
   if (found is None and checkpoint.cfg.vocab_size != BYTE_VOCAB and
-      TOKENIZER_KEY not in set_fields(config, explicit)):
+      _get(config, TOKENIZER_KEY) == 'byte'):  # the default, or chosen: neither is the model's
     raise ConfigError(
         f'init.from_hf: {checkpoint.directory} has no {TOKENIZER_FILES[0]}, and the model\'s '
         f'{checkpoint.cfg.vocab_size:,} ids need its own tokenizer: save it there '
