@@ -963,15 +963,20 @@ def _newest_intact(directory: pathlib.Path, model_cfg: ModelConfig,
   """The newest checkpoint in `directory` whose leaves under `verify` ('': all) verify
   (Checkpointer.restore). With `held` (read_checkpoint), each is first locked for reading, and the
   one returned stays locked in `held`; one deleted by a run's commit as it was locked (a newer one
-  exists then) starts the walk again."""
-  steps = committed_steps(directory)
+  exists then) starts the walk again. Several processes walk process 0's list of steps in step
+  and agree at each (`distributed.processes_where`): one they cannot all lock is passed over by
+  all, and each collective is called the same number of times in every process."""
+  steps = distributed.from_main(committed_steps(directory))
   damaged = []
   for step in reversed(steps):
     hold = contextlib.ExitStack()
-    if held is not None and not hold.enter_context(locks.read_hold(directory / str(step))):
+    locked = held is None or hold.enter_context(locks.read_hold(directory / str(step)))
+    if not locked and distributed.share()[1] == 1:
       hold.close()
       return _newest_intact(directory, model_cfg, held, verify)
     with hold:
+      if distributed.processes_where(not locked):  # deleted as it was locked, somewhere
+        continue
       reader, error = _verified(directory / str(step), model_cfg, verify)
       # Each process read its share of the chunks: one that found a damaged chunk speaks for all.
       found_by = distributed.processes_where(error is not None)

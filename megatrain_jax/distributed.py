@@ -90,6 +90,19 @@ def processes_where(flag: bool) -> list[int]:
   return [int(i) for i in np.flatnonzero(np.asarray(flags).reshape(-1))]
 
 
+def from_main(values: list[int]) -> list[int]:
+  """Process 0's `values` (non-negative ints) in every process (every process calls it, in the
+  same order): a list each process would read for itself (a directory's checkpoints) may differ
+  between them while another run writes there. One process: `values`."""
+  if jax.process_count() == 1:
+    return list(values)
+  count = int(multihost_utils.broadcast_one_to_all(np.asarray(len(values), np.int64)))
+  padded = np.zeros(max(count, 1), np.int64)  # the others' part of the broadcast: ignored
+  if jax.process_index() == 0:
+    padded[:count] = values
+  return [int(v) for v in multihost_utils.broadcast_one_to_all(padded)[:count]]
+
+
 @contextlib.contextmanager
 def lost_process_error(checkpointer):
   """Turns a failed collective across processes (another process died or lost its connection:
