@@ -689,7 +689,8 @@ def test_chat_template_file_beside_the_tokenizer_and_data_chat_template(tmp_path
   (jinja_dir.path.parent / 'chat_template.jinja').write_text(plain)
   (tmp_path / 'a').mkdir()
   tokens, mask = _prepared_chat(tmp_path / 'a', jinja_dir)
-  assert jinja_dir.decode(tokens[mask == 1]) == 'Paris.\nRome.\n' + EOS
+  # 'assistant: Paris.': tokenized whole, ' Paris' is one token, learned (it holds the reply).
+  assert jinja_dir.decode(tokens[mask == 1]) == ' Paris.\n Rome.\n' + EOS
   template = tmp_path / 'brackets.jinja'
   template.write_text(plain.replace(': ', ' > '))
   fmt = document_format(load_tokenizer(str(tokenizer_dir)), chat_template=str(template))
@@ -793,6 +794,39 @@ def test_a_template_that_renders_a_turn_otherwise_once_cut_names_the_fix(tmp_pat
   with pytest.raises(ConfigError, match=r"chat.jsonl:1: the chat template does not render .*"
                      r"Mistral v0.3's, for one.*set data.chat_template.*\(and 2 more\)"):
     prepare_dataset(tmp_path / 'out', tok, train_sources=[source])
+
+
+def test_a_document_of_several_parts_is_tokenized_whole(tmp_path, tokenizer_dir, documents):
+  """A prompt with its completion, or a rendered conversation, is tokenized whole, as
+  transformers tokenizes it, a token learned where it holds learned text: 'Answer: ' + 'Paris'
+  stores 'ĠParis' (learned), not 'Ġ' + 'Paris'; a Metaspace tokenizer (Mistral's, Llama 2's)
+  gives a reply after '\n' no '▁' of its own (48 of 50 Zephyr-style chats differed)."""
+  import transformers  # pylint: disable=import-outside-toplevel  (a dev dependency)
+  tok = load_tokenizer(str(tokenizer_dir))
+  tokens, mask = _prepared_chat(tmp_path, tok, {'prompt': 'Answer: ', 'completion': 'Paris'},
+                                name='pair')
+  assert tokens.tolist() == tok.encode('Answer: Paris').tolist() + [tok.token_id(EOS)]
+  assert tok.decode(tokens[mask == 1]) == ' Paris' + EOS
+  _whitespace_bpe(documents, False).save(str(tmp_path / 'metaspace.json'))
+  template = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{{ eos_token }}\n"
+              "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+  directory = tmp_path / 'zephyr'
+  directory.mkdir()
+  (directory / 'tokenizer.json').write_text((tmp_path / 'metaspace.json').read_text())
+  (directory / 'tokenizer_config.json').write_text(json.dumps(
+      {'eos_token': '<unk>', 'chat_template': template}))
+  zephyr = load_tokenizer(str(directory))
+  conversation = CONVERSATION[1:3]
+  tokens, mask = _prepared_chat(tmp_path, zephyr, {'messages': conversation}, name='zephyr')
+  hf_tok = transformers.PreTrainedTokenizerFast(
+      tokenizer_file=str(directory / 'tokenizer.json'), eos_token='<unk>', chat_template=template)
+  ids = lambda out: list(out['input_ids'] if 'input_ids' in out else out)
+  theirs = ids(hf_tok.apply_chat_template(conversation))
+  assert tokens.tolist() == theirs + [zephyr.token_id('<unk>')]
+  # Learned: the reply after the generation prompt, its end marker and the document's EOS.
+  prompt = ids(hf_tok.apply_chat_template(conversation[:1], add_generation_prompt=True))
+  assert theirs[:len(prompt)] == prompt
+  assert mask.tolist() == [0] * len(prompt) + [1] * (len(theirs) + 1 - len(prompt))
 
 
 # Qwen3's chat template as its tokenizer_config.json has it, without the tool branches: an

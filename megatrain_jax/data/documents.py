@@ -557,37 +557,73 @@ def encode_documents(documents: Sequence[Parts], tokenizer: Tokenizer, fmt: Docu
   """Tokens of the documents, each as [BOS] parts EOS, their loss mask (None when every token
   is learned, as for plain text) and where each document ends ([n] int64 offsets just past its
   EOS): the documents as they were, whatever ids they hold (a chat template may end every turn
-  with the EOS)."""
-  texts = [text for parts in documents for text, _ in parts]
-  ids = encode_batch(tokenizer, texts)
+  with the EOS). A document of several parts is tokenized whole, as transformers tokenizes a
+  rendered conversation or a prompt with its completion, and a token is learned where it holds
+  learned text (`_joint_ids`); tokenized part by part, the joins got tokens of their own (a
+  SentencePiece '▁' before each part, 'Ġ' + 'Paris' for ' Paris')."""
+  encoded = _document_ids(documents, tokenizer)
   prefix = [] if fmt.bos is None else [fmt.bos]
   flat: list[int] = []
   ends: list[int] = []
-  learned_flags = []
-  masked = any(not learned for parts in documents for _, learned in parts)
-  k = 0
-  for parts in documents:
+  masks = []
+  for ids, learned in encoded:
     flat.extend(prefix)
-    if masked:
-      learned_flags.append((len(prefix), 0))
-    for _, learned in parts:
-      flat.extend(ids[k])
-      if masked:
-        learned_flags.append((len(ids[k]), int(learned)))
-      k += 1
+    flat.extend(ids)
     flat.append(fmt.eos)
     ends.append(len(flat))
-    if masked:
-      learned_flags.append((1, 1))
+    masks.append((len(prefix), len(ids), learned))
   tokens = np.array(flat, dtype=dtype)
   ends = np.array(ends, dtype=np.int64)
-  if not masked:
+  if all(learned is None for _, _, learned in masks):
     return tokens, None, ends
-  counts, values = zip(*learned_flags) if learned_flags else ((), ())
-  mask = np.repeat(np.array(values, dtype=np.uint8), np.array(counts, dtype=np.int64))
-  if mask.all():
-    return tokens, None, ends
-  return tokens, mask, ends
+  mask = np.concatenate([np.concatenate([np.zeros(bos, np.uint8),
+                                         np.ones(n, np.uint8) if learned is None else learned,
+                                         np.ones(1, np.uint8)]) for bos, n, learned in masks])
+  return tokens, (None if mask.all() else mask), ends
+
+
+def _document_ids(documents: Sequence[Parts],
+                  tokenizer: Tokenizer) -> list[tuple[Sequence[int], np.ndarray | None]]:
+  """(ids, learned: uint8 per id, None = all) of each document: a document of one part (text)
+  or any document of a tokenizer without offsets (the byte tokenizer: its ids are the bytes,
+  the same whole or in parts) part by part; one of several parts whole (`_joint_ids`)."""
+  joint = [i for i, parts in enumerate(documents)
+           if len(parts) > 1 and hasattr(tokenizer, 'encode_with_offsets')]
+  alone = sorted(set(range(len(documents))) - set(joint))
+  out: list = [None] * len(documents)
+  texts = [text for i in alone for text, _ in documents[i]]
+  ids, k = encode_batch(tokenizer, texts), 0
+  for i in alone:
+    pieces = [(ids[k + j], learned) for j, (_, learned) in enumerate(documents[i])]
+    k += len(documents[i])
+    flat = [t for piece, _ in pieces for t in piece]
+    learned = np.repeat(np.array([int(l) for _, l in pieces], np.uint8),
+                        [len(piece) for piece, _ in pieces])
+    out[i] = (flat, None if learned.all() else learned)
+  if joint:
+    for i, encoded in zip(joint, _joint_ids([documents[i] for i in joint], tokenizer)):
+      out[i] = encoded
+  return out
+
+
+def _joint_ids(documents: Sequence[Parts], tokenizer) -> list[tuple[list[int], np.ndarray]]:
+  """Each document's parts joined and tokenized whole; a token is learned where its characters
+  (its offsets) overlap learned text (a token across the join, 'ĠParis' of 'Answer: ' +
+  'Paris', is the completion's), a token of no characters where the text at it is learned."""
+  out = []
+  encoded = tokenizer.encode_with_offsets([''.join(text for text, _ in parts)
+                                           for parts in documents])
+  for parts, (ids, offsets) in zip(documents, encoded):
+    chars = np.repeat(np.array([int(learned) for _, learned in parts], np.uint8),
+                      [len(text) for text, _ in parts])
+    covered = np.concatenate([[0], np.cumsum(chars, dtype=np.int64)])
+    spans = np.asarray(offsets, np.int64).reshape(-1, 2)
+    start, stop = spans[:, 0], spans[:, 1]
+    at = np.minimum(start, max(chars.size - 1, 0))
+    learned = np.where(stop > start, covered[stop] - covered[start] > 0,
+                       chars[at] > 0 if chars.size else False)
+    out.append((list(ids), learned.astype(np.uint8)))
+  return out
 
 
 def check_ids(tokens: np.ndarray, tokenizer: Tokenizer) -> None:
