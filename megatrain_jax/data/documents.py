@@ -588,7 +588,7 @@ def _document_ids(documents: Sequence[Parts],
   or any document of a tokenizer without offsets (the byte tokenizer: its ids are the bytes,
   the same whole or in parts) part by part; one of several parts whole (`_joint_ids`)."""
   joint = [i for i, parts in enumerate(documents)
-           if len(parts) > 1 and hasattr(tokenizer, 'encode_with_offsets')]
+           if len(parts) > 1 and hasattr(tokenizer, 'encodings')]
   alone = sorted(set(range(len(documents))) - set(joint))
   out: list = [None] * len(documents)
   texts = [text for i in alone for text, _ in documents[i]]
@@ -607,23 +607,33 @@ def _document_ids(documents: Sequence[Parts],
 
 
 def _joint_ids(documents: Sequence[Parts], tokenizer) -> list[tuple[list[int], np.ndarray]]:
-  """Each document's parts joined and tokenized whole; a token is learned where its characters
-  (its offsets) overlap learned text (a token across the join, 'ĠParis' of 'Answer: ' +
-  'Paris', is the completion's), a token of no characters where the text at it is learned."""
+  """Each document's parts joined and tokenized whole; the tokens that hold characters of a
+  learned part are learned (a token across the join, 'ĠParis' of 'Answer: ' + 'Paris', is the
+  completion's), found from the part's first and last characters (Encoding.char_to_token: a
+  few lookups a part, not every token's offsets, which took ~85 us a document)."""
   out = []
-  encoded = tokenizer.encode_with_offsets([''.join(text for text, _ in parts)
-                                           for parts in documents])
-  for parts, (ids, offsets) in zip(documents, encoded):
-    chars = np.repeat(np.array([int(learned) for _, learned in parts], np.uint8),
-                      [len(text) for text, _ in parts])
-    covered = np.concatenate([[0], np.cumsum(chars, dtype=np.int64)])
-    spans = np.asarray(offsets, np.int64).reshape(-1, 2)
-    start, stop = spans[:, 0], spans[:, 1]
-    at = np.minimum(start, max(chars.size - 1, 0))
-    learned = np.where(stop > start, covered[stop] - covered[start] > 0,
-                       chars[at] > 0 if chars.size else False)
-    out.append((list(ids), learned.astype(np.uint8)))
+  for parts, encoding in zip(documents, tokenizer.encodings(
+      [''.join(text for text, _ in parts) for parts in documents])):
+    learned = np.zeros(len(encoding.ids), np.uint8)
+    at = 0
+    for text, is_learned in parts:
+      if is_learned and text:
+        first = _token_of(encoding, range(at, at + len(text)))
+        last = _token_of(encoding, range(at + len(text) - 1, at - 1, -1))
+        if first is not None and last is not None:
+          learned[first:last + 1] = 1
+      at += len(text)
+    out.append((encoding.ids, learned))
   return out
+
+
+def _token_of(encoding, chars: range) -> int | None:
+  """The token holding the first of `chars` that one holds (a normalizer may drop characters)."""
+  for char in chars:
+    token = encoding.char_to_token(char)
+    if token is not None:
+      return token
+  return None
 
 
 def check_ids(tokens: np.ndarray, tokenizer: Tokenizer) -> None:

@@ -173,10 +173,10 @@ class HFTokenizer:
     # encode_batch_fast skips the character offsets, which the prepare step never uses.
     return [e.ids for e in self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
 
-  def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], list]]:
-    """(ids, [(start, stop) character offsets]) of each text, without special tokens added."""
-    return [(e.ids, e.offsets)
-            for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+  def encodings(self, texts: Sequence[str]) -> list[tokenizers.Encoding]:
+    """Each text's `tokenizers.Encoding` (ids, and where each character went: char_to_token),
+    without special tokens added."""
+    return self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
 
   def token_id(self, token: str) -> int | None:
     """The id of `token` (a vocabulary entry or added token such as '</s>'), or None."""
