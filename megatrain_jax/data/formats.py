@@ -850,9 +850,9 @@ def bad_records_error(bad: list[str], count: int, field: str) -> ConfigError:
 
 def read_prompts(path: str | Path, prompt_field: str = 'prompt') -> list:
   """The prompts of a `sample.prompts` file, in file order: a text file's non-blank lines (each
-  one prompt), or a JSONL(.zst/.gz) file's records (or a .json file's: an array, or lines), each a prompt string in `prompt_field`, a
-  chat `messages` list (continued as the assistant's next turn) or an Alpaca record (the dict,
-  rendered as training renders it up to its output).
+  one prompt), or a JSONL(.zst/.gz) file's records (or a .json file's: an array, or lines),
+  each a prompt string in `prompt_field`, a chat `messages` list (continued as the assistant's
+  next turn) or an Alpaca record (the dict, rendered as training renders it up to its output).
 
   Raises:
     ConfigError: (naming `sample.prompts`) a missing or unreadable file, a Parquet or Arrow file,
