@@ -121,7 +121,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
     rest = flags.FLAGS(argv)
   except flags.Error as e:
     sys.exit(_config_file_error(str(e)) or f'error: {e}. Run with --helpshort to list the flags.')
-  except Exception:  # pylint: disable=broad-except  (absl wraps only a config file's Type/ValueError)
+  # absl wraps only a config file's TypeError and ValueError: the rest arrive as they are.
+  except Exception:  # pylint: disable=broad-except
     path = _config_path(argv)
     message = _config_file_error(f'flag --config={path}: Error whilst parsing config file:\n'
                                  f'{traceback.format_exc()}')

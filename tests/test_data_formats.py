@@ -1199,7 +1199,8 @@ def test_text_is_encoded_in_pieces_to_the_ids_of_the_whole_text(tmp_path, corpus
   """Text is encoded a piece at a time (a whole file at once took ~300x its size), cut only
   where the ids do not change: prepare (in chunks) and --eval give the whole text's ids."""
   from megatrain_jax import evaluate  # pylint: disable=g-import-not-at-top
-  from megatrain_jax.data import tokenizer as tokenizer_module  # pylint: disable=g-import-not-at-top
+  from megatrain_jax.data import (  # pylint: disable=g-import-not-at-top
+      tokenizer as tokenizer_module)
   text = corpus.read_text(encoding='utf-8')
   tok = load_tokenizer(str(tokenizer_dir))
   whole = tok.encode(text)
@@ -1316,8 +1317,8 @@ def test_empty_files_are_empty_in_every_format(tmp_path):
 
 def test_lone_surrogate_is_a_bad_record(tmp_path, tokenizer_dir):
   source = tmp_path / 'sur.jsonl'
-  source.write_text('{"text": "fine"}\n{"text": "bad \\ud800 half"}\n{"text": "pair \\ud83d\\ude00"}'
-                    '\n')
+  source.write_text('{"text": "fine"}\n{"text": "bad \\ud800 half"}\n'
+                    '{"text": "pair \\ud83d\\ude00"}\n')
   for tok in (ByteTokenizer(), load_tokenizer(str(tokenizer_dir))):
     with pytest.raises(ConfigError, match=r'sur.jsonl:2: a lone surrogate escape \\ud800'):
       prepare_dataset(tmp_path / 'o', tok, train_sources=[source])

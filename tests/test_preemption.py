@@ -325,7 +325,8 @@ def test_sigint_ends_a_prepare_at_once_and_keeps_its_shards(tmp_path, shared_dat
   KeyboardInterrupt could land in one of JAX's gc callbacks and be swallowed, and the prepare
   went on to the end) ends it within seconds, status 130, one line saying how to resume; the
   shards committed so far stay for the rerun."""
-  from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  from tokenizers import (  # pylint: disable=g-import-not-at-top
+      Tokenizer, models, pre_tokenizers, trainers)
   text = (shared_data / 'wikitext-2' / 'valid.txt').read_text()
   tokenizer = Tokenizer(models.BPE())
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -448,7 +449,8 @@ def test_a_data_directory_being_prepared_is_refused_to_a_second_prepare(tmp_path
   """One prepare at a time per data directory: a second (another --prepare, or a run sharing
   data.cache_dir) is refused naming the holder, and its shards are left alone; once free, the
   prepare runs."""
-  from megatrain_jax.data import ByteTokenizer, prepare_dataset  # pylint: disable=g-import-not-at-top
+  from megatrain_jax.data import (  # pylint: disable=g-import-not-at-top
+      ByteTokenizer, prepare_dataset)
   out = tmp_path / 'cache'
   source = shared_data / 'tinyshakespeare' / 'input.txt'
   with locks.hold(out, 'data directory', 'point data.cache_dir at another directory'):

@@ -200,7 +200,8 @@ def test_sample_command_stops_at_generation_config_eos_ids(checkpoints, tmp_path
   assert got['sample/tokens'] == end + 1
   assert got['sample/text'] == ' '.join(f't{i}' for i in greedy[:end])
   assert capsys.readouterr().out.splitlines() == [
-      'sampling: greedy', words + got['sample/text'], f"[{end} new tokens; the model wrote 't{stop}', a "
+      'sampling: greedy', words + got['sample/text'],
+      f"[{end} new tokens; the model wrote 't{stop}', a "
       'stop id]']
   # An instruct tokenizer whose own EOS ends its chat turns, with data.eos_token ending the
   # documents instead (as the EOS-inside-documents refusal asks): both stop it.

@@ -441,7 +441,8 @@ def _jsonl_documents(task: JsonlTask, fmt: DocumentFormat, bad: list) -> list:
 
 
 # JSON may escape half of a UTF-16 surrogate pair alone ("\ud800"): json.loads makes it a code
-# point that no UTF-8 text holds, which the tokenizers cannot encode (a TypeError in Hugging Face's).
+# point that no UTF-8 text holds, which the tokenizers cannot encode (a TypeError in Hugging
+# Face's).
 _SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F]')
 _LONE_SURROGATE = re.compile('[\ud800-\udfff]')
 

@@ -349,9 +349,9 @@ def prepare_summary(info: DatasetInfo) -> str:
     part = (stats.get('documents', 0) - stats.get('documents_learned_whole', 0)
             - stats.get('documents_learning_nothing', 0))
     if stats.get('documents_learned_whole') and part > 0:
-      lines.append(f'  note: {stats["documents_learned_whole"]:,} documents are learned whole (text '
-                   f'records) and {part:,} in part (prompt/completion pairs, chats): the records '
-                   'mix kinds')
+      lines.append(f'  note: {stats["documents_learned_whole"]:,} documents are learned whole '
+                   f'(text records) and {part:,} in part (prompt/completion pairs, chats): the '
+                   'records mix kinds')
   seconds = stats.get('seconds')
   if seconds:
     mb = stats.get('input_bytes', 0) / 1e6
