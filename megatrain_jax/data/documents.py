@@ -596,10 +596,13 @@ def _document_ids(documents: Sequence[Parts],
   for i in alone:
     pieces = [(ids[k + j], learned) for j, (_, learned) in enumerate(documents[i])]
     k += len(documents[i])
-    flat = [t for piece, _ in pieces for t in piece]
+    if all(learned for _, learned in pieces):  # text: as the tokenizer gave it, all learned
+      out[i] = (pieces[0][0] if len(pieces) == 1 else
+                [t for piece, _ in pieces for t in piece], None)
+      continue
     learned = np.repeat(np.array([int(l) for _, l in pieces], np.uint8),
                         [len(piece) for piece, _ in pieces])
-    out[i] = (flat, None if learned.all() else learned)
+    out[i] = ([t for piece, _ in pieces for t in piece], learned)
   if joint:
     for i, encoded in zip(joint, _joint_ids([documents[i] for i in joint], tokenizer)):
       out[i] = encoded
