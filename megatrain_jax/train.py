@@ -23,7 +23,7 @@ import math
 import os
 import pathlib
 import time
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import jax
 import ml_collections
@@ -48,10 +48,10 @@ from megatrain_jax import partition
 from megatrain_jax import planner
 from megatrain_jax import preemption
 from megatrain_jax import profiling
+from megatrain_jax import runs
 from megatrain_jax import runtime
 from megatrain_jax import sample as sample_lib
 from megatrain_jax.checkpoint import Checkpointer
-from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError
@@ -87,8 +87,8 @@ def dry_run(config: ml_collections.ConfigDict, workdir: str | None = None,
     config = hf.config_from_checkpoint(config, hf.inspect_checkpoint(config.init.from_hf),
                                        overrides)
   elif config.init.from_run:
-    source = _run_source(config.init.from_run, pathlib.Path(workdir or '').absolute())
-    config = _config_from_run(config, source.directory, source.meta, overrides)
+    source = runs.run_source(config.init.from_run, pathlib.Path(workdir or '').absolute())
+    config = runs.config_from_run(config, source.directory, source.meta, overrides)
   model_cfg = config_lib.validate(config)
   Placement.from_config(config.offload, model_cfg, allow_auto=True)
   distributed.check_fields(config)  # not the devices: a dry run may plan for another machine
@@ -115,11 +115,11 @@ def prepare(config: ml_collections.ConfigDict, workdir: str,
   """--prepare: tokenizes config.data into <workdir>/data as the run in `workdir` will read it,
   with the tokenizer it will use (init.from_hf's, init.from_run's or its checkpoint's unless
   data.tokenizer is set, copied into the workdir as training copies it); prints the summary."""
-  config, source = resolve_init(config, workdir, overrides)
+  config, source = runs.resolve_init(config, workdir, overrides)
   path = config_lib.check_workdir(workdir)
   data_lib.check_data_config(config.data, config.train)
   path.mkdir(parents=True, exist_ok=True)
-  config = _adopt_chat_template(_adopt_tokenizer(config, source, path), path)
+  config = runs.adopt_chat_template(runs.adopt_tokenizer(config, source, path), path)
   info, _ = data_lib.load_data(config.data, path, progress=True)  # locks the data directory
   print(data_lib.prepare_summary(info), flush=True)
   return info
@@ -194,207 +194,6 @@ def resolve_plan(config, model_cfg, workdir: pathlib.Path, checkpointer: Checkpo
   return config, hw, plan, restored
 
 
-HF_TOKENIZER_DIR = 'hf_tokenizer'  # <workdir>/hf_tokenizer: the tokenizer files of init.from_hf
-
-
-def newest_checkpoint_meta(workdir: pathlib.Path) -> dict | None:
-  """meta.json of the newest committed checkpoint in <workdir>/checkpoints that has a readable
-  one, or None; reads nothing else and writes nothing (the restore verifies the checkpoint)."""
-  directory = pathlib.Path(workdir) / 'checkpoints'
-  if not directory.is_dir():
-    return None
-  steps = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()),
-                 reverse=True)
-  for step in steps:
-    try:
-      meta = json.loads((directory / str(step) / 'meta.json').read_text())
-    except (OSError, ValueError):
-      continue
-    if isinstance(meta, dict) and isinstance(meta.get('model_config'), dict):
-      return meta
-  return None
-
-
-def _run_data_field(workdir: pathlib.Path, name: str) -> str | None:
-  """data.<name> of the run in `workdir` (its config.json), if it recorded one. A file the run
-  copied into its workdir (its tokenizer, its chat template) is read from `workdir`: config.json
-  records the path it had when it was written, and the run may have been moved or copied since
-  (a copy would otherwise read the original's files, a moved run find none)."""
-  try:
-    value = json.loads((workdir / 'config.json').read_text())['data'][name]
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
-  if not isinstance(value, str) or not value:
-    return value
-  recorded = pathlib.Path(value)
-  for copy in (pathlib.Path(HF_TOKENIZER_DIR, recorded.name), pathlib.Path(CHAT_TEMPLATE_FILE)):
-    if recorded.parts[-len(copy.parts):] == copy.parts and (workdir / copy).is_file():
-      return str(workdir / copy)
-  return value
-
-
-def _config_from_run(config, workdir: pathlib.Path, meta: dict, overrides):
-  """`config` with the model shape of the run's checkpoint and, unless set, its tokenizer, chat
-  template and EOS (data.eos_token: what ends each document, and with model.document_mask the
-  id the model finds documents by, as it did in training)."""
-  trained_with = _run_data_field(workdir, 'tokenizer')
-  config = hf.apply_fields(config, hf.model_fields(meta['model_config']),
-                           f'the checkpoint in {workdir / "checkpoints"}', overrides, trained_with)
-  _check_same_tokenizer(config.data.tokenizer, trained_with, workdir)
-  for field in ('chat_template', 'eos_token'):
-    value = _run_data_field(workdir, field)
-    if value and not config.data[field]:
-      config_lib.set_field(config, f'data.{field}', value)
-  return config
-
-
-def _check_same_tokenizer(given: str, trained_with: str | None, workdir: pathlib.Path) -> None:
-  """Refuses data.tokenizer `given` where its content differs from the tokenizer the run in
-  `workdir` trained with: its ids would name other tokens to the checkpoint's embedding rows.
-  The same file elsewhere is that tokenizer; a run whose tokenizer is gone is not compared."""
-  if not trained_with or given == trained_with:
-    return
-  try:
-    was = data_lib.load_tokenizer(trained_with).name
-  except ConfigError:  # moved or deleted since: nothing to compare with
-    return
-  if data_lib.load_tokenizer(given).name != was:
-    raise ConfigError(f'data.tokenizer={given} is not the tokenizer the run in {workdir} trained '
-                      f'with ({trained_with}): its ids name other tokens to the checkpoint\'s '
-                      'embeddings. Drop the data.tokenizer override to use the run\'s own.')
-
-
-def _check_same_start(config, workdir: pathlib.Path, meta: dict) -> None:
-  """Refuses an init.from_hf or init.from_run that differs from the one the run in `workdir`
-  recorded when it started: a run with a checkpoint resumes from it and never reads them, so a
-  changed one would be silently ignored (the user asked for other weights)."""
-  recorded = _recorded_init(workdir)
-  for field in INIT_FIELDS:
-    given, was = config.init[field], recorded[field]
-    if given and given != was and not (was and _same_path(given, was)):
-      raise ConfigError(
-          f'init.{field}={given}: {workdir} holds a run (checkpoint step {meta["step"]}) that '
-          f'started from {was or "a fresh init"}; a workdir with a checkpoint resumes from it '
-          f'(--eval and --sample read it), and init.{field} is read only where there is none. '
-          f'Drop the init.{field} override, or pass a new --workdir to start from it.')
-
-
-def _same_path(a: str, b: str) -> bool:
-  try:
-    return pathlib.Path(a).expanduser().resolve() == pathlib.Path(b).expanduser().resolve()
-  except OSError:
-    return False
-
-
-class RunSource(NamedTuple):
-  """init.from_run: the run whose newest checkpoint's weights a new run starts from."""
-  directory: pathlib.Path
-  meta: dict
-
-
-def resolve_init(config, workdir: str, overrides: Iterable[str] | None = None):
-  """(config, source) of a run that may start from init.from_hf or init.from_run; the source is
-  the inspected Hugging Face checkpoint, a RunSource, or None (a fresh init, or a resume). A run
-  with a checkpoint in `workdir` resumes from it: the model shape (and the tokenizer) come from
-  there, and the source is not read at all. Otherwise a Hugging Face directory is checked whole
-  (config.json, shards, headers), a run's newest checkpoint's meta.json read, and its shape and
-  tokenizer go into the config. `overrides`: the config keys set on the command line (None: the
-  fields that differ from configs/default.py); one that disagrees with the source is an error."""
-  init = config.init
-  if not init.from_hf and not init.from_run:
-    return _resumed_from_source(config, workdir, overrides), None
-  if init.from_hf and init.from_run:
-    raise ConfigError('init.from_hf and init.from_run are both set; a run starts from one of '
-                      'them: clear the other.')
-  path = config_lib.check_workdir(workdir)
-  meta = newest_checkpoint_meta(path)
-  if meta is not None:
-    _check_same_start(config, path, meta)
-    return _config_from_run(config, path, meta, overrides), None
-  if init.from_hf:
-    checkpoint = hf.inspect_checkpoint(init.from_hf)
-    return hf.config_from_checkpoint(config, checkpoint, overrides), checkpoint
-  source = _run_source(init.from_run, path)
-  return _config_from_run(config, source.directory, source.meta, overrides), source
-
-
-def _resumed_from_source(config, workdir: str, overrides):
-  """`config` for a command without init.from_hf / init.from_run in a workdir whose run started
-  from one (its config.json) and has a checkpoint: the model shape and tokenizer come from that
-  checkpoint, as with the init field given again (the source is not read on a resume), so
-  `launch.py --workdir runs/ft` resumes a fine-tune. Else `config` as it is."""
-  path = config_lib.check_workdir(workdir)
-  started = _recorded_init(path)
-  meta = newest_checkpoint_meta(path) if any(started.values()) else None
-  if meta is None:
-    return config
-  config = _config_from_run(config, path, meta, overrides)
-  for field in INIT_FIELDS:  # config.json keeps saying where the run started
-    config_lib.set_field(config, f'init.{field}', started[field])
-  return config
-
-
-INIT_FIELDS = ('from_hf', 'from_run')
-
-
-def _recorded_init(workdir: pathlib.Path) -> dict:
-  """{from_hf, from_run} of the run in `workdir` as its config.json recorded them ('' each when
-  it has none, or no readable config.json)."""
-  try:
-    init = json.loads((workdir / 'config.json').read_text())['init']
-  except (OSError, ValueError, KeyError, TypeError):
-    init = {}
-  init = init if isinstance(init, dict) else {}
-  return {field: init.get(field) or '' for field in INIT_FIELDS}
-
-
-def _run_source(from_run: str, workdir: pathlib.Path) -> RunSource:
-  """init.from_run's run directory and its newest checkpoint's meta.json, refused by name if it
-  is this run's own workdir or holds no checkpoint."""
-  directory = pathlib.Path(from_run).expanduser().absolute()
-  if directory == workdir:
-    raise ConfigError(f'init.from_run={from_run} is this run\'s own --workdir; a rerun there '
-                      'resumes by itself. Point init.from_run at another run.')
-  meta = newest_checkpoint_meta(directory)
-  if meta is None:
-    raise ConfigError(f'init.from_run: {directory} holds no checkpoint (checkpoints/<step>/); '
-                      'pass the --workdir of a run that has saved one.')
-  return RunSource(directory, meta)
-
-
-def _adopt_tokenizer(config, source, workdir: pathlib.Path):
-  """With the tokenizer of init.from_hf (or of the init.from_run run, when it lies in that run's
-  directory), copies its files into <workdir>/hf_tokenizer and points data.tokenizer there: a
-  resumed run (and an export) no longer needs the source directory. The prepared data's key is
-  the tokenizer's content, so the copy changes nothing else."""
-  found = None
-  if isinstance(source, RunSource):
-    tokenizer = pathlib.Path(config.data.tokenizer)
-    found = tokenizer if tokenizer.is_relative_to(source.directory) else None
-  elif source is not None:
-    found = hf.tokenizer_file(source.directory)
-  if found is None or config.data.tokenizer != str(found):
-    return config
-  copies = hf.copy_tokenizer(found, workdir / HF_TOKENIZER_DIR)
-  config = ml_collections.ConfigDict(config.to_dict())
-  config_lib.set_field(config, 'data.tokenizer', str(copies[0]))
-  return config
-
-
-def _adopt_chat_template(config, workdir: pathlib.Path):
-  """With data.chat_template, copies the file to <workdir>/chat_template.jinja (atomically) and
-  points data.chat_template there: --eval, --sample and --export_hf of the run read the copy
-  (config.json records it), wherever the original goes."""
-  template = config.data.chat_template
-  copy = workdir / CHAT_TEMPLATE_FILE  # the name transformers gives a tokenizer's template
-  if not template or pathlib.Path(template) == copy:
-    return config
-  fs.write_text_atomic(copy, pathlib.Path(template).read_text(encoding='utf-8'))
-  config = ml_collections.ConfigDict(config.to_dict())
-  config_lib.set_field(config, 'data.chat_template', str(copy))
-  return config
-
-
 def _build_engine(model_cfg, config, plan, restored, source, layout: Layout):
   """The engine on `layout`'s devices, filled from the run's checkpoint (`restored`), else from
   `source` (init.from_hf's checkpoint or init.from_run's run: its weights piece by piece into
@@ -427,11 +226,11 @@ def _init_reader(model_cfg, tx, seed: int, restored, source):
     yield restored
     return
   abstract = resident.abstract_state(model_cfg, tx)
-  if not isinstance(source, RunSource):
+  if not isinstance(source, runs.RunSource):
     yield hf.HfReader(source, abstract, seed=seed)
     return
   with checkpoint_lib.read_checkpoint(source.directory, model_cfg) as reader:
-    if reader is None:  # deleted since resolve_init saw it
+    if reader is None:  # deleted since runs.resolve_init saw it
       raise ConfigError(f'init.from_run: {source.directory} holds no checkpoint any more.')
     yield checkpoint_lib.WeightsOnly(reader, abstract, seed)
 
@@ -495,7 +294,7 @@ def _run_checkpoint(config, path: pathlib.Path, model_cfg):
   for reading for the `with` block: a run training there keeps it meanwhile
   (checkpoint.read_checkpoint)."""
   with checkpoint_lib.read_checkpoint(path, model_cfg, config.checkpoint.read) as reader:
-    if reader is None:  # its checkpoints were deleted since newest_checkpoint_meta saw them
+    if reader is None:  # its checkpoints were deleted since runs.newest_checkpoint_meta saw them
       raise ConfigError(f'{path} holds no checkpoint any more; pass the --workdir of a run that '
                         'has saved one (checkpoints/<step>/).')
     yield reader
@@ -517,7 +316,7 @@ def _check_tokenizer(config, model_cfg):
   tokenizer = data_lib.load_tokenizer(config.data.tokenizer)
   if tokenizer.vocab_size > model_cfg.vocab_size:
     given = pathlib.Path(config.data.tokenizer).expanduser()
-    own = config.init.from_hf and _same_path(
+    own = config.init.from_hf and runs.same_path(
         str(given if given.is_dir() else given.parent), config.init.from_hf)
     fix = ('the checkpoint\'s own tokenizer.json and its config.json disagree: it is not the '
            'tokenizer this model was trained with; set data.tokenizer to the one it was' if own
@@ -542,9 +341,9 @@ def _main_first(name: str, make):
 
 def _workdir_data(config, source, workdir: pathlib.Path, microbatches: int,
                   document_eos: int):
-  """(config, train sampler, eval batches): the tokenizer adopted (`_adopt_tokenizer`) and the
+  """(config, train sampler, eval batches): the tokenizer adopted (`runs.adopt_tokenizer`) and the
   data opened (`_open_data`)."""
-  config = _adopt_chat_template(_adopt_tokenizer(config, source, workdir), workdir)
+  config = runs.adopt_chat_template(runs.adopt_tokenizer(config, source, workdir), workdir)
   return _open_data(config, workdir, microbatches, document_eos,
                     _finding_documents(config, document_eos))
 
@@ -716,9 +515,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   on either is refused (locks.py). SIGTERM or SIGINT during training stop the run after the step
   in flight, with a checkpoint, by raising preemption.TrainingStopped. With init.from_hf or
   init.from_run a fresh run starts from the weights of that Hugging Face checkpoint or run
-  (`resolve_init`; `overrides`: the config keys set on the command line)."""
+  (`runs.resolve_init`; `overrides`: the config keys set on the command line)."""
   runtime.configure(config)  # before the run allocates (the package applied the default at import)
-  config, source = resolve_init(config, workdir, overrides)
+  config, source = runs.resolve_init(config, workdir, overrides)
   model_cfg, workdir = _validate(config, workdir)
   # Several processes (distributed.py) share the workdir: process 0 locks it, writes its files
   # and prints; every process computes, and checkpoints its own shards (checkpoint.py).
@@ -873,10 +672,10 @@ def _eval_config(config, workdir: str, overrides, job: str = '--eval'):
   --sample (`job`): the run's newest checkpoint if it has one (its shape, its tokenizer and its
   model.document_mask), else init.from_hf."""
   path = config_lib.check_workdir(workdir)
-  meta = newest_checkpoint_meta(path)
+  meta = runs.newest_checkpoint_meta(path)
   if meta is not None:
-    _check_same_start(config, path, meta)
-    config = _config_from_run(config, path, meta, overrides)
+    runs.check_same_start(config, path, meta)
+    config = runs.config_from_run(config, path, meta, overrides)
     # A run trained with model.document_mask is read with it, unless the command line says not.
     if (meta['model_config'].get('document_eos_id', -1) >= 0 and not config.model.document_mask
         and 'model.document_mask' not in (overrides or ())):
@@ -1070,12 +869,12 @@ def export_hf(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> 
   config_lib.validate(config)  # the export section
   out = export_lib.check_destination(out_dir)
   path = config_lib.check_workdir(workdir)
-  meta = newest_checkpoint_meta(path)
+  meta = runs.newest_checkpoint_meta(path)
   if meta is None:
     raise ConfigError(f'--export_hf: {path} holds no checkpoint to export. Pass the --workdir of '
                       'a run that has saved one (checkpoints/<step>/).')
   model_cfg = model_lib.ModelConfig(**meta['model_config'])
-  tokenizer = _run_data_field(path, 'tokenizer') or 'byte'
+  tokenizer = runs.run_data_field(path, 'tokenizer') or 'byte'
   if tokenizer != 'byte' and not pathlib.Path(tokenizer).exists():
     raise ConfigError(f'--export_hf: the run\'s tokenizer {tokenizer} (data.tokenizer in '
                       f'{path / "config.json"}) does not exist any more, and an export without it '
@@ -1084,8 +883,8 @@ def export_hf(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> 
     files = export_lib.export(reader, model_cfg, out, dtype=config.export.dtype,
                               max_shard_bytes=int(config.export.max_shard_gb * 1e9),
                               tokenizer=tokenizer,
-                              chat_template=_run_data_field(path, 'chat_template') or '',
-                              eos_token=_run_data_field(path, 'eos_token') or '')
+                              chat_template=runs.run_data_field(path, 'chat_template') or '',
+                              eos_token=runs.run_data_field(path, 'eos_token') or '')
   print(f'exported step {reader.meta["step"]} of {path} to {out}: '
         f'{", ".join(f.name for f in files)}', flush=True)
   return files

@@ -33,6 +33,7 @@ from megatrain_jax import export as export_lib
 from megatrain_jax import hf
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
+from megatrain_jax import runs
 from megatrain_jax import train
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.data import HFTokenizer
@@ -174,7 +175,7 @@ def test_import_fills_every_tier_with_the_checkpoint(placement, checkpoints, tmp
 
 
 def test_config_comes_from_the_checkpoint(checkpoints, tmp_path):
-  config, found = train.resolve_init(_config(**{'init__from_hf': str(checkpoints['qwen2']),
+  config, found = runs.resolve_init(_config(**{'init__from_hf': str(checkpoints['qwen2']),
                                                 'model__remat': 'none'}), str(tmp_path / 'w'))
   assert found.cfg.qkv_bias and found.cfg.tie_embeddings
   model_cfg = config_lib.validate(config)
@@ -184,10 +185,10 @@ def test_config_comes_from_the_checkpoint(checkpoints, tmp_path):
   assert config.data.tokenizer == str(checkpoints['qwen2'] / 'tokenizer.json')
   # A value the user gives that agrees is fine; one set on the command line but equal to the
   # default is still checked.
-  train.resolve_init(_config(init__from_hf=str(checkpoints['qwen2']), model__d_model=32),
+  runs.resolve_init(_config(init__from_hf=str(checkpoints['qwen2']), model__d_model=32),
                      str(tmp_path / 'w'))
   with pytest.raises(ConfigError, match=r'model.num_layers=4 disagrees with .*config.json'):
-    train.resolve_init(_config(init__from_hf=str(checkpoints['qwen2'])), str(tmp_path / 'w'),
+    runs.resolve_init(_config(init__from_hf=str(checkpoints['qwen2'])), str(tmp_path / 'w'),
                        overrides=['model.num_layers'])
   assert not (tmp_path / 'w').exists()
 
@@ -218,7 +219,7 @@ def test_eval_equals_transformers(arch, stride, placement, checkpoints, eval_tex
                    eval__max_len=32, eval__stride=stride, eval__batch_size=3, **placement)
   result = train.evaluate(config, str(tmp_path / 'w'))
   if placement:
-    resolved, _ = train.resolve_init(config, str(tmp_path / 'x'))
+    resolved, _ = runs.resolve_init(config, str(tmp_path / 'x'))
     groups, vocab, _ = train._eval_pieces(resolved, config_lib.validate(resolved), tmp_path)
     assert (len(groups), len(vocab)) == (2, 10)
   tokenizer = Tokenizer.from_file(str(checkpoints[arch] / 'tokenizer.json'))
@@ -265,7 +266,7 @@ def test_a_chat_template_of_the_run_trains_and_is_exported(checkpoints, tmp_path
   moved = tmp_path / 'moved'
   workdir.rename(moved)
   meta = json.loads((moved / 'checkpoints' / '2' / 'meta.json').read_text())
-  adopted = train._config_from_run(_config(), moved, meta, [])  # pylint: disable=protected-access
+  adopted = runs.config_from_run(_config(), moved, meta, [])
   assert adopted.data.chat_template == str(moved / 'chat_template.jinja')
   assert adopted.data.tokenizer == str(moved / 'hf_tokenizer' / 'tokenizer.json')
   train.export_hf(_config(), str(moved), str(out))

@@ -18,6 +18,7 @@ import pytest
 
 from megatrain_jax import data as data_lib
 from megatrain_jax import model as model_lib
+from megatrain_jax import runs as runs_lib
 from megatrain_jax import train
 from megatrain_jax.data import Batch, packing
 from megatrain_jax.engine import resident
@@ -266,7 +267,7 @@ def test_document_mask_takes_the_datas_eos(tmp_path):
   assert validate(config, str(tmp_path / 'run'))[0].document_eos_id == ord('~')
   last = train.train_and_evaluate(config, str(tmp_path / 'run'))
   assert math.isfinite(last['learning/loss'])
-  meta = train.newest_checkpoint_meta(tmp_path / 'run')
+  meta = runs_lib.newest_checkpoint_meta(tmp_path / 'run')
   assert meta['model_config']['document_eos_id'] == ord('~')
   config.model.document_mask = False
   assert validate(config, str(tmp_path / 'other'))[0].document_eos_id == -1
