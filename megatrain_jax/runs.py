@@ -192,7 +192,9 @@ def adopt_tokenizer(config, source, workdir: pathlib.Path):
   """With the tokenizer of init.from_hf (or of the init.from_run run, when it lies in that run's
   directory), copies its files into <workdir>/hf_tokenizer and points data.tokenizer there: a
   resumed run (and an export) no longer needs the source directory. The prepared data's key is
-  the tokenizer's content, so the copy changes nothing else."""
+  the tokenizer's content, so the copy changes nothing else. A tokenizer of the user's own is
+  pointed at by its absolute path: config.json's relative one would name another file (or none)
+  from another directory (a resume, --eval or --export_hf run elsewhere)."""
   found = None
   if isinstance(source, RunSource):
     tokenizer = pathlib.Path(config.data.tokenizer)
@@ -200,6 +202,11 @@ def adopt_tokenizer(config, source, workdir: pathlib.Path):
   elif source is not None:
     found = hf.tokenizer_file(source.directory)
   if found is None or config.data.tokenizer != str(found):
+    given = config.data.tokenizer
+    if given == 'byte' or pathlib.Path(given).is_absolute():
+      return config
+    config = ml_collections.ConfigDict(config.to_dict())
+    config_lib.set_field(config, 'data.tokenizer', str(pathlib.Path(given).expanduser().absolute()))
     return config
   copies = hf.copy_tokenizer(found, workdir / HF_TOKENIZER_DIR)
   config = ml_collections.ConfigDict(config.to_dict())

@@ -497,6 +497,24 @@ BAD_DIRECTORIES = {
 }
 
 
+def test_a_tokenizer_named_by_a_relative_path_is_found_from_anywhere(checkpoints, tmp_path,
+                                                                     monkeypatch):
+  """data.tokenizer given relative to the directory a run started in is recorded by its
+  absolute path: --export_hf (or a resume, --eval) run from another directory finds it (it was
+  refused as gone, or read another file of the same name)."""
+  (tmp_path / 'here').mkdir()
+  shutil.copy(checkpoints['llama'].parent / 'tokenizer.json', tmp_path / 'here' / 'tok.json')
+  monkeypatch.chdir(tmp_path / 'here')
+  workdir = tmp_path / 'run'
+  train.train_and_evaluate(_config(data__tokenizer='tok.json', model__vocab_size=VOCAB,
+                                   train__steps=1), str(workdir))
+  recorded = json.loads((workdir / 'config.json').read_text())['data']['tokenizer']
+  assert recorded == str(tmp_path / 'here' / 'tok.json')
+  monkeypatch.chdir(tmp_path)
+  files = train.export_hf(_config(), str(workdir), str(tmp_path / 'export'))
+  assert 'tokenizer.json' in [f.name for f in files]
+
+
 def test_a_model_without_tokenizer_json_reads_the_tokenizer_the_config_names(checkpoints,
                                                                              tmp_path):
   """A model directory without tokenizer.json is refused only where nothing names its
