@@ -119,14 +119,15 @@ def _parse_flags(argv: list[str]) -> list[str]:
       sys.exit(f'error: {arg}: --{name} takes no value; {_meant(name, value)}.')
   try:
     rest = flags.FLAGS(argv)
-  except flags.Error as e:
-    sys.exit(_config_file_error(str(e)) or f'error: {e}. Run with --helpshort to list the flags.')
+  except flags.Error as e:  # ml_collections hands on a config file's traceback inside it
+    head, marker, trace = str(e).partition('Error whilst parsing config file:')
+    path = head.strip().rstrip(':').split('=', 1)[-1]
+    sys.exit(marker and _config_file_error(path, trace, raised_there=False) or
+             f'error: {e}. Run with --helpshort to list the flags.')
   # absl wraps only a config file's TypeError and ValueError: the rest arrive as they are.
   except Exception:  # pylint: disable=broad-except
-    path = _config_path(argv)
-    message = _config_file_error(f'flag --config={path}: Error whilst parsing config file:\n'
-                                 f'{traceback.format_exc()}')
-    if message is None or f'File "{path}"' not in traceback.format_exc():
+    message = _config_file_error(_config_path(argv), traceback.format_exc())
+    if message is None:
       raise  # not raised by the config file: a bug, with its traceback
     sys.exit(message)
   if len(rest) > 1:
@@ -150,16 +151,14 @@ def _config_path(argv: list[str]) -> str:
   return str(config_lib.CONFIGS_DIR / 'default.py')
 
 
-def _config_file_error(message: str) -> str | None:
-  """One line for an exception raised inside a config file's get_config() (ml_collections hands
-  on its traceback inside the flag error): the file, the line and the exception, or None for
-  another flag error."""
-  head, marker, trace = message.partition('Error whilst parsing config file:')
-  if not marker:
-    return None
-  path = head.strip().rstrip(':').split('=', 1)[-1]
+def _config_file_error(path: str, trace: str, raised_there: bool = True) -> str | None:
+  """One line for an exception raised while config file `path` was loaded (`trace`: its
+  traceback): the file, the line of it that raised and the exception; None where `raised_there`
+  and no frame of the traceback is in the file (not the config file's error: a bug)."""
   frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n +(.+)', trace)
   where = [f'line {line} ({code.strip()})' for file, line, code in frames if file == path]
+  if raised_there and not where:
+    return None
   lines = [line for line in trace.strip().splitlines() if line.strip()]
   raised = next((line.strip() for line in reversed(lines)
                  if re.match(r'[\w.]+(Error|Exception)\b.*:', line)), lines[-1].strip())

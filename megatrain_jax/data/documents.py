@@ -483,11 +483,19 @@ def _without_template_bos_eos(parts: Parts, fmt: DocumentFormat) -> Parts:
   {{ bos_token }}), and without the EOS it writes last (Mistral's ends the last reply with
   {{ eos_token }}): the document's own BOS and EOS (encode_documents) replace them, so each is
   there once, as transformers' apply_chat_template gives them (each twice before)."""
-  if parts and fmt.bos is not None and fmt.bos_text and parts[0][0].startswith(fmt.bos_text):
-    parts[0] = (parts[0][0][len(fmt.bos_text):], parts[0][1])
+  if parts:
+    parts[0] = (_without_template_bos(parts[0][0], fmt), parts[0][1])
   if parts and fmt.eos_text and parts[-1][0].endswith(fmt.eos_text):
     parts[-1] = (parts[-1][0][:-len(fmt.eos_text)], parts[-1][1])
   return [(text, learned) for text, learned in parts if text]
+
+
+def _without_template_bos(text: str, fmt: DocumentFormat) -> str:
+  """A rendering without the BOS its template writes first where the tokenizer's BOS is
+  prepended anyway (the document's, --sample's prompt's)."""
+  if fmt.bos is not None and fmt.bos_text and text.startswith(fmt.bos_text):
+    return text[len(fmt.bos_text):]
+  return text
 
 
 def _turn_end(full: str, messages: list, i: int, start: int, render) -> int:
@@ -543,9 +551,7 @@ def prompt_ids(prompt: str | list | dict, tokenizer: Tokenizer, fmt: DocumentFor
   else:
     text = prompt
   if isinstance(prompt, list) or chat:  # a rendering: its own BOS is the one prepended below
-    text = ''.join(part for part, _ in _without_template_bos_eos([(text, False)],
-                                                               dataclasses.replace(fmt,
-                                                                                   eos_text='')))
+    text = _without_template_bos(text, fmt)
   return ([] if fmt.bos is None else [fmt.bos]) + list(encode_batch(tokenizer, [text])[0])
 
 

@@ -113,9 +113,7 @@ def _directory_files(path: Path, field: str) -> list[Path]:
   """A directory's non-hidden files, sorted, refusing what would be misread: record files beside
   text files (a Hub repository's README.md would be one more document of raw text), or a top level
   without record files whose subdirectories (not read) hold some (a Hub repository's data/)."""
-  children = sorted(c for c in path.iterdir() if c.is_file() and not c.name.startswith('.'))
-  records = [c for c in children if source_format(c) != TEXT]
-  texts = [c for c in children if source_format(c) == TEXT]
+  children, records, texts = _directory_children(path)
   corpus = [c for c in texts if not _is_repository_file(c)]  # text that is data
   nested = [] if records or corpus else _nested_record_files(path)
   if nested:
@@ -125,6 +123,14 @@ def _directory_files(path: Path, field: str) -> list[Path]:
                       f'point {field} at {nested[0].parent} or at a pattern such as '
                       f"'{path}/**/*{nested[0].suffix}'.")
   return children
+
+
+def _directory_children(path: Path) -> tuple[list[Path], list[Path], list[Path]]:
+  """(the non-hidden files of directory `path`, sorted; those of them that are records; those
+  that are text)."""
+  children = sorted(c for c in path.iterdir() if c.is_file() and not c.name.startswith('.'))
+  return (children, [c for c in children if source_format(c) != TEXT],
+          [c for c in children if source_format(c) == TEXT])
 
 
 def _is_repository_file(path: Path) -> bool:
@@ -148,9 +154,7 @@ def check_directories(sources, fmt: DocumentFormat | None, field: str) -> None:
     path = Path(source).expanduser()
     if not path.is_dir() or (path / 'state.json').is_file():
       continue
-    children = sorted(c for c in path.iterdir() if c.is_file() and not c.name.startswith('.'))
-    records = [c for c in children if source_format(c) != TEXT]
-    texts = [c for c in children if source_format(c) == TEXT]
+    _, records, texts = _directory_children(path)
     if records and texts:
       raise ConfigError(f'{field}: directory {path} mixes record files ({_names(records)}) with '
                         f'text files ({_names(texts)}), which would be read as raw text running '
