@@ -88,7 +88,8 @@ def get_config() -> ml_collections.ConfigDict:
   train.batch_size = 16  # Sequences per microbatch.
   train.seq_len = 128  # Tokens per sequence (each sample holds seq_len + 1 for the shifted target).
   train.lr = 3e-3  # Peak learning rate of AdamW.
-  train.warmup_steps = 50  # Linear warmup from 0 to lr, then train.lr_schedule.
+  train.warmup_steps = 50  # Linear warmup from 0 to lr, then train.lr_schedule (step s uses the
+  #                          schedule at s - 1, as optax and Hugging Face count: step 1 at 0).
   train.warmup_ratio = 0.0  # > 0: the warmup is this fraction of train.steps instead (e.g. 0.03;
   #                           a run sized by train.epochs does not know its steps in advance).
   train.lr_schedule = 'cosine'  # After the warmup: 'cosine' or 'linear' decay to lr * min_lr_ratio

@@ -62,10 +62,28 @@ def crc32(path: pathlib.Path) -> int:
 
 
 def new_temp(directory: pathlib.Path, name: str) -> pathlib.Path:
-  """Creates an empty hidden temp file beside `directory / name` (same filesystem for replace)."""
+  """Creates an empty hidden temp file beside `directory / name` (same filesystem for replace),
+  with the mode open() gives a new file (0o666 less the umask; mkstemp's is 0o600, which would
+  make a run's files unreadable to the rest of a team once renamed into place)."""
   fd, path = tempfile.mkstemp(dir=directory, prefix=f'.{name}.', suffix='.tmp')
-  os.close(fd)
+  try:
+    os.fchmod(fd, 0o666 & ~umask())
+  finally:
+    os.close(fd)
   return pathlib.Path(path)
+
+
+def umask() -> int:
+  """The process's umask, read without changing it (Linux /proc; else set and set back)."""
+  try:
+    for line in pathlib.Path('/proc/self/status').read_text().splitlines():
+      if line.startswith('Umask:'):
+        return int(line.split()[1], 8)
+  except (OSError, ValueError):
+    pass
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
 
 
 def write_text_atomic(path: pathlib.Path, text: str) -> None:

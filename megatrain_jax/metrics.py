@@ -199,7 +199,10 @@ class MetricsWriter:
     # (and, on a fresh start, all of them: a killed first attempt's step-0 eval) are redone.
     self._drop_rows_after(start_step if start_step else -1)
     self._jsonl = open(self.jsonl_path, 'a', encoding='utf-8')
-    self._tensorboard = tensorboardX.SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'))
+    # The same rows for TensorBoard: its reader hides the events of earlier files from
+    # `purge_step` on (a SessionLog START at that step), which the dropped rows are.
+    self._tensorboard = tensorboardX.SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'),
+                                                   purge_step=start_step + 1 if start_step else 0)
     self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True,
                           disable=not bar_visible(progress_bar), leave=True)
 
@@ -221,6 +224,7 @@ class MetricsWriter:
     for name, value in row.items():
       if name != 'step' and math.isfinite(value):
         self._tensorboard.add_scalar(name, value, step)
+    self._tensorboard.flush()  # as far on disk as metrics.jsonl (else up to 2 minutes behind)
     if console:
       self.print(format_console_line(step, self.total_steps, scalars, self.eta_s(step)))
 
@@ -261,9 +265,12 @@ class MetricsWriter:
 def host_memory_gb() -> dict:
   """This process's resident memory now and at its peak so far, in GB (1e9 bytes): what the
   planner's `predicted_host_peak_gb` predicts (Linux: /proc/self/statm and ru_maxrss, in KiB)."""
-  peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  return {'perf/host_rss_gb': (runtime.process_rss_bytes() or 0) / 1e9,
-          'perf/host_peak_gb': peak_kib * 1024 / 1e9}
+  peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  rss_bytes = runtime.process_rss_bytes() or 0
+  # The kernel updates ru_maxrss lazily (per-thread counters folded in now and then), so statm's
+  # current figure can be a few pages above the peak it reports: the peak is at least the RSS.
+  return {'perf/host_rss_gb': rss_bytes / 1e9,
+          'perf/host_peak_gb': max(peak_bytes, rss_bytes) / 1e9}
 
 
 class RunLog(MetricsWriter):

@@ -530,10 +530,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # Closed last, however the run ends: commits the checkpoint in flight.
     locked.callback(checkpointer.close)
     config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
-    if main:
-      _print_workdir(config, plan, workdir)
     if not config.train.epochs and _finished(restored, config, main):  # a finished run, rerun
       return {}
+    if main:
+      _print_workdir(config, plan, workdir)
     # A streamed run's heap is trimmed above the plan's host peak (runtime.trim_limit).
     runtime.configure(config, streamed=plan.placement.streamed,
                       host_peak_bytes=plan.host_peak_bytes)

@@ -99,6 +99,17 @@ def test_notebook_runs(notebook, tmp_path):
   print(f'{notebook.name}: {seconds:.1f} s')
   assert not [out for out in _outputs(nb) if out.output_type == 'error']
   assert _images(nb) >= 1, f'{notebook.name} drew no figure (image/png output)'
+  if notebook.name in PLANS_ONLY:  # no timings or paths in what it prints: stored as it prints
+    assert _printed(nb) == _printed(nbformat.read(notebook, as_version=4)), (
+        f'{notebook.name}: its stored outputs are stale; python tests/test_notebooks.py {notebook}')
+
+
+# Notebooks whose printed text depends on the code alone (planner tables for named GPUs).
+PLANS_ONLY = ('plan_100b.ipynb',)
+
+
+def _printed(nb: nbformat.NotebookNode) -> list:
+  return [out.text for out in _outputs(nb) if out.output_type == 'stream']
 
 
 def main(paths: list[str]) -> None:

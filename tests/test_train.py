@@ -7,8 +7,10 @@ import io
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -103,17 +105,46 @@ def test_resume_reproduces_uninterrupted_run_bitwise(tmp_path, shared_data, monk
 @pytest.mark.parametrize('start_step, kept', [(0, []), (4, [0, 2, 4])])
 def test_metrics_rows_past_the_restart_step_are_dropped(tmp_path, start_step, kept):
   """Rows a killed run logged after its last checkpoint (all of them, on a fresh start) are
-  redone by the rerun, so they must go: each step is logged once, in order."""
+  redone by the rerun, so they must go: each step is logged once, in order, in metrics.jsonl and
+  as TensorBoard reads its event files (an attempt writes one file; a rerun's purges the steps
+  from the restart on), which stay readable to the rest of the team (the umask's mode)."""
+  from tensorboard.backend.event_processing import event_accumulator
   earlier = [{'step': s, 'learning/loss': 5.0 - s / 10} for s in (0, 2, 4, 6, 8)]
-  (tmp_path / 'metrics.jsonl').write_text(
-      ''.join(json.dumps(row) + '\n' for row in earlier) + '{"step": 9, "learn')  # torn by a kill
-  with metrics.MetricsWriter(tmp_path, total_steps=10, start_step=start_step,
-                             progress_bar=False) as writer:
-    writer.write(start_step + 1, {'learning/loss': 1.5}, console=False)
-    writer.write(start_step + 2, {'learning/loss': 1.25}, console=False)
-  assert read_rows(tmp_path) == [r for r in earlier if r['step'] in kept] + [
+  previous_umask = os.umask(0o022)
+  try:
+    with metrics.MetricsWriter(tmp_path, total_steps=10, start_step=0,
+                               progress_bar=False) as writer:  # the killed attempt
+      for row in earlier:
+        writer.write(row['step'], {'learning/loss': row['learning/loss']}, console=False)
+    with open(tmp_path / 'metrics.jsonl', 'a') as f:
+      f.write('{"step": 9, "learn')  # torn by the kill
+    time.sleep(1.05 - time.time() % 1)  # event files are named by the second they are opened
+    with metrics.MetricsWriter(tmp_path, total_steps=10, start_step=start_step,
+                               progress_bar=False) as writer:
+      writer.write(start_step + 1, {'learning/loss': 1.5}, console=False)
+      writer.write(start_step + 2, {'learning/loss': 1.25}, console=False)
+  finally:
+    os.umask(previous_umask)
+  expected = [r for r in earlier if r['step'] in kept] + [
       {'step': start_step + 1, 'learning/loss': 1.5},
       {'step': start_step + 2, 'learning/loss': 1.25}]
+  assert read_rows(tmp_path) == expected
+  events = event_accumulator.EventAccumulator(str(tmp_path / 'tensorboard'))
+  events.Reload()
+  assert len(list((tmp_path / 'tensorboard').glob('events.out.tfevents.*'))) == 2
+  assert [(e.step, e.value) for e in events.Scalars('learning/loss')] == [
+      (r['step'], pytest.approx(r['learning/loss'], rel=1e-7)) for r in expected]  # float32
+  assert oct((tmp_path / 'metrics.jsonl').stat().st_mode & 0o777) == oct(0o644)
+
+
+def test_the_peak_host_memory_is_never_below_the_resident_memory(monkeypatch):
+  """ru_maxrss lags /proc/self/statm by a few pages at times: perf/host_peak_gb must still read
+  at least perf/host_rss_gb."""
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 + (1 << 20)
+  monkeypatch.setattr(runtime, 'process_rss_bytes', lambda: rss)
+  memory = metrics.host_memory_gb()
+  assert memory['perf/host_rss_gb'] == rss / 1e9
+  assert memory['perf/host_peak_gb'] == rss / 1e9
 
 
 class _Stream(io.StringIO):
@@ -336,9 +367,8 @@ def test_console_names_the_workdir_and_a_rerun_has_nothing_to_do(tmp_path, share
 
   written = {p: p.stat().st_mtime_ns for p in workdir.rglob('*') if p.is_file()}
   assert train.train_and_evaluate(config, str(workdir)) == {}
-  lines = capsys.readouterr().out.splitlines()
-  assert lines[0].startswith('workdir: ')
-  assert lines[2:] == ['nothing to do: step 2 of 2; raise --config.train.steps to continue']
+  lines = capsys.readouterr().out.splitlines()  # no 'rerun the same command to resume' first
+  assert lines == ['nothing to do: step 2 of 2; raise --config.train.steps to continue']
   assert {p: p.stat().st_mtime_ns for p in workdir.rglob('*') if p.is_file()} == written
 
 
