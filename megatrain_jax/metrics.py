@@ -262,6 +262,13 @@ class MetricsWriter:
     self.close()
 
 
+def append_row(path: pathlib.Path, row: dict) -> None:
+  """Appends `row` as one JSON line to `path` (a history such as evals.jsonl: one write of a
+  whole line, so rows of concurrent writers do not interleave)."""
+  with open(path, 'a', encoding='utf-8') as f:
+    f.write(json.dumps(row) + '\n')
+
+
 def host_memory_gb() -> dict:
   """This process's resident memory now and at its peak so far, in GB (1e9 bytes): what the
   planner's `predicted_host_peak_gb` predicts (Linux: /proc/self/statm and ru_maxrss, in KiB)."""

@@ -735,7 +735,9 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
     result = {**result, 'eval/source': source, 'eval/path': str(config.eval.path),
               'eval/document_mask': bool(config.model.document_mask)}
     path.mkdir(parents=True, exist_ok=True)
-    fs.write_json_atomic(path / 'eval.json', result)
+    fs.write_json_atomic(path / 'eval.json', result)  # the newest; evals.jsonl keeps every one
+    metrics_lib.append_row(path / 'evals.jsonl', {**result, 'eval/finished': time.strftime(
+        '%Y-%m-%dT%H:%M:%S%z')})
   print(f'eval/loss {result["eval/loss"]:.6f} | eval/perplexity {result["eval/perplexity"]:.4f}'
         f' | eval/tokens {result["eval/tokens"]} | {source} | {result["eval/seconds"]:.2f} s '
         f'({result["eval/tokens"] / max(result["eval/seconds"], 1e-9):,.0f} tokens/s)', flush=True)

@@ -229,6 +229,14 @@ def test_eval_equals_transformers(arch, stride, placement, checkpoints, eval_tex
   assert result['eval/tokens'] == count == ids.size - 1
   assert abs(result['eval/loss'] - want) <= TOL * want, (result['eval/loss'], want)
   assert json.loads((tmp_path / 'w' / 'eval.json').read_text())['eval/loss'] == result['eval/loss']
+  if arch == 'qwen2':  # another --eval: eval.json holds the newest, evals.jsonl every one
+    config.eval.stride = 16
+    again = train.evaluate(config, str(tmp_path / 'w'))
+    assert json.loads((tmp_path / 'w' / 'eval.json').read_text())['eval/stride'] == 16
+    history = [json.loads(line) for line in (tmp_path / 'w' / 'evals.jsonl').read_text()
+               .splitlines()]
+    assert [(row['eval/loss'], row['eval/stride']) for row in history] == [
+        (result['eval/loss'], 32), (again['eval/loss'], 16)]
 
 
 def test_a_chat_template_of_the_run_trains_and_is_exported(checkpoints, tmp_path):
