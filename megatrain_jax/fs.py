@@ -117,20 +117,25 @@ def link_tree(source: pathlib.Path, dest: pathlib.Path, existing_ok: bool = Fals
     target = dest / os.path.relpath(root, source)
     target.mkdir(parents=True, exist_ok=True)
     for name in files:
-      if name.endswith('.__lock'):
-        continue
-      src, dst = os.path.join(root, name), target / name
-      try:
-        os.link(src, dst)
-      except FileExistsError:
-        if not existing_ok:
-          raise
-      except OSError as error:
-        if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-          raise
-        shutil.copyfile(src, dst)  # streams in blocks: no whole-file buffer
-        copied += os.path.getsize(dst)
+      if not name.endswith('.__lock'):
+        copied += link_file(pathlib.Path(root) / name, target / name, existing_ok)
   return copied
+
+
+def link_file(source: pathlib.Path, dest: pathlib.Path, existing_ok: bool = False) -> int:
+  """Hard-links `source` at `dest` (its directory must exist), copying where a link is impossible;
+  returns the bytes copied. `existing_ok`: a `dest` already there is left as it is."""
+  try:
+    os.link(source, dest)
+  except FileExistsError:
+    if not existing_ok:
+      raise
+  except OSError as error:
+    if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+      raise
+    shutil.copyfile(source, dest)  # streams in blocks: no whole-file buffer
+    return os.path.getsize(dest)
+  return 0
 
 
 def drop_page_cache() -> bool:

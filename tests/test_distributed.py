@@ -115,9 +115,12 @@ def trainer_process_runs(tmp_path_factory) -> dict:
   placement's trainer runs in 2 processes in the kill test below."""
   tmp = tmp_path_factory.mktemp('trainer')
   out = {'nvme': _reports(_two_processes('--train', str(tmp / 'nvme'), TRAIN_DATA, '4',
-                                         'nvme'))[0]['losses']}
-  shutil.copytree(tmp / 'nvme', tmp / 'two_to_one')
-  shutil.rmtree(tmp / 'two_to_one' / 'checkpoints' / '4')
+                                         'nvme'))[0]['losses'], 'directory': tmp}
+  for name in ('two_to_one', 'two_to_two'):
+    shutil.copytree(tmp / 'nvme', tmp / name)
+    shutil.rmtree(tmp / name / 'checkpoints' / '4')
+  out['two_to_two'] = _reports(_two_processes('--train', str(tmp / 'two_to_two'), TRAIN_DATA,
+                                              '4', 'nvme'))[0]['losses']
   result = subprocess.run([sys.executable, str(RUNS_PY), '--continue', str(tmp / 'two_to_one'),
                            TRAIN_DATA, '4', 'nvme', '1'], cwd=REPO_ROOT, env=ENV,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -269,6 +272,22 @@ def test_checkpoint_of_two_processes_resumes_on_one_device(runs, trainer_process
   assert sorted(trainer_process_runs['two_to_one']) == ['1', '2', '3', '4']
   _assert_step_losses_match(trainer_process_runs['two_to_one'], runs['trainer']['reference'],
                             range(1, 5))
+
+
+def test_checkpoint_of_two_processes_resumed_in_two_is_the_uninterrupted_one(trainer_process_runs):
+  """Steps 1-2 in 2 processes x 2 devices, 3-4 again in 2 from their NVMe checkpoint: the
+  losses and every file of checkpoint 4 are those of the uninterrupted run. (Each process links
+  only its own parts of the checkpoint into its store: with the other's parts linked too, the
+  stale step-2 copies could win the step-4 checkpoint: right losses, wrong checkpoint.)"""
+  _assert_step_losses_match(trainer_process_runs['two_to_two'], trainer_process_runs['nvme'],
+                            range(1, 5))
+  want, got = (trainer_process_runs['directory'] / name / 'checkpoints' / '4'
+               for name in ('nvme', 'two_to_two'))
+  files = lambda d: {str(p.relative_to(d)): p.read_bytes() for p in d.rglob('*')
+                     if p.is_file() and p.name not in ('meta.json', 'manifest.json')}
+  want, got = files(want), files(got)
+  assert sorted(got) == sorted(want) and any('nvme/' in name for name in want)
+  assert [name for name in want if got[name] != want[name]] == []
 
 
 def _launch_process(i: int, coordinator: str, workdir, steps: int,

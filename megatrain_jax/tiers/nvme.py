@@ -42,8 +42,8 @@ import numpy as np
 import tensorstore as ts
 
 from megatrain_jax import distributed
-from megatrain_jax.fs import (aligned_empty, human_bytes, is_disk_full, leaf_name, link_tree,
-                              nearest_existing)
+from megatrain_jax.fs import (aligned_empty, human_bytes, is_disk_full, leaf_name, link_file,
+                              link_tree, nearest_existing)
 from megatrain_jax.layout import Layout, host_part, replicated_value, slices, spread
 from megatrain_jax.partition import LAYERS
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
@@ -325,7 +325,18 @@ class NvmeStore(Store):
       if live != json.loads((source / 'zarr.json').read_text()):
         return False
     for path, (_, source) in sources.items():
-      link_tree(source / 'c', self.directory / leaf_name(path) / 'c')
+      if self._processes == 1:
+        link_tree(source / 'c', self.directory / leaf_name(path) / 'c')
+        continue
+      # Several processes: only this process's parts, the ones it reads and writes. A link to
+      # another process's part would go stale once that process writes its own, and the next
+      # checkpoint (each process links its whole store into it) could take the stale one.
+      live, shape = self.directory / leaf_name(path), tuple(self._arrays[path].shape)
+      for file in self._files(path, self.layout.local_box(shape, path), len(shape)):
+        relative = pathlib.Path(file).relative_to(live)
+        if (source / relative).exists():  # chunks never written read as zeros (zarr's fill)
+          (live / relative).parent.mkdir(parents=True, exist_ok=True)
+          link_file(source / relative, live / relative)
     return True
 
   def adopt(self, key, tree) -> None:
