@@ -136,13 +136,15 @@ def calibrate(config: ml_collections.ConfigDict, workdir: str, out: str = '') ->
   return path
 
 
-def _disk_free_gb(offload_dir: str, hw: hardware.HardwareProfile, dry_run: bool) -> float:
+def _disk_free_gb(offload_dir: str, hw: hardware.HardwareProfile, dry_run: bool,
+                  checkpoint_dir: pathlib.Path | None) -> float:
   """Disk the NVMe tier may use: a profile that states it (a preset) is believed for a dry run;
-  a real run never plans for more than offload.dir's filesystem has free."""
+  a real run never plans for more than offload.dir's filesystem has free, counting what the run
+  in the workdir holds there already (its stores and checkpoints: a resume plans as it started)."""
   existing = fs.nearest_existing(pathlib.Path(offload_dir).expanduser().absolute())
   if not dry_run and not os.access(existing, os.W_OK | os.X_OK):
     return 0.0  # nothing can be stored there
-  free = hardware.free_disk_gb(offload_dir)
+  free = hardware.free_disk_gb(offload_dir) + nvme.held_by_run(offload_dir, checkpoint_dir) / 1e9
   if hw.disk_gb and dry_run:
     return hw.disk_gb
   return min(free, hw.disk_gb) if hw.disk_gb else free
@@ -165,7 +167,9 @@ def plan_for(config, workdir: pathlib.Path | None, dry_run: bool):
   offload.dir (default <workdir>/offload); refuses configs that fit nowhere."""
   hw = hardware.load_profile(config.hardware)
   offload_dir = config.offload.dir or str((workdir or pathlib.Path('runs/default')) / 'offload')
-  plan = planner.plan_run(config, hw, disk_free_gb=_disk_free_gb(offload_dir, hw, dry_run))
+  checkpoints = workdir / 'checkpoints' if workdir is not None else None
+  plan = planner.plan_run(config, hw, disk_free_gb=_disk_free_gb(offload_dir, hw, dry_run,
+                                                                 checkpoints))
   if plan.placement.uses_nvme:
     plan.placement = dataclasses.replace(plan.placement, dir=offload_dir)
   return hw, plan
@@ -191,7 +195,28 @@ def resolve_plan(config, model_cfg, workdir: pathlib.Path, checkpointer: Checkpo
     hw, plan = plan_for(config, workdir, dry_run=False)
   if plan.placement.uses_nvme:
     _check_offload_dir(config, model_cfg, workdir, plan.placement)
+  if restored is not None and distributed.is_main():
+    _note_other_placement(restored, plan.placement)
   return config, hw, plan, restored
+
+
+# Where a placement keeps the state and how it steps (not its budgets, which follow free memory).
+_PLACED = ('params', 'opt_state', 'activations', 'embed_head', 'layers_per_group', 'optimizer_on',
+           'park_grads', 'keep_layer_inputs')
+
+
+def _note_other_placement(restored, placement) -> None:
+  """Says so when the plan puts the state elsewhere than the checkpoint's run had it (`auto`
+  fields planned for the memory and disk free now): the numbers resume exactly, but the
+  memory and speed are another placement's."""
+  was, now = restored.meta.get('placement') or {}, dataclasses.asdict(placement)
+  changed = [f'{key} {was[key]} -> {now[key]}' for key in _PLACED
+             if key in was and was[key] != now[key]]
+  if changed:
+    print(f'note: checkpoint step {restored.step} was written under another placement '
+          f'({"; ".join(changed)}); the run resumes exactly under this one, which the planner '
+          'chose for the memory and disk free now (set offload.* to keep the earlier one)',
+          flush=True)
 
 
 def _build_engine(model_cfg, config, plan, restored, source, layout: Layout):

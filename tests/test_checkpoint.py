@@ -291,15 +291,23 @@ def spy_on_linking(monkeypatch) -> list[bool]:
 ], ids=['nvme-resident', 'resident-nvme', 'nvme-host', 'host-nvme', 'nvme-nvme_k2',
         'nvme_zstd-nvme', 'params_nvme-opt_nvme'])
 def test_checkpoints_move_between_placements(tmp_path, tmp_path_factory, data, monkeypatch,
-                                             first, second, linked):
+                                             capsys, first, second, linked):
   """Losses within float32 rounding of an uninterrupted resident run (placements differ only in
-  the order of float32 operations), at every step before and after the move."""
+  the order of float32 operations), at every step before and after the move; the console says
+  where the state moved (not for a codec: the same placement, stored otherwise)."""
   want = reference_rows(data, tmp_path_factory)
   run_until_crash(monkeypatch, config(data, **first), tmp_path, crash_after_checkpoint=4)
   links = spy_on_linking(monkeypatch)
+  capsys.readouterr()
   train.train_and_evaluate(config(data, **second), str(tmp_path))
   assert links == linked
   assert_rows_match(tmp_path, want, 8, exact=False)
+  notes = [line for line in capsys.readouterr().out.splitlines()
+           if line.startswith('note: checkpoint step 4 was written under another placement')]
+  if first == NVME and second == RESIDENT:
+    assert len(notes) == 1 and 'params nvme -> device; opt_state nvme -> device' in notes[0]
+  if 'offload__codec' in first:
+    assert notes == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -491,6 +499,34 @@ def test_free_space_check_counts_kept_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match=r'checkpoint.keep=3: .*cannot be hard links.*need '
                                           r'0\.01 GB \(3 kept \+ 1 being written\)'):
       nvme.check_offload_dir(str(tmp_path), 3_000_000, checkpoint_dir=disk / 'run', keep=3)
+
+
+@AS_ROOT
+def test_the_disk_a_run_holds_counts_as_free_for_it(tmp_path, monkeypatch):
+  """A resume (a rerun after a kill) plans with the disk its own stores and checkpoint snapshots
+  hold: they are rebuilt or kept, not added. Before, a 1B run killed mid-checkpoint came back
+  under another placement with 2.4x the RAM, its own 20 GB counted as taken."""
+  with tmpfs(8) as disk:  # 8 MiB
+    stores, snapshot = disk / 'offload', disk / 'run' / 'checkpoints' / '2' / 'nvme'
+    (stores / 'params.layers.w' / 'c').mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (stores / 'params.layers.w' / 'c' / '0').write_bytes(b'\1' * 3_000_000)
+    os.link(stores / 'params.layers.w' / 'c' / '0', snapshot / 'linked')  # counted once
+    (snapshot / 'own').write_bytes(b'\2' * 1_000_000)
+    assert nvme.held_by_run(str(stores), disk / 'run' / 'checkpoints') == 4_000_000
+    ballast = fill(disk, leave_bytes=2_500_000)
+    # 3 MB of stores and one checkpoint's 3 MB: 6 MB, of which the run holds 4 (2.5 free)
+    nvme.check_offload_dir(str(stores), 3_000_000, checkpoint_dir=disk / 'run' / 'checkpoints',
+                           keep=1)
+    with pytest.raises(ConfigError, match=r'need 0\.01 GB .* GB are free there \(with the 0\.00 '
+                                          r'GB the run holds\)'):
+      nvme.check_offload_dir(str(stores), 4_500_000, checkpoint_dir=disk / 'run' / 'checkpoints',
+                             keep=1)
+    monkeypatch.setattr(train.hardware, 'free_disk_gb', lambda directory: 0.0)
+    free = train._disk_free_gb(str(stores), train.hardware.PRESETS['cpu'], False,
+                               disk / 'run' / 'checkpoints')
+    assert free == 4_000_000 / 1e9
+    ballast.unlink()
 
 
 def test_an_uncommitted_save_is_ignored_and_cleaned_up(tmp_path):

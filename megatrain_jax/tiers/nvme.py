@@ -418,6 +418,43 @@ def nvme_bytes(layer_params_bytes: int, params_tier: str, opt_tier: str) -> int:
   return layer_params_bytes * ((params_tier == 'nvme') + 2 * (opt_tier == 'nvme'))
 
 
+def bytes_held(roots) -> int:
+  """Bytes the files under the directories `roots` take (hard links counted once): for a run's
+  stores and its checkpoints' `nvme/` snapshots (`snapshots`), the disk its NVMe data already
+  holds. A resume rebuilds the stores over them and keeps the checkpoints counted, so this is
+  room the run has, not room it must find again."""
+  seen, held = set(), 0
+  for root in roots:
+    for parent, _, files in os.walk(pathlib.Path(root).expanduser()):
+      for name in files:
+        try:
+          stat = os.stat(os.path.join(parent, name))
+        except OSError:  # deleted meanwhile
+          continue
+        if (stat.st_dev, stat.st_ino) not in seen:
+          seen.add((stat.st_dev, stat.st_ino))
+          held += stat.st_size
+  return held
+
+
+def held_by_run(directory, checkpoint_dir=None) -> int:
+  """Bytes of a run's NVMe data on offload.dir's filesystem (`bytes_held`): this process's
+  stores in `directory` and, on the same filesystem, the snapshots of the checkpoints in
+  `checkpoint_dir`. The planner and `check_offload_dir` count them as free for the run."""
+  roots = [distributed.process_dir(directory)]
+  if checkpoint_dir is not None:
+    existing = nearest_existing(pathlib.Path(directory).expanduser().absolute())
+    checkpoints = nearest_existing(pathlib.Path(checkpoint_dir).absolute())
+    if os.stat(checkpoints).st_dev == os.stat(existing).st_dev:
+      roots += snapshots(checkpoint_dir)
+  return bytes_held(roots)
+
+
+def snapshots(checkpoint_dir) -> list:
+  """The `nvme/` snapshots of the checkpoints in `checkpoint_dir` (committed or being written)."""
+  return list(pathlib.Path(checkpoint_dir).glob('*/nvme')) if checkpoint_dir is not None else []
+
+
 def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
                       keep: int = 0) -> None:
   """offload.dir must be writable and hold `needed_bytes` (the live stores) plus what `keep`
@@ -434,7 +471,8 @@ def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
          'on host')
   checkpoints = (nearest_existing(pathlib.Path(checkpoint_dir).absolute())
                  if checkpoint_dir is not None and keep > 0 else None)
-  if checkpoints is not None and os.stat(checkpoints).st_dev == os.stat(existing).st_dev:
+  same_disk = checkpoints is not None and os.stat(checkpoints).st_dev == os.stat(existing).st_dev
+  if same_disk:
     needed = needed_bytes * (1 + keep)
     what = (f'the NVMe stores and their checkpoints need {needed / 1e9:,.2f} GB (uncompressed '
             f'FP32: {needed_bytes / 1e9:,.2f} GB live, and each of checkpoint.keep={keep} pins one '
@@ -449,13 +487,15 @@ def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
   else:
     needed = needed_bytes
     what = f'the NVMe stores need {needed / 1e9:,.2f} GB (uncompressed FP32)'
-  free = shutil.disk_usage(existing).free
+  held = held_by_run(directory, checkpoint_dir if same_disk else None)
+  free = shutil.disk_usage(existing).free + held
   if free < needed:
     raise ConfigError(f'offload.dir={directory}: {what} but only {free / 1e9:,.2f} GB are free '
-                      f'there. {fix}.')
-  if checkpoints is not None and os.stat(checkpoints).st_dev != os.stat(existing).st_dev:
+                      f'there{f" (with the {held / 1e9:,.2f} GB the run holds)" * bool(held)}. '
+                      f'{fix}.')
+  if checkpoints is not None and not same_disk:
     needed = needed_bytes * (keep + 1)
-    free = shutil.disk_usage(checkpoints).free
+    free = shutil.disk_usage(checkpoints).free + bytes_held(snapshots(checkpoint_dir))
     if free < needed:
       raise ConfigError(
           f'checkpoint.keep={keep}: the checkpoints in {checkpoint_dir} hold copies of the NVMe '
