@@ -553,7 +553,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep,
                                 keep_best=config.checkpoint.keep_best)
     # Closed last, however the run ends: commits the checkpoint in flight.
-    locked.callback(checkpointer.close)
+    locked.push(_closing(checkpointer.close))
     config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
     if not config.train.epochs and _finished(restored, config, main):  # a finished run, rerun
       return {}
@@ -574,7 +574,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       return {}
     layout = distributed.run_layout(config)
     engine = _build_engine(model_cfg, config, plan, restored, source, layout)
-    locked.callback(engine.close)  # before the checkpointer's: waits for write-behind, stops I/O
+    locked.push(_closing(engine.close))  # before the checkpointer's: waits for write-behind
     start_step = engine.step
     position, early = _resumed(restored, config, sampler, main, workdir)
     del restored
@@ -590,6 +590,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log,
                position, early, stop, profiler)
     return log.last
+
+
+def _closing(close):
+  """An ExitStack exit callback that runs `close`, whose own error is raised only when the run
+  is not already ending with one: a run stopped by a lost process or a full disk reports that
+  (one line), not the write-behind or commit that failed along with it (a traceback)."""
+  def exit_callback(exc_type, exc, traceback) -> bool:
+    del exc_type, traceback
+    try:
+      close()
+    except Exception:  # pylint: disable=broad-except
+      if exc is None:
+        raise
+    return False  # the run's own error, if any, goes on
+  return exit_callback
 
 
 def _data_fields(config) -> dict:

@@ -1,6 +1,7 @@
 """End to end on the CPU: training on real text lowers the validation loss; metrics are written;
 a stopped run resumes to bitwise-identical metrics; a diverging run stops with a clear error."""
 
+import contextlib
 import dataclasses
 import gzip
 import io
@@ -135,6 +136,22 @@ def test_metrics_rows_past_the_restart_step_are_dropped(tmp_path, start_step, ke
   assert [(e.step, e.value) for e in events.Scalars('learning/loss')] == [
       (r['step'], pytest.approx(r['learning/loss'], rel=1e-7)) for r in expected]  # float32
   assert oct((tmp_path / 'metrics.jsonl').stat().st_mode & 0o777) == oct(0o644)
+
+
+def test_a_close_that_fails_does_not_hide_the_error_the_run_ends_with():
+  """The engine's and checkpointer's closes run as the run unwinds: a write-behind that failed
+  with the run (a lost process's collective) must not replace the run's one-line error with its
+  traceback; with no error in flight, the close's own error is raised."""
+  def failing_close():
+    raise RuntimeError('write-behind failed')
+
+  with pytest.raises(TrainingDivergedError, match='the run'):
+    with contextlib.ExitStack() as stack:
+      stack.push(train._closing(failing_close))
+      raise TrainingDivergedError('the run')
+  with pytest.raises(RuntimeError, match='write-behind failed'):
+    with contextlib.ExitStack() as stack:
+      stack.push(train._closing(failing_close))
 
 
 def test_the_peak_host_memory_is_never_below_the_resident_memory(monkeypatch):
