@@ -25,6 +25,8 @@ batched and run layer-major in passes (each pass reads the weights once for all 
 the streamed engine's evaluation does); the LM head runs chunk by chunk with the online logsumexp
 of model/head_chunks.py, so no [B, S, V] logits exist. The arithmetic is the engines' (the same
 model functions), so the loss equals what training's eval/loss would give for the same tokens.
+The progress bar counts windows and moves within a pass (one pass may hold them all), by each
+piece's share of the pass (its parameter count) as the piece is computed.
 """
 
 import concurrent.futures
@@ -257,6 +259,12 @@ class Evaluator:
     self.depth = max(1, prefetch_depth)
     self.abstract = model_lib.abstract_params(cfg)
     self.fn = _functions(cfg)
+    # The parameter count of each piece a pass reads, in order (embedding chunks, layer groups,
+    # head chunks): its share of the pass, whose time goes to reading the weights and
+    # multiplying by them (`nll_sums`' `advance`).
+    head = 'embed' if cfg.tie_embeddings else 'head'
+    self.piece_sizes = [_piece_size(self.abstract, kind, *s) for kind, slices in (
+        ('embed', self.vocab), ('layers', self.groups), (head, self.vocab)) for s in slices]
     self._io = concurrent.futures.ThreadPoolExecutor(1, 'eval-read')  # one reader: in order
     self.read_s = 0.0
 
@@ -278,9 +286,11 @@ class Evaluator:
   def _pieces(self, kind: str, count: int) -> Prefetcher:
     return Prefetcher(self._fetch(kind), range(count), self.depth)
 
-  def nll_sums(self, batches: list[tuple]) -> list[float]:
+  def nll_sums(self, batches: list[tuple], advance=None) -> list[float]:
     """Σ of the masked-in tokens' negative log-likelihood, per ([B, S+1] tokens, [B, S] mask,
-    [B, S+1] document starts or None) of `batch_windows`."""
+    [B, S+1] document starts or None) of `batch_windows`. `advance(share)`, if given, is called
+    as each piece's work is done, with its share of the pass (the shares sum to 1)."""
+    done = _PieceDone(advance, self.piece_sizes)
     inputs = [jnp.asarray(b[:, :-1]) for b, _, _ in batches]
     targets = [jnp.asarray(b[:, 1:]) for b, _, _ in batches]
     starts = [None if s is None else jnp.asarray(s[:, :-1]) for _, _, s in batches]
@@ -292,8 +302,10 @@ class Evaluator:
       start, rows = jnp.int32(self.vocab[c][0]), piece['embed']['embedding']
       hidden = ([self.fn.embed(rows, t, start) for t in inputs] if hidden is None else
                 [self.fn.embed_add(rows, t, start, h) for t, h in zip(inputs, hidden)])
+      done(hidden)  # before the next chunk's embed_add donates it
     for _, group in self._pieces('layers', len(self.groups)):
       hidden = [self.fn.group(group['layers'], h, p) for h, p in zip(hidden, positions)]
+      done(hidden)
     norm = jax.device_put(_read_piece(self.reader, self.abstract, 'final_norm', 0, 0))
     normed = [self.fn.final_norm(norm, h) for h in hidden]
     del hidden
@@ -305,7 +317,41 @@ class Evaluator:
                 piece['head']['lm_head']['kernel'])
       carry = [self.fn.lse_update(weight, n, t, start, k)
                for n, t, k in zip(normed, targets, carry)]
+      done(carry)
     return [float(self.fn.nll_sum(k, jnp.asarray(m))) for k, (_, m, _) in zip(carry, batches)]
+
+
+def _piece_size(abstract_params, kind: str, start: int, stop: int) -> int:
+  """The parameter count of piece [start, stop) of `kind` (partition.py)."""
+  piece = jax.eval_shape(lambda p: partition.piece_of(p, kind, start, stop), abstract_params)
+  return sum(leaf.size for leaf in jax.tree.leaves(piece))
+
+
+class _PieceDone:
+  """Calls `advance(size / Σ sizes)` as each piece of a pass is computed, in order of `sizes`;
+  nothing (no wait) without `advance`. Waiting for a piece's outputs only after its last batch
+  is dispatched leaves the device idle for just the next piece's first dispatch, and without it
+  the bar would follow the dispatch, which runs ahead of the device."""
+
+  def __init__(self, advance, sizes: list[int]):
+    self.advance, self.total, self.sizes = advance, sum(sizes), iter(sizes)
+
+  def __call__(self, outputs) -> None:
+    if self.advance is not None:
+      jax.block_until_ready(outputs)
+      self.advance(next(self.sizes) / self.total)
+
+
+def _bar_advance(bar, first: int, count: int):
+  """`nll_sums`' advance(share) for the pass of windows [first, first + count): moves `bar` to
+  the windows' worth of the shares done so far, in whole windows (floored: never ahead)."""
+  done = float(first)
+
+  def advance(share: float) -> None:
+    nonlocal done
+    done += share * count
+    bar.update(min(int(done), first + count) - bar.n)
+  return advance
 
 
 def perplexity(evaluator: Evaluator, tokens: np.ndarray, max_len: int, stride: int,
@@ -324,9 +370,12 @@ def perplexity(evaluator: Evaluator, tokens: np.ndarray, max_len: int, stride: i
       part = chosen[first:first + per_pass * batch_size]
       groups = [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
       batches = [batch_windows(tokens, g, max_len, batch_size, mask, starts) for g in groups]
-      total += sum(evaluator.nll_sums(batches))
+      # A pass may hold every window (83 at 1B, max_len 128): the bar moves within it, piece by
+      # piece, rather than sitting at 0% until the pass ends.
+      advance = None if bar.disable else _bar_advance(bar, first, len(part))
+      total += sum(evaluator.nll_sums(batches, advance))
       count += int(sum(m.sum() for _, m, _ in batches))
-      bar.update(len(part))
+      bar.update(first + len(part) - bar.n)
   seconds = time.perf_counter() - started
   loss = total / count
   return {'eval/loss': loss, 'eval/perplexity': math.exp(min(loss, 80.0)), 'eval/tokens': count,

@@ -3,9 +3,10 @@
 Writes what transformers' `AutoModelForCausalLM.from_pretrained(<dir>)` loads: the weights as
 safetensors files of at most `export.max_shard_gb` each (`model.safetensors`, or
 `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` when there are several),
-`config.json` in the transformers 5 layout (hf.hf_config_from_model_config: Llama, Qwen3 with q/k
-norms, Qwen2 with q/k/v biases, Mistral with a window) and, when the run used a Hugging Face
-tokenizer, its tokenizer files.
+`config.json` in the transformers 5 layout with 4.x's rope keys beside it (rope_theta,
+rope_scaling: 4.x readers would take theta 10000 and no scaling without them;
+hf.hf_config_from_model_config: Llama, Qwen3 with q/k norms, Qwen2 with q/k/v biases, Mistral
+with a window) and, when the run used a Hugging Face tokenizer, its tokenizer files.
 
 Bounded memory whatever the placement the run trained under: every shard's header is known from
 the shapes alone, so each file is written front to back, one tensor at a time (the embedding and

@@ -124,6 +124,62 @@ def _direct_perplexity(config, workdir, tokens, mask=None):
     evaluator.close()
 
 
+class _Bar:
+  """A stand-in for metrics.progress_bar's tqdm: records bar.n at each update, and whether a
+  pass (`Evaluator.nll_sums`) was running then."""
+
+  def __init__(self, total, passing):
+    self.total, self.n, self.disable, self.passing, self.seen = total, 0, False, passing, []
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+  def update(self, count):
+    self.n += count
+    self.seen.append((self.n, self.passing[0]))
+
+
+def test_eval_progress_advances_within_a_pass(trained, monkeypatch):
+  """All windows in one pass (layer-major): the bar must move as each embedding chunk, layer
+  group and head chunk is done, not sit at 0 until the pass ends; the loss is unchanged."""
+  config, workdir = trained
+  model_cfg = config_lib.validate(config)
+  reader = Checkpointer(workdir, keep=2).restore(model_cfg)
+  evaluator = evaluate_lib.Evaluator(
+      reader, model_cfg, [(i, i + 1) for i in range(model_cfg.num_layers)],
+      partition.vocab_slices(model_cfg.vocab_size, model_cfg.d_model, 0.02))  # 4 chunks
+  tokens = _stream(DOCS * 4)  # [432] tokens: 27 windows of 16, one pass of 9 batches of 3
+  want = evaluate_lib.perplexity(evaluator, tokens, 16, 16, 3, progress=False)
+  passing, bars, passes, nll_sums = [False], [], [], evaluator.nll_sums
+
+  def one_pass(*args):
+    passing[0] = True
+    passes.append(len(args[0]))
+    try:
+      return nll_sums(*args)
+    finally:
+      passing[0] = False
+
+  monkeypatch.setattr(evaluator, 'nll_sums', one_pass)
+  monkeypatch.setattr(evaluate_lib.metrics, 'progress_bar',
+                      lambda total, *_, **__: bars.append(_Bar(total, passing)) or bars[-1])
+  try:
+    got = evaluate_lib.perplexity(evaluator, tokens, 16, 16, 3)
+  finally:
+    evaluator.close()
+  (bar,) = bars
+  windows = got['eval/windows']
+  assert passes == [9]  # every window in one pass
+  within = [n for n, inside in bar.seen if inside and 0 < n < windows]
+  assert len(set(within)) >= model_cfg.num_layers, bar.seen  # several steps within the pass
+  assert [n for n, _ in bar.seen] == sorted(n for n, _ in bar.seen)
+  assert bar.n == windows == 27
+  assert got['eval/loss'] == want['eval/loss']
+
+
 def test_jsonl_eval_equals_the_token_stream(trained, tmp_path):
   config, workdir = trained
   files = _write_formats(tmp_path / 'src')

@@ -270,6 +270,79 @@ def test_save_hf_round_trip(case, saved, tokens, tmp_path):
   assert _max_err(_torch_logits(reloaded, tokens), _torch_logits(model, tokens)) <= 1e-5
 
 
+# case -> the top-level (rope_theta, rope_scaling) transformers 4.x reads from the export.
+ROPE_4X = {
+    'llama_gqa_tied': (10000.0, None),
+    'llama3_rope': (500000.0, {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0,
+                               'high_freq_factor': 4.0, 'original_max_position_embeddings': 64}),
+    'llama_linear_rope': (10000.0, {'rope_type': 'linear', 'factor': 4.0}),
+    'qwen2_yarn': (10000.0, {'rope_type': 'yarn', 'factor': 4.0, 'beta_fast': 32.0,
+                             'beta_slow': 1.0, 'truncate': True,
+                             'original_max_position_embeddings': 32}),
+}
+
+
+@pytest.mark.parametrize('case', list(ROPE_4X))
+def test_export_config_has_the_transformers4_rope_keys(case, saved, tmp_path):
+  """transformers 4.x (vLLM, TGI, ...) ignores rope_parameters: without top-level rope_theta and
+  rope_scaling it silently runs theta 10000 unscaled. transformers 5 must read both as one."""
+  directory, _ = saved(case)
+  cfg, params = hf.load_hf(directory)
+  hf.save_hf(tmp_path, cfg, params)
+  exported = json.loads((tmp_path / 'config.json').read_text())
+  theta, scaling = ROPE_4X[case]
+  assert (exported['rope_theta'], exported['rope_scaling']) == (theta, scaling)
+  assert exported['rope_parameters'] == {'rope_type': 'default', 'rope_theta': theta} | (
+      scaling or {})
+  loaded = transformers.AutoConfig.from_pretrained(tmp_path)
+  assert loaded.rope_parameters == exported['rope_parameters']
+  # Our importer reads the 4.x keys alone (a config 4.x re-saved) as the same model.
+  legacy = {k: v for k, v in exported.items() if k != 'rope_parameters'}
+  assert hf.model_config_from_hf(legacy) == hf.model_config_from_hf(exported)
+
+
+# config.json of meta-llama/Llama-3.2-1B as published (transformers 4.x layout).
+LLAMA32_1B = {
+    'architectures': ['LlamaForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+    'bos_token_id': 128000, 'eos_token_id': 128001, 'head_dim': 64, 'hidden_act': 'silu',
+    'hidden_size': 2048, 'initializer_range': 0.02, 'intermediate_size': 8192,
+    'max_position_embeddings': 131072, 'mlp_bias': False, 'model_type': 'llama',
+    'num_attention_heads': 32, 'num_hidden_layers': 16, 'num_key_value_heads': 8,
+    'pretraining_tp': 1, 'rms_norm_eps': 1e-05,
+    'rope_scaling': {'factor': 32.0, 'high_freq_factor': 4.0, 'low_freq_factor': 1.0,
+                     'original_max_position_embeddings': 8192, 'rope_type': 'llama3'},
+    'rope_theta': 500000.0, 'tie_word_embeddings': True, 'torch_dtype': 'bfloat16',
+    'transformers_version': '4.45.0.dev0', 'use_cache': True, 'vocab_size': 128256}
+
+
+def test_llama32_rope_survives_import_and_export():
+  """Llama-3.2-1B's 4.x config.json, imported and exported: the same 4.x keys, the
+  rope_parameters transformers 5 makes of the original, and the same model read back."""
+  cfg = hf.model_config_from_hf(LLAMA32_1B)
+  exported = hf.hf_config_from_model_config(cfg)
+  assert exported['rope_theta'] == LLAMA32_1B['rope_theta']
+  assert exported['rope_scaling'] == LLAMA32_1B['rope_scaling']
+  assert exported['rope_parameters'] == transformers.LlamaConfig(**LLAMA32_1B).rope_parameters
+  assert hf.model_config_from_hf(exported).replace(hf_architecture=cfg.hf_architecture) == cfg
+
+
+@pytest.mark.parametrize('rope_scaling', [
+    {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 8192},
+    {'type': 'linear', 'factor': 2.0}, None])
+def test_edited_rope_scaling_is_read_as_transformers5_reads_it(rope_scaling):
+  """An export whose rope_scaling a user replaced for a 4.x stack (as Qwen's model cards ask):
+  we read what transformers 5 reads (a non-empty rope_scaling wins over rope_parameters)."""
+  exported = hf.hf_config_from_model_config(hf.model_config_from_hf(LLAMA32_1B))
+  edited = exported | {'rope_scaling': rope_scaling}
+  want = hf.model_config_from_hf(_BASE | {'rope_parameters': transformers.LlamaConfig(
+      **edited).rope_parameters, 'max_position_embeddings': 131072})
+  got = hf.model_config_from_hf(edited)
+  fields = ('rope_theta', 'rope_scaling_type', 'rope_scaling_factor', 'rope_original_max_len')
+  assert [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields]
+  assert got.rope_scaling_type == ('llama3' if rope_scaling is None else
+                                   rope_scaling.get('rope_type', rope_scaling.get('type')))
+
+
 # ----------------------------------------------------------------------------------------------
 # Errors: raised before any tensor data is read, naming the problem.
 # ----------------------------------------------------------------------------------------------

@@ -227,15 +227,16 @@ def _required(hf_config: dict[str, Any], key: str):
 def _rope_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
   """RoPE settings as ModelConfig fields, from the transformers 5 or 4 config layout."""
   # transformers 5: everything in `rope_parameters`. 4.x: top-level `rope_theta` and an optional
-  # `rope_scaling` dict whose type key is `rope_type` (newer) or `type` (older).
-  params = hf_config.get('rope_parameters')
-  if params is None:
-    params = dict(hf_config.get('rope_scaling') or {})
-    params.setdefault('rope_theta', hf_config.get('rope_theta', _DEFAULT_ROPE_THETA))
+  # `rope_scaling` dict whose type key is `rope_type` (newer) or `type` (older). Where a file has
+  # both (our exports; one whose rope_scaling a user added or edited for a 4.x stack, as Qwen's
+  # model cards ask), read them as transformers 5 does: a non-empty rope_scaling wins, and
+  # a theta it lacks comes from the top-level rope_theta.
+  params = dict(hf_config.get('rope_scaling') or hf_config.get('rope_parameters') or {})
   if any(isinstance(value, dict) for value in params.values()):
     raise UnsupportedModelError(f'config.json sets RoPE parameters per layer type '
                                 f'({", ".join(params)}); only one RoPE for all layers is '
                                 'supported.')
+  params.setdefault('rope_theta', hf_config.get('rope_theta', _DEFAULT_ROPE_THETA))
   partial = params.get('partial_rotary_factor', hf_config.get('partial_rotary_factor'))
   if partial not in (None, 1, 1.0):
     raise UnsupportedModelError(f'partial_rotary_factor={partial} is not supported: RoPE rotates '
@@ -370,8 +371,27 @@ def _max_seq_len(max_position_embeddings: int, rope: dict[str, Any]) -> int:
              int(rope['rope_scaling_factor'] * rope['rope_original_max_len']))
 
 
+def _hf_rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+  """transformers 5's `rope_parameters` of `cfg` (theta, type and the type's parameters)."""
+  rope = {'rope_type': {v: k for k, v in _ROPE_TYPES.items()}[cfg.rope_scaling_type],
+          'rope_theta': cfg.rope_theta}
+  if cfg.rope_scaling_type != 'none':
+    rope['factor'] = cfg.rope_scaling_factor
+  if cfg.rope_scaling_type == 'llama3':
+    rope.update(low_freq_factor=cfg.rope_low_freq_factor,
+                high_freq_factor=cfg.rope_high_freq_factor,
+                original_max_position_embeddings=cfg.rope_original_max_len)
+  if cfg.rope_scaling_type == 'yarn':
+    rope.update(original_max_position_embeddings=cfg.rope_original_max_len,
+                beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
+                truncate=cfg.rope_truncate)
+    if cfg.rope_attention_factor:
+      rope['attention_factor'] = cfg.rope_attention_factor
+  return rope
+
+
 def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
-  """The config.json (transformers 5 layout) of `cfg`; inverse of `model_config_from_hf`.
+  """The config.json of `cfg` (read by transformers 5 and 4.x); inverse of `model_config_from_hf`.
 
   Qwen3 when the model has q/k norms, Qwen2 when it has q/k/v biases, Mistral when it has a
   sliding window or was imported as Mistral (model.hf_architecture: a Mistral without a window
@@ -389,20 +409,7 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
     arch = 'MistralForCausalLM'
   else:
     arch = 'LlamaForCausalLM'
-  rope = {'rope_type': {v: k for k, v in _ROPE_TYPES.items()}[cfg.rope_scaling_type],
-          'rope_theta': cfg.rope_theta}
-  if cfg.rope_scaling_type != 'none':
-    rope['factor'] = cfg.rope_scaling_factor
-  if cfg.rope_scaling_type == 'llama3':
-    rope.update(low_freq_factor=cfg.rope_low_freq_factor,
-                high_freq_factor=cfg.rope_high_freq_factor,
-                original_max_position_embeddings=cfg.rope_original_max_len)
-  if cfg.rope_scaling_type == 'yarn':
-    rope.update(original_max_position_embeddings=cfg.rope_original_max_len,
-                beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
-                truncate=cfg.rope_truncate)
-    if cfg.rope_attention_factor:
-      rope['attention_factor'] = cfg.rope_attention_factor
+  rope = _hf_rope_parameters(cfg)
   hf_config = {
       'architectures': [arch], 'model_type': next(t for t, a in _MODEL_TYPES.items() if a == arch),
       'vocab_size': cfg.vocab_size, 'hidden_size': cfg.d_model, 'intermediate_size': cfg.d_ff,
@@ -411,6 +418,13 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
       'max_position_embeddings': cfg.max_seq_len, 'rms_norm_eps': cfg.norm_eps,
       'tie_word_embeddings': cfg.tie_embeddings, 'initializer_range': cfg.init_std,
       'hidden_act': 'silu', 'rope_parameters': rope,
+      # transformers 4.x (and vLLM, TGI, llama.cpp's converter on it) ignores rope_parameters
+      # and reads these, as Llama-3.2's config.json has them: without them it would run theta
+      # 10000 unscaled, a wrong model with no error. transformers 5 builds the same
+      # rope_parameters from them (rope_scaling with rope_theta added).
+      'rope_theta': cfg.rope_theta,
+      'rope_scaling': (None if cfg.rope_scaling_type == 'none' else
+                       {k: v for k, v in rope.items() if k != 'rope_theta'}),
   }
   if arch == 'LlamaForCausalLM':
     hf_config.update(attention_bias=False, mlp_bias=False)
