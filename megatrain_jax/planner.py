@@ -1046,12 +1046,18 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
   if 'device' in tiers:  # only what would shrink this plan's device rows
     p = closest.placement
     n = closest.devices.count  # train.batch_size splits over them: at least 1 sequence each
-    device = [f'lower train.batch_size (now {closest.batch_size})' if closest.batch_size > n
-              else f'lower train.seq_len (now {closest.seq_len})']
+    needed, available = tiers['device']
+    device = []
+    if _batch_bytes(closest) >= 0.25 * (needed - available):  # else they cannot close the gap
+      device.append(f'lower train.batch_size (now {closest.batch_size})' if closest.batch_size > n
+                    else f'lower train.seq_len (now {closest.seq_len})')
     if not closest.budgets.get('_unified'):  # CPU devices would share the same RAM
       device.append(f'shard the state over more devices (parallel.devices, now {n})')
-    if p.streamed and closest.microbatches > 1:  # each microbatch's hidden state stays on device
+    if closest.microbatches > 1:  # streamed: each microbatch's hidden state stays on device;
+      # resident: the gradient accumulator (4·P)
       device.append(f'lower train.microbatches (now {closest.microbatches})')
+    if not p.streamed:
+      device.append("stream the state (offload.params / offload.opt_state = 'host' or 'nvme')")
     if cfg.remat != 'full':
       device.append('use model.remat=full')
     if p.streamed and (p.layers_per_group > 1 or p.prefetch_depth > 1):
@@ -1060,7 +1066,8 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
       device.append("set offload.keep_layer_inputs='false'")
     if p.streamed and 'device' in (p.embed_head, p.activations):
       device.append("set offload.embed_head='host' / offload.activations='host'")
-    hints.append(' or '.join(device) + ' (device memory)')
+    if device:
+      hints.append(' or '.join(device) + ' (device memory)')
   if any('XLA_PJRT' in t for t in tiers):
     hints.append(f'raise {PINNED_LIMIT_ENV} (XLA\'s cap on pinned host memory) toward the RAM '
                  'you have')
@@ -1068,8 +1075,9 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
     kept = (" or set offload.keep_layer_inputs='false'"
             if closest.placement.keeps_layer_inputs and closest.placement.activations == 'host'
             else '')
-    hints.append("move state to disk (offload.params='nvme', offload.opt_state='nvme') or lower "
-                 'offload.host_buffer_gb' + kept)
+    buffer = ' or lower offload.host_buffer_gb' * closest.placement.uses_nvme
+    hints.append("move state to disk (offload.params='nvme', offload.opt_state='nvme')" + buffer
+                 + kept)
   if 'nvme' in tiers:
     hints.append('point offload.dir at a disk with more free space, lower checkpoint.keep (each '
                  'kept checkpoint pins a copy of the NVMe stores), or keep offload.opt_state '
@@ -1078,6 +1086,15 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
                '--config.offload.device_memory_gb / host_memory_gb)')
   lines.append('Fix: ' + '; '.join(hints) + '.')
   return '\n'.join(lines)
+
+
+# Device rows that grow with the batch (B·S): what lower train.batch_size or seq_len shrink.
+_BATCH_ROWS = ('activation', 'logits', 'hidden', 'working set')
+
+
+def _batch_bytes(plan: Plan) -> float:
+  return sum(r.bytes for r in plan.rows
+             if r.tier == 'device' and any(word in r.item for word in _BATCH_ROWS))
 
 
 def _gb(n: float) -> str:

@@ -281,6 +281,22 @@ def test_refusal_device_too_small_for_one_group():
   assert 'batch_size' in message  # the concrete suggestion
 
 
+def test_refusal_names_only_fixes_that_shrink_what_is_over():
+  """A resident 1B (128k vocabulary) over its memory by ~5 GB with 1 sequence of 128 tokens:
+  its activations are 0.05 GB, so lowering seq_len cannot help, and a resident plan has no
+  staging buffer; its gradient accumulator (M > 1) and streaming the state can."""
+  config = config_lib.load_config(
+      '1b', hardware='cpu', train__batch_size=1, train__seq_len=128, train__microbatches=4,
+      offload__params='device', offload__opt_state='device', offload__embed_head='device',
+      offload__activations='device', offload__device_memory_gb=20.0,
+      offload__host_memory_gb=20.0)
+  with pytest.raises(ConfigError) as e:
+    planner.plan_run(config, hardware.load_profile('cpu'), disk_free_gb=100.0)
+  fix = str(e.value).split('Fix: ')[1]
+  assert 'seq_len' not in fix and 'batch_size' not in fix and 'host_buffer_gb' not in fix
+  assert fix.startswith('lower train.microbatches (now 4) or stream the state'), fix
+
+
 def test_refusal_disk_too_small():
   config = config_lib.load_config('tiny', hardware='cpu', offload__params='nvme',
                                   offload__opt_state='nvme')
