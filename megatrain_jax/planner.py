@@ -12,8 +12,9 @@ dtype (4 float32, 2 bfloat16). W = 4·L·P_l bytes of layer weights; A = Adam m 
 MEMORY (bytes; `make_plan` returns them as rows with these formulas; a streamed plan's rows are
 what the stages of schedule.py declare they hold, each row naming its stage):
   resident, device:  params 4·P, Adam 8·P, and the larger of a fresh init's XLA temporaries
-                     (1.67·4·P, measured) and the step's rows: gradients 4·P (+4·P accumulator
-                     when M > 1),
+                     (1.67·4·P, measured; none for a state read into place: a resume,
+                     init.from_hf, init.from_run) and the step's rows: gradients 4·P (+4·P
+                     accumulator when M > 1),
                      activations of one microbatch:
                        remat full/minimal/offload: L·B·S·D·c saved layer inputs + one layer's
                        internals (recomputed in its backward) + the logits of one
@@ -682,12 +683,15 @@ def step_shape(cfg: ModelConfig, sizes: StateSizes, p: Placement, *, micro: int,
 def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwareProfile, *,
               micro: int, batch: int, seq: int, clipping: bool, budgets: dict,
               checkpoint_copies: int = 0, devices: Devices = Devices(),
-              baseline_bytes: float | None = None, shapes: dict | None = None) -> Plan:
+              baseline_bytes: float | None = None, shapes: dict | None = None,
+              fresh_init: bool = True) -> Plan:
   """The plan of placement `p` for M = `micro` microbatches of the global `batch` x `seq` tokens
   on `devices` (per device and per process, the module docstring's N DEVICES). `baseline_bytes`:
   the runtime baseline measured in this process (`measured_baseline_bytes`); None: the
   profile's figure. `shapes`: a dict that keeps each StepShape for the next make_plan of the
-  same arguments (a search over several hardware profiles computes each once)."""
+  same arguments (a search over several hardware profiles computes each once). `fresh_init`
+  False: the state is read into place (a resume, init.from_hf, init.from_run), leaf by leaf, so
+  the jitted init's temporaries (INIT_ROW) never exist."""
   args = dict(micro=micro, batch=batch, seq=seq, clipping=clipping,
               checkpoint_copies=checkpoint_copies, devices=devices)
   key = (cfg, sizes, p, *args.values())
@@ -697,7 +701,8 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
     if shapes is not None:
       shapes[key] = shape
   n, local = devices.count, devices.local
-  rows = list(shape.rows) + runtime_rows(hw, baseline_bytes, shape.init_programs)
+  rows = [r for r in shape.rows if fresh_init or r.item != INIT_ROW]
+  rows += runtime_rows(hw, baseline_bytes, shape.init_programs)
   moved = dict(shape.moved)
   # On the CPU backend the process's devices are the same cores: their work adds up.
   shared = 1 if hw.overlap else local
@@ -908,9 +913,11 @@ def checkpoint_copies(ckpt, steps: int) -> int:
 
 
 def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
-             devices: Devices | None = None, suggest_presets: bool = True) -> Plan:
+             devices: Devices | None = None, suggest_presets: bool = True,
+             fresh_init: bool | None = None) -> Plan:
   """The plan for `config`: its placement if fully specified, else the best `auto` choice, on
-  `devices` (default: parallel.devices, `devices_for`).
+  `devices` (default: parallel.devices, `devices_for`). `fresh_init`: whether the state starts
+  from a jitted init (make_plan); None: unless config.init names a checkpoint to start from.
 
   Raises NoPlacementFits (a ConfigError) when nothing fits, naming needed vs available per tier,
   what to change, and (`suggest_presets`: one more search per preset) the hardware presets it
@@ -918,7 +925,10 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
   """
   devices = devices or devices_for(config)
   shapes = {}  # each candidate's StepShape, shared by the presets' searches
-  plans, rejected, invalid = _search(config, hw, disk_free_gb, devices, shapes)
+  if fresh_init is None:
+    init = config.get('init') or {}
+    fresh_init = not (init.get('from_hf') or init.get('from_run'))
+  plans, rejected, invalid = _search(config, hw, disk_free_gb, devices, shapes, fresh_init)
   if not plans:
     if not rejected:
       raise invalid[0]
@@ -938,7 +948,7 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
 
 
 def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: Devices,
-            shapes: dict | None = None) -> tuple:
+            shapes: dict | None = None, fresh_init: bool = True) -> tuple:
   """(plans that fit, plans that don't, ConfigErrors of invalid candidates) of every candidate
   (`shapes`: make_plan's)."""
   cfg = model_lib.ModelConfig.from_config_dict(config.model)
@@ -964,7 +974,7 @@ def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: De
       plan = make_plan(cfg, sizes, placement, hw, micro=micro, batch=train.batch_size,
                        seq=train.seq_len, clipping=clipping, budgets=budgets,
                        checkpoint_copies=copies, devices=devices, baseline_bytes=baseline,
-                       shapes=shapes)
+                       shapes=shapes, fresh_init=fresh_init)
       (plans if plan.fits else rejected).append(plan)
   return plans, rejected, invalid
 

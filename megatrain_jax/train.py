@@ -168,8 +168,11 @@ def plan_for(config, workdir: pathlib.Path | None, dry_run: bool):
   hw = hardware.load_profile(config.hardware)
   offload_dir = config.offload.dir or str((workdir or pathlib.Path('runs/default')) / 'offload')
   checkpoints = workdir / 'checkpoints' if workdir is not None else None
-  plan = planner.plan_run(config, hw, disk_free_gb=_disk_free_gb(offload_dir, hw, dry_run,
-                                                                 checkpoints))
+  # A resume or a start from another checkpoint reads the state into place: no jitted init.
+  resumes = checkpoints is not None and any(p.name.isdigit() for p in checkpoints.glob('*'))
+  plan = planner.plan_run(
+      config, hw, disk_free_gb=_disk_free_gb(offload_dir, hw, dry_run, checkpoints),
+      fresh_init=not (resumes or config.init.from_hf or config.init.from_run))
   if plan.placement.uses_nvme:
     plan.placement = dataclasses.replace(plan.placement, dir=offload_dir)
   return hw, plan

@@ -213,6 +213,25 @@ def _plan(**overrides):
   return planner.plan_run(config, hardware.load_profile('cpu'), disk_free_gb=100.0)
 
 
+def test_a_state_read_into_place_plans_no_init_temporaries(tmp_path):
+  """init.from_hf, init.from_run and a resume read the state leaf by leaf into place: the fresh
+  init's XLA temporaries never exist, so a resident plan does not count them (a 1B resident
+  fine-tune was refused for 3.25 GB of them)."""
+  small = dict(train__batch_size=2, train__seq_len=16, offload__params='device',
+               offload__opt_state='device')
+  fresh = _plan(**small)
+  init = {r.item: r.bytes for r in fresh.rows}[planner.INIT_ROW]
+  assert init > 0
+  for start in (dict(init__from_hf='/models/llama'), dict(init__from_run='runs/base')):
+    plan = _plan(**small, **start)
+    assert planner.INIT_ROW not in [r.item for r in plan.rows]
+    assert plan.used('device') == pytest.approx(fresh.used('device') - init)
+  config = config_lib.load_config('tiny', hardware='cpu', **small)
+  (tmp_path / 'checkpoints' / '4').mkdir(parents=True)
+  _, resumed = train.plan_for(config, tmp_path, dry_run=True)
+  assert planner.INIT_ROW not in [r.item for r in resumed.rows]
+
+
 def test_auto_picks_device_for_tiny():
   plan = _plan()
   assert not plan.placement.streamed
