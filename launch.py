@@ -10,6 +10,7 @@
   python launch.py --export_hf=/tmp/ft-hf --workdir runs/ft               # newest checkpoint -> HF
   python launch.py --sample --workdir runs/ft --config.sample.prompt='Once'  # text from the model
   python launch.py --config.parallel.devices=4                             # 4 local devices
+  python launch.py --coordinator_address=node0:29500 --num_processes=2 --process_id=0  # 1 of 2
 
 A bare config name resolves to configs/<name>.py. Every config field can be overridden with
 --config.<section>.<field>=value.
@@ -82,6 +83,9 @@ _PROCESS_ID = flags.DEFINE_integer('process_id', -1, 'This process\'s rank, 0..n
 _DISTRIBUTED = flags.DEFINE_bool('distributed', False,
                                  'Join a multi-process run whose coordinator, process count and '
                                  'rank JAX finds itself (cluster auto-detection: SLURM, ...).')
+_INIT_TIMEOUT = flags.DEFINE_integer('initialization_timeout', 300,
+                                     'Seconds a process of a multi-process run waits for all of '
+                                     'them to join before it gives up.')
 _PROFILE_OUT = flags.DEFINE_string('profile_out', '',
                                    'Where --calibrate writes the profile; default '
                                    '~/.cache/megatrain_jax/hardware.json (used when '
@@ -217,16 +221,57 @@ def _fail(message: str, several_processes: bool) -> None:
   os._exit(1)  # pylint: disable=protected-access
 
 
+# The jobs that run in one process, and what to do instead: each reads or writes the workdir
+# whole from one process (P processes would each do all of it, or fail on the shards of
+# devices they cannot address).
+_ONE_PROCESS_JOBS = {
+    'prepare': 'process 0 of a training run prepares the data itself, the others wait',
+    'calibrate': 'it measures one machine: run it on each machine',
+    'dry_run': 'it allocates nothing; --config.parallel.devices=N plans for N devices',
+    'export_hf': 'it reads a checkpoint written by any number of processes',
+    'eval': 'it reads a checkpoint written by any number of processes',
+    'sample': 'it reads a checkpoint written by any number of processes',
+}
+_PROCESS_FLAGS = ('coordinator_address', 'num_processes', 'process_id', 'distributed')
+
+
+def _several_processes() -> bool:
+  """Whether the flags ask for a run of several processes (jax.distributed), once they are
+  checked: before anything starts or is written, a job that runs in one process, or process
+  flags that are incomplete or out of range, end it with one `error:` line."""
+  given = [f'--{name}' for name, on in zip(_PROCESS_FLAGS, (
+      _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.present, _DISTRIBUTED.value)) if on]
+  if not given:
+    return False
+  for job, why in _ONE_PROCESS_JOBS.items():
+    if flags.FLAGS[job].present and flags.FLAGS[job].value is not False:
+      flags_given = ' and '.join([', '.join(given[:-1]), given[-1]] if len(given) > 1 else given)
+      sys.exit(f'error: --{job} runs in one process ({why}): run it once, without '
+               f'{flags_given}.')
+  from megatrain_jax import distributed  # pylint: disable=g-import-not-at-top
+  try:
+    distributed.check_process_flags(
+        _COORDINATOR.value,
+        _NUM_PROCESSES.value if _NUM_PROCESSES.present else None,
+        _PROCESS_ID.value if _PROCESS_ID.present else None, _DISTRIBUTED.value,
+        _INIT_TIMEOUT.value)
+  except ConfigError as e:
+    sys.exit(f'error: {e}')
+  return True
+
+
 def main(argv):
   del argv
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  several = bool(_NUM_PROCESSES.value > 1 or _COORDINATOR.value or _DISTRIBUTED.value)
-  if several:  # before any device
-    from megatrain_jax import distributed  # pylint: disable=g-import-not-at-top
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  from megatrain_jax import train  # imported after flag parsing: `--help` stays fast
+  several = _several_processes()
   try:
+    if several:  # before any device, and before anything is written
+      from megatrain_jax import distributed  # pylint: disable=g-import-not-at-top
+      distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                             _INIT_TIMEOUT.value)
+      distributed.check_same_config(_CONFIG.value, _WORKDIR.value)
+    from megatrain_jax import train  # pylint: disable=g-import-not-at-top  (`--help` stays fast)
     _run(train)
   except (ConfigError, TrainingDivergedError, StoreCorruptionError, DiskFullError,
           ProcessLostError) as e:

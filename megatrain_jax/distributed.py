@@ -9,8 +9,10 @@ multiple of N. Both are checked here, with a ConfigError naming the field and th
 anything is allocated.
 
 Several processes (`initialize`, from launch.py's --coordinator_address, --num_processes,
---process_id) join their devices into one mesh through jax.distributed, each feeding the rows of
-the global batch its own devices hold (Layout.put_batch). They share the workdir (a cluster
+--process_id, checked by `check_process_flags`) join their devices into one mesh through
+jax.distributed, each feeding the rows of the global batch its own devices hold
+(Layout.put_batch). They must run the same config (`check_same_config`, right after joining)
+on every device of every process (`device_count`). They share the workdir (a cluster
 filesystem): process 0 (`is_main`) writes the metrics and the console; a checkpoint is written by
 all of them, each its own shards, and committed by process 0 (checkpoint.py); an NVMe tier keeps
 each process's shards in its own `process_dir` of offload.dir (a local disk of its machine). If a
@@ -21,7 +23,15 @@ the failed collective, and stop with an error (train.py names the processes that
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
+import json
+import os
 import pathlib
+import re
+import socket
+import sys
+import threading
 import typing
 
 import jax
@@ -41,16 +51,120 @@ if typing.TYPE_CHECKING:  # annotations only: the engines import this module, an
 HEARTBEAT_S = 20
 
 
+# JAX's own deadline for the processes to join is this much later than ours (`initialize`): at
+# its deadline it aborts the process with a page of C++ stack instead of raising.
+_JAX_GRACE_S = 30
+
+
+def check_process_flags(coordinator_address: str, num_processes: int | None,
+                        process_id: int | None, auto: bool, timeout_s: int = 300) -> None:
+  """launch.py's multi-process flags (None: not given), checked before jax.distributed sees them
+  (it raises a bare ValueError from deep inside, or waits minutes for a rank that never comes):
+  without `auto` (--distributed: JAX's cluster auto-detection finds what is not given) all three
+  are given together, and the rank is one of the process count's."""
+  fix = ('a run of several processes needs --coordinator_address=HOST:PORT (process 0\'s '
+         'machine), --num_processes=N and --process_id=I (0..N-1, its own on each process), or '
+         '--distributed on a cluster JAX detects (SLURM, ...)')
+  given = {'--coordinator_address': coordinator_address, '--num_processes': num_processes,
+           '--process_id': process_id}
+  missing = [name for name, value in given.items() if value in ('', None)]
+  if missing and not auto:
+    raise ConfigError(f'{" and ".join(missing)} not given: {fix}.')
+  if timeout_s < 1:
+    raise ConfigError(f'--initialization_timeout={timeout_s}: seconds to wait for every process '
+                      'to join, >= 1 (default 300).')
+  if coordinator_address and not re.fullmatch(r'\S+:\d+', coordinator_address):
+    raise ConfigError(f'--coordinator_address={coordinator_address}: must be HOST:PORT of '
+                      'process 0 (e.g. node0:29500), the same on every process.')
+  if num_processes is not None and num_processes < 1:
+    raise ConfigError(f'--num_processes={num_processes}: must be >= 1; {fix}.')
+  if process_id is not None and not 0 <= process_id < (num_processes or process_id + 1):
+    count = f'--num_processes={num_processes}' if num_processes else 'the process count'
+    last = num_processes - 1 if num_processes else 'N-1'
+    raise ConfigError(f'--process_id={process_id} is not a rank of {count}: give each process '
+                      f'its own --process_id, 0 to {last}.')
+
+
 def initialize(coordinator_address: str = '', num_processes: int = 0,
-               process_id: int = -1) -> None:
+               process_id: int = -1, timeout_s: int = 300) -> None:
   """Joins this process to a multi-process run (jax.distributed.initialize); must come before
   anything touches a jax device. Empty arguments leave them to JAX's cluster auto-detection
-  (SLURM, ...). On CPU the collectives between processes go through gloo."""
+  (SLURM, ...). On CPU the collectives between processes go through gloo.
+
+  Says on stderr what it waits for. A coordinator that cannot start, or a cluster that cannot be
+  detected, is a ConfigError naming the fix; when not every process has joined within
+  `timeout_s`, the process ends (status 1) with one line saying so: JAX itself would abort it
+  with a C++ stack trace, which no Python code can catch."""
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU only; GPUs use NCCL
   kwargs = {'coordinator_address': coordinator_address or None,
             'num_processes': num_processes or None,
             'process_id': process_id if process_id >= 0 else None}
-  jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=HEARTBEAT_S)
+  me = f'process {process_id} of {num_processes}' if process_id >= 0 else 'this process'
+  at = (f'at {coordinator_address}' if coordinator_address else
+        'at the coordinator that cluster auto-detection finds (--distributed)')
+  if process_id == 0 and coordinator_address:
+    _check_port_free(coordinator_address)
+  print(f'{me}: waiting up to {timeout_s} s (--initialization_timeout) for '
+        f'{f"all {num_processes} processes" if num_processes else "every process"} to join {at}',
+        file=sys.stderr, flush=True)
+  watchdog = threading.Timer(timeout_s, _not_joined, (
+      f'error: {me}: not every process joined {at} within {timeout_s} s '
+      '(--initialization_timeout). Start every process with the same --coordinator_address '
+      '(process 0\'s host and a free port) and --num_processes, each with its own --process_id; '
+      'check that process 0 runs and that the port is reachable from every machine.',))
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(**kwargs, initialization_timeout=timeout_s + _JAX_GRACE_S,
+                               heartbeat_timeout_seconds=HEARTBEAT_S)
+  except (ValueError, jax.errors.JaxRuntimeError) as error:
+    raise ConfigError(_start_error(error, coordinator_address)) from error
+  finally:
+    watchdog.cancel()
+
+
+def _not_joined(message: str) -> None:
+  """`initialize`'s deadline passed (a thread of its own: jax.distributed waits in C++)."""
+  print(message, file=sys.stderr, flush=True)
+  os._exit(1)  # pylint: disable=protected-access  (the main thread is inside JAX's wait)
+
+
+def _check_port_free(coordinator_address: str) -> None:
+  """Process 0 listens on the port of `coordinator_address` (on every address, as JAX binds it):
+  one already in use is a ConfigError, not the segfault or RPC error JAX meets it with."""
+  port = int(coordinator_address.rsplit(':', 1)[1])
+  for family, host in ((socket.AF_INET6, '::'), (socket.AF_INET, '0.0.0.0')):
+    try:
+      probe = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+      continue  # no IPv6 here: the IPv4 probe decides
+    with probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds
+      try:
+        probe.bind((host, port))
+        return
+      except OSError as error:
+        if family == socket.AF_INET6 and error.errno != errno.EADDRINUSE:  # no IPv6: try IPv4
+          continue
+        raise ConfigError(
+            f'--coordinator_address={coordinator_address}: process 0 cannot listen on port '
+            f'{port} ({error.strerror}: another run\'s coordinator, or another program). Choose '
+            'a free port, the same in every process\'s --coordinator_address.') from error
+
+
+def _start_error(error: Exception, coordinator_address: str) -> str:
+  """One line for jax.distributed.initialize's `error`, naming the fix."""
+  cause = ' '.join(str(error).split()).rstrip('.') or type(error).__name__
+  if not coordinator_address and 'coordinator_address' in cause:
+    return (f'--distributed: JAX found no cluster to join ({cause}): it reads the variables of '
+            'a SLURM job step, Open MPI, ... Outside one, give --coordinator_address=HOST:PORT '
+            '--num_processes=N --process_id=I instead.')
+  if 'RPC server' in cause or 'in use' in cause:
+    return (f'--coordinator_address={coordinator_address}: process 0 could not start the '
+            f'coordinator ({cause}); the port may be in use. Choose a free port, the same in '
+            'every process\'s --coordinator_address.')
+  return (f'jax.distributed.initialize failed ({cause}). Check --coordinator_address, '
+          '--num_processes and --process_id (or what --distributed detects).')
 
 
 def is_main() -> bool:
@@ -103,6 +217,70 @@ def from_main(values: list[int]) -> list[int]:
   return [int(v) for v in multihost_utils.broadcast_one_to_all(padded)[:count]]
 
 
+# Config fields that name something of each machine's own (a local disk, its compile cache, how
+# many of its cores tokenize): they may differ between the processes of a run.
+LOCAL_FIELDS = ('offload.dir', 'jax_cache_dir', 'data.num_workers')
+
+
+def check_same_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Every process of a run was started with the same config and --workdir (LOCAL_FIELDS
+  aside): the processes compute one model together, so a field set on one process only (a
+  train.steps, a train.lr) would hang them at the end or train silently wrong, and another
+  --workdir fails at the first checkpoint. Every process calls it, right after `initialize` and
+  before anything is written; if any differs, all of them raise the same ConfigError, naming the
+  fields. The cost: an all-gather of a 32-byte digest (the configs themselves only if they
+  differ). One process: nothing."""
+  if jax.process_count() == 1:
+    return
+  fields = _flat(json.loads(config.to_json_best_effort()))
+  for name in LOCAL_FIELDS:
+    fields.pop(name, None)
+  fields['--workdir'] = os.path.abspath(os.path.expanduser(workdir))
+  text = json.dumps(fields, sort_keys=True)
+  digests = _gathered(np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8))
+  if (digests == digests[0]).all():
+    return
+  lengths = _gathered(np.asarray([len(text.encode())], np.int64)).reshape(-1)
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[:lengths[jax.process_index()]] = np.frombuffer(text.encode(), np.uint8)
+  everyone = [json.loads(bytes(row[:n]).decode())
+              for row, n in zip(_gathered(padded), lengths)]
+  raise ConfigError(_config_differences(everyone))
+
+
+def _gathered(values: np.ndarray) -> np.ndarray:
+  """[process count, *values.shape]: every process's `values` (same shape and dtype in each)."""
+  gathered = np.asarray(multihost_utils.process_allgather(values))
+  return gathered.reshape(jax.process_count(), *values.shape)
+
+
+def _flat(tree: dict, prefix: str = '') -> dict:
+  """{'train.lr': 0.001, ...} of a config's nested dict."""
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f'{prefix}{key}.'))
+    else:
+      flat[prefix + key] = value
+  return flat
+
+
+def _config_differences(everyone: list[dict]) -> str:
+  """`check_same_config`'s message: the fields where a process differs from process 0."""
+  differences = []
+  for key in sorted(set().union(*everyone)):
+    values = [fields.get(key, '(unset)') for fields in everyone]
+    others = [f'{value!r} on process {i}' for i, value in enumerate(values) if value != values[0]]
+    if others:
+      name = key if key == '--workdir' else f'config.{key}'
+      differences.append(f'{name}: {values[0]!r} on process 0, {", ".join(others[:3])}'
+                         + (f' (and {len(others) - 3} more processes)' if len(others) > 3 else ''))
+  shown = '; '.join(differences[:5]) + (f'; and {len(differences) - 5} more fields'
+                                         if len(differences) > 5 else '')
+  return (f'the {len(everyone)} processes were not started with the same config ({shown}). Run '
+          'the same command on every process, changing only --process_id.')
+
+
 @contextlib.contextmanager
 def lost_process_error(checkpointer):
   """Turns a failed collective across processes (another process died or lost its connection:
@@ -140,12 +318,30 @@ def check_fields(config: ml_collections.ConfigDict) -> None:
                       f'got {devices!r}.')
 
 
-def device_count(config: ml_collections.ConfigDict, available: int | None = None) -> int:
+def device_count(config: ml_collections.ConfigDict, available: int | None = None,
+                 processes: int | None = None) -> int:
   """The number of devices the run uses (parallel.devices, 0 = all `available`; default: what
-  jax sees), once it and train.batch_size are checked against it. Allocates nothing."""
+  jax sees, the devices of all `processes` (default: jax's count) together), once it and
+  train.batch_size are checked against it. Allocates nothing. Several processes use every
+  device: the first N of jax.devices() would leave some process without one (it fails to read
+  what it cannot address)."""
   check_fields(config)
   available = jax.device_count() if available is None else available
+  processes = jax.process_count() if processes is None else processes
   wanted = config.parallel.devices or available
+  if processes > 1 and wanted > available:
+    per_process = (f'; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count='
+                   f'{wanted // processes} set before each process starts makes {wanted} in all '
+                   '(the flag counts one process\'s devices)' if wanted % processes == 0 else '')
+    raise ConfigError(
+        f'parallel.devices={wanted} asks for more devices than the {processes} processes have '
+        f'together ({available}: {platform()}). Set parallel.devices=0 (all {available})'
+        f'{per_process}.')
+  if processes > 1 and wanted != available:
+    raise ConfigError(
+        f'parallel.devices={wanted}: a run of {processes} processes uses every device of every '
+        f'process ({available} {platform()} devices in all here); set parallel.devices=0 (all) '
+        f'or {available}. To use fewer devices, start fewer processes or give each fewer.')
   if wanted > available:
     raise ConfigError(
         f'parallel.devices={wanted} asks for more devices than this process sees ({available}: '

@@ -521,15 +521,26 @@ def _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, lo
       return
 
 
-def _stopped(log, checkpointer, step: int, signal_name: str, saved: bool):
-  """TrainingStopped at `step`, once its checkpoint is committed and the console says so."""
+def _stopped(log, checkpointer, step: int, signal_name: str | None, saved: bool):
+  """TrainingStopped at `step`, once its checkpoint is committed and the console says so.
+  `signal_name`: what this process received (None: nothing; another process was signalled).
+  With several processes, only those signalled know which signal it was and the console is
+  process 0's: every process calls this at the same step, and they agree on the signals (one
+  small all-gather per stop signal, once) to name them and the processes they went to."""
+  by = signal_name
+  if jax.process_count() > 1:
+    sent = [(name, distributed.processes_where(signal_name == name))
+            for name in (s.name for s in preemption.STOP_SIGNALS)]
+    sent = [(name, ranks) for name, ranks in sent if ranks]
+    by = ' and '.join(f'{name} to process{"es" * (len(ranks) > 1)} '
+                      f'{", ".join(map(str, ranks))}' for name, ranks in sent) or 'a signal'
+    signal_name = signal_name or (sent[0][0] if sent else None)
   if saved:
     checkpointer.wait()  # committed (or its error raised) before the message says so
-    message = (f'stopped at step {step} by {signal_name}; checkpoint saved; rerun the same '
+    message = (f'stopped at step {step} by {by}; checkpoint saved; rerun the same '
                'command to resume')
   else:
-    message = (f'stopped at step {step} by {signal_name}; no checkpoint saved '
-               '(checkpoint.every=-1)')
+    message = f'stopped at step {step} by {by}; no checkpoint saved (checkpoint.every=-1)'
   log.print(message)
   return preemption.TrainingStopped(message, step, signal_name, saved)
 
