@@ -241,8 +241,9 @@ def _several_processes() -> bool:
   flags that are incomplete or out of range, end it with one `error:` line."""
   given = [f'--{name}' for name, on in zip(_PROCESS_FLAGS, (
       _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.present, _DISTRIBUTED.value)) if on]
-  if not given:
-    return False
+  if not given or (not (_COORDINATOR.value or _DISTRIBUTED.value) and _NUM_PROCESSES.value <= 1
+                   and _PROCESS_ID.value in (-1, 0)):
+    return False  # one process (a launcher's template may pass --num_processes=1 --process_id=0)
   for job, why in _ONE_PROCESS_JOBS.items():
     if flags.FLAGS[job].present and flags.FLAGS[job].value is not False:
       flags_given = ' and '.join([', '.join(given[:-1]), given[-1]] if len(given) > 1 else given)

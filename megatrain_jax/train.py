@@ -137,14 +137,15 @@ def calibrate(config: ml_collections.ConfigDict, workdir: str, out: str = '') ->
 
 
 def _disk_free_gb(offload_dir: str, hw: hardware.HardwareProfile, dry_run: bool,
-                  checkpoint_dir: pathlib.Path | None) -> float:
+                  checkpoint_dir: pathlib.Path | None, keep: int = 0) -> float:
   """Disk the NVMe tier may use: a profile that states it (a preset) is believed for a dry run;
   a real run never plans for more than offload.dir's filesystem has free, counting what the run
   in the workdir holds there already (its stores and checkpoints: a resume plans as it started)."""
   existing = fs.nearest_existing(pathlib.Path(offload_dir).expanduser().absolute())
   if not dry_run and not os.access(existing, os.W_OK | os.X_OK):
     return 0.0  # nothing can be stored there
-  free = hardware.free_disk_gb(offload_dir) + nvme.held_by_run(offload_dir, checkpoint_dir) / 1e9
+  held = nvme.held_by_run(offload_dir, checkpoint_dir, keep)
+  free = hardware.free_disk_gb(offload_dir) + held / 1e9
   if hw.disk_gb and dry_run:
     return hw.disk_gb
   return min(free, hw.disk_gb) if hw.disk_gb else free
@@ -171,7 +172,8 @@ def plan_for(config, workdir: pathlib.Path | None, dry_run: bool):
   # A resume or a start from another checkpoint reads the state into place: no jitted init.
   resumes = checkpoints is not None and any(p.name.isdigit() for p in checkpoints.glob('*'))
   plan = planner.plan_run(
-      config, hw, disk_free_gb=_disk_free_gb(offload_dir, hw, dry_run, checkpoints),
+      config, hw, disk_free_gb=_disk_free_gb(offload_dir, hw, dry_run, checkpoints,
+                                             planner.kept_checkpoints(config.checkpoint)),
       fresh_init=not (resumes or config.init.from_hf or config.init.from_run))
   if plan.placement.uses_nvme:
     plan.placement = dataclasses.replace(plan.placement, dir=offload_dir)

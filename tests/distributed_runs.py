@@ -7,8 +7,8 @@ flag) and reads back what it prints: one JSON object, on the last line.
 
     python tests/distributed_runs.py OFFLOAD_DIR WORKDIR DATA_PATH
     python tests/distributed_runs.py --process I COORDINATOR_ADDRESS WORKDIR  # I = 0, 1; below
-    python tests/distributed_runs.py --train I COORDINATOR_ADDRESS WORKDIR DATA_PATH STEPS PLACEMENT
-    python tests/distributed_runs.py --continue WORKDIR DATA_PATH STEPS PLACEMENT DEVICES
+    python tests/distributed_runs.py --train I COORDINATOR_ADDRESS WORKDIR DATA_PATH STEPS PLACEMENT [MODEL]
+    python tests/distributed_runs.py --continue WORKDIR DATA_PATH STEPS PLACEMENT DEVICES [MODEL]
 
 Every run trains the parity harness's model (helpers.CFG) from the same initial state for
 helpers.STEPS steps of M = 2 microbatches of B = 4 sequences (B must split over the 4 devices:
@@ -413,9 +413,12 @@ def trainer_runs(workdir: str, data_path: str) -> dict:
   return {name: logged_losses(f'{workdir}/{name}') for name in ('reference', 'one_to_four')}
 
 
-def continue_main(workdir: str, data_path: str, steps: str, placement: str, devices: str) -> dict:
-  """The run in `workdir` continued to `steps` on `devices` devices of this process."""
-  config = trainer_config(data_path, int(steps), placement, parallel__devices=int(devices))
+def continue_main(workdir: str, data_path: str, steps: str, placement: str, devices: str,
+                  model: str = '{}') -> dict:
+  """The run in `workdir` continued to `steps` on `devices` devices of this process (`model`:
+  JSON of config overrides, e.g. other model shapes)."""
+  config = trainer_config(data_path, int(steps), placement, parallel__devices=int(devices),
+                          **json.loads(model))
   config.offload.dir = str(pathlib.Path(workdir) / 'offload')
   with contextlib.redirect_stdout(io.StringIO()):
     train.train_and_evaluate(config, workdir)
@@ -423,10 +426,11 @@ def continue_main(workdir: str, data_path: str, steps: str, placement: str, devi
 
 
 def trainer_process_main(process_id: str, coordinator: str, workdir: str, data_path: str,
-                         steps: str, placement: str) -> dict:
-  """Process `process_id` of 2: train.train_and_evaluate on the 4 devices of both."""
+                         steps: str, placement: str, model: str = '{}') -> dict:
+  """Process `process_id` of 2: train.train_and_evaluate on the 4 devices of both (`model`: as
+  continue_main's)."""
   distributed.initialize(coordinator, 2, int(process_id))
-  config = trainer_config(data_path, int(steps), placement)
+  config = trainer_config(data_path, int(steps), placement, **json.loads(model))
   config.offload.dir = str(pathlib.Path(workdir) / 'offload')
   train.train_and_evaluate(config, workdir)
   return {'process': jax.process_index(),
@@ -437,8 +441,8 @@ if __name__ == '__main__':
   if sys.argv[1] == '--process':
     print(json.dumps(process_main(*sys.argv[2:5])))
   elif sys.argv[1] == '--train':
-    print(json.dumps(trainer_process_main(*sys.argv[2:8])))
+    print(json.dumps(trainer_process_main(*sys.argv[2:9])))
   elif sys.argv[1] == '--continue':
-    print(json.dumps(continue_main(*sys.argv[2:7])))
+    print(json.dumps(continue_main(*sys.argv[2:8])))
   else:
     print(json.dumps(main(*sys.argv[1:4])))

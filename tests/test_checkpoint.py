@@ -503,30 +503,43 @@ def test_free_space_check_counts_kept_checkpoints(tmp_path):
 
 @AS_ROOT
 def test_the_disk_a_run_holds_counts_as_free_for_it(tmp_path, monkeypatch):
-  """A resume (a rerun after a kill) plans with the disk its own stores and checkpoint snapshots
-  hold: they are rebuilt or kept, not added. Before, a 1B run killed mid-checkpoint came back
-  under another placement with 2.4x the RAM, its own 20 GB counted as taken."""
-  with tmpfs(8) as disk:  # 8 MiB
-    stores, snapshot = disk / 'offload', disk / 'run' / 'checkpoints' / '2' / 'nvme'
-    (stores / 'params.layers.w' / 'c').mkdir(parents=True)
-    snapshot.mkdir(parents=True)
-    (stores / 'params.layers.w' / 'c' / '0').write_bytes(b'\1' * 3_000_000)
-    os.link(stores / 'params.layers.w' / 'c' / '0', snapshot / 'linked')  # counted once
-    (snapshot / 'own').write_bytes(b'\2' * 1_000_000)
-    assert nvme.held_by_run(str(stores), disk / 'run' / 'checkpoints') == 4_000_000
-    ballast = fill(disk, leave_bytes=2_500_000)
-    # 3 MB of stores and one checkpoint's 3 MB: 6 MB, of which the run holds 4 (2.5 free)
-    nvme.check_offload_dir(str(stores), 3_000_000, checkpoint_dir=disk / 'run' / 'checkpoints',
-                           keep=1)
+  """A resume (a rerun after a kill) plans with the disk its own stores and the snapshots of the
+  checkpoints it keeps hold: they are rebuilt or kept, not added. Before, a 1B run killed
+  mid-checkpoint came back under another placement with 2.4x the RAM, its own 20 GB counted as
+  taken. Nothing else in offload.dir counts: another program's files, symbolic links, the
+  snapshots of checkpoints beyond checkpoint.keep (deleted only after the next commit)."""
+  with tmpfs(12) as disk:  # 12 MiB
+    stores, checkpoints = disk / 'offload', disk / 'run' / 'checkpoints'
+    layer = stores / 'params' / 'layers.w' / 'c'
+    layer.mkdir(parents=True)
+    (layer / '0').write_bytes(b'\1' * 3_000_000)
+    (stores / 'process-1' / 'opt_state').mkdir(parents=True)  # a run of 2 processes before
+    (stores / 'process-1' / 'opt_state' / 'm').write_bytes(b'\3' * 500_000)
+    (stores / 'datasets').mkdir()  # not the run's
+    (stores / 'datasets' / 'corpus').write_bytes(b'\4' * 2_000_000)
+    (stores / 'params' / 'elsewhere').symlink_to(stores / 'datasets' / 'corpus')
+    for step in (2, 4):
+      (checkpoints / str(step) / 'nvme').mkdir(parents=True)
+    os.link(layer / '0', checkpoints / '4' / 'nvme' / 'linked')  # counted once
+    (checkpoints / '4' / 'nvme' / 'own').write_bytes(b'\2' * 1_000_000)
+    (checkpoints / '2' / 'nvme' / 'older').write_bytes(b'\5' * 1_000_000)  # beyond keep=1
+    assert nvme.held_by_run(str(stores), checkpoints, keep=1) == 4_500_000
+    assert nvme.held_by_run(str(stores), checkpoints, keep=2) == 5_500_000
+    ballast = fill(disk, leave_bytes=2_000_000)
+    # 3 MB of stores and one checkpoint's 3 MB: 6 MB, of which the run holds 4.5 (2 free)
+    nvme.check_offload_dir(str(stores), 3_000_000, checkpoint_dir=checkpoints, keep=1)
     with pytest.raises(ConfigError, match=r'need 0\.01 GB .* GB are free there \(with the 0\.00 '
                                           r'GB the run holds\)'):
-      nvme.check_offload_dir(str(stores), 4_500_000, checkpoint_dir=disk / 'run' / 'checkpoints',
-                             keep=1)
+      nvme.check_offload_dir(str(stores), 4_500_000, checkpoint_dir=checkpoints, keep=1)
     monkeypatch.setattr(train.hardware, 'free_disk_gb', lambda directory: 0.0)
-    free = train._disk_free_gb(str(stores), train.hardware.PRESETS['cpu'], False,
-                               disk / 'run' / 'checkpoints')
-    assert free == 4_000_000 / 1e9
+    free = train._disk_free_gb(str(stores), train.hardware.PRESETS['cpu'], False, checkpoints,
+                               keep=1)
+    assert free == 4_500_000 / 1e9
     ballast.unlink()
+    # The run's stores that no store of its placement rebuilds go; what is not the run's stays.
+    nvme.remove_other_stores(str(stores), {'opt_state'})
+    assert sorted(p.name for p in stores.iterdir()) == ['datasets']
+    assert (stores / 'datasets' / 'corpus').read_bytes() == b'\4' * 2_000_000
 
 
 def test_an_uncommitted_save_is_ignored_and_cleaned_up(tmp_path):

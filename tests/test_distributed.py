@@ -290,6 +290,26 @@ def test_checkpoint_of_two_processes_resumed_in_two_is_the_uninterrupted_one(tra
   assert [name for name in want if got[name] != want[name]] == []
 
 
+# No axis of these shapes splits over 4 devices: every leaf is whole (replicated) on each.
+ODD_MODEL = dict(model__d_model=6, model__num_heads=3, model__num_kv_heads=1, model__head_dim=2,
+                 model__d_ff=18)
+
+
+def test_processes_with_nvme_leaves_no_axis_of_which_splits_train_like_one_device(tmp_path):
+  """3 machines of 1 GPU and a 4096-wide model: no axis splits over the devices and every leaf
+  is whole on each. On NVMe each process reads its own copy from its own disk, so each must
+  write it too (process 0 alone did: the others read zeros, then stale weights)."""
+  model = json.dumps(ODD_MODEL)
+  result = subprocess.run([sys.executable, str(RUNS_PY), '--continue', str(tmp_path / 'one'),
+                           TRAIN_DATA, '4', 'nvme', '1', model], cwd=REPO_ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert result.returncode == 0, result.stderr[-5000:]
+  want = _report(result.stdout)['losses']
+  got = _reports(_two_processes('--train', str(tmp_path / 'two'), TRAIN_DATA, '4', 'nvme',
+                                model))[0]['losses']
+  _assert_step_losses_match(got, want, range(1, 5))
+
+
 def _launch_process(i: int, coordinator: str, workdir, steps: int, fault: str = '',
                     tier: str = 'host') -> subprocess.Popen:
   """Process `i` of 2 of `launch.py` (2 CPU devices) training the small model with params and

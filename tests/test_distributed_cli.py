@@ -77,7 +77,7 @@ def test_distributed_flag_is_refused_for_one_process_jobs_too(tmp_path):
 
 
 @pytest.mark.parametrize('flags, fragment', [
-    (['--process_id=0'], '--coordinator_address and --num_processes not given'),
+    (['--process_id=1'], '--coordinator_address and --num_processes not given'),
     (['--coordinator_address=localhost:1', '--num_processes=2'], '--process_id not given'),
     (_processes(process_id=5), '--process_id=5 is not a rank of --num_processes=2: give each '
                                'process its own --process_id, 0 to 1.'),
@@ -93,6 +93,15 @@ def test_process_flags_are_checked_before_jax_distributed(tmp_path, flags, fragm
   result = _launch('--config', 'tiny', f'--workdir={workdir}', *flags)
   _one_error(result, fragment)
   assert 'waiting' not in result.stderr and not workdir.exists()
+
+
+def test_one_process_by_its_flags_is_one_process(tmp_path):
+  """--num_processes=1 --process_id=0 (a launcher's template for a one-machine job) is one
+  process, as before: no jax.distributed, and one-process jobs run."""
+  result = _launch('--config', 'tiny', '--dry_run', '--num_processes=1', '--process_id=0',
+                   f'--workdir={tmp_path / "run"}', timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'waiting' not in result.stderr and 'predicted' in result.stdout
 
 
 def test_distributed_outside_a_cluster_is_one_line(tmp_path):

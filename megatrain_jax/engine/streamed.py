@@ -49,6 +49,7 @@ from megatrain_jax.prefetch import Prefetcher
 from megatrain_jax.schedule import StepSchedule, outer_host_optimizer, piece_kinds
 from megatrain_jax.tiers import TransferStats, make_store
 from megatrain_jax.tiers.base import WriteBudget, resolve
+from megatrain_jax.tiers import nvme
 from megatrain_jax.tiers.nvme import NvmeStore
 
 _GB = 1e9
@@ -110,6 +111,10 @@ class StreamedEngine:
     self.write_budget = WriteBudget(placement.write_budget_bytes(model_cfg))
     self.fn = stage_functions(model_cfg, tx, self.layout)
     self.stores = {kind: self._make_stores(kind) for kind in self.kinds}
+    if placement.uses_nvme:  # stores of another placement or process count: the run's to free
+      nvme.remove_other_stores(placement.dir, {store.name for stores in self.stores.values()
+                                              for store in stores.all()
+                                              if isinstance(store, NvmeStore)})
     # With exact clipping, finished group gradients wait in `grads` until the global norm is known:
     # in the weights' tier, so memory stays bounded on every tier, or with offload.park_grads =
     # device in device memory, which spares each one a round trip through the host.

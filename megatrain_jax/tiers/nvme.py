@@ -34,7 +34,9 @@ import concurrent.futures
 import json
 import os
 import pathlib
+import re
 import shutil
+import stat as stat_lib
 import threading
 
 import jax
@@ -188,8 +190,9 @@ class NvmeStore(Store):
 
   def _boxes_to_write(self, shape: tuple, path: str) -> list[tuple]:
     """The boxes of a piece leaf of `shape` this process writes: the whole leaf with one process,
-    its own shards' with several."""
-    if self._processes == 1:
+    its own shards' with several; and a leaf no axis of which splits over the devices (whole on
+    each) whole by every process, since each reads its own copy from its own disk."""
+    if self._processes == 1 or self.layout.parts(shape, path) is None:
       return [tuple((0, n) for n in shape)]
     return self.layout.owned_boxes(shape, path)
 
@@ -419,40 +422,73 @@ def nvme_bytes(layer_params_bytes: int, params_tier: str, opt_tier: str) -> int:
 
 
 def bytes_held(roots) -> int:
-  """Bytes the files under the directories `roots` take (hard links counted once): for a run's
-  stores and its checkpoints' `nvme/` snapshots (`snapshots`), the disk its NVMe data already
-  holds. A resume rebuilds the stores over them and keeps the checkpoints counted, so this is
-  room the run has, not room it must find again."""
+  """Bytes the files under the directories `roots` take (hard links counted once; symbolic links
+  neither followed nor counted)."""
   seen, held = set(), 0
   for root in roots:
     for parent, _, files in os.walk(pathlib.Path(root).expanduser()):
       for name in files:
         try:
-          stat = os.stat(os.path.join(parent, name))
+          info = os.lstat(os.path.join(parent, name))
         except OSError:  # deleted meanwhile
           continue
-        if (stat.st_dev, stat.st_ino) not in seen:
-          seen.add((stat.st_dev, stat.st_ino))
-          held += stat.st_size
+        if stat_lib.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) not in seen:
+          seen.add((info.st_dev, info.st_ino))
+          held += info.st_size
   return held
 
 
-def held_by_run(directory, checkpoint_dir=None) -> int:
-  """Bytes of a run's NVMe data on offload.dir's filesystem (`bytes_held`): this process's
-  stores in `directory` and, on the same filesystem, the snapshots of the checkpoints in
-  `checkpoint_dir`. The planner and `check_offload_dir` count them as free for the run."""
-  roots = [distributed.process_dir(directory)]
-  if checkpoint_dir is not None:
+# The directories of a run's stores in offload.dir (streamed.py names them by what they hold:
+# params, opt_state, grads of the layers; <kind>_params, _opt, _grads of the outer pieces) and,
+# with one process, the process-<i> directories a run of several left there.
+_STORE_DIR = re.compile(r'(params|opt_state|grads|[a-z_]+_(params|opt|grads))')
+_PROCESS_DIR = re.compile(r'process-\d+')
+
+
+def store_dirs(directory) -> list:
+  """This process's store directories in offload.dir `directory` (`_STORE_DIR`; with one process
+  also those of several processes before): live stores, never trusted across runs (a run
+  rebuilds every store it uses from its checkpoint; `remove_other_stores` deletes the rest), so
+  their disk is the run's to take."""
+  mine = distributed.process_dir(directory)
+  patterns = [_STORE_DIR] + ([_PROCESS_DIR] if mine == pathlib.Path(directory) else [])
+  if not mine.is_dir():
+    return []
+  return [d for d in mine.iterdir() if d.is_dir() and not d.is_symlink()
+          and any(p.fullmatch(d.name) for p in patterns)]
+
+
+def remove_other_stores(directory, used: set) -> None:
+  """Deletes this process's store directories in `directory` that no store of the run (names
+  `used`) rebuilds: a placement that moved a piece off NVMe, or a run of another process count,
+  left them, and the planner counted their disk as free (`held_by_run`)."""
+  for stale in store_dirs(directory):
+    if stale.name not in used:
+      shutil.rmtree(stale, ignore_errors=True)
+
+
+def held_by_run(directory, checkpoint_dir=None, keep: int = 0) -> int:
+  """Bytes of a run's NVMe data on offload.dir's filesystem (`bytes_held`): its stores in
+  `directory` (`store_dirs`) and, on the same filesystem, the snapshots of the newest `keep`
+  checkpoints in `checkpoint_dir`, which the run keeps and its plan counts. The planner and
+  `check_offload_dir` count them as free for the run: a resume plans with the disk it started
+  with."""
+  roots = store_dirs(directory)
+  if checkpoint_dir is not None and keep > 0:
     existing = nearest_existing(pathlib.Path(directory).expanduser().absolute())
     checkpoints = nearest_existing(pathlib.Path(checkpoint_dir).absolute())
     if os.stat(checkpoints).st_dev == os.stat(existing).st_dev:
-      roots += snapshots(checkpoint_dir)
+      roots += snapshots(checkpoint_dir, keep)
   return bytes_held(roots)
 
 
-def snapshots(checkpoint_dir) -> list:
-  """The `nvme/` snapshots of the checkpoints in `checkpoint_dir` (committed or being written)."""
-  return list(pathlib.Path(checkpoint_dir).glob('*/nvme')) if checkpoint_dir is not None else []
+def snapshots(checkpoint_dir, keep: int) -> list:
+  """The `nvme/` snapshots of the newest `keep` committed checkpoints in `checkpoint_dir`."""
+  if checkpoint_dir is None or not pathlib.Path(checkpoint_dir).is_dir():
+    return []
+  steps = sorted((d for d in pathlib.Path(checkpoint_dir).iterdir() if d.name.isdigit()),
+                 key=lambda d: int(d.name))
+  return [d / 'nvme' for d in steps[-keep:] if (d / 'nvme').is_dir()] if keep > 0 else []
 
 
 def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
@@ -487,7 +523,7 @@ def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
   else:
     needed = needed_bytes
     what = f'the NVMe stores need {needed / 1e9:,.2f} GB (uncompressed FP32)'
-  held = held_by_run(directory, checkpoint_dir if same_disk else None)
+  held = held_by_run(directory, checkpoint_dir if same_disk else None, keep)
   free = shutil.disk_usage(existing).free + held
   if free < needed:
     raise ConfigError(f'offload.dir={directory}: {what} but only {free / 1e9:,.2f} GB are free '
@@ -495,7 +531,7 @@ def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
                       f'{fix}.')
   if checkpoints is not None and not same_disk:
     needed = needed_bytes * (keep + 1)
-    free = shutil.disk_usage(checkpoints).free + bytes_held(snapshots(checkpoint_dir))
+    free = shutil.disk_usage(checkpoints).free + bytes_held(snapshots(checkpoint_dir, keep))
     if free < needed:
       raise ConfigError(
           f'checkpoint.keep={keep}: the checkpoints in {checkpoint_dir} hold copies of the NVMe '
