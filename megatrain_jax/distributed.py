@@ -73,9 +73,11 @@ def check_process_flags(coordinator_address: str, num_processes: int | None,
   if timeout_s < 1:
     raise ConfigError(f'--initialization_timeout={timeout_s}: seconds to wait for every process '
                       'to join, >= 1 (default 300).')
-  if coordinator_address and not re.fullmatch(r'\S+:\d+', coordinator_address):
+  port = coordinator_address.rsplit(':', 1)[-1]
+  if coordinator_address and not (re.fullmatch(r'\S+:\d+', coordinator_address)
+                                  and 0 < int(port) < 65536):
     raise ConfigError(f'--coordinator_address={coordinator_address}: must be HOST:PORT of '
-                      'process 0 (e.g. node0:29500), the same on every process.')
+                      'process 0 (e.g. node0:29500; a port 1-65535), the same on every process.')
   if num_processes is not None and num_processes < 1:
     raise ConfigError(f'--num_processes={num_processes}: must be >= 1; {fix}.')
   if process_id is not None and not 0 <= process_id < (num_processes or process_id + 1):
@@ -219,7 +221,8 @@ def from_main(values: list[int]) -> list[int]:
 
 # Config fields that name something of each machine's own (a local disk, its compile cache, how
 # many of its cores tokenize): they may differ between the processes of a run.
-LOCAL_FIELDS = ('offload.dir', 'jax_cache_dir', 'data.num_workers')
+LOCAL_FIELDS = ('offload.dir', 'jax_cache_dir', 'data.num_workers', 'train.progress_bar',
+                'runtime.allocator', 'profile.start_step', 'profile.steps')
 
 
 def check_same_config(config: ml_collections.ConfigDict, workdir: str) -> None:

@@ -1057,10 +1057,10 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
     p = closest.placement
     n = closest.devices.count  # train.batch_size splits over them: at least 1 sequence each
     needed, available = tiers['device']
-    device = []
-    if _batch_bytes(closest) >= 0.25 * (needed - available):  # else they cannot close the gap
-      device.append(f'lower train.batch_size (now {closest.batch_size})' if closest.batch_size > n
-                    else f'lower train.seq_len (now {closest.seq_len})')
+    batch = (f'lower train.batch_size (now {closest.batch_size})' if closest.batch_size > n
+             else f'lower train.seq_len (now {closest.seq_len})')
+    # Named first only where the batch's rows could close much of the gap.
+    device = [batch] if _batch_bytes(closest) >= 0.25 * (needed - available) else []
     if not closest.budgets.get('_unified'):  # CPU devices would share the same RAM
       device.append(f'shard the state over more devices (parallel.devices, now {n})')
     if closest.microbatches > 1:  # streamed: each microbatch's hidden state stays on device;
@@ -1076,8 +1076,7 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
       device.append("set offload.keep_layer_inputs='false'")
     if p.streamed and 'device' in (p.embed_head, p.activations):
       device.append("set offload.embed_head='host' / offload.activations='host'")
-    if device:
-      hints.append(' or '.join(device) + ' (device memory)')
+    hints.append(' or '.join(device or [batch]) + ' (device memory)')
   if any('XLA_PJRT' in t for t in tiers):
     hints.append(f'raise {PINNED_LIMIT_ENV} (XLA\'s cap on pinned host memory) toward the RAM '
                  'you have')

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import pathlib
+import sys
 import time
 from typing import Iterable
 
@@ -200,8 +201,6 @@ def resolve_plan(config, model_cfg, workdir: pathlib.Path, checkpointer: Checkpo
     hw, plan = plan_for(config, workdir, dry_run=False)
   if plan.placement.uses_nvme:
     _check_offload_dir(config, model_cfg, workdir, plan.placement)
-  if restored is not None and distributed.is_main():
-    _note_other_placement(restored, plan.placement)
   return config, hw, plan, restored
 
 
@@ -214,6 +213,8 @@ def _note_other_placement(restored, placement) -> None:
   """Says so when the plan puts the state elsewhere than the checkpoint's run had it (`auto`
   fields planned for the memory and disk free now): the numbers resume exactly, but the
   memory and speed are another placement's."""
+  if restored is None:
+    return
   was, now = restored.meta.get('placement') or {}, dataclasses.asdict(placement)
   changed = [f'{key} {was[key]} -> {now[key]}' for key in _PLACED
              if key in was and was[key] != now[key]]
@@ -575,6 +576,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       return {}
     if main:
       _print_workdir(config, plan, workdir)
+      _note_other_placement(restored, plan.placement)
     # A streamed run's heap is trimmed above the plan's host peak (runtime.trim_limit).
     runtime.configure(config, streamed=plan.placement.streamed,
                       host_peak_bytes=plan.host_peak_bytes)
@@ -616,9 +618,11 @@ def _closing(close):
     del exc_type, traceback
     try:
       close()
-    except Exception:  # pylint: disable=broad-except
+    except Exception as error:  # pylint: disable=broad-except
       if exc is None:
         raise
+      print(f'note: while the run stopped, closing failed too: {type(error).__name__}: '
+            f'{" ".join(str(error).split())[:300]}', file=sys.stderr, flush=True)
     return False  # the run's own error, if any, goes on
   return exit_callback
 

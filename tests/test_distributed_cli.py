@@ -83,8 +83,11 @@ def test_distributed_flag_is_refused_for_one_process_jobs_too(tmp_path):
                                'process its own --process_id, 0 to 1.'),
     (['--coordinator_address=localhost', '--num_processes=2', '--process_id=0'],
      '--coordinator_address=localhost: must be HOST:PORT'),
+    (_processes('localhost:70000', process_id=0), '--coordinator_address=localhost:70000: must '
+                                                   'be HOST:PORT'),
     ([*_processes(), '--initialization_timeout=0'], '--initialization_timeout=0: seconds'),
-], ids=['rank-alone', 'no-rank', 'rank-out-of-range', 'no-port', 'zero-timeout'])
+], ids=['rank-alone', 'no-rank', 'rank-out-of-range', 'no-port', 'port-out-of-range',
+        'zero-timeout'])
 def test_process_flags_are_checked_before_jax_distributed(tmp_path, flags, fragment):
   """Incomplete or out-of-range process flags: one line naming the fix (JAX's ValueError
   tracebacks before; --process_id alone trained one process as if it were not there), before

@@ -138,10 +138,10 @@ def test_metrics_rows_past_the_restart_step_are_dropped(tmp_path, start_step, ke
   assert oct((tmp_path / 'metrics.jsonl').stat().st_mode & 0o777) == oct(0o644)
 
 
-def test_a_close_that_fails_does_not_hide_the_error_the_run_ends_with():
+def test_a_close_that_fails_does_not_hide_the_error_the_run_ends_with(capsys):
   """The engine's and checkpointer's closes run as the run unwinds: a write-behind that failed
   with the run (a lost process's collective) must not replace the run's one-line error with its
-  traceback; with no error in flight, the close's own error is raised."""
+  traceback (it is a note on stderr); with no error in flight, the close's own error is raised."""
   def failing_close():
     raise RuntimeError('write-behind failed')
 
@@ -149,6 +149,8 @@ def test_a_close_that_fails_does_not_hide_the_error_the_run_ends_with():
     with contextlib.ExitStack() as stack:
       stack.push(train._closing(failing_close))
       raise TrainingDivergedError('the run')
+  assert capsys.readouterr().err == ('note: while the run stopped, closing failed too: '
+                                     'RuntimeError: write-behind failed\n')
   with pytest.raises(RuntimeError, match='write-behind failed'):
     with contextlib.ExitStack() as stack:
       stack.push(train._closing(failing_close))
