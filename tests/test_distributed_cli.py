@@ -136,8 +136,9 @@ def test_a_process_whose_peers_never_join_says_so_and_stops(tmp_path):
   stops with one line (JAX aborted it with a C++ stack after 300 s, silent until then)."""
   result = _launch('--config', 'tiny', f'--workdir={tmp_path / "run"}',
                    *_processes(f'localhost:{_free_port()}'), '--initialization_timeout=2')
-  assert result.stderr.startswith('process 1 of 2: waiting up to 2 s (--initialization_timeout) '
-                                  'for all 2 processes to join at localhost:'), result.stderr
+  assert any(line.startswith('process 1 of 2: waiting up to 2 s (--initialization_timeout) for '
+                             'all 2 processes to join at localhost:')
+             for line in result.stderr.splitlines()), result.stderr
   _one_error(result, 'error: process 1 of 2: not every process joined at localhost:')
   assert not (tmp_path / 'run').exists()
 
