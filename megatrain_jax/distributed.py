@@ -239,16 +239,34 @@ def check_same_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   for name in LOCAL_FIELDS:
     fields.pop(name, None)
   fields['--workdir'] = os.path.abspath(os.path.expanduser(workdir))
-  text = json.dumps(fields, sort_keys=True)
-  digests = _gathered(np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8))
+  everyone = texts_if_different(json.dumps(fields, sort_keys=True))
+  if everyone is not None:
+    raise ConfigError(_config_differences([json.loads(text) for text in everyone]))
+
+
+def check_same_plan(summary: str) -> None:
+  """Every process planned the same placement (`summary`: its placement and microbatches): each
+  plans its `auto` fields for its own machine's memory and disk, and processes that stream
+  differently would wait for each other's collectives forever. One process: nothing."""
+  everyone = texts_if_different(summary) if jax.process_count() > 1 else None
+  if everyone is not None:
+    plans = '; '.join(f'process {i}: {text}' for i, text in enumerate(everyone))
+    raise ConfigError(f'the processes planned different placements for their machines ({plans}). '
+                      'Give every machine the same free memory and disk, or set the offload.* '
+                      'fields and train.microbatches the plan of process 0 names.')
+
+
+def texts_if_different(text: str) -> list[str] | None:
+  """Every process's `text` (in process order) when they are not all the same, else None: an
+  all-gather of a 32-byte digest, and of the texts themselves only when the digests differ."""
+  data = text.encode()
+  digests = _gathered(np.frombuffer(hashlib.sha256(data).digest(), np.uint8))
   if (digests == digests[0]).all():
-    return
-  lengths = _gathered(np.asarray([len(text.encode())], np.int64)).reshape(-1)
+    return None
+  lengths = _gathered(np.asarray([len(data)], np.int64)).reshape(-1)
   padded = np.zeros(int(lengths.max()), np.uint8)
-  padded[:lengths[jax.process_index()]] = np.frombuffer(text.encode(), np.uint8)
-  everyone = [json.loads(bytes(row[:n]).decode())
-              for row, n in zip(_gathered(padded), lengths)]
-  raise ConfigError(_config_differences(everyone))
+  padded[:len(data)] = np.frombuffer(data, np.uint8)
+  return [bytes(row[:n]).decode() for row, n in zip(_gathered(padded), lengths)]
 
 
 def _gathered(values: np.ndarray) -> np.ndarray:

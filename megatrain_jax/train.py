@@ -572,6 +572,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # Closed last, however the run ends: commits the checkpoint in flight.
     locked.push(_closing(checkpointer.close))
     config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
+    distributed.check_same_plan(f'{plan.placement.summary()}, M={plan.microbatches}')
     if not config.train.epochs and _finished(restored, config, main):  # a finished run, rerun
       return {}
     if main:

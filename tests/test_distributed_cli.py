@@ -8,6 +8,7 @@ runs of 2 processes start launch.py twice, joined through a free local port, as 
 two machines (tests/test_distributed.py trains and kills such runs).
 """
 
+import dataclasses
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ import sys
 import pytest
 
 from helpers import JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, SMALL_MODEL, config_with
-from megatrain_jax import distributed
+from megatrain_jax import distributed, hardware
 from megatrain_jax.errors import ConfigError
 
 # A refusal comes within seconds; without it, a process waits for peers that never come (JAX
@@ -158,9 +159,10 @@ def test_parallel_devices_of_several_processes_is_every_device():
   assert distributed.device_count(config_with(parallel__devices=2), 4, processes=1) == 2
 
 
-def _two(workdir, *args, process_1=(), steps: int = 4) -> list[subprocess.Popen]:
+def _two(workdir, *args, process_1=(), steps: int = 4, homes=(None, None)) -> list:
   """launch.py as processes 0 and 1 of 2 (2 CPU devices each) training the small model in
-  `workdir`, `args` on both and `process_1` on process 1 only (later flags win)."""
+  `workdir`, `args` on both and `process_1` on process 1 only (later flags win); `homes`: each
+  process's HOME (None: this one's)."""
   fields = {**SMALL_MODEL, 'data__path': TRAIN_DATA, 'train__steps': steps,
             'train__batch_size': 4, 'train__seq_len': 64, 'train__log_every': 1,
             'train__eval_every': 0, 'train__progress_bar': False, 'checkpoint__every': 2,
@@ -171,7 +173,8 @@ def _two(workdir, *args, process_1=(), steps: int = 4) -> list[subprocess.Popen]
   return [subprocess.Popen(
       [sys.executable, str(REPO_ROOT / 'launch.py'), '--config', 'tiny', f'--workdir={workdir}',
        *config, *args, *_processes(coordinator, i), *(process_1 if i else ())],
-      cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      cwd=REPO_ROOT, env=dict(env, **({'HOME': str(homes[i])} if homes[i] else {})),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
       for i in range(2)]
 
 
@@ -202,6 +205,24 @@ def test_processes_started_with_different_configs_stop_with_one_line(tmp_path):
                    'Run the same command on every process, changing only --process_id.'):
     assert fragment in lines[0], lines[0]
   assert not (tmp_path / 'run').exists() and not other.exists()
+
+
+def test_processes_that_plan_other_placements_stop_with_one_line(tmp_path):
+  """The same config, but process 1's machine calibrated with little device memory: its plan
+  streams the state where process 0's keeps it resident, and the two would wait for each other's
+  collectives forever. Both stop with one line naming each plan and the fix."""
+  homes = [tmp_path / 'home0', tmp_path / 'home1']
+  # 1.6 MB a device: the small model's resident step no longer fits on each of the 4 devices,
+  # the host placement with the embedding on the device does (the plans' device rows).
+  small = dataclasses.replace(hardware.PRESETS['cpu'], device_memory_gb=0.0016)
+  hardware.save_profile(small, homes[1] / '.cache' / 'megatrain_jax' / 'hardware.json')
+  processes = _two(tmp_path / 'run', homes=homes)
+  outputs = _ended(processes, timeout=REFUSAL_TIMEOUT_S)
+  lines = [_one_error(subprocess.CompletedProcess([], p.returncode, out, err),
+                      'the processes planned different placements for their machines')
+           for p, (out, err) in zip(processes, outputs)]
+  assert 'process 0: resident' in lines[0] and 'process 1: params' in lines[0], lines[0]
+  assert lines[0] == lines[1]
 
 
 def test_several_processes_refuse_a_subset_of_their_devices(tmp_path):
