@@ -208,16 +208,21 @@ def _end_prepare(signum, frame) -> None:
   os._exit(130)  # pylint: disable=protected-access
 
 
-def _fail(message: str, several_processes: bool) -> None:
+def _fail(message: str, several_processes: bool, everyone: bool = False) -> None:
   """Ends the process with `message` on stderr and status 1. A process of a multi-process run
   ends at once (os._exit): jax.distributed's exit handler would wait at a shutdown barrier for the
   other processes while they wait for this one in their next collective, and the run would hang
   until the barrier timed out (minutes), then abort with a page of C++ log. Gone at once, it is
-  seen as lost within distributed.HEARTBEAT_S, and the others stop with their own error."""
+  seen as lost within distributed.HEARTBEAT_S, and the others stop with their own error. An error
+  `everyone` meets (a refusal of the config they share) first waits for the others to say it too
+  (distributed.stop_together)."""
   if not several_processes:
     sys.exit(message)
   print(message, file=sys.stderr, flush=True)
   sys.stdout.flush()
+  if everyone:
+    from megatrain_jax import distributed  # pylint: disable=g-import-not-at-top
+    distributed.stop_together()
   os._exit(1)  # pylint: disable=protected-access
 
 
@@ -265,18 +270,20 @@ def main(argv):
   del argv
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  several = _several_processes()
+  several, joined = _several_processes(), False
   try:
     if several:  # before any device, and before anything is written
       from megatrain_jax import distributed  # pylint: disable=g-import-not-at-top
       distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                              _INIT_TIMEOUT.value)
+      joined = True
       distributed.check_same_config(_CONFIG.value, _WORKDIR.value)
     from megatrain_jax import train  # pylint: disable=g-import-not-at-top  (`--help` stays fast)
     _run(train)
   except (ConfigError, TrainingDivergedError, StoreCorruptionError, DiskFullError,
           ProcessLostError) as e:
-    _fail(f'error: {e}', several)  # ProcessLostError: only ever with several
+    _fail(f'error: {e}', several,  # ProcessLostError: only ever with several
+          everyone=joined and isinstance(e, (ConfigError, TrainingDivergedError)))
   except Exception:  # pylint: disable=broad-except  (a bug: its traceback, then the same exit)
     if not several:
       raise

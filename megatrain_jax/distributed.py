@@ -125,6 +125,30 @@ def initialize(coordinator_address: str = '', num_processes: int = 0,
     watchdog.cancel()
 
 
+# How long a process that refuses a run waits for the others to reach the same refusal before it
+# leaves (`stop_together`): they checked the same config, but a loaded machine may be seconds
+# behind (importing, planning).
+REFUSAL_WAIT_S = 30
+
+
+def stop_together(timeout_s: float = REFUSAL_WAIT_S) -> bool:
+  """Leaves jax.distributed together with the other processes, each on its way out with the same
+  refusal (a ConfigError every process meets: they run one config). Process 0 runs the
+  coordination service: gone first, it took the others down with it (an abort, status -6 and a
+  page of C++ stack) while they were still on their way to the same one-line error. False when
+  not every process came within `timeout_s` (the refusal was this process's own): exit at once."""
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+  client = jax_distributed.global_state.client
+  if client is None:
+    return False
+  try:
+    client.wait_at_barrier('megatrain_jax_stop_together', int(timeout_s * 1000))
+    jax.distributed.shutdown()  # every process is at its shutdown barrier: it passes at once
+  except Exception:  # pylint: disable=broad-except  (a timeout, a process gone: exit anyway)
+    return False
+  return True
+
+
 def _not_joined(message: str) -> None:
   """`initialize`'s deadline passed (a thread of its own: jax.distributed waits in C++)."""
   print(message, file=sys.stderr, flush=True)

@@ -576,8 +576,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if not config.train.epochs and _finished(restored, config, main):  # a finished run, rerun
       return {}
     if main:
-      _print_workdir(config, plan, workdir)
-      _note_other_placement(restored, plan.placement)
+      _print_start(config, plan, workdir, restored)
     # A streamed run's heap is trimmed above the plan's host peak (runtime.trim_limit).
     runtime.configure(config, streamed=plan.placement.streamed,
                       host_peak_bytes=plan.host_peak_bytes)
@@ -716,12 +715,14 @@ def _finished(restored, config, main: bool) -> bool:
   return True
 
 
-def _print_workdir(config, plan, workdir: pathlib.Path) -> None:
+def _print_start(config, plan, workdir: pathlib.Path, restored) -> None:
+  """What a starting run writes where, and a resume's change of placement, if any."""
   print(metrics_lib.describe_workdir(
       workdir, checkpoint_every=config.checkpoint.every, checkpoint_keep=config.checkpoint.keep,
       checkpoint_best=config.checkpoint.keep_best,
       checkpoint_minutes=config.checkpoint.every_minutes, data_dir=config.data.cache_dir,
       nvme_dir=plan.placement.dir if plan.placement.uses_nvme else None), flush=True)
+  _note_other_placement(restored, plan.placement)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -159,10 +159,31 @@ def test_parallel_devices_of_several_processes_is_every_device():
   assert distributed.device_count(config_with(parallel__devices=2), 4, processes=1) == 2
 
 
-def _two(workdir, *args, process_1=(), steps: int = 4, homes=(None, None)) -> list:
+# Imported first by a process whose PYTHONPATH holds it: it imports megatrain_jax.train some
+# seconds late, as a process on a loaded machine is late to a refusal the others already met.
+_LATE_TRAIN_IMPORT = """
+import importlib.abc, sys, time
+class _Late(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name == 'megatrain_jax.train':
+      sys.meta_path.remove(self)
+      time.sleep({seconds})
+    return None
+sys.meta_path.insert(0, _Late())
+"""
+
+
+def _late(directory, seconds: float) -> dict:
+  """The environment of a process that imports megatrain_jax.train `seconds` late."""
+  directory.mkdir(parents=True, exist_ok=True)
+  (directory / 'sitecustomize.py').write_text(_LATE_TRAIN_IMPORT.format(seconds=seconds))
+  return {'PYTHONPATH': os.pathsep.join([str(directory), os.environ.get('PYTHONPATH', '')])}
+
+
+def _two(workdir, *args, process_1=(), steps: int = 4, homes=(None, None), env_1=None) -> list:
   """launch.py as processes 0 and 1 of 2 (2 CPU devices each) training the small model in
   `workdir`, `args` on both and `process_1` on process 1 only (later flags win); `homes`: each
-  process's HOME (None: this one's)."""
+  process's HOME (None: this one's); `env_1`: variables of process 1's environment."""
   fields = {**SMALL_MODEL, 'data__path': TRAIN_DATA, 'train__steps': steps,
             'train__batch_size': 4, 'train__seq_len': 64, 'train__log_every': 1,
             'train__eval_every': 0, 'train__progress_bar': False, 'checkpoint__every': 2,
@@ -173,7 +194,8 @@ def _two(workdir, *args, process_1=(), steps: int = 4, homes=(None, None)) -> li
   return [subprocess.Popen(
       [sys.executable, str(REPO_ROOT / 'launch.py'), '--config', 'tiny', f'--workdir={workdir}',
        *config, *args, *_processes(coordinator, i), *(process_1 if i else ())],
-      cwd=REPO_ROOT, env=dict(env, **({'HOME': str(homes[i])} if homes[i] else {})),
+      cwd=REPO_ROOT, env=dict(env, **({'HOME': str(homes[i])} if homes[i] else {}),
+                              **(env_1 or {} if i else {})),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
       for i in range(2)]
 
@@ -228,8 +250,10 @@ def test_processes_that_plan_other_placements_stop_with_one_line(tmp_path):
 def test_several_processes_refuse_a_subset_of_their_devices(tmp_path):
   """parallel.devices=2 of 2 processes x 2 devices (the first 2 are process 0's: process 1 failed
   on arrays it cannot address, after config.json and metrics were written): both stop with one
-  line before anything is written."""
-  processes = _two(tmp_path / 'run', '--config.parallel.devices=2')
+  line before anything is written. Process 1 comes to the refusal 5 s after process 0 (a loaded
+  machine): process 0, gone at once, took it down with an abort (status -6, a C++ stack)."""
+  processes = _two(tmp_path / 'run', '--config.parallel.devices=2',
+                   env_1=_late(tmp_path / 'late', seconds=5))
   for p, (out, err) in zip(processes, _ended(processes, timeout=REFUSAL_TIMEOUT_S)):
     _one_error(subprocess.CompletedProcess([], p.returncode, out, err),
                'parallel.devices=2: a run of 2 processes uses every device of every process (4 '
