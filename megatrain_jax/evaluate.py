@@ -11,8 +11,10 @@ each token (after the first window) with at least max_len - stride of them.
 
 eval.path takes what data.path takes (data/formats.py): a file, a directory (its non-hidden files,
 sorted) or a glob pattern of .txt (or any other text), .jsonl(.zst/.gz), .parquet and .arrow.
-The files are read in order into one stream. A text file is tokenized whole, as is (no EOS: the
-perplexity guide's definition, and what eval.path always meant). Record files are read by the data
+The files are read in order into one stream. A text file is tokenized whole, as the perplexity
+guide's `tokenizer(text)` tokenizes it: no EOS, and the tokenizer's BOS first where it adds one
+(Llama's; not GPT-2's or Qwen's), once, at the start of the stream, so that every token of the
+text is scored. Record files are read by the data
 package's readers, each record one document stored as training stores it ([BOS] tokens EOS,
 data/documents.py, with data.text_field / prompt_field / completion_field / eos_token). Where
 records carry a loss mask (prompt/completion or chat records), only the targets training learns
@@ -44,7 +46,7 @@ import numpy as np
 from megatrain_jax import metrics
 from megatrain_jax import model as model_lib
 from megatrain_jax import partition
-from megatrain_jax.data import data_format, document_format, unlearn_starts
+from megatrain_jax.data import added_bos, data_format, document_format, unlearn_starts
 from megatrain_jax.data import formats
 from megatrain_jax.data.tokenizer import encode_text
 from megatrain_jax.errors import ConfigError
@@ -77,14 +79,16 @@ def windows(num_tokens: int, max_len: int, stride: int) -> list[Window]:
 _FIELD = 'eval.path'
 
 
-def _text_tokens(file: Path, tokenizer) -> np.ndarray:
+def _text_tokens(file: Path, tokenizer, bos: int | None = None) -> np.ndarray:
   """A text file's tokens: those of its whole text tokenized at once (as the perplexity guide
   does), read and encoded in bounded chunks, cut where the ids do not change (formats.text_tasks
-  with the tokenizer, as the prepare step reads text): a whole file at once took ~300x its size."""
-  ids = [encode_text(tokenizer, task.text)
-         for task, _ in formats.text_tasks(file, _FIELD, formats.TEXT_CHUNK_CHARS, tokenizer,
-                                           exact=True)]
-  return np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32)
+  with the tokenizer, as the prepare step reads text): a whole file at once took ~300x its size.
+  `bos`: an id put first."""
+  ids = [np.asarray([] if bos is None else [bos], np.int64)]
+  ids += [encode_text(tokenizer, task.text)
+          for task, _ in formats.text_tasks(file, _FIELD, formats.TEXT_CHUNK_CHARS, tokenizer,
+                                            exact=True)]
+  return np.concatenate(ids).astype(np.int32)
 
 
 def _record_tokens(file: Path, tokenizer, fmt) -> tuple[np.ndarray, np.ndarray | None,
@@ -152,9 +156,10 @@ def read_eval_data(path: str, tokenizer, data_config=None, document_eos: int = -
   formats.check_directories([path], None, _FIELD)
   fmt = None
   pieces = []
-  for file in files:
-    if formats.source_format(file) == formats.TEXT:
-      text = _text_tokens(file, tokenizer)  # its documents end at the EOS ids it holds, if any
+  for index, file in enumerate(files):
+    if formats.source_format(file) == formats.TEXT:  # the stream's start: BOS, as tokenizer(text)
+      text = _text_tokens(file, tokenizer, added_bos(tokenizer) if index == 0 else None)
+      # Its documents end at the EOS ids it holds, if any.
       pieces.append((text, None, np.flatnonzero(text == document_eos).astype(np.int64) + 1))
       continue
     if fmt is None:

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from helpers import JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, read_rows
 from megatrain_jax import config as config_lib
@@ -109,6 +109,19 @@ def eval_text(tmp_path_factory):
   path = tmp_path_factory.mktemp('text') / 'eval.txt'
   path.write_text(TEXT.read_text()[200_000:202_000])
   return path
+
+
+def _with_bos(checkpoint, directory):
+  """A copy of `checkpoint` whose tokenizer.json prepends a BOS (id 300) to every text, as
+  Llama 3's does (its tokenizer_config.json names it, without add_bos_token)."""
+  shutil.copytree(checkpoint, directory)
+  tokenizer = Tokenizer.from_file(str(directory / 'tokenizer.json'))
+  tokenizer.add_special_tokens(['<|begin_of_text|>'])
+  tokenizer.post_processor = processors.TemplateProcessing(
+      single='<|begin_of_text|> $A', special_tokens=[('<|begin_of_text|>', 300)])
+  tokenizer.save(str(directory / 'tokenizer.json'))
+  (directory / 'tokenizer_config.json').write_text(json.dumps({'bos_token': '<|begin_of_text|>'}))
+  return directory
 
 
 def _config(**overrides):
@@ -215,16 +228,25 @@ STREAMED = dict(offload__params='host', offload__opt_state='host', offload__embe
     ('llama', 16, STREAMED), ('qwen2', 32, {}), ('mistral', 10, {}), ('qwen3', 16, STREAMED),
     ('phi3', 16, STREAMED)])
 def test_eval_equals_transformers(arch, stride, placement, checkpoints, eval_text, tmp_path):
-  config = _config(init__from_hf=str(checkpoints[arch]), eval__path=str(eval_text),
+  """--eval's loss over the tokens transformers' `tokenizer(text)` gives, the perplexity guide's
+  definition: Llama's starts with its BOS (a tokenizer.json that prepends it, as Llama 3's
+  does), so every token of the text is scored; the others add none."""
+  source = checkpoints[arch]
+  if arch == 'llama':
+    source = _with_bos(checkpoints[arch], tmp_path / 'llama')
+  config = _config(init__from_hf=str(source), eval__path=str(eval_text),
                    eval__max_len=32, eval__stride=stride, eval__batch_size=3, **placement)
   result = train.evaluate(config, str(tmp_path / 'w'))
   if placement:
     resolved, _ = runs.resolve_init(config, str(tmp_path / 'x'))
     groups, vocab, _ = train._eval_pieces(resolved, config_lib.validate(resolved), tmp_path)
     assert (len(groups), len(vocab)) == (2, 10)
-  tokenizer = Tokenizer.from_file(str(checkpoints[arch] / 'tokenizer.json'))
-  ids = np.asarray(tokenizer.encode(eval_text.read_text(), add_special_tokens=False).ids)
-  model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.float32)
+  ids = np.asarray(transformers.AutoTokenizer.from_pretrained(source)(eval_text.read_text())[
+      'input_ids'])
+  plain = Tokenizer.from_file(str(source / 'tokenizer.json')).encode(
+      eval_text.read_text(), add_special_tokens=False).ids
+  assert list(ids) == ([300] if arch == 'llama' else []) + plain
+  model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
   want, count = _torch_perplexity(model.eval(), ids, 32, stride)
   assert result['eval/tokens'] == count == ids.size - 1
   assert abs(result['eval/loss'] - want) <= TOL * want, (result['eval/loss'], want)

@@ -13,7 +13,8 @@ Typical use by the trainer:
 """
 
 from megatrain_jax.data.corpus import default_corpus_text
-from megatrain_jax.data.documents import DocumentFormat, document_format, prompt_ids
+from megatrain_jax.data.documents import (DocumentFormat, added_bos, document_format,
+                                          prompt_ids)
 from megatrain_jax.data.formats import read_prompts
 from megatrain_jax.data.generation import sampling_defaults, stop_ids
 from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, batch_scalars,
@@ -34,6 +35,7 @@ __all__ = [
     'DocumentFormat',
     'HFTokenizer',
     'Tokenizer',
+    'added_bos',
     'check_data_config',
     'check_document_ends',
     'data_format',

@@ -197,6 +197,25 @@ def _byte_format(eos_token: str, fields: dict[str, Any]) -> DocumentFormat:
   return DocumentFormat(eos=encoded[0], eos_text=eos_text, refuse_nul=encoded[0] == 0, **fields)
 
 
+def added_bos(tokenizer: Tokenizer) -> int | None:
+  """The BOS id `tokenizer` puts before a text (transformers' `tokenizer(text)`), or None:
+  `add_bos_token: true` in tokenizer_config.json, or, where it does not say, what the
+  tokenizer.json's post-processor prepends (a single id). The byte tokenizer adds none."""
+  if isinstance(tokenizer, ByteTokenizer):
+    return None
+  return _added_bos(tokenizer, read_tokenizer_config(tokenizer))
+
+
+def _added_bos(tokenizer: Tokenizer, config: dict[str, Any]) -> int | None:
+  bos_text = token_text(config.get('bos_token'))
+  if config.get('add_bos_token') is True and bos_text:
+    return getattr(tokenizer, 'token_id', lambda _: None)(bos_text)
+  if 'add_bos_token' not in config and hasattr(tokenizer, 'added_prefix'):
+    prefix = tokenizer.added_prefix()
+    return prefix[0] if len(prefix) == 1 else None
+  return None
+
+
 def document_format(tokenizer: Tokenizer, *, eos_token: str = '', text_field: str = 'text',
                     prompt_field: str = 'prompt', completion_field: str = 'completion',
                     skip_bad_records: bool = False, text_documents: bool = False,
@@ -224,12 +243,7 @@ def document_format(tokenizer: Tokenizer, *, eos_token: str = '', text_field: st
                       "data.eos_token to the tokenizer's end-of-text token (e.g. '</s>', "
                       "'<|endoftext|>').")
   bos_text = token_text(config.get('bos_token')) or ''
-  bos = None
-  if config.get('add_bos_token') is True and bos_text:
-    bos = token_id(bos_text)
-  elif 'add_bos_token' not in config and hasattr(tokenizer, 'added_prefix'):
-    prefix = tokenizer.added_prefix()
-    bos = prefix[0] if len(prefix) == 1 else None
+  bos = _added_bos(tokenizer, config)
   if chat_template is None:  # the tokenizer's own (not read where data.chat_template replaces it)
     path = getattr(tokenizer, 'path', None)
     chat_template = _chat_template(config, None if path is None else Path(path).parent)
