@@ -308,6 +308,9 @@ def test_checkpoints_move_between_placements(tmp_path, tmp_path_factory, data, m
     assert len(notes) == 1 and 'params nvme -> device; opt_state nvme -> device' in notes[0]
   if 'offload__codec' in first:
     assert notes == []
+  if first.get('offload__params') == 'nvme' and second.get('offload__params') == 'host':
+    # The store of the piece that moved to the host is deleted (its arrays are the run's).
+    assert sorted(p.name for p in (tmp_path / 'offload').iterdir()) == ['opt_state']
 
 
 # ------------------------------------------------------------------------------------------------
@@ -507,17 +510,24 @@ def test_the_disk_a_run_holds_counts_as_free_for_it(tmp_path, monkeypatch):
   checkpoints it keeps hold: they are rebuilt or kept, not added. Before, a 1B run killed
   mid-checkpoint came back under another placement with 2.4x the RAM, its own 20 GB counted as
   taken. Nothing else in offload.dir counts: another program's files, symbolic links, the
-  snapshots of checkpoints beyond checkpoint.keep (deleted only after the next commit)."""
+  snapshots of checkpoints beyond checkpoint.keep (deleted only after the next commit), a
+  directory of a store's name that holds anything but arrays (a user's own, in a shared
+  offload.dir: the engine deletes the stores it does not use)."""
   with tmpfs(12) as disk:  # 12 MiB
     stores, checkpoints = disk / 'offload', disk / 'run' / 'checkpoints'
     layer = stores / 'params' / 'layers.w' / 'c'
     layer.mkdir(parents=True)
     (layer / '0').write_bytes(b'\1' * 3_000_000)
-    (stores / 'process-1' / 'opt_state').mkdir(parents=True)  # a run of 2 processes before
-    (stores / 'process-1' / 'opt_state' / 'm').write_bytes(b'\3' * 500_000)
+    (layer.parent / 'zarr.json').write_text('')
+    other = stores / 'process-1' / 'opt_state' / 'm' / 'c'  # a run of 2 processes before
+    other.mkdir(parents=True)
+    (other / '0').write_bytes(b'\3' * 500_000)
+    (other.parent / 'zarr.json').write_text('')
     (stores / 'datasets').mkdir()  # not the run's
     (stores / 'datasets' / 'corpus').write_bytes(b'\4' * 2_000_000)
-    (stores / 'params' / 'elsewhere').symlink_to(stores / 'datasets' / 'corpus')
+    (stores / 'grads').symlink_to(stores / 'datasets')  # named as a store, a link: not followed
+    (stores / 'head_params').mkdir()  # named as a store, a user's file in it
+    (stores / 'head_params' / 'notes.txt').write_bytes(b'\6' * 100_000)
     for step in (2, 4):
       (checkpoints / str(step) / 'nvme').mkdir(parents=True)
     os.link(layer / '0', checkpoints / '4' / 'nvme' / 'linked')  # counted once
@@ -538,8 +548,9 @@ def test_the_disk_a_run_holds_counts_as_free_for_it(tmp_path, monkeypatch):
     ballast.unlink()
     # The run's stores that no store of its placement rebuilds go; what is not the run's stays.
     nvme.remove_other_stores(str(stores), {'opt_state'})
-    assert sorted(p.name for p in stores.iterdir()) == ['datasets']
+    assert sorted(p.name for p in stores.iterdir()) == ['datasets', 'grads', 'head_params']
     assert (stores / 'datasets' / 'corpus').read_bytes() == b'\4' * 2_000_000
+    assert (stores / 'head_params' / 'notes.txt').read_bytes() == b'\6' * 100_000
 
 
 def test_an_uncommitted_save_is_ignored_and_cleaned_up(tmp_path):

@@ -441,7 +441,7 @@ def bytes_held(roots) -> int:
 # The directories of a run's stores in offload.dir (streamed.py names them by what they hold:
 # params, opt_state, grads of the layers; <kind>_params, _opt, _grads of the outer pieces) and,
 # with one process, the process-<i> directories a run of several left there.
-_STORE_DIR = re.compile(r'(params|opt_state|grads|[a-z_]+_(params|opt|grads))')
+_STORE_DIR = re.compile(r'(params|opt_state|grads|(embed|head|final_norm)_(params|opt|grads))')
 _PROCESS_DIR = re.compile(r'process-\d+')
 
 
@@ -449,13 +449,35 @@ def store_dirs(directory) -> list:
   """This process's store directories in offload.dir `directory` (`_STORE_DIR`; with one process
   also those of several processes before): live stores, never trusted across runs (a run
   rebuilds every store it uses from its checkpoint; `remove_other_stores` deletes the rest), so
-  their disk is the run's to take."""
+  their disk is the run's to take. Only directories that hold nothing but stores count: a
+  user's own `params/` in a shared offload.dir is neither counted nor deleted."""
   mine = distributed.process_dir(directory)
-  patterns = [_STORE_DIR] + ([_PROCESS_DIR] if mine == pathlib.Path(directory) else [])
   if not mine.is_dir():
     return []
-  return [d for d in mine.iterdir() if d.is_dir() and not d.is_symlink()
-          and any(p.fullmatch(d.name) for p in patterns)]
+  stores = [d for d in mine.iterdir() if _STORE_DIR.fullmatch(d.name) and _holds_only_arrays(d)]
+  if mine == pathlib.Path(directory):
+    stores += [d for process in mine.iterdir() if _PROCESS_DIR.fullmatch(process.name)
+               and not process.is_symlink() and process.is_dir()
+               for d in process.iterdir() if _STORE_DIR.fullmatch(d.name)
+               and _holds_only_arrays(d)]
+  return stores
+
+
+def _holds_only_arrays(directory: pathlib.Path) -> bool:
+  """Whether `directory` (not a link) holds nothing but the arrays of a store: directories each
+  with a zarr.json beside its chunks (or nothing yet), and TensorStore's lock files."""
+  if directory.is_symlink() or not directory.is_dir():
+    return False
+  for child in directory.iterdir():
+    if child.name.endswith('.__lock'):
+      continue
+    if child.is_symlink() or not child.is_dir():
+      return False
+    names = {name for name in os.listdir(child) if not name.endswith('.__lock')}
+    if not names <= {'zarr.json', 'c'} or (
+        (child / 'c').exists() and not (child / 'zarr.json').is_file()):
+      return False
+  return True
 
 
 def remove_other_stores(directory, used: set) -> None:
@@ -463,8 +485,10 @@ def remove_other_stores(directory, used: set) -> None:
   `used`) rebuilds: a placement that moved a piece off NVMe, or a run of another process count,
   left them, and the planner counted their disk as free (`held_by_run`)."""
   for stale in store_dirs(directory):
-    if stale.name not in used:
+    if stale.name not in used or stale.parent != distributed.process_dir(directory):
       shutil.rmtree(stale, ignore_errors=True)
+      if _PROCESS_DIR.fullmatch(stale.parent.name) and not any(stale.parent.iterdir()):
+        stale.parent.rmdir()
 
 
 def held_by_run(directory, checkpoint_dir=None, keep: int = 0) -> int:
