@@ -553,6 +553,25 @@ def test_the_disk_a_run_holds_counts_as_free_for_it(tmp_path, monkeypatch):
     assert (stores / 'head_params' / 'notes.txt').read_bytes() == b'\6' * 100_000
 
 
+@pytest.mark.parametrize('name', ['params', 'head_params'])
+def test_a_users_directory_of_a_stores_name_is_refused_not_deleted(tmp_path, data, name):
+  """offload.dir shared with files of the user's own, one directory of which has a store's
+  name: the run is refused before anything is written, naming it (a run replaces its stores'
+  directories: it deleted the user's files in it)."""
+  offload = tmp_path / 'scratch'
+  (offload / name).mkdir(parents=True)
+  (offload / name / 'weights.bin').write_bytes(b'mine')
+  nvme_config = config(data, **dict(NVME, offload__embed_head='nvme'), offload__dir=str(offload))
+  with pytest.raises(ConfigError, match=rf'offload.dir=.*scratch/{name} is not an NVMe store of a '
+                                        r'run \(it holds other files\).*would delete it'):
+    train.train_and_evaluate(nvme_config, str(tmp_path / 'run'))
+  assert (offload / name / 'weights.bin').read_bytes() == b'mine'
+  assert not (tmp_path / 'run').exists()
+  with pytest.raises(ConfigError, match='is not an NVMe store of a run'):
+    NvmeStore(name, None, directory=str(offload), slices=[(0, 1)])
+  assert (offload / name / 'weights.bin').read_bytes() == b'mine'
+
+
 def test_an_uncommitted_save_is_ignored_and_cleaned_up(tmp_path):
   engine, _, _ = streamed_run(1, 1.0, layers_per_group=2)
   checkpointer = Checkpointer(tmp_path, keep=3)

@@ -67,7 +67,10 @@ class NvmeStore(Store):
     self._file_rows = 1 if axis_of is None else slices[0][1] - slices[0][0]
     self._processes = jax.process_count()
     self.directory = distributed.process_dir(directory) / name  # several: its own shards
-    if self.directory.exists():  # the live store is never trusted across runs: resume = reload
+    if self.directory.exists() or self.directory.is_symlink():
+      # The live store is never trusted across runs (resume = reload): replaced, if it is one.
+      if not _holds_only_arrays(self.directory):
+        raise ConfigError(_not_a_store_error(directory, self.directory))
       shutil.rmtree(self.directory)
     self.directory.mkdir(parents=True)
     self.slices = slices
@@ -463,6 +466,24 @@ def store_dirs(directory) -> list:
   return stores
 
 
+def not_stores(directory) -> list:
+  """What in this process's part of offload.dir `directory` has a store's name but is not one
+  (a file, a link, a directory holding anything but arrays): a run would replace it."""
+  mine = distributed.process_dir(directory)
+  if not mine.is_dir():
+    return []
+  return sorted(d for d in mine.iterdir()
+                if _STORE_DIR.fullmatch(d.name) and not _holds_only_arrays(d))
+
+
+def _not_a_store_error(directory, taken: pathlib.Path) -> str:
+  return (f'offload.dir={directory}: {taken} is not an NVMe store of a run (it holds other '
+          'files), but a run replaces the directories of its stores\' names there (params, '
+          'opt_state, grads, embed_*, head_*, final_norm_*) and would delete it. Point '
+          'offload.dir at a directory of the run\'s own (the default is <workdir>/offload), or '
+          'move it.')
+
+
 def _holds_only_arrays(directory: pathlib.Path) -> bool:
   """Whether `directory` (not a link) holds nothing but the arrays of a store: directories each
   with a zarr.json beside its chunks (or nothing yet), and TensorStore's lock files."""
@@ -527,6 +548,8 @@ def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
   if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
     raise ConfigError(f'offload.dir={directory}: {existing} is not a writable directory. Point '
                       'offload.dir at a directory on a local disk you can write to.')
+  for taken in not_stores(directory):
+    raise ConfigError(_not_a_store_error(directory, taken))
   fix = ('Free space, point offload.dir at a larger disk, or keep offload.opt_state (2/3 of it) '
          'on host')
   checkpoints = (nearest_existing(pathlib.Path(checkpoint_dir).absolute())
