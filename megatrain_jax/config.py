@@ -11,6 +11,7 @@ import difflib
 import importlib
 import importlib.resources
 import importlib.util
+import json
 import math
 import os
 import pathlib
@@ -307,6 +308,26 @@ def _validate_eval_export(config: ml_collections.ConfigDict) -> None:
            f'{config.export.dtype!r} is not one of {", ".join(EXPORT_DTYPES)}.')
   _require(config.export.max_shard_gb > 0, 'export.max_shard_gb',
            f'must be > 0 (GB per safetensors file), got {config.export.max_shard_gb}.')
+
+
+def check_run_workdir(workdir: str) -> pathlib.Path:
+  """`check_workdir` for a job that writes a run there (training, --prepare): a directory holding
+  another program's config.json (a Hugging Face model's, another trainer's output) is refused,
+  since the run writes its own config.json over it. Writes nothing."""
+  path = check_workdir(workdir)
+  try:
+    recorded = json.loads((path / 'config.json').read_text(encoding='utf-8'))
+  except (OSError, ValueError):  # none (or unreadable: not this check's to judge)
+    return path
+  if not isinstance(recorded, dict) or {'model', 'train'} <= recorded.keys():  # a run's own
+    return path
+  whose = ''
+  if 'architectures' in recorded or 'model_type' in recorded:
+    whose = (f' (a Hugging Face model\'s: to start from that model, pass '
+             f'--config.init.from_hf={workdir})')
+  raise ConfigError(f'--workdir={workdir}: its config.json is not a run\'s{whose}, and a run '
+                    'writes its own config.json there. Give the run a directory of its own, e.g. '
+                    '--workdir=runs/<name>.')
 
 
 def check_workdir(workdir: str) -> pathlib.Path:

@@ -117,7 +117,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str,
   with the tokenizer it will use (init.from_hf's, init.from_run's or its checkpoint's unless
   data.tokenizer is set, copied into the workdir as training copies it); prints the summary."""
   config, source = runs.resolve_init(config, workdir, overrides)
-  path = config_lib.check_workdir(workdir)
+  path = config_lib.check_run_workdir(workdir)
   data_lib.check_data_config(config.data, config.train)
   path.mkdir(parents=True, exist_ok=True)
   config = runs.adopt_chat_template(runs.adopt_tokenizer(config, source, path), path)
@@ -291,7 +291,7 @@ def _validate(config, workdir: str) -> tuple[model_lib.ModelConfig, pathlib.Path
   requested = Placement.from_config(config.offload, model_cfg, allow_auto=True)
   distributed.device_count(config)  # parallel.devices exist, train.batch_size splits over them
   data_lib.check_data_config(config.data, config.train)
-  workdir = config_lib.check_workdir(workdir)
+  workdir = config_lib.check_run_workdir(workdir)
   if requested.uses_nvme:
     _check_offload_dir(config, model_cfg, workdir, requested)  # named tiers: say what's wrong
   model_cfg, _ = _model_and_tokenizer(config, model_cfg)

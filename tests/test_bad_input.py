@@ -324,6 +324,27 @@ def test_empty_workdir():
     train.train_and_evaluate(config_with(), '')
 
 
+def test_a_workdir_holding_another_programs_config_json_is_refused(tmp_path, hf_checkpoint):
+  """--workdir pointed at a Hugging Face model's directory (or another trainer's output): the run
+  wrote its own config.json over the model's. Training and --prepare are refused before anything
+  is written, naming init.from_hf for the model."""
+  model = tmp_path / 'model'
+  shutil.copytree(hf_checkpoint, model)
+  before, original = tree(tmp_path), (model / 'config.json').read_bytes()
+  for job in (train.train_and_evaluate, train.prepare):
+    with pytest.raises(ConfigError, match=(
+        rf"--workdir={model}: its config.json is not a run's \(a Hugging Face model's: to start "
+        rf"from that model, pass --config.init.from_hf={model}\), and a run writes its own")):
+      job(config_with(train__steps=2), str(model))
+  assert tree(tmp_path) == before
+  (tmp_path / 'other').mkdir()
+  (tmp_path / 'other' / 'config.json').write_text('{"learning_rate": 0.1}')
+  before = tree(tmp_path)
+  with pytest.raises(ConfigError, match=r"its config.json is not a run's, and a run writes"):
+    train.train_and_evaluate(config_with(train__steps=2), str(tmp_path / 'other'))
+  assert tree(tmp_path) == before and (model / 'config.json').read_bytes() == original
+
+
 # ------------------------------------------------------------------------------------------------
 # Hugging Face directories (hf.load_hf).
 # ------------------------------------------------------------------------------------------------
