@@ -580,9 +580,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # A streamed run's heap is trimmed above the plan's host peak (runtime.trim_limit).
     runtime.configure(config, streamed=plan.placement.streamed,
                       host_peak_bytes=plan.host_peak_bytes)
-    if plan.placement.uses_nvme:  # before the stores are written (each process: its own)
-      locked.enter_context(locks.hold_offload_dir(
-          distributed.process_dir(plan.placement.dir), workdir))
+    _hold_offload_dir(locked, config, plan.placement, workdir)  # before the stores are written
     enable_compilation_cache(config.jax_cache_dir)
     workdir.mkdir(parents=True, exist_ok=True)
     # Process 0 copies the tokenizer and prepares the data; the others then read what it wrote.
@@ -608,6 +606,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log,
                position, early, stop, profiler)
     return log.last
+
+
+def _hold_offload_dir(locked: contextlib.ExitStack, config, placement, workdir) -> None:
+  """Locks this process's part of offload.dir for the run (`locked`: its ExitStack) when the
+  placement has NVMe stores. Without them (a resume that left NVMe, by choice or by plan), it
+  deletes the stores a run there left, unless another run holds the directory: the full FP32
+  state, never read again (a run rebuilds its stores from its checkpoint's own snapshot)."""
+  if placement.uses_nvme:
+    locked.enter_context(locks.hold_offload_dir(distributed.process_dir(placement.dir), workdir))
+    return
+  directory = pathlib.Path(config.offload.dir or workdir / 'offload').expanduser()
+  stale = nvme.store_dirs(directory)
+  if not stale:
+    return
+  try:
+    with locks.hold_offload_dir(distributed.process_dir(directory), workdir):
+      held = nvme.bytes_held(stale)
+      nvme.remove_other_stores(directory, set())
+  except locks.DirectoryInUseError:
+    return
+  if distributed.is_main():
+    print(f'note: deleted the NVMe stores this run no longer uses in {directory} '
+          f'({fs.human_bytes(held)})', flush=True)
 
 
 def _closing(close):
