@@ -187,11 +187,29 @@ def _train(train):
   Safe at any point: saves are atomic, and kill -9 is tested everywhere."""
   previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
   try:
-    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value, _overrides())
+    train.train_and_evaluate(_run_config(), _WORKDIR.value, _overrides())
   except TrainingStopped:
     sys.exit(0)  # the checkpoint is committed; train printed 'stopped at step N by ...'
   finally:
     signal.signal(signal.SIGINT, previous)
+
+
+def _run_config():
+  """The config to train with: --config's; without --config, in a workdir that holds a run, the
+  run's own (its config.json) with the command line's --config.* on top, so that `launch.py
+  --workdir runs/ft` resumes the fine-tune it holds rather than configs/default.py's run."""
+  if flags.FLAGS['config'].present:
+    return _CONFIG.value
+  from megatrain_jax import distributed, runs  # pylint: disable=g-import-not-at-top
+  recorded = runs.recorded_config(_WORKDIR.value, _CONFIG.value, _overrides())
+  if recorded is None:
+    return _CONFIG.value
+  if distributed.is_main():
+    given = ' '.join(f'--config.{key}={config_lib.get_field(_CONFIG.value, key)}'
+                     for key in _overrides())
+    print(f'config: the run\'s own ({os.path.join(_WORKDIR.value, "config.json")}, no --config '
+          f'given){f", with {given}" if given else ""}', flush=True)
+  return recorded
 
 
 def _end_prepare(signum, frame) -> None:

@@ -78,7 +78,7 @@ def _make_configs_importable() -> None:
 
 def set_field(config: ml_collections.ConfigDict, dotted: str, value) -> None:
   """Sets config['a.b.c'] = value, refusing keys the schema does not know."""
-  _check_known(dotted, _flatten(config))  # an unknown section too, not just an unknown leaf
+  _check_known(dotted, flatten(config))  # an unknown section too, not just an unknown leaf
   *parents, leaf = dotted.split('.')
   node = config
   for part in parents:
@@ -93,15 +93,24 @@ def _default_schema() -> ml_collections.ConfigDict:
   return load_config(str(CONFIGS_DIR / 'default.py'))
 
 
-def _flatten(config, prefix=''):
+def flatten(config, prefix='') -> dict:
+  """{'train.lr': 0.001, ...} of a ConfigDict, or of the nested dict of its JSON."""
   out = {}
   for key, value in config.items():
     name = f'{prefix}{key}'
-    if isinstance(value, ml_collections.ConfigDict):
-      out.update(_flatten(value, f'{name}.'))
+    if isinstance(value, (ml_collections.ConfigDict, dict)):
+      out.update(flatten(value, f'{name}.'))
     else:
       out[name] = value
   return out
+
+
+def get_field(config: ml_collections.ConfigDict, dotted: str):
+  """config['a.b.c']."""
+  node = config
+  for part in dotted.split('.'):
+    node = node[part]
+  return node
 
 
 _DEFINE_IT = ('Every key must be defined in configs/default.py (which documents them all); fix '
@@ -171,7 +180,7 @@ def _prefixes(dotted: str) -> list[str]:
 def check_override(dotted: str, value: str | None) -> None:
   """Refuses a command-line override `--config.<dotted>=<value>` whose key is unknown or whose
   value does not parse as the type of the field's default (with absl's own parsers)."""
-  schema = _flatten(_default_schema())
+  schema = flatten(_default_schema())
   _check_known(dotted, schema)
   default = schema[dotted]
   if value is None:
@@ -188,8 +197,8 @@ def check_override(dotted: str, value: str | None) -> None:
 
 
 def check_keys(config: ml_collections.ConfigDict) -> None:
-  schema = _flatten(_default_schema())
-  given = _flatten(config)
+  schema = flatten(_default_schema())
+  given = flatten(config)
   for name in given:
     _check_known(name, schema)
   for name, default in schema.items():

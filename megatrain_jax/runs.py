@@ -14,6 +14,7 @@ import ml_collections
 
 from megatrain_jax import config as config_lib
 from megatrain_jax import data as data_lib
+from megatrain_jax import distributed
 from megatrain_jax import fs
 from megatrain_jax import hf
 from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE
@@ -39,6 +40,30 @@ def newest_checkpoint_meta(workdir: pathlib.Path) -> dict | None:
     if isinstance(meta, dict) and isinstance(meta.get('model_config'), dict):
       return meta
   return None
+
+
+def recorded_config(workdir, given: ml_collections.ConfigDict,
+                    overrides: Iterable[str]) -> ml_collections.ConfigDict | None:
+  """The config a rerun without --config resumes the run in `workdir` with: the one it last
+  trained with (its config.json, over configs/default.py's schema), with the fields set on the
+  command line (`overrides`) and this machine's own (distributed.LOCAL_FIELDS) taken from `given`
+  (the command's config). None when `workdir` holds no run. Without it, `launch.py --workdir
+  runs/ft --config.train.steps=8` resumed a fine-tune with configs/default.py's lr, batch and
+  data."""
+  try:
+    recorded = json.loads((pathlib.Path(workdir) / 'config.json').read_text(encoding='utf-8'))
+  except (OSError, ValueError):
+    return None
+  if not isinstance(recorded, dict) or not {'model', 'train'} <= recorded.keys():
+    return None
+  config = config_lib.load_config('default')
+  known = set(config_lib.flatten(config))
+  for key, value in config_lib.flatten(recorded).items():
+    if key in known:  # a field of an older version no longer in the schema is left out
+      config_lib.set_field(config, key, tuple(value) if isinstance(value, list) else value)
+  for key in (*overrides, *distributed.LOCAL_FIELDS):
+    config_lib.set_field(config, key, config_lib.get_field(given, key))
+  return config
 
 
 def run_data_field(workdir: pathlib.Path, name: str) -> str | None:

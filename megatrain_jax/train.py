@@ -691,11 +691,17 @@ def _resumed(restored, config, sampler, main: bool,
 
 
 # The settings a resume may change that change the steps ahead (model shapes are refused, data
-# changes are named by _resumed, placements and microbatches resume exactly).
-RESUME_SETTINGS = ('model.document_mask', 'model.matmul_precision', 'train.steps', 'train.epochs',
-                   'train.batch_size', 'train.lr', 'train.warmup_steps', 'train.warmup_ratio',
-                   'train.lr_schedule', 'train.min_lr_ratio', 'train.weight_decay', 'train.b1',
-                   'train.b2', 'train.eps', 'train.grad_clip')
+# changes are named by _resumed, placements resume the same math): the model's function and
+# numerics, the schedule, AdamW, clipping, the tokens per step.
+RESUME_SETTINGS = ('model.document_mask', 'model.matmul_precision', 'model.dtype',
+                   'model.rope_theta', 'model.norm_eps', 'model.sliding_window',
+                   *(f'model.rope_scaling.{field}' for field in (
+                       'type', 'factor', 'low_freq_factor', 'high_freq_factor', 'original_max_len',
+                       'beta_fast', 'beta_slow', 'attention_factor', 'truncate')),
+                   'train.steps', 'train.epochs', 'train.batch_size', 'train.microbatches',
+                   'train.lr', 'train.warmup_steps', 'train.warmup_ratio', 'train.lr_schedule',
+                   'train.min_lr_ratio', 'train.weight_decay', 'train.b1', 'train.b2',
+                   'train.eps', 'train.grad_clip')
 
 
 def _note_changed_settings(config, workdir: pathlib.Path, step: int) -> None:
@@ -706,10 +712,9 @@ def _note_changed_settings(config, workdir: pathlib.Path, step: int) -> None:
     before = json.loads((workdir / 'config.json').read_text())
   except (OSError, ValueError):
     return
-  changed = []
+  changed, recorded = [], config_lib.flatten(before)
   for key in RESUME_SETTINGS:
-    section, field = key.split('.')
-    was, now = before.get(section, {}).get(field), config[section][field]
+    was, now = recorded.get(key), config_lib.get_field(config, key)
     if was is not None and was != now:
       changed.append(f'{key} {was!r} -> {now!r}')
   if changed:

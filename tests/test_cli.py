@@ -67,6 +67,18 @@ def test_launch_trains_with_overrides(tmp_path, shared_data):
   assert 'note: train.warmup_steps=50 is not below train.steps=3' in result.stdout
   saved = json.loads((workdir / 'config.json').read_text())
   assert saved['train']['steps'] == 3 and saved['model']['num_layers'] == 1
+  # Rerun without --config: the run's own config, with the command line's fields on top (it was
+  # configs/default.py's: another model shape refused, a fine-tune's lr and data replaced).
+  result = run_launch('--config.train.steps=4', f'--workdir={workdir}')
+  assert result.returncode == 0, result.stderr
+  assert (f"config: the run's own ({workdir / 'config.json'}, no --config given), with "
+          '--config.train.steps=4') in result.stdout
+  assert 'note: resuming from step 3 with train.steps 3 -> 4 (' in result.stdout, result.stdout
+  assert 'warning' not in result.stdout + result.stderr
+  rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in rows if 'learning/loss' in r] == [1, 2, 3, 4]
+  resumed = json.loads((workdir / 'config.json').read_text())
+  assert resumed == dict(saved, train=dict(saved['train'], steps=4))
 
 
 def _assert_one_error_line(result, fragment):

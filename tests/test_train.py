@@ -299,7 +299,8 @@ def test_resume_on_other_data_says_what_changed(tmp_path, shared_data, capsys):
 
 def test_resume_with_other_settings_names_them(tmp_path, shared_data, capsys):
   """A resume takes the settings it is given; those that change the steps ahead (the schedule,
-  AdamW, the document mask) are named against the ones the run trained with, once."""
+  AdamW, the document mask, the model's rope and norms, the microbatches) are named against the
+  ones the run trained with, once."""
   resume, _ = _resumer(tmp_path, shared_data, capsys, lambda line: line.startswith('note: res'))
   assert resume(1) == []
   noted = resume(2, train__lr=5e-4, model__document_mask=True)
@@ -309,6 +310,12 @@ def test_resume_with_other_settings_names_them(tmp_path, shared_data, capsys):
   assert resume(3, train__lr=5e-4, model__document_mask=True) == [
       'note: resuming from step 2 with train.steps 2 -> 3 (the run trained with the values on the '
       'left): the steps from here differ from those of the run as it was']
+  # The model's function (rope, norms) and the tokens per step: they changed silently.
+  noted = resume(4, train__lr=5e-4, model__document_mask=True, model__rope_theta=20000.0,
+                 model__norm_eps=1e-6, train__microbatches=2)
+  assert len(noted) == 1 and noted[0].startswith(
+      'note: resuming from step 3 with model.rope_theta 10000.0 -> 20000.0; model.norm_eps 1e-05 '
+      '-> 1e-06; train.steps 3 -> 4; train.microbatches 1 -> 2 (the run'), noted
 
 
 def test_early_stopping_counts():
