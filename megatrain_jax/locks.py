@@ -108,7 +108,13 @@ class DirectoryLock:
         break
       os.close(fd)  # the holder deleted it as we opened it: take the new one
     self._fd = fd
-    self._write_holder()
+    try:
+      self._write_holder()
+    except BaseException as error:  # a full disk: the lock is given back, not held by a lost fd
+      if isinstance(error, OSError):
+        error.filename = error.filename or str(self.path)  # os.pwrite's error does not say
+      self.release()
+      raise
     return self
 
   def _write_holder(self) -> None:

@@ -18,6 +18,7 @@ so a resumed run replays exactly the batches the uninterrupted run would have se
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -55,7 +56,7 @@ from megatrain_jax import sample as sample_lib
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
-from megatrain_jax.errors import ConfigError
+from megatrain_jax.errors import ConfigError, DiskFullError
 from megatrain_jax.layout import Layout
 from megatrain_jax.placement import Placement
 from megatrain_jax.tiers import nvme
@@ -76,6 +77,27 @@ def state_bytes(model_cfg: model_lib.ModelConfig) -> dict:
   per_part = 4 * n  # float32 params; grads, Adam m and v have the same shapes
   return {'params': n, 'params_bytes': per_part, 'grads_bytes': per_part,
           'adam_m_bytes': per_part, 'adam_v_bytes': per_part, 'total_bytes': 4 * per_part}
+
+
+def _disk_full_is_an_error(job):
+  """`job` (a command's entry point) with a disk that runs full outside the checkpoint and store
+  writes (which name theirs): the metrics, the prepared data, a lock's holder line, an export, an
+  eval.json. It ends with DiskFullError naming the file's directory and what to do, not a
+  traceback (a chained one when the metrics' close failed too)."""
+  @functools.wraps(job)
+  def wrapped(config, workdir, *args, **kwargs):
+    try:
+      return job(config, workdir, *args, **kwargs)
+    except OSError as error:
+      if not fs.is_disk_full(error):
+        raise
+      where = pathlib.Path(error.filename).parent if error.filename else workdir
+      raise DiskFullError(
+          f'the disk of {where} is full ({error.strerror or error}): free space there, or point '
+          '--workdir (data.cache_dir, offload.dir) at a larger disk, then rerun the same command: '
+          'a run resumes from its last checkpoint, --prepare after its last finished shard.'
+      ) from error
+  return wrapped
 
 
 def dry_run(config: ml_collections.ConfigDict, workdir: str | None = None,
@@ -111,6 +133,7 @@ def dry_run(config: ml_collections.ConfigDict, workdir: str | None = None,
   return {**sizes, 'plan': plan}
 
 
+@_disk_full_is_an_error
 def prepare(config: ml_collections.ConfigDict, workdir: str,
             overrides: Iterable[str] | None = None) -> data_lib.DatasetInfo:
   """--prepare: tokenizes config.data into <workdir>/data as the run in `workdir` will read it,
@@ -548,6 +571,7 @@ def _stopped(log, checkpointer, step: int, signal_name: str | None, saved: bool)
   return preemption.TrainingStopped(message, step, signal_name, saved)
 
 
+@_disk_full_is_an_error
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        overrides: Iterable[str] | None = None) -> dict:
   """Trains (or resumes) the run in `workdir` to `config.train.steps`; returns the last metrics
@@ -796,6 +820,7 @@ def _eval_pieces(config, model_cfg, workdir: pathlib.Path):
   return groups, vocab, placement.prefetch_depth or 1
 
 
+@_disk_full_is_an_error
 def evaluate(config: ml_collections.ConfigDict, workdir: str,
              overrides: Iterable[str] | None = None) -> dict:
   """Perplexity of the newest checkpoint in `workdir` (or of init.from_hf when it has none) on
@@ -832,6 +857,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   return result
 
 
+@_disk_full_is_an_error
 def sample(config: ml_collections.ConfigDict, workdir: str,
            overrides: Iterable[str] | None = None) -> dict:
   """Continues sample.prompt with the newest checkpoint in `workdir` (or init.from_hf when it has
@@ -952,6 +978,7 @@ def _write_samples(out: str, prompts: list, completions: list, source: str) -> d
           'sample/source': source}
 
 
+@_disk_full_is_an_error
 def export_hf(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> list:
   """Writes the newest checkpoint in `workdir` as a Hugging Face checkpoint in `out_dir` (new or
   empty; export.py): sharded safetensors, config.json, the run's tokenizer files. Returns the

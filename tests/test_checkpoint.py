@@ -482,6 +482,33 @@ def test_disk_full_during_nvme_write_back(tmp_path, tmp_path_factory, data, monk
     assert_rows_match(tmp_path, want, 8, exact=True)
 
 
+@AS_ROOT
+def test_a_full_disk_outside_checkpoints_is_one_error(tmp_path, data):
+  """The workdir's disk full as a run resumes (its lock's holder line), or data.cache_dir's as
+  the data is prepared: DiskFullError naming the directory and the rerun, not an OSError's
+  traceback; the lock is given back (the rerun in this process is not refused as 'in use')."""
+  with tmpfs(8) as disk:
+    workdir = disk / 'run'
+    workdir.mkdir()
+    ballast = fill(disk)
+    with open(ballast, 'ab', buffering=0) as f:  # to the last page: no new file's write fits
+      try:
+        while True:
+          f.write(b'\0' * 4096)
+      except OSError:
+        pass
+    with pytest.raises(DiskFullError, match=rf'the disk of {workdir} is full \(No space left on '
+                                            r'device\): free space there.*rerun the same command'):
+      train.train_and_evaluate(config(data, steps=2, data__cache_dir=str(tmp_path / 'data')),
+                               str(workdir))
+    with pytest.raises(DiskFullError, match=rf'the disk of {disk / "cache"} is full'):
+      train.prepare(config(data, data__cache_dir=str(disk / 'cache')), str(tmp_path / 'prep'))
+    ballast.unlink()
+    train.train_and_evaluate(config(data, steps=2, data__cache_dir=str(tmp_path / 'data')),
+                             str(workdir))
+    assert [row['step'] for row in read_rows(workdir) if 'learning/loss' in row] == [1, 2]
+
+
 # ------------------------------------------------------------------------------------------------
 # The up-front disk check counts what checkpoints pin.
 # ------------------------------------------------------------------------------------------------

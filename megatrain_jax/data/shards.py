@@ -119,6 +119,13 @@ class ShardWriter:
     """Stores task `task`'s tokens from its `skip`-th on (`ends`: where its documents end in
     `tokens`, None: none does); `documents`/`skipped` count the task's records (added once the
     whole task is stored)."""
+    try:
+      self._write(tokens, mask, task, skip, documents, skipped, ends)
+    except OSError as error:  # a full disk: say which (a file object's write does not)
+      error.filename = error.filename or str(self._tmp)
+      raise
+
+  def _write(self, tokens, mask, task, skip, documents, skipped, ends) -> None:
     done = skip
     while done < len(tokens):
       if self._file is None:
