@@ -144,7 +144,8 @@ def prepare(config: ml_collections.ConfigDict, workdir: str,
   data_lib.check_data_config(config.data, config.train)
   path.mkdir(parents=True, exist_ok=True)
   config = runs.adopt_chat_template(runs.adopt_tokenizer(config, source, path), path)
-  info, _ = data_lib.load_data(config.data, path, progress=True)  # locks the data directory
+  info, _ = data_lib.load_data(  # locks the data directory
+      config.data, path, progress=metrics_lib.bar_visible(config.train.progress_bar))
   print(data_lib.prepare_summary(info), flush=True)
   return info
 

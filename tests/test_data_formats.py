@@ -1110,6 +1110,8 @@ def test_launch_prepare_prints_counts_and_throughput(tmp_path, documents):
       capture_output=True, text=True, cwd=REPO, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
   assert run.returncode == 0, run.stderr[-2000:]
   assert 'train tokens' in run.stdout and 'MB/s' in run.stdout, run.stdout
+  # Into a pipe (a job's log), no bar: each redraw appended a '\r'-joined copy of it.
+  assert '\r' not in run.stderr and 'prepare:' not in run.stderr, run.stderr[-2000:]
   assert (tmp_path / 'run' / 'data' / 'meta.json').is_file()
   assert not (tmp_path / 'run' / 'checkpoints').exists()
 
