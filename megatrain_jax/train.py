@@ -233,20 +233,24 @@ _PLACED = ('params', 'opt_state', 'activations', 'embed_head', 'layers_per_group
            'park_grads', 'keep_layer_inputs')
 
 
-def _note_other_placement(restored, placement) -> None:
-  """Says so when the plan puts the state elsewhere than the checkpoint's run had it (`auto`
-  fields planned for the memory and disk free now): the numbers resume exactly, but the
-  memory and speed are another placement's."""
+def _note_other_placement(restored, placement, offload) -> None:
+  """Says so when the state goes elsewhere than the checkpoint's run had it (offload.* set so,
+  or `auto` fields planned for the memory and disk free now): the same arithmetic in another
+  order (equal within float32 rounding, not bit for bit), another placement's memory and speed."""
   if restored is None:
     return
   was, now = restored.meta.get('placement') or {}, dataclasses.asdict(placement)
-  changed = [f'{key} {was[key]} -> {now[key]}' for key in _PLACED
-             if key in was and was[key] != now[key]]
-  if changed:
-    print(f'note: checkpoint step {restored.step} was written under another placement '
-          f'({"; ".join(changed)}); the run resumes exactly under this one, which the planner '
-          'chose for the memory and disk free now (set offload.* to keep the earlier one)',
-          flush=True)
+  changed = [key for key in _PLACED if key in was and was[key] != now[key]]
+  if not changed:
+    return
+  planned = [key for key in changed if offload.get(key) in ('auto', 0)]  # layers_per_group 0
+  why = (f'which the planner chose for the memory and disk free now (set offload.'
+         f'{", offload.".join(planned)} to keep the earlier one)' if planned else
+         'as offload.* now asks')
+  print(f'note: checkpoint step {restored.step} was written under another placement '
+        f'({"; ".join(f"{key} {was[key]} -> {now[key]}" for key in changed)}); the run resumes '
+        f'under this one, {why}: the same arithmetic in another order, so its numbers match the '
+        'earlier placement\'s within float32 rounding, not bit for bit', flush=True)
 
 
 def _build_engine(model_cfg, config, plan, restored, source, layout: Layout):
@@ -773,7 +777,7 @@ def _print_start(config, plan, workdir: pathlib.Path, restored) -> None:
       checkpoint_best=config.checkpoint.keep_best,
       checkpoint_minutes=config.checkpoint.every_minutes, data_dir=config.data.cache_dir,
       nvme_dir=plan.placement.dir if plan.placement.uses_nvme else None), flush=True)
-  _note_other_placement(restored, plan.placement)
+  _note_other_placement(restored, plan.placement, config.offload)
 
 
 # ------------------------------------------------------------------------------------------------

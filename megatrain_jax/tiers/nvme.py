@@ -446,6 +446,9 @@ def bytes_held(roots) -> int:
 # with one process, the process-<i> directories a run of several left there.
 _STORE_DIR = re.compile(r'(params|opt_state|grads|(embed|head|final_norm)_(params|opt|grads))')
 _PROCESS_DIR = re.compile(r'process-\d+')
+# A checkpoint's snapshot of the stores, staged here while it is copied to a workdir on another
+# filesystem (checkpoint.py's _SNAPSHOT_PREFIX): a killed run's is the next attempt's to take.
+_SNAPSHOT_DIR = re.compile(r'\.checkpoint-snapshot-\d+')
 
 
 def store_dirs(directory) -> list:
@@ -457,7 +460,9 @@ def store_dirs(directory) -> list:
   mine = distributed.process_dir(directory)
   if not mine.is_dir():
     return []
-  stores = [d for d in mine.iterdir() if _STORE_DIR.fullmatch(d.name) and _holds_only_arrays(d)]
+  stores = [d for d in mine.iterdir() if (_STORE_DIR.fullmatch(d.name)
+                                          or _SNAPSHOT_DIR.fullmatch(d.name))
+            and _holds_only_arrays(d)]
   if mine == pathlib.Path(directory):
     stores += [d for process in mine.iterdir() if _PROCESS_DIR.fullmatch(process.name)
                and not process.is_symlink() and process.is_dir()
