@@ -71,8 +71,9 @@ class StopSignals:
   """Context manager: while it is active, the first SIGTERM or SIGINT sets `received` (the
   signal's name) instead of ending the process; see the module docstring for later ones."""
 
-  def __init__(self, signals=STOP_SIGNALS):
+  def __init__(self, signals=STOP_SIGNALS, saves: bool = True):
     self.signals = tuple(signals)
+    self.saves = saves  # False: the run saves no checkpoints (checkpoint.every=-1)
     self.received: str | None = None
     self._previous = {}
 
@@ -103,15 +104,19 @@ class StopSignals:
     del frame
     name = signal.Signals(signum).name
     if self.received is not None:  # SIGTERM again (SIGINT is no longer ours)
-      _say(f'{name} received again: already stopping (saving the checkpoint of the step in '
-           'flight).')
+      _say(f'{name} received again: already stopping' + (
+          ' (saving the checkpoint of the step in flight).' if self.saves else '.'))
       return
     self.received = name
     # From now on SIGINT goes straight to the handler from before the run: the way out at once.
     self._restore([signal.SIGINT])
     again = ' again' if signum == signal.SIGINT else ' (SIGINT)'
-    _say(f'{name} received: stopping after the step in flight, with a checkpoint; press Ctrl-C'
-         f'{again} to exit at once without it.')
+    if self.saves:
+      _say(f'{name} received: stopping after the step in flight, with a checkpoint; press Ctrl-C'
+           f'{again} to exit at once without it.')
+    else:
+      _say(f'{name} received: stopping after the step in flight (no checkpoint: '
+           f'checkpoint.every=-1); press Ctrl-C{again} to exit at once.')
 
 
 def _say(line: str) -> None:

@@ -625,7 +625,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     del restored
     if main:
       fs.write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
-    with preemption.StopSignals() as stop, _open_run_log(
+    with preemption.StopSignals(saves=config.checkpoint.every >= 0) as stop, _open_run_log(
         config, model_cfg, hw, plan, workdir, sampler.samples_per_step, start_step, position,
         checkpointer, layout) as log, distributed.lost_process_error(checkpointer):
       if start_step == 0:  # the baseline every later eval is compared with

@@ -358,6 +358,21 @@ def test_sigint_ends_a_prepare_at_once_and_keeps_its_shards(tmp_path, shared_dat
   assert not (workdir / 'data' / 'meta.json').exists()  # not finished: the rerun resumes
 
 
+@pytest.mark.parametrize('saves', [True, False])
+def test_a_stop_says_whether_it_saves(capfd, saves):
+  """A run without checkpoints (checkpoint.every=-1) promised one on SIGTERM, then saved none."""
+  with preemption.StopSignals(signals=(signal.SIGTERM,), saves=saves):
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+  err = capfd.readouterr().err
+  if saves:
+    assert 'stopping after the step in flight, with a checkpoint; press Ctrl-C' in err, err
+    assert 'already stopping (saving the checkpoint of the step in flight).' in err, err
+  else:
+    assert ('stopping after the step in flight (no checkpoint: checkpoint.every=-1); press '
+            'Ctrl-C (SIGINT) to exit at once.') in err and 'checkpoint of the' not in err, err
+
+
 def test_stop_signals_in_the_main_thread_only():
   previous = signal.getsignal(signal.SIGTERM)
   with preemption.StopSignals() as stop:
