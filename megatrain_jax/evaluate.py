@@ -153,7 +153,7 @@ def read_eval_data(path: str, tokenizer, data_config=None, document_eos: int = -
                       '.jsonl, .jsonl.zst, .jsonl.gz, .parquet or .arrow file, a directory or a '
                       'glob pattern).')
   files = formats.expand_sources([path], _FIELD)
-  formats.check_directories([path], None, _FIELD)
+  formats.check_directories([path], False, _FIELD)
   fmt = None
   pieces = []
   for index, file in enumerate(files):

@@ -1267,6 +1267,13 @@ def test_directories_that_would_be_misread_are_refused(tmp_path):
   with pytest.raises(ConfigError, match=r'mixes record files \(train.jsonl\) with text files '
                      r'\(README.md\).*beside/\*.jsonl'):
     prepare_dataset(tmp_path / 'o', ByteTokenizer(), train_sources=[beside])
+  # ... and by the config check, before a run prints its start (or writes anything).
+  for field in ('path', 'val_path', 'mixture'):
+    value = f'1:{beside}' if field == 'mixture' else str(beside)
+    other = {'path': str(tmp_path / 'x.txt')} if field == 'val_path' else {}
+    (tmp_path / 'x.txt').write_text('x' * 100)
+    with pytest.raises(ConfigError, match=rf'data.{field}: directory .*beside mixes record files'):
+      check_data_config(_data_config(**{field: value}, **other))
   below = tmp_path / 'below'
   (below / 'data').mkdir(parents=True)
   (below / 'README.md').write_text('# A dataset card\n')

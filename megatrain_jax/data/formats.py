@@ -140,15 +140,15 @@ def _is_repository_file(path: Path) -> bool:
       path.suffix.lower() in ('.md', '.cff', '.gitattributes')
 
 
-def check_directories(sources, fmt: DocumentFormat | None, field: str) -> None:
+def check_directories(sources, text_documents: bool, field: str) -> None:
   """Refuses a directory source that mixes record files with text files, unless each text file
-  is a document (data.text_documents): the text would run, as raw text without an EOS, into the
-  next record (a Hub repository's README.md beside its train.jsonl).
+  is a document (`text_documents`: data.text_documents): the text would run, as raw text without
+  an EOS, into the next record (a Hub repository's README.md beside its train.jsonl).
 
   Raises:
     ConfigError: (naming `field`, the files and the fix).
   """
-  if fmt is not None and fmt.text_documents:
+  if text_documents:
     return
   for source in sources:
     path = Path(source).expanduser()

@@ -238,8 +238,9 @@ def _plan(out_dir, tokenizer, train_sources, val_sources, val_fraction, doc_form
                       '(it is created if missing).')
   if doc_format is None and needs_documents(train_files + val_files):
     doc_format = document_format(tokenizer)
-  formats.check_directories(train_sources, doc_format, 'data.path')
-  formats.check_directories(val_sources, doc_format, 'data.val_path')
+  text_documents = doc_format is not None and doc_format.text_documents
+  formats.check_directories(train_sources, text_documents, 'data.path')
+  formats.check_directories(val_sources, text_documents, 'data.val_path')
   check_sources(train_files, doc_format, 'data.path')
   check_sources(val_files, doc_format, 'data.val_path')
   streams = {'train': train_files}
