@@ -13,7 +13,10 @@ host, start time, workdir: the holder writes them into the lock file).
   are still empty: a run refused later in its start-up leaves nothing behind). That is safe with
   flock because a taker checks, once it holds the lock, that the file it locked is still the one
   at the path (same inode) and starts over otherwise.
-- The descriptor is close-on-exec: a subprocess of the trainer does not inherit (and keep) it.
+- The holder also takes the lock on the directory itself (a descriptor of it): a lock file
+  deleted while its run holds it (a tmp cleaner, a 'stale lock' removed by hand) does not let a
+  second run in.
+- The descriptors are close-on-exec: a subprocess of the trainer does not inherit (and keep) them.
 - Network filesystems: flock on NFS is emulated with POSIX byte-range locks (Linux >= 2.6.12) and
   works between clients only where the NFS lock service does (not with the `nolock` mount
   option); Lustre honours it only when mounted with `-o flock`, CIFS/SMB and some FUSE
@@ -73,6 +76,7 @@ class DirectoryLock:
     self.what, self.fix = what, fix
     self.workdir = pathlib.Path(workdir or directory).expanduser().absolute()
     self._fd = None
+    self._directory_fd = None  # the same lock on the directory itself (`_hold_directory`)
     self._created: list[pathlib.Path] = []  # directories made for the lock file, deepest last
 
   def _make_directory(self) -> None:
@@ -109,13 +113,25 @@ class DirectoryLock:
       os.close(fd)  # the holder deleted it as we opened it: take the new one
     self._fd = fd
     try:
+      self._hold_directory()
       self._write_holder()
-    except BaseException as error:  # a full disk: the lock is given back, not held by a lost fd
+    except BaseException as error:  # a full disk, a directory held: the lock is given back
       if isinstance(error, OSError):
         error.filename = error.filename or str(self.path)  # os.pwrite's error does not say
       self.release()
       raise
     return self
+
+  def _hold_directory(self) -> None:
+    """The exclusive lock on the directory too: a lock file deleted while its run holds it (a
+    tmp cleaner, a 'stale lock' removed by hand) let a second run in beside the first, both
+    writing checkpoints and stores. Where directories take no flock, the file's lock stands."""
+    fd = _lock_directory(self.directory, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if fd == 'busy':
+      raise DirectoryInUseError(
+          f'{self.what} {self.directory} is in use by another run (its {LOCK_FILE} was deleted '
+          f'while it ran, so it cannot be named): wait for it, stop it, or {self.fix}.')
+    self._directory_fd = fd if isinstance(fd, int) else None
 
   def _write_holder(self) -> None:
     started = datetime.datetime.now().astimezone().isoformat(timespec='seconds')
@@ -125,6 +141,9 @@ class DirectoryLock:
     os.pwrite(self._fd, (json.dumps(info) + '\n').encode(), 0)
 
   def release(self) -> None:
+    if self._directory_fd is not None:
+      os.close(self._directory_fd)
+      self._directory_fd = None
     if self._fd is None:
       self._remove_created()
       return

@@ -437,6 +437,20 @@ def test_lock_names_its_holder_and_goes_away(tmp_path):
   assert list(tmp_path.iterdir()) == []
 
 
+def test_a_deleted_lock_file_does_not_let_a_second_run_in(tmp_path):
+  """A run's lock file deleted while it runs (a tmp cleaner, a 'stale lock' removed by hand): a
+  second run was let in beside it (and the first died on a store file the second replaced)."""
+  with locks.hold_workdir(tmp_path):
+    (tmp_path / locks.LOCK_FILE).unlink()
+    with pytest.raises(locks.DirectoryInUseError, match=(
+        rf'workdir {tmp_path} is in use by another run \(its .megatrain.lock was deleted while it '
+        r'ran, so it cannot be named\): wait for it, stop it, or ')):
+      locks.DirectoryLock(tmp_path, 'workdir', 'choose another --workdir').acquire()
+    assert not (tmp_path / locks.LOCK_FILE).exists()  # the refused one's is gone with it
+  with locks.hold_workdir(tmp_path):  # given back: the next run takes it
+    pass
+
+
 def test_a_filesystem_without_flock_warns_and_runs(tmp_path, monkeypatch, capfd):
   def no_locks(fd, operation):
     raise OSError(38, 'Function not implemented')
