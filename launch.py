@@ -195,9 +195,10 @@ def _train(train):
 
 
 def _run_config():
-  """The config to train with: --config's; without --config, in a workdir that holds a run, the
-  run's own (its config.json) with the command line's --config.* on top, so that `launch.py
-  --workdir runs/ft` resumes the fine-tune it holds rather than configs/default.py's run."""
+  """The config to train (prepare, plan) with: --config's; without --config, in a workdir that
+  holds a run, the run's own (its config.json) with the command line's --config.* on top, so
+  that `launch.py --workdir runs/ft` resumes the fine-tune it holds rather than
+  configs/default.py's run (and --dry_run plans that resume)."""
   if flags.FLAGS['config'].present:
     return _CONFIG.value
   from megatrain_jax import distributed, runs  # pylint: disable=g-import-not-at-top
@@ -312,11 +313,11 @@ def _run(train):
   """The job the flags ask for."""
   if _PREPARE.value:
     signal.signal(signal.SIGINT, _end_prepare)
-    train.prepare(_CONFIG.value, _WORKDIR.value, _overrides())
+    train.prepare(_run_config(), _WORKDIR.value, _overrides())
   elif _CALIBRATE.value:
     train.calibrate(_CONFIG.value, _WORKDIR.value, _PROFILE_OUT.value)
   elif _DRY_RUN.value:
-    train.dry_run(_CONFIG.value, _WORKDIR.value, _overrides())
+    train.dry_run(_run_config(), _WORKDIR.value, _overrides())
   elif _EXPORT_HF.present:
     train.export_hf(_CONFIG.value, _WORKDIR.value, _EXPORT_HF.value)
   elif _EVAL.value:

@@ -79,6 +79,10 @@ def test_launch_trains_with_overrides(tmp_path, shared_data):
   assert [r['step'] for r in rows if 'learning/loss' in r] == [1, 2, 3, 4]
   resumed = json.loads((workdir / 'config.json').read_text())
   assert resumed == dict(saved, train=dict(saved['train'], steps=4))
+  planned = run_launch('--dry_run', f'--workdir={workdir}')  # plans that run, not the default
+  assert planned.returncode == 0 and "config: the run's own" in planned.stdout, planned.stderr
+  one_layer = run_launch('--dry_run', '--config=tiny', '--config.model.num_layers=1')
+  assert planned.stdout.splitlines()[1] == one_layer.stdout.splitlines()[0]  # params: N
 
 
 def _assert_one_error_line(result, fragment):
