@@ -435,7 +435,7 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: i
   sampler = data_lib.BatchSampler(
       data_lib.load_split(info, 'train'), seq_len=train_cfg.seq_len,
       batch_size=train_cfg.batch_size, microbatches=microbatches, seed=train_cfg.seed,
-      document_eos=document_eos, row_packing=row_packing)
+      document_eos=document_eos, row_packing=row_packing, verifier=data_lib.verify_data(info))
   eval_data = data_lib.eval_batches(
       data_lib.load_split(info, 'val'), seq_len=train_cfg.seq_len,
       batch_size=train_cfg.batch_size, num_batches=train_cfg.eval_batches,
@@ -538,6 +538,7 @@ def _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, lo
     stopping, on_time = preemption.agreed(stop.requested and done < train_cfg.steps, clock.due())
     if every >= 0 and (metrics_lib.due(done, every, train_cfg.steps) or on_time or stopping
                        or ending):
+      sampler.check_data(wait=done == train_cfg.steps or stopping or ending)  # damaged data
       checkpointer.save(done, engine, data_position=position, model_cfg=model_cfg,
                         seed=train_cfg.seed, placement=plan.placement,
                         microbatches=plan.microbatches, eval_loss=scalars.get('eval/loss'),

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from megatrain_jax import metrics
 from megatrain_jax import runtime
 from megatrain_jax import train
 from megatrain_jax.checkpoint import Checkpointer
-from megatrain_jax.errors import ConfigError, TrainingDivergedError
+from megatrain_jax.errors import ConfigError, StoreCorruptionError, TrainingDivergedError
 from megatrain_jax.layout import Layout
 from megatrain_jax.model import ModelConfig
 
@@ -295,6 +296,30 @@ def test_resume_on_other_data_says_what_changed(tmp_path, shared_data, capsys):
   warned = resume(4, train__seed=1)
   assert len(warned) == 1 and 'the same config, but the files it reads changed' in warned[0]
   assert resume(5, train__seed=1) == []  # trained on these since
+
+
+def test_damaged_prepared_data_stops_the_run_before_its_next_checkpoint(tmp_path, shared_data,
+                                                                       capsys):
+  """A flipped bit in a prepared token shard: the run trained on it silently (the resume's
+  digest covers a few samples). The prepare step records each file's crc32; a run reads them
+  all beside training and stops at the checkpoint after it finds one (its last waits for them
+  all), naming the file; prepared again, the run resumes from the checkpoint before."""
+  resume, _ = _resumer(tmp_path, shared_data, capsys, lambda line: False)
+  resume(2)
+  shard = tmp_path / 'run' / 'data' / 'train-00000.bin'
+  meta = json.loads((tmp_path / 'run' / 'data' / 'meta.json').read_text())
+  assert set(meta['checksums']) == {'train-00000.bin'}
+  damaged = bytearray(shard.read_bytes())
+  damaged[1000] ^= 1
+  shard.write_bytes(bytes(damaged))
+  with pytest.raises(StoreCorruptionError, match=rf'prepared data {shard} is damaged \(its crc32 '
+                     rf'is [0-9a-f]{{8}}, the prepare step wrote [0-9a-f]{{8}}\).*Delete '
+                     rf'{tmp_path / "run" / "data"} and prepare it again'):
+    resume(3)  # its last checkpoint waits for every file to be read
+  assert Checkpointer(tmp_path / 'run', keep=3).steps() == [1, 2]
+  shutil.rmtree(tmp_path / 'run' / 'data')
+  resume(4)
+  assert Checkpointer(tmp_path / 'run', keep=3).steps() == [2, 3, 4]
 
 
 def test_resume_with_other_settings_names_them(tmp_path, shared_data, capsys):

@@ -19,7 +19,8 @@ from megatrain_jax.data.formats import read_prompts
 from megatrain_jax.data.generation import sampling_defaults, stop_ids
 from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, batch_scalars,
                                        check_document_ends, eval_batches, load_split,
-                                       open_tokens, unlearn_document_starts, unlearn_starts)
+                                       open_tokens, unlearn_document_starts, unlearn_starts,
+                                       verify_data)
 from megatrain_jax.data.pipeline import (check_data_config, data_format,
                                          load_data, prepare_summary, row_packing)
 from megatrain_jax.data.prepare import DatasetInfo, prepare_dataset, read_dataset_info
@@ -44,6 +45,7 @@ __all__ = [
     'eval_batches',
     'load_data',
     'load_split',
+    'verify_data',
     'load_tokenizer',
     'MixtureSplit',
     'open_tokens',

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from megatrain_jax.data import packing
+from megatrain_jax.data import packing, shards
 from megatrain_jax.data.mixture import MIXTURE_STREAM, MixtureSchedule
 from megatrain_jax.data.prepare import DatasetInfo, read_dataset_info
 from megatrain_jax.data.shards import TokenStream, memmap
@@ -104,6 +104,15 @@ def load_split(info_or_dir: DatasetInfo | str | Path, split: str):
     return MixtureSplit(tuple(w for w, _ in info.mixture),
                         tuple(load_split(source, 'train') for _, source in info.mixture))
   return _segments_stream(info.splits[split], info.dtype, info.document_ends)
+
+
+def verify_data(info: DatasetInfo) -> shards.ShardVerifier:
+  """Starts reading every file of `info` (a mixture: of each source) whose crc32 its prepare
+  recorded, beside training (shards.ShardVerifier)."""
+  checksums = dict(info.checksums)
+  for _, source in info.mixture:
+    checksums.update(source.checksums)
+  return shards.ShardVerifier(checksums, info.dir)
 
 
 class MixtureSplit(NamedTuple):
@@ -289,7 +298,8 @@ class BatchSampler:
   """
 
   def __init__(self, tokens, *, seq_len: int, batch_size: int, microbatches: int, seed: int,
-               document_eos: int = -1, row_packing: packing.RowPacking | None = None):
+               document_eos: int = -1, row_packing: packing.RowPacking | None = None,
+               verifier: shards.ShardVerifier | None = None):
     """Creates the sampler.
 
     Args:
@@ -305,6 +315,8 @@ class BatchSampler:
       row_packing: With data.pack = 'documents' or 'best_fit' (None: windows of the stream):
         samples are rows of whole documents, padded with its EOS (packing.py); a loss mask
         always.
+      verifier: The check of the prepared files `tokens` are read from (`verify_data`), which
+        `check_data` waits for.
 
     Raises:
       ConfigError: If an argument is out of range, or (naming `train.seq_len`) if a stream is too
@@ -324,6 +336,13 @@ class BatchSampler:
       self._mixture = None
     self._document_eos = document_eos
     self.has_mask = any(stream.has_mask for stream in self._streams) or document_eos >= 0
+    self._verifier = verifier
+
+  def check_data(self, wait: bool = True) -> None:
+    """Raises StoreCorruptionError if the `verifier` (reading every prepared file the batches
+    come from once, beside training) found one damaged; `wait`: until it has read them all."""
+    if self._verifier is not None:
+      self._verifier.check(wait)
 
   @property
   def n_windows(self) -> int:

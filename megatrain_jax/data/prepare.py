@@ -83,6 +83,8 @@ class DatasetInfo:
       are then known as they were; else (plain text, or a prepare of an older version) by
       their EOS. A mixture's: its validation split's (each source says its own).
     mixture: For a mixture, ((weight, DatasetInfo of the source), ...); else ().
+    checksums: {absolute path: crc32} of the files the prepare step wrote (none from a prepare
+      of an older version): shards.ShardVerifier.
     stats: What the prepare run that produced it measured (not compared).
   """
   dir: Path
@@ -95,6 +97,7 @@ class DatasetInfo:
   has_mask: bool = False
   document_ends: bool = False
   mixture: tuple = ()
+  checksums: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
   stats: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
 
@@ -501,7 +504,9 @@ def _splits(job: _Job, progress: dict[str, Any]) -> dict[str, Any]:
     splits = {'train': shards.split_segments(train_shards, 0, train_tokens),
               'val': shards.split_segments(train_shards, train_tokens, total)}
   has_mask = any(s['mask'] for st in streams.values() for s in st['shards'])
-  return {'train_tokens': train_tokens, 'val_tokens': val_tokens,
+  checksums = {name: crc for st in streams.values() for s in st['shards']
+               for name, crc in s.get('crc32', {}).items()}  # none from an older prepare
+  return {'train_tokens': train_tokens, 'val_tokens': val_tokens, 'checksums': checksums,
           'splits': {k: [list(seg) for seg in v] for k, v in splits.items()},
           'has_mask': bool(has_mask),
           'document_ends': _records_ends(s for st in streams.values() for s in st['shards'])}
@@ -646,4 +651,6 @@ def _info_from_meta(directory: Path, meta: dict[str, Any]) -> DatasetInfo:
                      tokenizer=meta['tokenizer'], splits=splits,
                      has_mask=bool(meta.get('has_mask', False)),
                      document_ends=bool(meta.get('document_ends', False)),
+                     checksums={str(directory / name): crc
+                                for name, crc in meta.get('checksums', {}).items()},
                      stats=meta.get('stats', {}))

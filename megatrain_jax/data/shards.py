@@ -16,12 +16,14 @@ A prepare killed at any point resumes from the last recorded shard and rewrites 
 import json
 import os
 from pathlib import Path
+import threading
 from typing import Any, Sequence
+import zlib
 
 import numpy as np
 
 from megatrain_jax import fs
-from megatrain_jax.errors import ConfigError
+from megatrain_jax.errors import ConfigError, StoreCorruptionError
 
 PROGRESS_FILE = 'prepare.json'
 _ONES = np.ones(1 << 20, dtype=np.uint8)
@@ -74,7 +76,8 @@ class ShardWriter:
 
   Attributes:
     shards: The committed shards: {'file', 'mask' (name or None), 'tokens', 'next': [task,
-      skip], 'documents', 'skipped'}, and with `record_ends` 'ends' (name) and 'ends_count'.
+      skip], 'documents', 'skipped', 'crc32': {file name: crc32 of its bytes}}, and with
+      `record_ends` 'ends' (name) and 'ends_count'.
     resume: (task index, tokens of that task already stored) to continue from.
   """
 
@@ -94,6 +97,12 @@ class ShardWriter:
     self._file = self._mask = self._ends = None
     self._tmp = self._mask_tmp = self._ends_tmp = None
     self._count = self._ends_count = 0
+    self._crc = {}  # handle -> crc32 of the bytes written so far: the shard's checksums
+
+  def _put(self, handle, data: bytes) -> None:
+    """Writes `data` to one of the shard's files, keeping its crc32 (`verify_files`)."""
+    handle.write(data)
+    self._crc[handle] = zlib.crc32(data, self._crc.get(handle, 0))
 
   def _open(self) -> None:
     index = len(self.shards)
@@ -111,7 +120,7 @@ class ShardWriter:
     left = self._count
     while left:
       n = min(left, _ONES.size)
-      self._mask.write(_ONES[:n].tobytes())
+      self._put(self._mask, _ONES[:n].tobytes())
       left -= n
 
   def write(self, tokens: np.ndarray, mask: np.ndarray | None, task: int, skip: int,
@@ -134,12 +143,12 @@ class ShardWriter:
       piece_mask = None if mask is None else mask[done:done + n]
       if self._mask is None and piece_mask is not None and not piece_mask.all():
         self._open_mask()
-      self._file.write(tokens[done:done + n].astype(self._stored, copy=False).tobytes())
+      self._put(self._file, tokens[done:done + n].astype(self._stored, copy=False).tobytes())
       if self._mask is not None:
-        self._mask.write((_ONES[:n] if piece_mask is None else piece_mask).tobytes())
+        self._put(self._mask, (_ONES[:n] if piece_mask is None else piece_mask).tobytes())
       if self._ends is not None and ends is not None:  # those in (done, done + n], shard-local
         inside = ends[(ends > done) & (ends <= done + n)]
-        self._ends.write((inside - done + self._count).astype('<i8').tobytes())
+        self._put(self._ends, (inside - done + self._count).astype('<i8').tobytes())
         self._ends_count += inside.size
       self._count += n
       done += n
@@ -155,15 +164,18 @@ class ShardWriter:
   def _commit(self, next_pos: tuple[int, int], documents: int, skipped: int) -> None:
     index = len(self.shards)
     name, mask_name = shard_name(self._stream, index), None
+    crc32 = {name: self._crc.get(self._file, 0)}
     _close_durably(self._file)
     os.replace(self._tmp, self._dir / name)
     if self._mask is not None:
       mask_name = shard_name(self._stream, index, 'mask')
+      crc32[mask_name] = self._crc.get(self._mask, 0)
       _close_durably(self._mask)
       os.replace(self._mask_tmp, self._dir / mask_name)
     recorded = {}
     if self._ends is not None:
       recorded = {'ends': shard_name(self._stream, index, 'ends'), 'ends_count': self._ends_count}
+      crc32[recorded['ends']] = self._crc.get(self._ends, 0)
       _close_durably(self._ends)
       os.replace(self._ends_tmp, self._dir / recorded['ends'])
     fs.fsync(self._dir, directory=True)
@@ -172,7 +184,8 @@ class ShardWriter:
     self.tokens += self._count
     self.shards.append({'file': name, 'mask': mask_name, 'tokens': self._count,
                         'next': list(next_pos), 'documents': self.documents,
-                        'skipped': self.skipped, **recorded})
+                        'skipped': self.skipped, 'crc32': crc32, **recorded})
+    self._crc = {}
     self._file = self._mask = self._ends = self._tmp = self._mask_tmp = self._ends_tmp = None
     self._count = self._ends_count = 0
     self._on_commit()
@@ -190,6 +203,7 @@ class ShardWriter:
         handle.close()
         path.unlink(missing_ok=True)
     self._file = self._mask = self._ends = None
+    self._crc = {}
 
 
 def _close_durably(f) -> None:
@@ -202,6 +216,43 @@ def _close_durably(f) -> None:
 
 # A piece of a split: (token file, mask file or None, first token, token count), files absolute.
 Segment = tuple[str, str | None, int, int]
+
+
+class ShardVerifier:
+  """Reads every token, mask and ends file of a prepared dataset whose crc32 the prepare step
+  recorded (`checksums`: {path: crc32}), on a thread of its own, and compares: a damaged file (a
+  flipped bit, a file replaced) trained silently on other tokens. `check` raises
+  StoreCorruptionError naming the first bad file once it is found (`wait`: once every file is
+  read). A run checks before each checkpoint and waits before its last: fine-tuning data is read
+  long before the first; a corpus too large for that is read beside the steps."""
+
+  def __init__(self, checksums: dict[str, int], directory: Path):
+    self._checksums, self._directory = dict(checksums), directory
+    self._bad: tuple[str, str] | None = None
+    self._thread = threading.Thread(target=self._verify, name='shard-verify', daemon=True)
+    self._thread.start()
+
+  def _verify(self) -> None:
+    for path, want in self._checksums.items():
+      try:
+        got = fs.crc32(Path(path))
+      except OSError as error:
+        self._bad = (path, f'unreadable: {error.strerror}')
+        return
+      if got != want:
+        self._bad = (path, f'its crc32 is {got:08x}, the prepare step wrote {want:08x}')
+        return
+
+  def check(self, wait: bool = True) -> None:
+    if wait:
+      self._thread.join()
+    if self._bad is not None:
+      path, reason = self._bad
+      raise StoreCorruptionError(
+          f'prepared data {path} is damaged ({reason}): the batches read from it are not the '
+          f'data as prepared. Delete {self._directory} and prepare it again (a run prepares '
+          'its data.cache_dir itself; a prepared data.path with --prepare), then rerun the same '
+          'command: the run resumes from its last checkpoint, written before this start.')
 
 
 def split_segments(shards: Sequence[dict[str, Any]], start: int, stop: int) -> list[Segment]:
