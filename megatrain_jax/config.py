@@ -319,6 +319,11 @@ def _validate_eval_export(config: ml_collections.ConfigDict) -> None:
            f'must be > 0 (GB per safetensors file), got {config.export.max_shard_gb}.')
 
 
+def is_run_config(recorded: dict) -> bool:
+  """Whether `recorded` (a config.json read) is a run's: its sections, not another program's."""
+  return {'model', 'train'} <= recorded.keys()
+
+
 def check_run_workdir(workdir: str) -> pathlib.Path:
   """`check_workdir` for a job that writes a run there (training, --prepare): a directory holding
   another program's config.json (a Hugging Face model's, another trainer's output) is refused,
@@ -328,7 +333,7 @@ def check_run_workdir(workdir: str) -> pathlib.Path:
     recorded = json.loads((path / 'config.json').read_text(encoding='utf-8'))
   except (OSError, ValueError):  # none (or unreadable: not this check's to judge)
     return path
-  if not isinstance(recorded, dict) or {'model', 'train'} <= recorded.keys():  # a run's own
+  if not isinstance(recorded, dict) or is_run_config(recorded):
     return path
   whose = ''
   if 'architectures' in recorded or 'model_type' in recorded:

@@ -1,6 +1,7 @@
 """File-system helpers shared by the checkpointer, the NVMe tier, the data prepare step and config
 checks: names for tree paths on disk, atomic writes, fsync, crc32, hard-link trees, free space."""
 
+import contextlib
 import errno
 import json
 import os
@@ -59,6 +60,17 @@ def crc32(path: pathlib.Path) -> int:
     while block := f.read(1 << 22):
       crc = zlib.crc32(block, crc)
   return crc
+
+
+@contextlib.contextmanager
+def naming(path):
+  """An OSError raised in the block names `path` when it names no file (a file object's write or
+  flush, os.pwrite): a full disk's error then says which disk (train._disk_full_is_an_error)."""
+  try:
+    yield
+  except OSError as error:
+    error.filename = error.filename or str(path)
+    raise
 
 
 def new_temp(directory: pathlib.Path, name: str) -> pathlib.Path:

@@ -45,6 +45,7 @@ import pathlib
 import socket
 import sys
 
+from megatrain_jax import fs
 from megatrain_jax.errors import ConfigError
 
 LOCK_FILE = '.megatrain.lock'
@@ -114,10 +115,9 @@ class DirectoryLock:
     self._fd = fd
     try:
       self._hold_directory()
-      self._write_holder()
-    except BaseException as error:  # a full disk, a directory held: the lock is given back
-      if isinstance(error, OSError):
-        error.filename = error.filename or str(self.path)  # os.pwrite's error does not say
+      with fs.naming(self.path):  # os.pwrite's error names no file
+        self._write_holder()
+    except BaseException:  # a full disk, a directory held: the lock is given back
       self.release()
       raise
     return self

@@ -219,16 +219,13 @@ class MetricsWriter:
     if not self.writes:
       return
     row = {'step': step, **{k: float(v) for k, v in scalars.items()}}
-    try:
+    with fs.naming(self.jsonl_path):  # a full disk: say where
       self._jsonl.write(json.dumps(row) + '\n')
       self._jsonl.flush()
       for name, value in row.items():
         if name != 'step' and math.isfinite(value):
           self._tensorboard.add_scalar(name, value, step)
       self._tensorboard.flush()  # as far on disk as metrics.jsonl (else up to 2 minutes behind)
-    except OSError as error:  # a full disk: say where (a file object's write does not)
-      error.filename = error.filename or str(self.jsonl_path)
-      raise
     if console:
       self.print(format_console_line(step, self.total_steps, scalars, self.eta_s(step)))
 

@@ -54,7 +54,7 @@ def recorded_config(workdir, given: ml_collections.ConfigDict,
     recorded = json.loads((pathlib.Path(workdir) / 'config.json').read_text(encoding='utf-8'))
   except (OSError, ValueError):
     return None
-  if not isinstance(recorded, dict) or not {'model', 'train'} <= recorded.keys():
+  if not isinstance(recorded, dict) or not config_lib.is_run_config(recorded):
     return None
   config = config_lib.load_config('default')
   known = set(config_lib.flatten(config))

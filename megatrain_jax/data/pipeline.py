@@ -138,8 +138,10 @@ class _Sources:
     return self._fmt
 
   def check(self, source: str, field: str) -> list[Path]:
-    """Expands `source` (naming `field`) and checks every file's head; returns the files."""
+    """Expands `source` (naming `field`) and checks every file's head, and a directory's mix of
+    records and text (formats.check_directories); returns the files."""
     files = formats.expand_sources([source], field)
+    formats.check_directories([source], _field(self._config, 'text_documents'), field)
     check_sources(files, self.fmt() if _needs_format(self._config, files) else None, field)
     return files
 
@@ -188,7 +190,6 @@ def _check_mixture(data_config: Any, sources: _Sources) -> list[tuple[float, str
       raise ConfigError(f'data.mixture: {source} is a prepared directory; mixture sources must '
                         'be data files (they are prepared into data.cache_dir).')
     sources.check(source, 'data.mixture')
-    formats.check_directories([source], _field(data_config, 'text_documents'), 'data.mixture')
   return mixture
 
 
@@ -213,10 +214,8 @@ def _validate(data_config: Any, train_config: Any = None) -> DatasetInfo | None:
     _check_prepared_tokenizer(prepared, load_tokenizer(_field(data_config, 'tokenizer')))
   elif path:
     train_files = sources.check(path, 'data.path')
-    formats.check_directories([path], _field(data_config, 'text_documents'), 'data.path')
   if val_path:
     val_files = sources.check(val_path, 'data.val_path')
-    formats.check_directories([val_path], _field(data_config, 'text_documents'), 'data.val_path')
     _check_held_out(train_files or [], val_files)
   if train_config is not None and not mixture:
     _check_sizes(data_config, train_config, prepared, train_files, val_files)

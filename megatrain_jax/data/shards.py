@@ -100,7 +100,7 @@ class ShardWriter:
     self._crc = {}  # handle -> crc32 of the bytes written so far: the shard's checksums
 
   def _put(self, handle, data: bytes) -> None:
-    """Writes `data` to one of the shard's files, keeping its crc32 (`verify_files`)."""
+    """Writes `data` to one of the shard's files, keeping its crc32 (ShardVerifier)."""
     handle.write(data)
     self._crc[handle] = zlib.crc32(data, self._crc.get(handle, 0))
 
@@ -128,11 +128,8 @@ class ShardWriter:
     """Stores task `task`'s tokens from its `skip`-th on (`ends`: where its documents end in
     `tokens`, None: none does); `documents`/`skipped` count the task's records (added once the
     whole task is stored)."""
-    try:
+    with fs.naming(self._dir / shard_name(self._stream, len(self.shards))):  # a full disk
       self._write(tokens, mask, task, skip, documents, skipped, ends)
-    except OSError as error:  # a full disk: say which (a file object's write does not)
-      error.filename = error.filename or str(self._tmp)
-      raise
 
   def _write(self, tokens, mask, task, skip, documents, skipped, ends) -> None:
     done = skip

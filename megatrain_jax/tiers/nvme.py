@@ -460,15 +460,18 @@ def store_dirs(directory) -> list:
   mine = distributed.process_dir(directory)
   if not mine.is_dir():
     return []
-  stores = [d for d in mine.iterdir() if (_STORE_DIR.fullmatch(d.name)
-                                          or _SNAPSHOT_DIR.fullmatch(d.name))
-            and _holds_only_arrays(d)]
-  if mine == pathlib.Path(directory):
-    stores += [d for process in mine.iterdir() if _PROCESS_DIR.fullmatch(process.name)
-               and not process.is_symlink() and process.is_dir()
-               for d in process.iterdir() if _STORE_DIR.fullmatch(d.name)
-               and _holds_only_arrays(d)]
+  stores = _stores_in(mine, _STORE_DIR, _SNAPSHOT_DIR)
+  if mine == pathlib.Path(directory):  # one process: those of several before
+    for process in mine.iterdir():
+      if _PROCESS_DIR.fullmatch(process.name) and process.is_dir() and not process.is_symlink():
+        stores += _stores_in(process, _STORE_DIR)
   return stores
+
+
+def _stores_in(parent: pathlib.Path, *names: re.Pattern) -> list:
+  """The directories in `parent` of one of the `names` that hold nothing but arrays."""
+  return [d for d in parent.iterdir()
+          if any(name.fullmatch(d.name) for name in names) and _holds_only_arrays(d)]
 
 
 def not_stores(directory) -> list:
