@@ -302,7 +302,8 @@ def main(argv):
   except (ConfigError, TrainingDivergedError, StoreCorruptionError, DiskFullError,
           ProcessLostError) as e:
     _fail(f'error: {e}', several,  # ProcessLostError: only ever with several
-          everyone=joined and isinstance(e, (ConfigError, TrainingDivergedError)))
+          everyone=joined and (isinstance(e, (ConfigError, TrainingDivergedError))
+                               or getattr(e, 'everyone', False)))
   except Exception:  # pylint: disable=broad-except  (a bug: its traceback, then the same exit)
     if not several:
       raise

@@ -824,6 +824,11 @@ class Checkpointer:
     the commit rename, and the deletion of checkpoints beyond `keep`."""
     try:
       for staging, dest in copies.items():
+        if not staging.is_dir():  # os.walk of a missing directory copies nothing, silently
+          raise StoreCorruptionError(
+              f'checkpoint step {step}: the snapshot of the NVMe stores staged at {staging} was '
+              'deleted before it was copied (did another run take offload.dir?); this '
+              'checkpoint is not committed.')
         fs.link_tree(staging, dest)  # copies: another filesystem
       _remove_staging(copies)
       faults.point('checkpoint')  # kill -9 tests: files written, nothing committed

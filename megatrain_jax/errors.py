@@ -18,7 +18,10 @@ class TrainingDivergedError(RuntimeError):
 
 
 class StoreCorruptionError(RuntimeError):
-  """Data read back from a store failed its checksum or is missing; names array, layer and file."""
+  """Data read back from a store failed its checksum or is missing; names array, layer and file.
+  `everyone`: every process of the run raises it at the same step (they agreed on it), so they
+  leave together (launch.py), as from a refusal of their shared config."""
+  everyone = False
 
 
 class DiskFullError(RuntimeError):

@@ -56,7 +56,7 @@ from megatrain_jax import sample as sample_lib
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
 from megatrain_jax.engine.streamed import StreamedEngine
-from megatrain_jax.errors import ConfigError, DiskFullError
+from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.layout import Layout
 from megatrain_jax.placement import Placement
 from megatrain_jax.tiers import nvme
@@ -538,19 +538,41 @@ def _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, lo
     stopping, on_time = preemption.agreed(stop.requested and done < train_cfg.steps, clock.due())
     if every >= 0 and (metrics_lib.due(done, every, train_cfg.steps) or on_time or stopping
                        or ending):
-      sampler.check_data(wait=done == train_cfg.steps or stopping or ending)  # damaged data
+      # Only the run's last checkpoint waits for the whole check of its data: a stop has a grace
+      # period to keep, and the next start checks the data again from the first file.
+      _check_data(sampler, wait=done == train_cfg.steps or ending)
       checkpointer.save(done, engine, data_position=position, model_cfg=model_cfg,
                         seed=train_cfg.seed, placement=plan.placement,
                         microbatches=plan.microbatches, eval_loss=scalars.get('eval/loss'),
                         extra_meta={'data': _data_record(config, sampler, position),
                                     'early_stopping': early.state()})
       clock.reset()
+      if not stopping and done < train_cfg.steps:  # a signal during the save: it just saved
+        stopping, = preemption.agreed(stop.requested)
     if stopping:
       raise _stopped(log, checkpointer, done, stop.received, saved=every >= 0)
     if ending:
       log.print(f'{early.message(done)}; ' + ('checkpoint saved.' if every >= 0 else
                                               'no checkpoint (checkpoint.every=-1).'))
       return
+
+
+def _check_data(sampler, wait: bool) -> None:
+  """Raises StoreCorruptionError before a checkpoint if the check of the prepared data
+  (`sampler.check_data`, `wait`: until every file is read) found a damaged file in any process:
+  each reads the files at its own pace, and all must stop at the same step."""
+  try:
+    sampler.check_data(wait)
+    damaged = None
+  except StoreCorruptionError as error:
+    damaged = error
+  found = distributed.processes_where(damaged is not None)
+  if found:
+    damaged = damaged or StoreCorruptionError(
+        f'process {found[0]} found a file of the prepared data damaged (its log names it): '
+        'delete the prepared data and prepare it again, then rerun the same command.')
+    damaged.everyone = True
+    raise damaged
 
 
 def _stopped(log, checkpointer, step: int, signal_name: str | None, saved: bool):
@@ -611,6 +633,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     runtime.configure(config, streamed=plan.placement.streamed,
                       host_peak_bytes=plan.host_peak_bytes)
     _hold_offload_dir(locked, config, plan.placement, workdir)  # before the stores are written
+    # The offload.dir lock outlives the last commit, which may still copy a staged snapshot of
+    # the stores from there (another filesystem than the workdir's).
+    locked.push(_closing(checkpointer.wait))
     enable_compilation_cache(config.jax_cache_dir)
     workdir.mkdir(parents=True, exist_ok=True)
     # Process 0 copies the tokenizer and prepares the data; the others then read what it wrote.

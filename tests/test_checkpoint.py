@@ -5,6 +5,8 @@ import os
 import pathlib
 import re
 import shutil
+import threading
+import time
 
 import jax
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 from megatrain_jax import checkpoint, locks, partition, train
 from megatrain_jax.checkpoint import Checkpointer
+from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
 from megatrain_jax.partition import split_axis
 from megatrain_jax.tiers import codecs
@@ -590,6 +593,73 @@ def test_the_disk_a_run_holds_counts_as_free_for_it(tmp_path, monkeypatch):
     assert sorted(p.name for p in stores.iterdir()) == ['datasets', 'elsewhere', 'head_params']
     assert (stores / 'datasets' / 'corpus').read_bytes() == b'\4' * 2_000_000
     assert (stores / 'head_params' / 'notes.txt').read_bytes() == b'\6' * 100_000
+
+
+def test_the_offload_dir_lock_outlives_the_last_commit(tmp_path, data, monkeypatch):
+  """The run's last checkpoint commits in the background while the run closes; offload.dir's
+  lock was given back before that commit was done, and a second run taking the directory then
+  deleted the staged snapshot it was copying from (another filesystem). Its lock is held until
+  the commit is done."""
+  offload = tmp_path / 'offload'
+  original_commit = Checkpointer._commit
+  free_during_commit = []
+
+  def commit(self, step, *args):
+    if step == 8:  # the last: the run is closing meanwhile
+      time.sleep(1.0)
+      try:
+        with locks.hold_offload_dir(offload, tmp_path / 'other'):
+          free_during_commit.append(step)
+      except locks.DirectoryInUseError:
+        pass
+    return original_commit(self, step, *args)
+
+  monkeypatch.setattr(Checkpointer, '_commit', commit)
+  train.train_and_evaluate(config(data, **NVME, offload__dir=str(offload)), str(tmp_path / 'run'))
+  assert free_during_commit == [] and Checkpointer(tmp_path / 'run', keep=3).steps() == [4, 8]
+
+
+@AS_ROOT
+def test_a_staged_snapshot_deleted_before_its_copy_is_not_committed(tmp_path, data, monkeypatch):
+  """A checkpoint of NVMe stores on another filesystem copies a staged snapshot from offload.dir;
+  deleted before the copy (by anything), the commit found nothing to copy and committed a
+  checkpoint without its NVMe arrays. It is refused, and the previous checkpoint stays the one
+  a rerun resumes from."""
+  original_commit = Checkpointer._commit
+
+  def commit(self, step, tmp, meta, needed, copies):
+    if step == 8:
+      for staging in copies:
+        shutil.rmtree(staging)
+    return original_commit(self, step, tmp, meta, needed, copies)
+
+  monkeypatch.setattr(Checkpointer, '_commit', commit)
+  with tmpfs(64) as disk:
+    run_config = config(data, **NVME, offload__dir=str(disk / 'offload'))
+    with pytest.raises(StoreCorruptionError, match=r'checkpoint step 8: the snapshot of the NVMe '
+                       r'stores staged at .*\.checkpoint-snapshot-8/.* was deleted before it was '
+                       r'copied .*this checkpoint is not committed'):
+      train.train_and_evaluate(run_config, str(tmp_path / 'run'))
+    assert Checkpointer(tmp_path / 'run', keep=3).steps() == [4]
+
+
+def test_an_engine_that_fails_to_start_stops_its_store_threads(tmp_path, data, monkeypatch):
+  """A streamed engine failing as it fills its stores left their writer threads running (writing
+  into an offload.dir whose lock the run gave back) until garbage collection."""
+  original_put = StreamedEngine._put_initial_opt_state
+  puts = []
+
+  def out_of_memory_later(self, *args):
+    puts.append(args[1])
+    if len(puts) == 3:  # stores have written by now: their writer threads run
+      raise MemoryError('RESOURCE_EXHAUSTED (the test)')
+    original_put(self, *args)
+
+  monkeypatch.setattr(StreamedEngine, '_put_initial_opt_state', out_of_memory_later)
+  with pytest.raises(MemoryError):
+    train.train_and_evaluate(config(data, **NVME), str(tmp_path / 'run'))
+  alive = [t.name for t in threading.enumerate() if t.name.startswith(('params-', 'opt_state-'))]
+  assert alive == []
 
 
 @pytest.mark.parametrize('name', ['params', 'head_params'])

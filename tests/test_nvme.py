@@ -18,7 +18,7 @@ from megatrain_jax import partition, train
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError, StoreCorruptionError
 from megatrain_jax.tiers import TransferStats
-from megatrain_jax.tiers import codecs
+from megatrain_jax.tiers import codecs, nvme
 from megatrain_jax.placement import Placement
 from megatrain_jax.tiers.nvme import NvmeStore
 
@@ -235,6 +235,73 @@ def test_corruption_is_detected_and_named(tmp_path, damage):
     store.fetch(1).result()
   message = str(error.value)
   assert 'layers.w' in message and 'layer 3' in message and path in message, message
+  store.close()
+
+
+# A store over 2 devices: each layer's file is cut in two parts (one per device shard); the part
+# damaged is the one named (the error named part 0 whichever part was bad).
+_PARTS_SCRIPT = """
+import pathlib, sys
+import jax, numpy as np
+from megatrain_jax.errors import StoreCorruptionError
+from megatrain_jax.layout import Layout
+from megatrain_jax.tiers import TransferStats, codecs
+from megatrain_jax.tiers.nvme import NvmeStore
+layout = Layout.for_devices(jax.devices()[:2])
+store = NvmeStore('params', TransferStats(), layout, directory=sys.argv[1], slices=[(0, 2), (2, 4)])
+store.put(0, {'layers': {'w': np.full((2, 8, 16), 1.0, np.float32)}})
+store.put(1, {'layers': {'w': np.full((2, 8, 16), 2.0, np.float32)}})
+store.flush()
+axis = layout.parts((4, 8, 16), "['layers']['w']")[0]
+bad = codecs.chunk_file(str(pathlib.Path(sys.argv[1]) / 'params' / 'layers.w'), 3, 3, 0, (axis, 1))
+part_0 = codecs.chunk_file(str(pathlib.Path(sys.argv[1]) / 'params' / 'layers.w'), 3, 3, 0, (axis, 0))
+assert axis == 1 and bad != part_0, (axis, bad)
+data = bytearray(pathlib.Path(bad).read_bytes())
+data[len(data) // 3] ^= 1
+pathlib.Path(bad).write_bytes(bytes(data))
+try:
+  store.fetch(1).result()
+except StoreCorruptionError as error:
+  print('named:', f'file {bad} ' in str(error), 'part 0 named:', f'file {part_0} ' in str(error))
+store.close()
+"""
+
+
+def test_corruption_of_a_device_part_names_that_part(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=2')
+  done = subprocess.run([sys.executable, '-c', _PARTS_SCRIPT, str(tmp_path)], env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert done.stdout.strip() == 'named: True part 0 named: False', done.stdout + done.stderr
+
+
+def test_a_store_killed_half_deleted_is_finished_by_the_next_start(tmp_path, monkeypatch):
+  """A run replaces its live stores at start; shutil.rmtree deletes each array's zarr.json before
+  its chunks, and a kill in between (a preemption during start-up) left chunks without metadata:
+  every later start refused the directory as a user's. Renamed before it is deleted, a store
+  killed half deleted is the next start's to finish."""
+  store = make_store(tmp_path)
+  store.put(0, group_tree(1.0))
+  store.flush()
+  store.close()
+
+  def killed_after_the_metadata(directory, ignore_errors=False):
+    del ignore_errors
+    for meta in pathlib.Path(directory).glob('*/zarr.json'):
+      meta.unlink()
+    raise KeyboardInterrupt  # as a kill: nothing after it runs
+
+  monkeypatch.setattr(nvme.shutil, 'rmtree', killed_after_the_metadata)
+  with pytest.raises(KeyboardInterrupt):
+    make_store(tmp_path)
+  monkeypatch.undo()
+  assert nvme.not_stores(str(tmp_path)) == []  # nothing under a store's name to refuse
+  [half] = nvme.store_dirs(str(tmp_path))  # counted as the run's disk
+  assert half.name.startswith('.deleting-params-') and list(half.glob('*/c/*'))
+  store = make_store(tmp_path)
+  nvme.remove_other_stores(str(tmp_path), {'params'})
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['params']
+  store.put(0, group_tree(3.0))
+  np.testing.assert_array_equal(store.get(0)['layers']['w'], 3.0)
   store.close()
 
 

@@ -40,6 +40,7 @@ from megatrain_jax import metrics
 from megatrain_jax import preemption
 from megatrain_jax import train
 from megatrain_jax.checkpoint import Checkpointer
+from megatrain_jax.data import shards
 from megatrain_jax.errors import ConfigError
 from megatrain_jax.reliability import (LAUNCH_PY, PLACEMENTS, REPO_ROOT, STEPS, committed_steps,
                                        final_state, latest_checkpoint, learning_rows,
@@ -318,6 +319,45 @@ def test_a_second_sigint_goes_to_the_previous_handler(tmp_path, shared_data, mon
   assert not (tmp_path / locks.LOCK_FILE).exists()
   rerun = train.train_and_evaluate(config_of(fields, train__steps=6), str(tmp_path))
   assert rerun['step'] == 6
+
+
+def test_a_stop_signal_during_a_save_stops_after_that_save(tmp_path, shared_data, monkeypatch):
+  """A SIGTERM that lands while a periodic checkpoint is saved: the run stops right after that
+  save, which holds every step taken (it trained one more step and saved again, a step and a
+  checkpoint out of the grace period)."""
+  fields = placement_fields('resident')
+  original_save = Checkpointer.save
+  saves = []
+
+  def save(self, step, *args, **kwargs):
+    original_save(self, step, *args, **kwargs)
+    saves.append(step)
+    if step == 3:  # the periodic ones are at 3, 6, 9, 12
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  monkeypatch.setattr(Checkpointer, 'save', save)
+  with pytest.raises(preemption.TrainingStopped) as stopped:
+    train.train_and_evaluate(config_of(fields), str(tmp_path))
+  assert saves == [3] and stopped.value.step == 3 and stopped.value.saved
+  assert committed_steps(tmp_path) == [3]
+
+
+def test_a_stop_does_not_wait_for_the_whole_data_check(tmp_path, shared_data, monkeypatch):
+  """The prepared data's check (shards.ShardVerifier, every file read beside training) can take
+  hours on a large corpus: a stop's checkpoint did not wait for it, where a scheduler's grace
+  period ended first and nothing was saved. The last checkpoint of a run still waits."""
+  fields = placement_fields('resident')
+  reading = threading.Event()
+  monkeypatch.setattr(shards.ShardVerifier, '_verify', lambda self: reading.wait(120))
+  signal_during_step(monkeypatch, 2, None, signal.SIGTERM)
+  started = time.monotonic()
+  try:
+    with pytest.raises(preemption.TrainingStopped) as stopped:
+      train.train_and_evaluate(config_of(fields), str(tmp_path))
+    assert stopped.value.step == 2 and committed_steps(tmp_path) == [2]
+    assert time.monotonic() - started < 60
+  finally:
+    reading.set()
 
 
 def test_sigint_ends_a_prepare_at_once_and_keeps_its_shards(tmp_path, shared_data):

@@ -110,7 +110,20 @@ class StreamedEngine:
     # One write-behind budget for every NVMe store (layers, vocabulary chunks, parked gradients).
     self.write_budget = WriteBudget(placement.write_budget_bytes(model_cfg))
     self.fn = stage_functions(model_cfg, tx, self.layout)
-    self.stores = {kind: self._make_stores(kind) for kind in self.kinds}
+    self.stores, self._opened = {}, []  # _opened: every store made, in order (`close`)
+    try:
+      for kind in self.kinds:
+        self.stores[kind] = self._make_stores(kind)
+      self._fill(state, seed, restore_from)
+    except BaseException:
+      # The NVMe stores' writer threads would go on writing into an offload.dir whose lock the
+      # failing run gives back: they finish what they queued and stop.
+      self.close(quietly=True)
+      raise
+
+  def _fill(self, state, seed: int, restore_from) -> None:
+    """Everything beside the stores: the updaters, then the state (`__init__`)."""
+    placement = self.placement
     if placement.uses_nvme:  # stores of another placement or process count: the run's to free
       nvme.remove_other_stores(placement.dir, {store.name for stores in self.stores.values()
                                               for store in stores.all()
@@ -162,6 +175,11 @@ class StreamedEngine:
                          for part in ('params', 'opt', 'grads')))
 
   def _make_store(self, tier: str, name: str, kind: str):
+    store = self._new_store(tier, name, kind)
+    self._opened.append(store)
+    return store
+
+  def _new_store(self, tier: str, name: str, kind: str):
     if tier != 'nvme':
       return make_store(tier, name, self.stats, self.layout)
     if not self.placement.dir:
@@ -174,12 +192,16 @@ class StreamedEngine:
                      axis_of=None if kind == 'layers' else partition.split_axis,
                      write_budget=self.write_budget)
 
-  def close(self) -> None:
+  def close(self, quietly: bool = False) -> None:
     """Waits for pending writes and stops the stores' I/O threads. Layer updates still waiting
-    for a forward are dropped: what a run keeps is its checkpoints, which flush them."""
-    for stores in self.stores.values():
-      for store in stores.all():
+    for a forward are dropped: what a run keeps is its checkpoints, which flush them. `quietly`:
+    a store's error (of a write) does not keep the others open, and is not raised."""
+    for store in self._opened:
+      try:
         store.close()
+      except Exception:  # pylint: disable=broad-except
+        if not quietly:
+          raise
 
   # --------------------------------------------------------------------------------------------
   # State in and out (checkpoints hold the full, resident-shaped state: portable across engines).

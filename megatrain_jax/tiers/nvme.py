@@ -38,6 +38,7 @@ import re
 import shutil
 import stat as stat_lib
 import threading
+import time
 
 import jax
 import numpy as np
@@ -71,7 +72,7 @@ class NvmeStore(Store):
       # The live store is never trusted across runs (resume = reload): replaced, if it is one.
       if not _holds_only_arrays(self.directory):
         raise ConfigError(_not_a_store_error(directory, self.directory))
-      shutil.rmtree(self.directory)
+      _delete_store(self.directory)
     self.directory.mkdir(parents=True)
     self.slices = slices
     self.num_layers = slices[-1][1]
@@ -174,7 +175,7 @@ class NvmeStore(Store):
             box = tuple((start, stop) if d == axis else b for d, b in enumerate(box))
             writes.append(array[slices(box)].write(host))
             nbytes += host.nbytes
-            files += self._files(path, box, len(shape))
+            files += self._files(path, box)
         for write in writes:
           write.result()
       except Exception as error:  # pylint: disable=broad-except  (ENOSPC arrives as ValueError)
@@ -241,12 +242,12 @@ class NvmeStore(Store):
         box = (self.layout.local_box(shapes[p], p) if self._processes > 1
                else tuple((0, n) for n in shapes[p]))
         box = tuple((start, stop) if d == axis else b for d, b in enumerate(box))
-        reads[p] = ((_zeros_aligned(tuple(b - a for a, b in box), zeros[p][1]), None)
-                    if p in zeros else _read_aligned(array[slices(box)]))
+        reads[p] = ((_zeros_aligned(tuple(b - a for a, b in box), zeros[p][1]), None, box)
+                    if p in zeros else (*_read_aligned(array[slices(box)]), box))
       leaves = []
       for path in paths:
         if path in reads:
-          leaves.append(self._result(path, reads[path], start, stop))
+          leaves.append(self._result(path, *reads[path]))
         else:
           leaves.append(small[path] if path in wanted else None)
     self.stats.add(read_bytes=sum(x.nbytes for p, x in zip(paths, leaves)
@@ -261,8 +262,9 @@ class NvmeStore(Store):
                 else x for p, x in zip(paths, leaves)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
-  def _result(self, path, read, start, stop) -> np.ndarray:
-    out, future = read
+  def _result(self, path, out: np.ndarray, future, box: tuple) -> np.ndarray:
+    """`out` once its read (`future`, of `box` of leaf `path`) is done; a chunk that fails its
+    checksum or is missing is a StoreCorruptionError naming its file."""
     if future is None:  # zeros not on disk
       return out
     try:
@@ -270,13 +272,11 @@ class NvmeStore(Store):
       return out
     except ValueError as error:  # TensorStore reports DATA_LOSS / NOT_FOUND as ValueError
       array, axis = self._arrays[path], self._axis_of(path)
-      for first in range(start, stop, self._file_rows):  # name the first bad file
+      for file, part in self._file_boxes(path, box):  # name the first bad file
         try:
-          array[_index(axis, first, min(first + self._file_rows, stop))].read().result()
+          array[slices(part)].read().result()
         except ValueError as file_error:
-          box = tuple((first, first + 1) if d == axis else (0, n)
-                      for d, n in enumerate(array.shape))
-          file = self._files(path, box, array.ndim)[0]
+          first = part[axis][0]
           what = f'layer {first}' if self._file_rows == 1 else f'rows from {first}'
           raise StoreCorruptionError(
               f'NVMe store {self.name!r}: array {leaf_name(path)} {what} in file {file} '
@@ -338,7 +338,7 @@ class NvmeStore(Store):
       # another process's part would go stale once that process writes its own, and the next
       # checkpoint (each process links its whole store into it) could take the stale one.
       live, shape = self.directory / leaf_name(path), tuple(self._arrays[path].shape)
-      for file in self._files(path, self.layout.local_box(shape, path), len(shape)):
+      for file in self._files(path, self.layout.local_box(shape, path)):
         relative = pathlib.Path(file).relative_to(live)
         if (source / relative).exists():  # chunks never written read as zeros (zarr's fill)
           (live / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -361,16 +361,30 @@ class NvmeStore(Store):
     self._wait_written(key, self._structure[key][1])
     return dict(self._small[key])
 
-  def _files(self, path: str, box: tuple, ndim: int) -> list[str]:
+  def _files(self, path: str, box: tuple) -> list[str]:
     """The chunk files holding `box` ((start, stop) per axis) of the array of leaf `path`."""
+    return [file for file, _ in self._file_boxes(path, box)]
+
+  def _file_boxes(self, path: str, box: tuple) -> list[tuple[str, tuple]]:
+    """(chunk file, the part of `box` it holds) of each file holding `box` of leaf `path`: one
+    per `_file_rows` rows along the store's axis and per device part (layout.parts)."""
     array, axis = self._arrays[path], self._axis_of(path)
+    ndim = array.ndim
     start, stop = box[axis]
     parts = self.layout.parts(tuple(array.shape), path)
     width = array.shape[parts[0]] // parts[1] if parts else 1
     part_range = range(box[parts[0]][0] // width, -(-box[parts[0]][1] // width)) if parts else [0]
-    return [codecs.chunk_file(str(self.directory / leaf_name(path)), i // self._file_rows, ndim,
-                              axis, (parts[0], j) if parts else None)
-            for i in range(start, stop, self._file_rows) for j in part_range]
+    out = []
+    for i in range(start - start % self._file_rows, stop, self._file_rows):
+      for j in part_range:
+        part = list(box)
+        part[axis] = (max(i, start), min(i + self._file_rows, stop))
+        if parts:
+          lo, hi = box[parts[0]]
+          part[parts[0]] = (max(lo, j * width), min(hi, (j + 1) * width))
+        out.append((codecs.chunk_file(str(self.directory / leaf_name(path)), i // self._file_rows,
+                                      ndim, axis, (parts[0], j) if parts else None), tuple(part)))
+    return out
 
 
 def _local_nbytes(x) -> int:
@@ -449,6 +463,8 @@ _PROCESS_DIR = re.compile(r'process-\d+')
 # A checkpoint's snapshot of the stores, staged here while it is copied to a workdir on another
 # filesystem (checkpoint.py's _SNAPSHOT_PREFIX): a killed run's is the next attempt's to take.
 _SNAPSHOT_DIR = re.compile(r'\.checkpoint-snapshot-\d+')
+# A store being deleted (`_delete_store`): a killed run's is the next attempt's to finish.
+_DELETING_DIR = re.compile(r'\.deleting-[a-z_]+-\d+')
 
 
 def store_dirs(directory) -> list:
@@ -461,6 +477,8 @@ def store_dirs(directory) -> list:
   if not mine.is_dir():
     return []
   stores = _stores_in(mine, _STORE_DIR, _SNAPSHOT_DIR)
+  stores += [d for d in mine.iterdir() if _DELETING_DIR.fullmatch(d.name) and d.is_dir()
+             and not d.is_symlink()]  # half deleted: no longer only arrays
   if mine == pathlib.Path(directory):  # one process: those of several before
     for process in mine.iterdir():
       if _PROCESS_DIR.fullmatch(process.name) and process.is_dir() and not process.is_symlink():
@@ -515,9 +533,21 @@ def remove_other_stores(directory, used: set) -> None:
   left them, and the planner counted their disk as free (`held_by_run`)."""
   for stale in store_dirs(directory):
     if stale.name not in used or stale.parent != distributed.process_dir(directory):
-      shutil.rmtree(stale, ignore_errors=True)
+      _delete_store(stale)
       if _PROCESS_DIR.fullmatch(stale.parent.name) and not any(stale.parent.iterdir()):
         stale.parent.rmdir()
+
+
+def _delete_store(directory: pathlib.Path) -> None:
+  """Deletes a store's directory, first renamed out of its name (`_DELETING_DIR`): shutil.rmtree
+  deletes each array's zarr.json before its chunks, and a store killed half deleted would hold
+  chunks without metadata, refused as a user's directory (`_holds_only_arrays`) by every later
+  start. Renamed, a killed deletion is finished by the next (`store_dirs` counts it)."""
+  doomed = directory
+  if not _DELETING_DIR.fullmatch(directory.name):
+    doomed = directory.with_name(f'.deleting-{directory.name}-{time.time_ns()}')
+    os.rename(directory, doomed)
+  shutil.rmtree(doomed, ignore_errors=True)
 
 
 def held_by_run(directory, checkpoint_dir=None, keep: int = 0) -> int:
