@@ -428,11 +428,6 @@ def layer_axis(path: str) -> int | None:
   return 0 if LAYERS in path else None
 
 
-def _index(axis: int, start: int, stop: int) -> tuple:
-  """Indices [start, stop) along `axis`, everything along the others."""
-  return (slice(None),) * axis + (slice(start, stop),)
-
-
 def nvme_bytes(layer_params_bytes: int, params_tier: str, opt_tier: str) -> int:
   """Disk bytes the NVMe stores need, uncompressed: 4 B/param for weights, 8 for Adam m and v."""
   return layer_params_bytes * ((params_tier == 'nvme') + 2 * (opt_tier == 'nvme'))
