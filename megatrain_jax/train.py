@@ -632,10 +632,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # A streamed run's heap is trimmed above the plan's host peak (runtime.trim_limit).
     runtime.configure(config, streamed=plan.placement.streamed,
                       host_peak_bytes=plan.host_peak_bytes)
-    _hold_offload_dir(locked, config, plan.placement, workdir)  # before the stores are written
-    # The offload.dir lock outlives the last commit, which may still copy a staged snapshot of
-    # the stores from there (another filesystem than the workdir's).
-    locked.push(_closing(checkpointer.wait))
+    _hold_offload_dir(locked, config, plan.placement, workdir, checkpointer)  # before the stores
     enable_compilation_cache(config.jax_cache_dir)
     workdir.mkdir(parents=True, exist_ok=True)
     # Process 0 copies the tokenizer and prepares the data; the others then read what it wrote.
@@ -663,13 +660,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     return log.last
 
 
-def _hold_offload_dir(locked: contextlib.ExitStack, config, placement, workdir) -> None:
+def _hold_offload_dir(locked: contextlib.ExitStack, config, placement, workdir,
+                      checkpointer: Checkpointer) -> None:
   """Locks this process's part of offload.dir for the run (`locked`: its ExitStack) when the
-  placement has NVMe stores. Without them (a resume that left NVMe, by choice or by plan), it
-  deletes the stores a run there left, unless another run holds the directory: the full FP32
-  state, never read again (a run rebuilds its stores from its checkpoint's own snapshot)."""
+  placement has NVMe stores, until `checkpointer`'s last commit is done (it may copy a staged
+  snapshot of the stores from there). Without them (a resume that left NVMe, by choice or by
+  plan), it deletes the stores a run there left, unless another run holds the directory: the
+  full FP32 state, never read again (a run rebuilds its stores from its checkpoint's own
+  snapshot)."""
   if placement.uses_nvme:
     locked.enter_context(locks.hold_offload_dir(distributed.process_dir(placement.dir), workdir))
+    locked.push(_closing(checkpointer.wait))  # unwound before the lock is given back
     return
   directory = pathlib.Path(config.offload.dir or workdir / 'offload').expanduser()
   stale = nvme.store_dirs(directory)
