@@ -387,24 +387,43 @@ def _check_tokenizer(config, model_cfg):
   return tokenizer
 
 
-def _main_first(name: str, make):
-  """make() in process 0, then, once it is done (and has written what it writes), in the other
-  processes. One process: make()."""
-  if distributed.is_main():
-    made = make()
-  distributed.barrier(name)
-  if not distributed.is_main():
-    made = make()
-  return made
-
-
 def _workdir_data(config, source, workdir: pathlib.Path, microbatches: int,
                   document_eos: int):
   """(config, train sampler, eval batches): the tokenizer adopted (`runs.adopt_tokenizer`) and the
-  data opened (`_open_data`)."""
-  config = runs.adopt_chat_template(runs.adopt_tokenizer(config, source, workdir), workdir)
-  return _open_data(config, workdir, microbatches, document_eos,
-                    _finding_documents(config, document_eos))
+  data prepared and opened (`_open_data`), in process 0 first. The other processes then open
+  what it prepared as it is where they see the same data directory (a shared workdir): each
+  compared the sources' file times on its own machine, and a copy of the corpus there (cp, scp
+  keep no times) had them delete process 0's files and tokenize the corpus again, at every
+  start. All then check that they read the same data."""
+  def make(as_prepared: bool = False):
+    adopted = runs.adopt_chat_template(runs.adopt_tokenizer(config, source, workdir), workdir)
+    return _open_data(adopted, workdir, microbatches, document_eos,
+                      _finding_documents(adopted, document_eos), as_prepared)
+
+  if jax.process_count() == 1:
+    return make()
+  if distributed.is_main():
+    made = make()
+  distributed.barrier('workdir data')
+  digest = list(data_lib.prepared_digest(config.data, workdir))
+  same_directory = distributed.from_main(digest) == digest and bool(digest)  # a collective
+  if not distributed.is_main():
+    made = make(as_prepared=same_directory)
+  _check_same_data(*made)
+  return made
+
+
+def _check_same_data(config, sampler, eval_data) -> None:
+  """Every process of a run reads the same data (the same windows, steps and validation
+  batches): another corpus under data.path on one machine trained silently on a mix, or hung
+  the processes in a collective (train.epochs counts the steps from the data)."""
+  summary = (f'{sampler.n_windows:,} training windows, {config.train.steps:,} steps, '
+             f'{len(eval_data)} validation batches')
+  everyone = distributed.texts_if_different(summary)
+  if everyone is not None:
+    found = '; '.join(f'process {i}: {text}' for i, text in enumerate(everyone))
+    raise ConfigError(f'the processes read different data ({found}): data.path (and '
+                      'data.val_path) must hold the same files on every machine.')
 
 
 def _finding_documents(config, document_eos: int) -> str:
@@ -415,15 +434,16 @@ def _finding_documents(config, document_eos: int) -> str:
       (f"data.pack='{config.data.pack}'", config.data.pack != 'stream')) if on)
 
 
-def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: int, uses: str):
+def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: int, uses: str,
+               as_prepared: bool = False):
   """(config, train sampler, eval batches) over the token files prepared (or reused) in
   <workdir>/data; with train.epochs, the config's train.steps are the epochs' (`epoch_steps`).
   `document_eos` (the model's document_eos_id, -1 without model.document_mask): the target after
   each document's first token is neither learned nor scored (data.unlearn_starts). `uses`: what
   finds documents (`_finding_documents`): in data prepared without their recorded ends (an older
-  version's), by their EOS, whose count is checked."""
+  version's), by their EOS, whose count is checked. `as_prepared`: data_lib.load_data's."""
   train_cfg = config.train
-  info, tokenizer = data_lib.load_data(config.data, workdir)
+  info, tokenizer = data_lib.load_data(config.data, workdir, as_prepared=as_prepared)
   row_packing = data_lib.row_packing(config.data, tokenizer)  # data.pack: rows of whole documents
   if uses:
     fmt = data_lib.document_format(tokenizer, eos_token=config.data.eos_token)
@@ -636,8 +656,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     enable_compilation_cache(config.jax_cache_dir)
     workdir.mkdir(parents=True, exist_ok=True)
     # Process 0 copies the tokenizer and prepares the data; the others then read what it wrote.
-    config, sampler, eval_data = _main_first('workdir data', lambda: _workdir_data(
-        config, source, workdir, plan.microbatches, model_cfg.document_eos_id))
+    config, sampler, eval_data = _workdir_data(config, source, workdir, plan.microbatches,
+                                               model_cfg.document_eos_id)
     if config.train.epochs and _finished(restored, config, main):  # its steps: counted just now
       return {}
     layout = distributed.run_layout(config)

@@ -9,6 +9,7 @@ two machines (tests/test_distributed.py trains and kills such runs).
 """
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -284,3 +285,44 @@ def test_a_signal_to_one_process_is_named_by_process_0(tmp_path):
   assert ' by SIGTERM to process 1; checkpoint saved; rerun the same command' in stopped[0]
   step = int(stopped[0].split()[3])
   assert (tmp_path / 'run' / 'checkpoints' / str(step)).is_dir()
+
+
+def _copies_of_the_corpus(tmp_path, same_text: bool) -> list:
+  """Two machines' HOMEs, each with its own copy of a corpus at ~/corpus.txt (the same path on
+  both), process 1's made 100 s later (cp and scp keep no file times); with other text if not
+  `same_text`."""
+  text = (SHARED_DATA / 'tinyshakespeare' / 'input.txt').read_text()
+  homes = [tmp_path / 'home0', tmp_path / 'home1']
+  for i, home in enumerate(homes):
+    home.mkdir()
+    (home / 'corpus.txt').write_text(text[:60_000] if same_text or i == 0 else text[60_000:90_000])
+  later = (home / 'corpus.txt').stat().st_mtime + 100
+  os.utime(homes[1] / 'corpus.txt', (later, later))
+  return homes
+
+
+def test_processes_take_the_data_process_0_prepared_whatever_their_file_times(tmp_path):
+  """Each machine holds a copy of the corpus with other file times: process 1 compared them with
+  those process 0 prepared under, then deleted the shared data directory and tokenized the corpus
+  again (every start, while process 0 waited in a collective). It takes the files process 0
+  prepared as they are."""
+  homes = _copies_of_the_corpus(tmp_path, same_text=True)
+  processes = _two(tmp_path / 'run', '--config.data.path=~/corpus.txt', homes=homes)
+  outputs = _ended(processes)
+  assert [p.returncode for p in processes] == [0, 0], outputs[1][1][-3000:]
+  meta = json.loads((tmp_path / 'run' / 'data' / 'meta.json').read_text())
+  assert meta['train_sources'][0]['mtime_ns'] == (homes[0] / 'corpus.txt').stat().st_mtime_ns
+
+
+def test_processes_reading_other_data_stop_with_one_line(tmp_path):
+  """Another corpus under the same data.path on process 1's machine (with its own data.cache_dir
+  there): the processes trained silently on a mix, or hung in a collective. Both stop at start-up
+  with one line naming what each read."""
+  homes = _copies_of_the_corpus(tmp_path, same_text=False)
+  processes = _two(tmp_path / 'run', '--config.data.path=~/corpus.txt',
+                   '--config.data.cache_dir=~/data', homes=homes)
+  outputs = _ended(processes, timeout=TRAIN_TIMEOUT_S)
+  lines = [_one_error(subprocess.CompletedProcess([], p.returncode, out, err),
+                      'the processes read different data (process 0: ')
+           for p, (out, err) in zip(processes, outputs)]
+  assert lines[0] == lines[1] and 'must hold the same files on every machine' in lines[0]

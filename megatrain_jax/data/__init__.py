@@ -22,7 +22,8 @@ from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, batch_
                                        open_tokens, unlearn_document_starts, unlearn_starts,
                                        verify_data)
 from megatrain_jax.data.pipeline import (check_data_config, data_format,
-                                         load_data, prepare_summary, row_packing)
+                                         load_data, prepare_summary, prepared_digest,
+                                         row_packing)
 from megatrain_jax.data.prepare import DatasetInfo, prepare_dataset, read_dataset_info
 from megatrain_jax.data.shards import TokenStream
 from megatrain_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -53,6 +54,7 @@ __all__ = [
     'unlearn_starts',
     'prepare_dataset',
     'prepare_summary',
+    'prepared_digest',
     'prompt_ids',
     'read_dataset_info',
     'read_prompts',

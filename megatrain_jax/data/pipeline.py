@@ -252,18 +252,20 @@ def check_data_config(data_config: Any, train_config: Any = None) -> None:
 
 
 def _prepare(data_config: Any, tokenizer: Tokenizer, out_dir: Path, train: list, val: list,
-             val_fraction: float | None, progress: bool | None) -> DatasetInfo:
+             val_fraction: float | None, progress: bool | None,
+             as_prepared: bool = False) -> DatasetInfo:
   fmt = (data_format(data_config, tokenizer)
          if _needs_format(data_config, formats.expand_sources(train, 'data.path') +
                           formats.expand_sources(val, 'data.val_path')) else None)
   return prepare_dataset(out_dir, tokenizer, train_sources=train, val_sources=val,
                          val_fraction=val_fraction, doc_format=fmt,
                          shard_tokens=_field(data_config, 'shard_tokens'),
-                         num_workers=_field(data_config, 'num_workers'), progress=progress)
+                         num_workers=_field(data_config, 'num_workers'), progress=progress,
+                         as_prepared=as_prepared)
 
 
 def _load_mixture(data_config: Any, tokenizer: Tokenizer, cache_dir: Path,
-                  progress: bool | None) -> DatasetInfo:
+                  progress: bool | None, as_prepared: bool) -> DatasetInfo:
   """Prepares each source into `<cache_dir>/mixture-<hash of the source>`; validation is
   data.val_path, else each source's held-out tail, one after the other."""
   val_path = _field(data_config, 'val_path')
@@ -272,10 +274,10 @@ def _load_mixture(data_config: Any, tokenizer: Tokenizer, cache_dir: Path,
   for weight, source in parse_mixture(_field(data_config, 'mixture')):
     digest = hashlib.sha256(source.encode('utf-8')).hexdigest()[:12]
     parts.append((weight, _prepare(data_config, tokenizer, cache_dir / f'mixture-{digest}',
-                                   [source], [], val_fraction, progress)))
+                                   [source], [], val_fraction, progress, as_prepared)))
   if val_path:
     val = _prepare(data_config, tokenizer, cache_dir / 'mixture-val', [val_path], [], None,
-                   progress)
+                   progress, as_prepared)
     val_segments, val_tokens = val.splits['train'], val.train_tokens
     val_ends = val.document_ends
   else:
@@ -301,8 +303,8 @@ def _sum_stats(stats: list[dict]) -> dict:
   return out
 
 
-def load_data(data_config: Any, workdir: str | Path,
-              progress: bool | None = None) -> tuple[DatasetInfo, Tokenizer]:
+def load_data(data_config: Any, workdir: str | Path, progress: bool | None = None,
+              as_prepared: bool = False) -> tuple[DatasetInfo, Tokenizer]:
   """Returns the prepared dataset and tokenizer for `data_config`, preparing it if needed.
 
   Args:
@@ -310,6 +312,8 @@ def load_data(data_config: Any, workdir: str | Path,
     workdir: The run directory; prepared files go to `<workdir>/data` unless `data.cache_dir` is
       set.
     progress: The prepare step's progress bar (None: shown on a terminal only).
+    as_prepared: Take the complete prepared files there as they are (prepare.prepare_dataset):
+      process 0 of the run prepared them (`prepared_digest` says it is the same directory).
 
   Raises:
     ConfigError: Naming the offending `data.*` field: before anything is written for what the
@@ -326,10 +330,22 @@ def load_data(data_config: Any, workdir: str | Path,
   cache_dir = Path(_field(data_config, 'cache_dir') or Path(workdir) / 'data')
   _check_cache_dir(cache_dir, path)
   if _field(data_config, 'mixture'):
-    return _load_mixture(data_config, tokenizer, cache_dir, progress), tokenizer
+    return _load_mixture(data_config, tokenizer, cache_dir, progress, as_prepared), tokenizer
   info = _prepare(data_config, tokenizer, cache_dir, [path] if path else [],
-                  [val_path] if val_path else [], _field(data_config, 'val_fraction'), progress)
+                  [val_path] if val_path else [], _field(data_config, 'val_fraction'), progress,
+                  as_prepared)
   return info, tokenizer
+
+
+def prepared_digest(data_config: Any, workdir: str | Path) -> bytes:
+  """A digest of the meta.json files of the data directory `load_data` prepares into (that of a
+  mixture's sources too; b'' when there is none): processes that see the same digest after
+  process 0 prepared see the same prepared files (a shared workdir or data.cache_dir)."""
+  cache_dir = Path(_field(data_config, 'cache_dir') or Path(workdir) / 'data').expanduser()
+  metas = [meta.read_bytes() for meta in sorted([cache_dir / META_FILE,
+                                                 *cache_dir.glob(f'mixture-*/{META_FILE}')])
+           if meta.is_file()]
+  return hashlib.sha256(b'\0'.join(metas)).digest() if metas else b''
 
 
 def prepare_summary(info: DatasetInfo) -> str:

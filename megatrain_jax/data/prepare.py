@@ -184,7 +184,8 @@ def prepare_dataset(out_dir: str | Path,
                     doc_format: DocumentFormat | None = None,
                     shard_tokens: int = DEFAULT_SHARD_TOKENS,
                     num_workers: int = 1,
-                    progress: bool | None = False) -> DatasetInfo:
+                    progress: bool | None = False,
+                    as_prepared: bool = False) -> DatasetInfo:
   """Tokenizes sources into `out_dir`, reuses what is there if nothing changed, or resumes an
   interrupted prepare of the same sources.
 
@@ -202,6 +203,9 @@ def prepare_dataset(out_dir: str | Path,
     shard_tokens: The most tokens per shard file.
     num_workers: Tokenizing processes; 0 = every core; 1 = this process.
     progress: Progress bar on stderr (None: only on a terminal).
+    as_prepared: Complete prepared files in `out_dir` are taken as they are, whatever the
+      sources' sizes and file times here: another process of the run prepared them just now,
+      from the same config, on a machine whose copy of the sources may carry other file times.
 
   Raises:
     ConfigError: For bad arguments, a missing or unreadable source, or a bad record (naming the
@@ -213,7 +217,7 @@ def prepare_dataset(out_dir: str | Path,
   identity = _source_identity(job)
   fingerprint = _fingerprint(identity)
   meta = _read_meta(job.out_dir)
-  if (meta is not None and meta.get('fingerprint') == fingerprint and
+  if (meta is not None and (as_prepared or meta.get('fingerprint') == fingerprint) and
       _token_files_complete(job.out_dir, meta)):
     return _info_from_meta(job.out_dir, meta)
   job.out_dir.mkdir(parents=True, exist_ok=True)
