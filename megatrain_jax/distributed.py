@@ -330,12 +330,17 @@ def _config_differences(everyone: list[dict]) -> str:
 def lost_process_error(checkpointer):
   """Turns a failed collective across processes (another process died or lost its connection:
   this one cannot go on without its shards) into ProcessLostError, naming the last checkpoint of
-  `checkpointer` to resume from. One process: errors pass unchanged."""
+  `checkpointer` to resume from (once the commit in flight, process 0's, is done). One
+  process, or a device out of memory: errors pass unchanged."""
   try:
     yield
   except jax.errors.JaxRuntimeError as error:
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or 'RESOURCE_EXHAUSTED' in str(error):
       raise
+    try:
+      checkpointer.wait()  # it named the checkpoint before, committed a moment later
+    except Exception:  # pylint: disable=broad-except  (its own error: the previous one stands)
+      pass
     steps = checkpointer.steps()
     raise lost_process(error, steps[-1] if steps else None) from error
 

@@ -643,6 +643,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                 keep_best=config.checkpoint.keep_best)
     # Closed last, however the run ends: commits the checkpoint in flight.
     locked.push(_closing(checkpointer.close))
+    # From here every process runs collectives (start-up's too): one that fails is one line.
+    locked.enter_context(distributed.lost_process_error(checkpointer))
     config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
     distributed.check_same_plan(f'{plan.placement.summary()}, M={plan.microbatches}')
     if not config.train.epochs and _finished(restored, config, main):  # a finished run, rerun
@@ -670,7 +672,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       fs.write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
     with preemption.StopSignals(saves=config.checkpoint.every >= 0) as stop, _open_run_log(
         config, model_cfg, hw, plan, workdir, sampler.samples_per_step, start_step, position,
-        checkpointer, layout) as log, distributed.lost_process_error(checkpointer):
+        checkpointer, layout) as log:
       if start_step == 0:  # the baseline every later eval is compared with
         log.write(0, _evaluate(engine, eval_data))
       with profiling.StepProfiler(config.profile.start_step, config.profile.steps, workdir,

@@ -16,11 +16,12 @@ import socket
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from helpers import JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, SMALL_MODEL, config_with
 from megatrain_jax import distributed, hardware
-from megatrain_jax.errors import ConfigError
+from megatrain_jax.errors import ConfigError, ProcessLostError
 
 # A refusal comes within seconds; without it, a process waits for peers that never come (JAX
 # waits 300 s): the test then fails on this timeout instead of hanging.
@@ -326,3 +327,40 @@ def test_processes_reading_other_data_stop_with_one_line(tmp_path):
                       'the processes read different data (process 0: ')
            for p, (out, err) in zip(processes, outputs)]
   assert lines[0] == lines[1] and 'must hold the same files on every machine' in lines[0]
+
+
+def test_a_refusal_of_one_machine_only_is_one_line_on_every_process(tmp_path):
+  """Process 1's offload.dir (a field of each machine's own) is a file: it refuses the run, and
+  process 0, waiting in a start-up collective for it, printed a page of traceback (those
+  collectives ran outside the lost-process handling). Both now end with one line each."""
+  not_a_directory = tmp_path / 'offload-file'
+  not_a_directory.write_text('')
+  processes = _two(tmp_path / 'run', '--config.offload.params=nvme',
+                   '--config.offload.opt_state=nvme',
+                   process_1=[f'--config.offload.dir={not_a_directory}'])
+  outputs = _ended(processes)
+  refused, lost = ['offload.dir=', 'process 0 of 2 lost contact with the other process (1)']
+  for p, (out, err), fragment in zip(processes, outputs, [lost, refused]):
+    _one_error(subprocess.CompletedProcess([], p.returncode, out, err), fragment)
+
+
+def test_a_lost_process_names_the_checkpoint_being_committed(monkeypatch):
+  """Process 1 lost right after writing its part of a checkpoint: process 0's commit of it (on
+  its own thread) is done a moment later, and the error told the user that no checkpoint had
+  been committed, so they would start over."""
+  class Committing:
+    committed = []
+
+    def wait(self):
+      self.committed.append(4)
+
+    def steps(self):
+      return list(self.committed)
+
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  with pytest.raises(ProcessLostError, match=r'they resume from the last checkpoint \(step 4\)'):
+    with distributed.lost_process_error(Committing()):
+      raise jax.errors.JaxRuntimeError('UNKNOWN: Gloo AllGather failed: Connection reset by peer')
+  with pytest.raises(jax.errors.JaxRuntimeError, match='RESOURCE_EXHAUSTED'):  # not a lost one
+    with distributed.lost_process_error(Committing()):
+      raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 1 GB')
