@@ -567,7 +567,7 @@ def _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, lo
                         extra_meta={'data': _data_record(config, sampler, position),
                                     'early_stopping': early.state()})
       clock.reset()
-      if not stopping and done < train_cfg.steps:  # a signal during the save: it just saved
+      if not (stopping or ending) and done < train_cfg.steps:  # a signal during the save
         stopping, = preemption.agreed(stop.requested)
     if stopping:
       raise _stopped(log, checkpointer, done, stop.received, saved=every >= 0)

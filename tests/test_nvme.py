@@ -253,8 +253,8 @@ store.put(0, {'layers': {'w': np.full((2, 8, 16), 1.0, np.float32)}})
 store.put(1, {'layers': {'w': np.full((2, 8, 16), 2.0, np.float32)}})
 store.flush()
 axis = layout.parts((4, 8, 16), "['layers']['w']")[0]
-bad = codecs.chunk_file(str(pathlib.Path(sys.argv[1]) / 'params' / 'layers.w'), 3, 3, 0, (axis, 1))
-part_0 = codecs.chunk_file(str(pathlib.Path(sys.argv[1]) / 'params' / 'layers.w'), 3, 3, 0, (axis, 0))
+leaf = str(pathlib.Path(sys.argv[1]) / 'params' / 'layers.w')
+bad, part_0 = (codecs.chunk_file(leaf, 3, 3, 0, (axis, j)) for j in (1, 0))
 assert axis == 1 and bad != part_0, (axis, bad)
 data = bytearray(pathlib.Path(bad).read_bytes())
 data[len(data) // 3] ^= 1
