@@ -2,6 +2,7 @@
 
     python bench/sample_speed.py [--rounds 3] [--baseline OTHER_CHECKOUT] [--d_model 512]
         [--layers 8] [--vocab 32000] [--prompt 64] [--new 192] [--json out.json]
+        [--temperature 0.8 --top_k 50 --top_p 0.9]
     python bench/sample_speed.py --batch_sizes 1,8,16 [--prompts 16] [--new 128]
 
 Each round starts a fresh interpreter per checkout (this one, and with --baseline, e.g. a `git
@@ -9,7 +10,9 @@ worktree` of an older commit, that one; alternating which goes first) that build
 model of the given size (GQA 8 query / 2 key-value heads of 64 features, d_ff = 2.75 d_model,
 random weights), calls `generate` once (it compiles for the buffer's length, then runs), then
 times a second, identical call: a greedy continuation of a random prompt by --new tokens with no
-stop id, so every call writes the same number of tokens. Reported: the first call's seconds and
+stop id, so every call writes the same number of tokens (with --temperature > 0 the tokens are
+drawn, filtered by --top_k / --top_p, with the same seed in both calls). Reported: the first
+call's seconds and
 the second's, its tokens per second (medians over the rounds), and the ratio to the baseline
 measured in the same rounds.
 
@@ -35,16 +38,17 @@ import jax, numpy as np
 from megatrain_jax import model as model_lib
 from megatrain_jax import sample
 d_model, layers, vocab, prompt_len, new = (int(a) for a in sys.argv[1:6])
+drawn = dict(temperature=float(sys.argv[6]), top_k=int(sys.argv[7]), top_p=float(sys.argv[8]))
 cfg = model_lib.ModelConfig(vocab_size=vocab, d_model=d_model, num_layers=layers, num_heads=8,
                             num_kv_heads=2, head_dim=64, d_ff=int(2.75 * d_model),
                             max_seq_len=prompt_len + new, tie_embeddings=False)
 params = model_lib.init_params(cfg, jax.random.key(0))
 prompt = np.random.default_rng(0).integers(1, vocab, prompt_len)
 started = time.perf_counter()
-first = sample.generate(cfg, params, prompt, max_new_tokens=new, eos_id=-1)
+first = sample.generate(cfg, params, prompt, max_new_tokens=new, eos_id=-1, **drawn)
 first_call = time.perf_counter() - started
 started = time.perf_counter()
-ids = sample.generate(cfg, params, prompt, max_new_tokens=new, eos_id=-1)
+ids = sample.generate(cfg, params, prompt, max_new_tokens=new, eos_id=-1, **drawn)
 seconds = time.perf_counter() - started
 assert ids.size == new and (ids == first).all()
 print(json.dumps({'first_call_s': first_call, 'seconds': seconds,
@@ -97,7 +101,8 @@ def _batched(args) -> None:
 
 def _run(tree: pathlib.Path, args) -> dict:
   env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS='cpu')
-  shape = [str(v) for v in (args.d_model, args.layers, args.vocab, args.prompt, args.new)]
+  shape = [str(v) for v in (args.d_model, args.layers, args.vocab, args.prompt, args.new,
+                            args.temperature, args.top_k, args.top_p)]
   out = subprocess.run([sys.executable, '-c', _CHILD, *shape], env=env, capture_output=True,
                        text=True, check=True, cwd=tree)
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -113,6 +118,9 @@ def main():
   parser.add_argument('--prompt', type=int, default=64, help='prompt tokens')
   parser.add_argument('--new', type=int, default=192, help='tokens written')
   parser.add_argument('--json', default=None)
+  parser.add_argument('--temperature', type=float, default=0.0, help='0: greedy')
+  parser.add_argument('--top_k', type=int, default=0)
+  parser.add_argument('--top_p', type=float, default=1.0)
   parser.add_argument('--batch_sizes', default='', help='e.g. 1,8,16: generate_all batching')
   parser.add_argument('--prompts', type=int, default=16, help='prompts, with --batch_sizes')
   args = parser.parse_args()
@@ -131,8 +139,10 @@ def main():
   tokens = {name: [r['first_tokens'] for r in rows] for name, rows in results.items()}
   if len({json.dumps(t) for t in tokens.values()}) > 1:
     print(f'note: the checkouts wrote different tokens: {tokens}')
-  print(f'\nmodel: {results["this"][0]["params"]:,} params, prompt {args.prompt} + {args.new} '
-        'new tokens, greedy')
+  how = (f'temperature {args.temperature:g}, top_k {args.top_k}, top_p {args.top_p:g}'
+         if args.temperature else 'greedy')
+  print(f'\nmodel: {results["this"][0]["params"]:,} params, vocabulary {args.vocab:,}, prompt '
+        f'{args.prompt} + {args.new} new tokens, {how}')
   print('| checkout | first call s (compiles) | s per call | tokens/s |\n|---|---:|---:|---:|')
   medians = {}
   for name, rows in results.items():

@@ -127,18 +127,40 @@ def device_bytes(cfg: model_lib.ModelConfig, length: int, rows: int = 1) -> int:
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
   """logits [V] float32 with those outside the top_k (0 = all) and then outside the smallest
   most-likely set whose softmax reaches top_p (1 = all; the most likely token always stays) set
-  to -inf: transformers' TopKLogitsWarper then TopPLogitsWarper."""
-  if top_k:
-    kth = jax.lax.top_k(logits, top_k)[0][-1]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  to -inf: transformers' TopKLogitsWarper then TopPLogitsWarper. Each cut is a threshold found
+  by bisection (`_smallest_key`: 32 passes over V), not a sort of the vocabulary: at V=151,936
+  XLA:CPU's top_k and argsort took 218 and 290 ms a step for 8 rows, 15x the model's step."""
+  keys = _order_keys(logits)
+  if top_k:  # the k-th largest logit: fewer than k above it (ties at it stay, as in transformers)
+    kth = _smallest_key(keys, lambda t: jnp.sum(keys > t) < top_k)
+    logits = jnp.where(keys < kth, -jnp.inf, logits)
   if top_p < 1.0:
-    order = jnp.argsort(logits)  # ascending, as transformers sorts
     # A token goes when the tokens less likely than it, itself included, hold at most 1 - top_p
-    # of the probability; the most likely token always stays.
-    below = jnp.cumsum(jax.nn.softmax(logits[order]))
-    removed = (below <= 1.0 - top_p).at[-1].set(False)
-    logits = jnp.where(jnp.zeros_like(removed).at[order].set(removed), -jnp.inf, logits)
+    # of the probability (transformers' cumulative sum in ascending order); the most likely
+    # token always stays.
+    probs = jax.nn.softmax(logits)
+    first = _smallest_key(
+        keys, lambda t: jnp.sum(jnp.where(keys <= t, probs, 0.0)) > 1.0 - top_p)
+    logits = jnp.where(keys < first, -jnp.inf, logits)
   return logits
+
+
+def _order_keys(x):
+  """uint32 keys of float32 `x` in the floats' order (-inf lowest): a threshold bisected over
+  them is one of the floats, exactly."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _smallest_key(keys, holds):
+  """The smallest t in [min(keys), max(keys)] for which `holds(t)` (false below it, true from it
+  on, true at the max): a bisection over the uint32 range, 32 steps."""
+  def step(_, bounds):
+    low, high = bounds
+    middle = low + (high - low) // 2
+    ok = holds(middle)
+    return jnp.where(ok, low, middle + jnp.uint32(1)), jnp.where(ok, middle, high)
+  return jax.lax.fori_loop(0, 32, step, (jnp.min(keys), jnp.max(keys)))[1]
 
 
 @functools.lru_cache(maxsize=8)

@@ -97,11 +97,15 @@ def test_sampling_draws_from_the_top_k_softmax(checkpoints):
   assert not np.array_equal(a, c)
 
 
-@pytest.mark.parametrize('top_k,top_p', [(0, 0.9), (0, 0.3), (20, 0.8), (0, 0.999), (7, 1.0)])
-def test_top_k_and_top_p_keep_what_transformers_warpers_keep(top_k, top_p):
+@pytest.mark.parametrize('top_k,top_p,vocab', [
+    (0, 0.9, 256), (0, 0.3, 256), (20, 0.8, 256), (0, 0.999, 256), (7, 1.0, 256),
+    (50, 0.9, 151_936), (0, 0.95, 151_936), (1000, 1.0, 128_256)])
+def test_top_k_and_top_p_keep_what_transformers_warpers_keep(top_k, top_p, vocab):
   """sample.filter_logits equals transformers' TopKLogitsWarper then TopPLogitsWarper (the order
-  `generate` applies them) on random logits: the same tokens kept, with their logits."""
-  logits = np.random.default_rng(top_k + int(100 * top_p)).normal(0, 3, 256).astype(np.float32)
+  `generate` applies them) on random logits: the same tokens kept, with their logits; at real
+  vocabularies too (its thresholds are bisected, not sorted)."""
+  rng = np.random.default_rng(top_k + int(100 * top_p))
+  logits = rng.normal(0, 3, vocab).astype(np.float32)
   want = torch.from_numpy(logits[None])
   if top_k:
     want = transformers.TopKLogitsWarper(top_k)(None, want)
@@ -109,7 +113,7 @@ def test_top_k_and_top_p_keep_what_transformers_warpers_keep(top_k, top_p):
     want = transformers.TopPLogitsWarper(top_p)(None, want)
   got = np.asarray(sample.filter_logits(logits, top_k, top_p))
   np.testing.assert_array_equal(got, want[0].numpy())
-  assert 1 < np.isfinite(got).sum() < 256
+  assert 1 < np.isfinite(got).sum() < vocab
 
 
 def test_top_p_near_zero_is_greedy_and_stop_ids_end_at_the_first(checkpoints):
