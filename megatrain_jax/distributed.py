@@ -280,6 +280,17 @@ def check_same_plan(summary: str) -> None:
                       'fields and train.microbatches the plan of process 0 names.')
 
 
+def check_same_data(summary: str) -> None:
+  """Every process read the same data (`summary`: what it counted in it): a machine whose
+  data.path holds other files trains on a mix, or waits for collectives the others never run.
+  One process: nothing."""
+  everyone = texts_if_different(summary) if jax.process_count() > 1 else None
+  if everyone is not None:
+    found = '; '.join(f'process {i}: {text}' for i, text in enumerate(everyone))
+    raise ConfigError(f'the processes read different data ({found}): data.path (and '
+                      'data.val_path) must hold the same files on every machine.')
+
+
 def texts_if_different(text: str) -> list[str] | None:
   """Every process's `text` (in process order) when they are not all the same, else None: an
   all-gather of a 32-byte digest, and of the texts themselves only when the digests differ."""

@@ -414,16 +414,11 @@ def _workdir_data(config, source, workdir: pathlib.Path, microbatches: int,
 
 
 def _check_same_data(config, sampler, eval_data) -> None:
-  """Every process of a run reads the same data (the same windows, steps and validation
-  batches): another corpus under data.path on one machine trained silently on a mix, or hung
-  the processes in a collective (train.epochs counts the steps from the data)."""
-  summary = (f'{sampler.n_windows:,} training windows, {config.train.steps:,} steps, '
-             f'{len(eval_data)} validation batches')
-  everyone = distributed.texts_if_different(summary)
-  if everyone is not None:
-    found = '; '.join(f'process {i}: {text}' for i, text in enumerate(everyone))
-    raise ConfigError(f'the processes read different data ({found}): data.path (and '
-                      'data.val_path) must hold the same files on every machine.')
+  """Every process of a run reads the same data (distributed.check_same_data): another corpus
+  under data.path on one machine trained silently on a mix, or hung the processes in a
+  collective (train.epochs counts the steps from the data)."""
+  distributed.check_same_data(f'{sampler.n_windows:,} training windows, '
+                              f'{config.train.steps:,} steps, {len(eval_data)} validation batches')
 
 
 def _finding_documents(config, document_eos: int) -> str:

@@ -327,7 +327,7 @@ def load_data(data_config: Any, workdir: str | Path, progress: bool | None = Non
     return prepared, tokenizer
 
   path, val_path = _field(data_config, 'path'), _field(data_config, 'val_path')
-  cache_dir = Path(_field(data_config, 'cache_dir') or Path(workdir) / 'data')
+  cache_dir = _cache_dir(data_config, workdir)
   _check_cache_dir(cache_dir, path)
   if _field(data_config, 'mixture'):
     return _load_mixture(data_config, tokenizer, cache_dir, progress, as_prepared), tokenizer
@@ -337,11 +337,16 @@ def load_data(data_config: Any, workdir: str | Path, progress: bool | None = Non
   return info, tokenizer
 
 
+def _cache_dir(data_config: Any, workdir: str | Path) -> Path:
+  """Where the data is prepared: data.cache_dir, else <workdir>/data."""
+  return Path(_field(data_config, 'cache_dir') or Path(workdir) / 'data')
+
+
 def prepared_digest(data_config: Any, workdir: str | Path) -> bytes:
   """A digest of the meta.json files of the data directory `load_data` prepares into (that of a
   mixture's sources too; b'' when there is none): processes that see the same digest after
   process 0 prepared see the same prepared files (a shared workdir or data.cache_dir)."""
-  cache_dir = Path(_field(data_config, 'cache_dir') or Path(workdir) / 'data').expanduser()
+  cache_dir = _cache_dir(data_config, workdir).expanduser()
   metas = [meta.read_bytes() for meta in sorted([cache_dir / META_FILE,
                                                  *cache_dir.glob(f'mixture-*/{META_FILE}')])
            if meta.is_file()]
