@@ -270,7 +270,12 @@ def get_config() -> ml_collections.ConfigDict:
   #                        token from position 1 on is scored once, in the first window that
   #                        predicts it, with that window's context before it (so a smaller stride
   #                        gives more context, at max_len / stride times the compute).
-  evaluation.batch_size = 0  # Windows per forward batch; 0 = train.batch_size.
+  evaluation.batch_size = 0  # Windows per forward call; 0 = train.batch_size. Lowered (down to
+  #                            one) where a call would need more than working_gb.
+  evaluation.working_gb = 1.0  # The most memory one forward call may compute in: a layer's
+  #                              temporaries, or the logits of one vocabulary chunk
+  #                              ([windows x max_len, chunk] float32, the larger at 128k+ ids).
+  #                              Past a few thousand tokens per call the matmuls run no faster.
 
   # ---------------------------------------------------------------------------------------------
   # Text from the model (`launch.py --sample`, megatrain_jax/sample.py): continues a prompt with

@@ -309,6 +309,8 @@ def _validate_eval_export(config: ml_collections.ConfigDict) -> None:
   e = config.eval
   for name in ('max_len', 'stride', 'batch_size'):
     _require(e[name] >= 0, f'eval.{name}', f'must be >= 0 (0 = the default), got {e[name]}.')
+  _require(e.working_gb > 0, 'eval.working_gb',
+           f'must be > 0 (GB one forward call may compute in), got {e.working_gb}.')
   max_len = e.max_len or config.train.seq_len
   _require(e.stride <= max_len, 'eval.stride',
            f'{e.stride} is larger than the window (eval.max_len = {max_len}): tokens between '

@@ -46,6 +46,7 @@ import numpy as np
 from megatrain_jax import metrics
 from megatrain_jax import model as model_lib
 from megatrain_jax import partition
+from megatrain_jax import schedule
 from megatrain_jax.data import added_bos, data_format, document_format, unlearn_starts
 from megatrain_jax.data import formats
 from megatrain_jax.data.tokenizer import encode_text
@@ -53,7 +54,12 @@ from megatrain_jax.errors import ConfigError
 from megatrain_jax.model import head_chunks
 from megatrain_jax.prefetch import Prefetcher
 
-PASS_BYTES = 1 << 30  # activations of the windows in one pass (compute dtype, [B, S, D] each)
+PASS_BYTES = 1 << 30  # hidden states of the windows in one pass (compute dtype, [S, D] each)
+# What one forward call may work in by default (eval.working_gb): a layer's temporaries or a head
+# chunk's logits grow with the windows per call, and past a few thousand tokens per call the
+# matmuls are already as fast per token as they get; at Qwen2's 151,936 ids and 32 windows of
+# 2048 tokens the head chunks alone made a 0.67 GB model's evaluation peak at 7.5 GB.
+WORKING_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,16 +230,19 @@ def _functions(cfg: model_lib.ModelConfig) -> '_Functions':
 
 
 class _Functions:
-  """The jitted stages of a forward pass (the model functions the engines use)."""
+  """The jitted stages of a forward pass (the model functions the engines use). Each stage that
+  maps the hidden states [B, S, D] to new ones writes over them (donated), so a pass holds its
+  windows' hidden states once rather than twice."""
 
   def __init__(self, cfg: model_lib.ModelConfig):
     self.embed = jax.jit(functools.partial(head_chunks.embed_chunk, cfg))
     self.embed_add = jax.jit(lambda rows, tokens, start, x: x + head_chunks.embed_chunk(
         cfg, rows, tokens, start), donate_argnums=3)
     self.group = jax.jit(lambda layers, x, positions: model_lib.apply_group(cfg, layers, x,
-                                                                            positions))
+                                                                            positions),
+                         donate_argnums=1)
     self.token_positions = jax.jit(functools.partial(model_lib.token_positions, cfg))
-    self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg))
+    self.final_norm = jax.jit(functools.partial(model_lib.final_norm, cfg), donate_argnums=1)
     self.lse_init = jax.jit(head_chunks.lse_init)
     self.lse_update = jax.jit(lambda weight, normed, targets, start, carry: head_chunks.lse_update(
         cfg, normed, weight, targets, start, carry))
@@ -246,6 +255,30 @@ def _nll_sum(carry, mask):
   return jnp.sum(nll * mask.reshape(-1))
 
 
+def call_working_bytes(cfg: model_lib.ModelConfig, rows: int, max_len: int,
+                       vocab_rows: int) -> int:
+  """What one forward call over `rows` windows of `max_len` tokens computes in beyond its inputs
+  and outputs: the larger of a layer's temporaries (schedule.layer_internal_bytes, what a backward
+  keeps of the layer: an upper bound of the forward's) and a head chunk's [rows·S, Vc] float32
+  logits with their exponentials and one more temporary (3·4·rows·S·Vc, as
+  schedule.logits_bytes). Both grow linearly with `rows`."""
+  return max(schedule.layer_internal_bytes(cfg, rows, max_len),
+             3 * 4 * rows * max_len * vocab_rows)
+
+
+class EvalMemory(NamedTuple):
+  """How an evaluation runs its windows, and what it holds at once in device memory (bytes)."""
+  rows: int  # windows per forward call: eval.batch_size, lowered to fit the working limit
+  windows_per_pass: int  # windows whose hidden states are held while the weights stream by
+  weights: int  # weight pieces held: the one computed and those read ahead (prefetch_depth)
+  hidden: int  # the pass's hidden states [W, S, D] in the compute dtype and its loss carry
+  working: int  # one call's temporaries (call_working_bytes)
+
+  @property
+  def total(self) -> int:
+    return self.weights + self.hidden + self.working
+
+
 class Evaluator:
   """Scores batches of windows, layer-major in passes, from `reader` (see the module docstring).
 
@@ -255,23 +288,44 @@ class Evaluator:
     group_slices: Layer groups [(start, stop)] read at a time.
     vocab_slices: Vocabulary chunks [(start, stop)] of the embedding and the LM head.
     prefetch_depth: Pieces read ahead of the compute.
+    working_bytes: The most one forward call may compute in (call_working_bytes): a batch of
+      windows needing more runs a few windows at a time (`memory`), at least one.
   """
 
   def __init__(self, reader, cfg: model_lib.ModelConfig, group_slices, vocab_slices,
-               prefetch_depth: int = 1):
+               prefetch_depth: int = 1, working_bytes: int = WORKING_BYTES):
     self.reader, self.cfg = reader, cfg
     self.groups, self.vocab = list(group_slices), list(vocab_slices)
     self.depth = max(1, prefetch_depth)
+    self.working_bytes = working_bytes
     self.abstract = model_lib.abstract_params(cfg)
     self.fn = _functions(cfg)
-    # The parameter count of each piece a pass reads, in order (embedding chunks, layer groups,
-    # head chunks): its share of the pass, whose time goes to reading the weights and
+    # The parameter count of each piece a pass reads, by kind, in order (embedding chunks, layer
+    # groups, head chunks): its share of the pass, whose time goes to reading the weights and
     # multiplying by them (`nll_sums`' `advance`).
     head = 'embed' if cfg.tie_embeddings else 'head'
-    self.piece_sizes = [_piece_size(self.abstract, kind, *s) for kind, slices in (
-        ('embed', self.vocab), ('layers', self.groups), (head, self.vocab)) for s in slices]
+    self.kind_sizes = [[_piece_size(self.abstract, kind, *s) for s in slices] for kind, slices in (
+        ('embed', self.vocab), ('layers', self.groups), (head, self.vocab))]
+    self.piece_sizes = [size for sizes in self.kind_sizes for size in sizes]
     self._io = concurrent.futures.ThreadPoolExecutor(1, 'eval-read')  # one reader: in order
     self.read_s = 0.0
+
+  def memory(self, max_len: int, batch_size: int, num_windows: int | None = None) -> EvalMemory:
+    """How windows of `max_len` tokens, `batch_size` per call asked for, run (EvalMemory): as
+    many per call as that, the windows there are (`num_windows`) and the working limit allow;
+    as many per pass as PASS_BYTES of hidden states hold, in whole calls."""
+    cfg, c = self.cfg, schedule.compute_bytes(self.cfg)
+    vocab_rows = max(stop - start for start, stop in self.vocab)
+    per_row = call_working_bytes(cfg, 1, max_len, vocab_rows)  # linear in the rows
+    rows = max(1, min(batch_size, num_windows or batch_size, self.working_bytes // per_row))
+    per_pass = rows * max(1, PASS_BYTES // (rows * max_len * cfg.d_model * c))
+    if num_windows:
+      per_pass = min(per_pass, -(-num_windows // rows) * rows)
+    # Pieces in flight: the one computed and `depth` read ahead, of the heaviest kind, float32.
+    weights = 4 * max(min(self.depth + 1, len(sizes)) * max(sizes) for sizes in self.kind_sizes)
+    hidden = per_pass * max_len * (cfg.d_model * c + 3 * 4)  # + the running logsumexp [N] x 3
+    return EvalMemory(rows, per_pass, weights, hidden, call_working_bytes(cfg, rows, max_len,
+                                                                          vocab_rows))
 
   def close(self) -> None:
     self._io.shutdown(wait=True)
@@ -326,6 +380,33 @@ class Evaluator:
     return [float(self.fn.nll_sum(k, jnp.asarray(m))) for k, (_, m, _) in zip(carry, batches)]
 
 
+def memory_line(memory: EvalMemory, max_len: int, batch_size: int, budget_bytes: float,
+                host_peak_bytes: float) -> str:
+  """The line --eval prints of how its windows run, what it holds in device memory
+  (`Evaluator.memory`) and the process's predicted host peak.
+
+  Raises:
+    ConfigError: what it holds at once, with one window per call, exceeds `budget_bytes` of
+      device memory; naming the settings that shrink it.
+  """
+  gb = lambda n: f'{n / 1e9:.2f} GB'
+  if memory.total > budget_bytes:
+    raise ConfigError(
+        f'--eval: windows of eval.max_len={max_len} tokens need {gb(memory.total)} of device '
+        f'memory with {memory.rows} window(s) per call (weights {gb(memory.weights)}, hidden '
+        f'states {gb(memory.hidden)}, one call\'s working set {gb(memory.working)}), and '
+        f'{gb(budget_bytes)} is usable. Lower eval.max_len, or eval.working_gb, or '
+        'model.attention_chunk (attention scores grow with it).')
+  lowered = (f' (eval.batch_size={batch_size} lowered to fit eval.working_gb)'
+             if memory.rows < batch_size else '')
+  return (f'eval: windows of {max_len} tokens, {memory.rows} per call{lowered}, '
+          f'{memory.windows_per_pass // memory.rows} call(s) per pass; device memory '
+          f'{gb(memory.total)} of '
+          f'{gb(budget_bytes)} (weights {gb(memory.weights)}, hidden states '
+          f'{gb(memory.hidden)}, working set {gb(memory.working)}); predicted_host_peak_gb: '
+          f'{host_peak_bytes / 1e9:.3f}')
+
+
 def _piece_size(abstract_params, kind: str, start: int, stop: int) -> int:
   """The parameter count of piece [start, stop) of `kind` (partition.py)."""
   piece = jax.eval_shape(lambda p: partition.piece_of(p, kind, start, stop), abstract_params)
@@ -366,15 +447,17 @@ def perplexity(evaluator: Evaluator, tokens: np.ndarray, max_len: int, stride: i
   [N] (EvalData.mask) only the targets it marks are scored (eval/tokens counts them); with
   `starts` [N] (EvalData.starts) each document is kept to itself."""
   chosen = windows(int(tokens.size), max_len, stride)
-  d = evaluator.cfg.d_model
-  per_pass = max(1, PASS_BYTES // (batch_size * max_len * d * 4))
+  # Windows per call: batch_size, lowered to fit the evaluator's working limit and to the windows
+  # there are (a short evaluation does not pay for padding rows).
+  plan = evaluator.memory(max_len, batch_size, len(chosen))
+  rows, per_pass = plan.rows, plan.windows_per_pass
   started, total, count = time.perf_counter(), 0.0, 0
   bar = metrics.progress_bar(len(chosen), progress, unit='window', desc='eval')
   with bar:
-    for first in range(0, len(chosen), per_pass * batch_size):
-      part = chosen[first:first + per_pass * batch_size]
-      groups = [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
-      batches = [batch_windows(tokens, g, max_len, batch_size, mask, starts) for g in groups]
+    for first in range(0, len(chosen), per_pass):
+      part = chosen[first:first + per_pass]
+      groups = [part[i:i + rows] for i in range(0, len(part), rows)]
+      batches = [batch_windows(tokens, g, max_len, rows, mask, starts) for g in groups]
       # A pass may hold every window (83 at 1B, max_len 128): the bar moves within it, piece by
       # piece, rather than sitting at 0% until the pass ends.
       advance = None if bar.disable else _bar_advance(bar, first, len(part))

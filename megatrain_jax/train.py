@@ -853,10 +853,11 @@ def _eval_config(config, workdir: str, overrides, job: str = '--eval'):
   return hf.config_from_checkpoint(config, checkpoint, overrides), path, None, checkpoint
 
 
-def _eval_pieces(config, model_cfg, workdir: pathlib.Path):
-  """(layer groups, vocabulary chunks, prefetch depth) an evaluation reads at a time: the
-  planned placement's (one group of every layer when it is resident); K = 1 if no placement fits
-  the training run (an evaluation needs no Adam state, gradients or saved activations)."""
+def _evaluator(config, model_cfg, workdir: pathlib.Path, reader) -> evaluate_lib.Evaluator:
+  """The --eval Evaluator of `reader`'s weights, reading the pieces of the planned placement (one
+  group of every layer when it is resident); K = 1 if no placement fits the training run (an
+  evaluation needs no Adam state, gradients or saved activations). Its forward calls compute
+  within eval.working_gb."""
   try:
     _, plan = plan_for(config, workdir, dry_run=False)
     placement = plan.placement
@@ -865,8 +866,24 @@ def _eval_pieces(config, model_cfg, workdir: pathlib.Path):
                           shard_mb=config.offload.shard_mb)
   groups = (placement.group_slices(model_cfg.num_layers) if placement.streamed
             else [(0, model_cfg.num_layers)])
-  vocab = placement.vocab_slices(model_cfg)
-  return groups, vocab, placement.prefetch_depth or 1
+  return evaluate_lib.Evaluator(reader, model_cfg, groups, placement.vocab_slices(model_cfg),
+                                placement.prefetch_depth or 1,
+                                working_bytes=int(config.eval.working_gb * 1e9))
+
+
+def _eval_memory(config, memory: evaluate_lib.EvalMemory, max_len: int, batch_size: int) -> None:
+  """Prints how --eval runs its windows and what it holds, refuses what the device cannot hold
+  (evaluate.memory_line), and trims the 'tuned' heap above the predicted host peak, as a streamed
+  run's (runtime.trim_limit; untrimmed, the heap's holes between the calls' temporaries put a
+  152k-vocabulary evaluation at up to 2x): the runtime (planner.runtime_rows, measured here) plus
+  the pieces read (host numpy before their copy to the device), or all of `memory` on a CPU
+  backend, whose device memory is the host's."""
+  hw = hardware.load_profile(config.hardware)
+  budget = planner.budgets_for(hw, config.offload, None)['device']
+  host_peak = sum(r.bytes for r in planner.runtime_rows(hw, planner.measured_baseline_bytes(hw)))
+  host_peak += memory.total if hw.unified_memory else memory.weights
+  print(evaluate_lib.memory_line(memory, max_len, batch_size, budget, host_peak), flush=True)
+  runtime.configure(config, streamed=True, host_peak_bytes=host_peak)
 
 
 @_disk_full_is_an_error
@@ -885,13 +902,16 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   data = evaluate_lib.read_eval_data(config.eval.path, tokenizer, config.data,
                                      document_eos=model_cfg.document_eos_id)
   enable_compilation_cache(config.jax_cache_dir)
+  stride = config.eval.stride or max_len
+  batch_size = config.eval.batch_size or config.train.batch_size
   with _weights_reader(config, model_cfg, path, meta, checkpoint) as (reader, source):
-    evaluator = evaluate_lib.Evaluator(reader, model_cfg, *_eval_pieces(config, model_cfg, path))
+    evaluator = _evaluator(config, model_cfg, path, reader)
     try:
+      _eval_memory(config, evaluator.memory(max_len, batch_size, len(
+          evaluate_lib.windows(data.tokens.size, max_len, stride))), max_len, batch_size)
       result = evaluate_lib.perplexity(
-          evaluator, data.tokens, max_len, config.eval.stride or max_len,
-          config.eval.batch_size or config.train.batch_size, progress=config.train.progress_bar,
-          mask=data.mask, starts=data.starts)
+          evaluator, data.tokens, max_len, stride, batch_size,
+          progress=config.train.progress_bar, mask=data.mask, starts=data.starts)
     finally:
       evaluator.close()
     result = {**result, 'eval/source': source, 'eval/path': str(config.eval.path),

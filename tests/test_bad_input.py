@@ -239,6 +239,7 @@ CONFIG_CASES = [
     ('data.cache_dir is data.path', lambda d: dict(
         data__path=str(pathlib.Path(write(d / 'texts' / 'a.txt', TEXT)).parent),
         data__cache_dir=str(d / 'texts')), ['data.cache_dir', 'is also data.path']),
+    ('eval.working_gb=0', dict(eval__working_gb=0.0), ['eval.working_gb', 'must be > 0']),
 ]
 
 

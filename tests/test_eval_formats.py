@@ -285,3 +285,53 @@ def test_an_export_killed_midway_leaves_nothing_at_its_destination(trained, tmp_
   assert len([f for f in files if f.suffix == '.safetensors']) > 1
   assert sorted(p.name for p in out.iterdir()) == sorted(f.name for f in files)
   assert [p.name for p in tmp_path.iterdir()] == ['hf']
+
+
+def test_windows_run_fewer_per_call_to_fit_the_working_limit_with_the_same_loss(trained):
+  """A batch whose forward would compute in more than the evaluator's working limit runs a few
+  windows per call (EvalMemory.rows), down to one: the same loss, and one call's working set
+  within the limit."""
+  config, workdir = trained
+  model_cfg = config_lib.validate(config)
+  vocab = partition.vocab_slices(model_cfg.vocab_size, model_cfg.d_model, 0.02)
+  tokens = _stream(DOCS * 4)  # 27 windows of 16
+  per_row = evaluate_lib.call_working_bytes(model_cfg, 1, 16, max(b - a for a, b in vocab))
+  results = {}
+  for working, rows in ((1 << 30, 9), (int(2.5 * per_row), 2), (1, 1)):
+    reader = Checkpointer(workdir, keep=2).restore(model_cfg)
+    evaluator = evaluate_lib.Evaluator(reader, model_cfg, [(0, model_cfg.num_layers)], vocab,
+                                       working_bytes=working)
+    try:
+      memory = evaluator.memory(16, 9, num_windows=27)
+      assert memory.rows == rows
+      assert memory.working == evaluate_lib.call_working_bytes(model_cfg, rows, 16, vocab[0][1])
+      assert memory.working <= max(working, per_row)
+      assert memory.windows_per_pass % rows == 0
+      results[rows] = evaluate_lib.perplexity(evaluator, tokens, 16, 16, 9, progress=False)
+    finally:
+      evaluator.close()
+  assert results[1]['eval/tokens'] == results[9]['eval/tokens'] == tokens.size - 1
+  for rows in (2, 1):
+    assert results[rows]['eval/loss'] == pytest.approx(results[9]['eval/loss'], rel=1e-6)
+  # A short evaluation pays for no padding rows: 3 windows asked for 9 per call run 3.
+  assert evaluator.memory(16, 9, num_windows=3).rows == 1  # (the last evaluator's limit: 1 B)
+  reader = Checkpointer(workdir, keep=2).restore(model_cfg)
+  roomy = evaluate_lib.Evaluator(reader, model_cfg, [(0, model_cfg.num_layers)], vocab)
+  assert roomy.memory(16, 9, num_windows=3).rows == 3
+  roomy.close()
+
+
+def test_an_eval_the_device_cannot_hold_is_refused_before_it_reads(trained, tmp_path,
+                                                                     monkeypatch):
+  config, workdir = trained
+  config = config.copy_and_resolve_references()  # the module's runs share `trained`'s
+  path = tmp_path / 'text.txt'
+  path.write_text(' '.join(DOCS * 4))
+  config.eval.path, config.eval.max_len, config.eval.batch_size = str(path), 32, 4
+  config.offload.device_memory_gb = 1e-4  # 100 kB of device memory
+  reads = []
+  monkeypatch.setattr(evaluate_lib, '_read_piece', lambda *a: reads.append(a))
+  (workdir / 'eval.json').unlink(missing_ok=True)
+  with pytest.raises(ConfigError, match=r'eval.max_len=32 .* Lower eval.max_len'):
+    train.evaluate(config, str(workdir))
+  assert not reads and not (workdir / 'eval.json').exists()

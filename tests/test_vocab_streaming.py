@@ -174,3 +174,45 @@ def test_peak_host_memory_of_a_128k_vocabulary_run_is_planned(tmp_path):
   # The embedding's params + Adam state (403 MB) are most of the state: held whole, they alone
   # would put the run above the runtime plus half of them.
   assert peak < 0.95e9 + state / 2, (peak / 1e9, state / 1e9)
+
+
+def test_peak_host_memory_of_a_152k_vocabulary_eval_is_planned(tmp_path):
+  """`launch.py --eval` of a Qwen2-shaped model with 151,936 ids (the head chunks' logits are
+  most of a call's working set): 32 windows of 512 tokens asked per call run a few at a time
+  within eval.working_gb, and the whole process peaks within 0.8-1.25x of the printed
+  predicted_host_peak_gb. Before, every call held its 32 windows' logits chunks and the untrimmed
+  heap's holes beside them (7.5 GB for a 0.67 GB model at 32 x 2048)."""
+  import re, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  import tokenizers, torch, transformers  # pylint: disable=import-outside-toplevel,multiple-imports
+  root = pathlib.Path(__file__).resolve().parents[1]
+  model_dir = tmp_path / 'qwen2'
+  torch.manual_seed(0)
+  transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+      vocab_size=151_936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+      tie_word_embeddings=False)).save_pretrained(model_dir)
+  text = tmp_path / 'eval.txt'
+  text.write_text((root.parent / 'shared/data/wikitext-2/test.txt').read_text()[:12_000])
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.train_from_iterator([text.read_text()], tokenizers.trainers.BpeTrainer(
+      vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False))
+  tok.save(str(model_dir / 'tokenizer.json'))
+  wrapper = ('import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); '
+             'print("PEAK", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); '
+             'sys.exit(r.returncode)')
+  run = subprocess.run(
+      [sys.executable, '-c', wrapper, sys.executable, str(root / 'launch.py'), '--eval',
+       f'--workdir={tmp_path / "run"}', f'--config.init.from_hf={model_dir}',
+       f'--config.eval.path={text}', '--config.eval.max_len=512', '--config.eval.batch_size=32',
+       '--config.eval.working_gb=0.1', '--config.train.progress_bar=False'],
+      capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS='cpu'), timeout=600,
+      cwd=root)
+  assert run.returncode == 0, run.stderr[-3000:]
+  rows = int(re.search(r'windows of 512 tokens, (\d+) per call \(eval.batch_size=32 lowered',
+                       run.stdout).group(1))
+  assert 1 <= rows < 16  # the 16 windows there are (8,084 tokens), had they all fit 0.1 GB
+  predicted = float(re.search(r'predicted_host_peak_gb: ([0-9.]+)', run.stdout).group(1)) * 1e9
+  peak = int(re.search(r'PEAK (\d+)', run.stdout).group(1))
+  assert 0.8 * predicted <= peak <= 1.25 * predicted, (peak / 1e9, predicted / 1e9)
