@@ -18,9 +18,10 @@ Afterwards:
   - a second SIGTERM is noted and ignored: schedulers resend it (SLURM's `--signal` warning and
     then the time limit), and the save in progress is what they are waiting for.
 
-Library and notebook use: the handlers are installed only while the training loop runs, only
-from the main thread (Python delivers signals there; elsewhere `StopSignals` does nothing), and
-the previous handlers are restored when it ends, however it ends. Before the loop (validation,
+Library and notebook use: the handlers are installed only from the start of the training loop
+until the run's last checkpoint is committed (a SIGTERM as the run ends waits for that commit),
+only from the main thread (Python delivers signals there; elsewhere `StopSignals` does nothing),
+and the previous handlers are restored then, however the run ends. Before the loop (validation,
 data preparation, restore) the signals keep their usual effect: nothing trained is lost, and the
 start-up is safe to kill at any point (tests/test_reliability.py kills it with SIGKILL).
 
@@ -69,30 +70,49 @@ def agreed(*local: bool) -> tuple[bool, ...]:
 
 class StopSignals:
   """Context manager: while it is active, the first SIGTERM or SIGINT sets `received` (the
-  signal's name) instead of ending the process; see the module docstring for later ones."""
+  signal's name) instead of ending the process; see the module docstring for later ones.
 
-  def __init__(self, signals=STOP_SIGNALS, saves: bool = True):
+  `armed=False`: entering installs nothing until `arm()`. train_and_evaluate enters it before the
+  checkpointer's close and arms it when training starts, so that it stays active until the last
+  commit is done: a SIGTERM landing between the last step and that commit (a scheduler's, as
+  the run ends) no longer ends the process with the final checkpoint uncommitted."""
+
+  def __init__(self, signals=STOP_SIGNALS, saves: bool = True, armed: bool = True):
     self.signals = tuple(signals)
     self.saves = saves  # False: the run saves no checkpoints (checkpoint.every=-1)
     self.received: str | None = None
     self._previous = {}
+    self._armed = armed
+    self._entered = False
 
   @property
   def requested(self) -> bool:
     return self.received is not None
 
   def __enter__(self) -> 'StopSignals':
+    self._entered = True
+    if self._armed:
+      self._install()
+    return self
+
+  def arm(self) -> None:
+    """Installs the handlers now (entered with armed=False); once only."""
+    if self._entered and not self._armed:
+      self._armed = True
+      self._install()
+
+  def _install(self) -> None:
     if threading.current_thread() is not threading.main_thread():
-      return self  # signal.signal works only in the main thread; signals are delivered there
+      return  # signal.signal works only in the main thread; signals are delivered there
     for signum in self.signals:
       previous = signal.getsignal(signum)
       if previous is None:  # a handler installed outside Python: leave it alone
         continue
       signal.signal(signum, self._handle)
       self._previous[signum] = previous
-    return self
 
   def __exit__(self, *exc) -> None:
+    self._entered = False
     self._restore()
 
   def _restore(self, signums=None) -> None:

@@ -634,6 +634,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   with contextlib.ExitStack() as locked:
     if main:
       locked.enter_context(locks.hold_workdir(workdir))  # before anything is written
+    # SIGTERM / SIGINT stop training once it starts (`arm`), and until the last commit is done.
+    stop = locked.enter_context(preemption.StopSignals(saves=config.checkpoint.every >= 0,
+                                                       armed=False))
     checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep,
                                 keep_best=config.checkpoint.keep_best)
     # Closed last, however the run ends: commits the checkpoint in flight.
@@ -665,9 +668,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     del restored
     if main:
       fs.write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
-    with preemption.StopSignals(saves=config.checkpoint.every >= 0) as stop, _open_run_log(
-        config, model_cfg, hw, plan, workdir, sampler.samples_per_step, start_step, position,
-        checkpointer, layout) as log:
+    stop.arm()
+    with _open_run_log(config, model_cfg, hw, plan, workdir, sampler.samples_per_step,
+                       start_step, position, checkpointer, layout) as log:
       if start_step == 0:  # the baseline every later eval is compared with
         log.write(0, _evaluate(engine, eval_data))
       with profiling.StepProfiler(config.profile.start_step, config.profile.steps, workdir,

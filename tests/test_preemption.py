@@ -342,6 +342,32 @@ def test_a_stop_signal_during_a_save_stops_after_that_save(tmp_path, shared_data
   assert committed_steps(tmp_path) == [3]
 
 
+def test_a_sigterm_after_the_last_step_waits_for_the_last_commit(tmp_path, shared_data,
+                                                                   monkeypatch):
+  """A SIGTERM that lands after the last step, while the checkpointer commits the final
+  checkpoint (a scheduler's, as the run ends): the commit completes and the run ends normally.
+  Before, the handlers were given back when the training loop ended, and the signal's earlier
+  action (SIG_DFL under launch.py: exit 143) left the final checkpoint uncommitted."""
+  fields = placement_fields('resident')
+  original_close = Checkpointer.close
+
+  def close(self):
+    os.kill(os.getpid(), signal.SIGTERM)
+    original_close(self)
+
+  def abort(signum, frame):
+    raise Aborted
+
+  monkeypatch.setattr(Checkpointer, 'close', close)
+  previous = signal.signal(signal.SIGTERM, abort)
+  try:
+    last = train.train_and_evaluate(config_of(fields), str(tmp_path))
+    assert signal.getsignal(signal.SIGTERM) is abort  # given back once the commit is done
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert last['step'] == 12 and committed_steps(tmp_path)[-1] == 12
+
+
 def test_a_stop_does_not_wait_for_the_whole_data_check(tmp_path, shared_data, monkeypatch):
   """The prepared data's check (shards.ShardVerifier, every file read beside training) can take
   hours on a large corpus: a stop's checkpoint did not wait for it, where a scheduler's grace
