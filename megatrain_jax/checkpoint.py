@@ -847,7 +847,9 @@ class Checkpointer:
     os.rename(tmp, final)
     fs.fsync(self.directory, directory=True)
     best = best_step(self.directory) if self.keep_best else None
-    for old in self.steps()[:-self.keep]:  # only now that the new one is complete
+    # The newest `keep` up to this step, only now that it is complete. Newer ones are those a
+    # resume fell back past (damaged): counted, they would delete every intact checkpoint.
+    for old in [s for s in self.steps() if s <= step][:-self.keep]:
       if old == best:  # checkpoint.keep_best
         continue
       with locks.unless_read(self.directory / str(old)) as free:

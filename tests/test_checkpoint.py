@@ -134,6 +134,25 @@ def test_keep_deletes_the_oldest_only_after_a_new_commit(tmp_path):
   checkpointer.close()
 
 
+def test_keep_counts_no_checkpoint_newer_than_the_one_committed(tmp_path):
+  """A resume that fell back past a damaged checkpoint (8) commits older steps (7) with it still
+  there: keep counts the checkpoints up to the committed step, so the intact ones it keeps are
+  not deleted for the damaged one (keep=1 kept only step 8, and the next start found every
+  checkpoint damaged)."""
+  engine, _, _ = streamed_run(1, 1.0, layers_per_group=2)
+  checkpointer = Checkpointer(tmp_path, keep=1)
+  checkpointer.save(8, engine, data_position=8, model_cfg=CFG)
+  checkpointer.wait()
+  for step in (6, 7):  # the resumed run, from step 5
+    checkpointer.save(step, engine, data_position=step, model_cfg=CFG)
+    checkpointer.wait()
+  assert checkpointer.steps() == [7, 8]
+  checkpointer.save(8, engine, data_position=8, model_cfg=CFG)  # step 8 again: rewritten
+  checkpointer.wait()
+  assert checkpointer.steps() == [8]
+  checkpointer.close()
+
+
 LEAF = "['params']['layers']['attn']['q_proj']['kernel']"
 
 
