@@ -178,8 +178,9 @@ def get_config() -> ml_collections.ConfigDict:
   #                               load_best_model_at_end): each checkpoint records its step's
   #                               eval/loss, so checkpoint.every must be a multiple of
   #                               train.eval_every. Read it with checkpoint.read=best.
-  checkpoint.read = 'newest'  # The checkpoint --eval, --sample and --export_hf read: 'newest',
-  #                             'best' (the lowest eval/loss recorded), or a step number ('1200').
+  checkpoint.read = 'newest'  # The checkpoint --eval, --sample and --export_hf read (and
+  #                             init.from_run of its run): 'newest', 'best' (the lowest eval/loss
+  #                             recorded), or a step number ('1200').
 
   # ---------------------------------------------------------------------------------------------
   # Placement: where each part of the train state lives between uses. All 'device' = the resident
@@ -250,7 +251,8 @@ def get_config() -> ml_collections.ConfigDict:
   #                    read piece by piece straight into the planned tiers, Adam state zero. Read
   #                    only when the run starts: a resumed run restores its own checkpoint.
   init.from_run = ''  # Else the --workdir of another run of this package: start from the weights
-  #                     of its newest checkpoint (no export to Hugging Face first), with its model
+  #                     of its newest checkpoint, or the one checkpoint.read names ('best', a
+  #                     step), with no export to Hugging Face first, with its model
   #                     shape and tokenizer as init.from_hf takes them, Adam state zero, step 0
   #                     (continued pretraining, then fine-tuning; branching an experiment). Its
   #                     checkpoint is held while it is read, and never written.

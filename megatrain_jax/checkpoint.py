@@ -936,18 +936,26 @@ def read_checkpoint(workdir, model_cfg: ModelConfig, which: str = 'newest'):
       yield _chosen(directory, model_cfg, which, held)
 
 
-def _chosen(directory: pathlib.Path, model_cfg: ModelConfig, which: str,
-            held: contextlib.ExitStack) -> CheckpointReader:
-  """read_checkpoint's 'best' or step-number checkpoint, verified and held in `held`."""
+def chosen_step(directory: pathlib.Path, which: str) -> int:
+  """The step checkpoint.read = 'best' or a step number names in `directory`
+  (<workdir>/checkpoints), or a ConfigError naming the steps there are. Reads meta.json only."""
   steps = committed_steps(directory)
   step = best_step(directory) if which == 'best' else int(which)
   if step is None:
     raise ConfigError(f'checkpoint.read=best: no checkpoint in {directory} records an eval/loss '
-                      '(a run records it with checkpoint.keep_best); pass a step number '
+                      '(a checkpoint records the one evaluated at its step: train.eval_every '
+                      'dividing checkpoint.every); pass a step number '
                       f'({", ".join(map(str, steps)) or "none there"}) or newest.')
   if step not in steps:
     raise ConfigError(f'checkpoint.read={which}: {directory} has no checkpoint of step {step} '
                       f'(it has {", ".join(map(str, steps)) or "none"}); pass one of those.')
+  return step
+
+
+def _chosen(directory: pathlib.Path, model_cfg: ModelConfig, which: str,
+            held: contextlib.ExitStack) -> CheckpointReader:
+  """read_checkpoint's 'best' or step-number checkpoint, verified and held in `held`."""
+  step = chosen_step(directory, which)
   if not held.enter_context(locks.read_hold(directory / str(step))):
     if which == 'best':  # a better one was committed as this one was deleted
       return _chosen(directory, model_cfg, which, held)

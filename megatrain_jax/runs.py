@@ -12,6 +12,7 @@ from typing import Iterable, NamedTuple
 
 import ml_collections
 
+from megatrain_jax import checkpoint as checkpoint_lib
 from megatrain_jax import config as config_lib
 from megatrain_jax import data as data_lib
 from megatrain_jax import distributed
@@ -138,9 +139,11 @@ def same_path(a: str, b: str) -> bool:
 
 
 class RunSource(NamedTuple):
-  """init.from_run: the run whose newest checkpoint's weights a new run starts from."""
+  """init.from_run: the run whose checkpoint's weights a new run starts from: its newest, or the
+  one checkpoint.read names ('best', a step)."""
   directory: pathlib.Path
   meta: dict
+  read: str = 'newest'
 
 
 def resolve_init(config, workdir: str, overrides: Iterable[str] | None = None):
@@ -165,7 +168,7 @@ def resolve_init(config, workdir: str, overrides: Iterable[str] | None = None):
   if init.from_hf:
     checkpoint = hf.inspect_checkpoint(init.from_hf)
     return hf.config_from_checkpoint(config, checkpoint, overrides), checkpoint
-  source = run_source(init.from_run, path)
+  source = run_source(init.from_run, path, config.checkpoint.read)
   return config_from_run(config, source.directory, source.meta, overrides), source
 
 
@@ -199,9 +202,10 @@ def _recorded_init(workdir: pathlib.Path) -> dict:
   return {field: init.get(field) or '' for field in INIT_FIELDS}
 
 
-def run_source(from_run: str, workdir: pathlib.Path) -> RunSource:
-  """init.from_run's run directory and its newest checkpoint's meta.json, refused by name if it
-  is this run's own workdir or holds no checkpoint."""
+def run_source(from_run: str, workdir: pathlib.Path, read: str = 'newest') -> RunSource:
+  """init.from_run's run directory and its newest checkpoint's meta.json (the model's shape: any
+  checkpoint's), refused by name if it is this run's own workdir or holds no checkpoint, or no
+  checkpoint `read` (checkpoint.read: 'best' or a step) names."""
   directory = pathlib.Path(from_run).expanduser().absolute()
   if directory == workdir:
     raise ConfigError(f'init.from_run={from_run} is this run\'s own --workdir; a rerun there '
@@ -210,7 +214,9 @@ def run_source(from_run: str, workdir: pathlib.Path) -> RunSource:
   if meta is None:
     raise ConfigError(f'init.from_run: {directory} holds no checkpoint (checkpoints/<step>/); '
                       'pass the --workdir of a run that has saved one.')
-  return RunSource(directory, meta)
+  if read != 'newest':
+    checkpoint_lib.chosen_step(directory / 'checkpoints', read)
+  return RunSource(directory, meta, read)
 
 
 def adopt_tokenizer(config, source, workdir: pathlib.Path):

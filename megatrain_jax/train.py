@@ -110,7 +110,8 @@ def dry_run(config: ml_collections.ConfigDict, workdir: str | None = None,
     config = hf.config_from_checkpoint(config, hf.inspect_checkpoint(config.init.from_hf),
                                        overrides)
   elif config.init.from_run:
-    source = runs.run_source(config.init.from_run, pathlib.Path(workdir or '').absolute())
+    source = runs.run_source(config.init.from_run, pathlib.Path(workdir or '').absolute(),
+                             config.checkpoint.read)
     config = runs.config_from_run(config, source.directory, source.meta, overrides)
   model_cfg = config_lib.validate(config)
   Placement.from_config(config.offload, model_cfg, allow_auto=True)
@@ -280,7 +281,8 @@ def _build_engine(model_cfg, config, plan, restored, source, layout: Layout):
 def _init_reader(model_cfg, tx, seed: int, restored, source):
   """The reader an engine is filled from: the run's own checkpoint (`restored`), else a fresh
   run's state with `source`'s weights (hf.HfReader; checkpoint.WeightsOnly of init.from_run's
-  newest checkpoint, held while it is read), else None (a fresh init)."""
+  checkpoint: its newest or checkpoint.read's, held while it is read), else None (a fresh
+  init)."""
   if restored is not None or source is None:
     yield restored
     return
@@ -288,7 +290,7 @@ def _init_reader(model_cfg, tx, seed: int, restored, source):
   if not isinstance(source, runs.RunSource):
     yield hf.HfReader(source, abstract, seed=seed)
     return
-  with checkpoint_lib.read_checkpoint(source.directory, model_cfg) as reader:
+  with checkpoint_lib.read_checkpoint(source.directory, model_cfg, source.read) as reader:
     if reader is None:  # deleted since runs.resolve_init saw it
       raise ConfigError(f'init.from_run: {source.directory} holds no checkpoint any more.')
     yield checkpoint_lib.WeightsOnly(reader, abstract, seed)

@@ -438,6 +438,28 @@ def test_a_run_starts_from_another_runs_weights(checkpoints, tmp_path, first_pla
   assert read_rows(branch)[-1]['step'] == 3
 
 
+def test_init_from_run_reads_the_checkpoint_checkpoint_read_names(checkpoints, tmp_path):
+  """init.from_run with checkpoint.read = a step or 'best' starts from that checkpoint of the
+  other run, not its newest (which it silently took); a step it does not have is refused before
+  the new run's workdir is made."""
+  first = tmp_path / 'first'
+  train.train_and_evaluate(_config(init__from_hf=str(checkpoints['qwen3']), train__lr=3e-3,
+                                   train__eval_every=1, checkpoint__every=1, checkpoint__keep=3),
+                           str(first))
+  losses = {row['step']: row['eval/loss'] for row in read_rows(first) if 'eval/loss' in row}
+  best = min((1, 2), key=losses.get)
+  for read, step in (('1', 1), ('best', best)):
+    branch = tmp_path / f'from-{read}'
+    train.train_and_evaluate(_config(init__from_run=str(first), checkpoint__read=read,
+                                     train__steps=1), str(branch))
+    assert read_rows(branch)[0]['eval/loss'] == pytest.approx(losses[step], rel=1e-6), read
+  with pytest.raises(ConfigError, match=r'checkpoint.read=7: .* has no checkpoint of step 7 '
+                                        r'\(it has 1, 2\)'):
+    train.train_and_evaluate(_config(init__from_run=str(first), checkpoint__read='7'),
+                             str(tmp_path / 'w'))
+  assert not (tmp_path / 'w').exists()
+
+
 def test_init_from_run_refusals(checkpoints, tmp_path):
   empty = tmp_path / 'empty'
   empty.mkdir()
