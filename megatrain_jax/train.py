@@ -836,8 +836,9 @@ def _print_start(config, plan, workdir: pathlib.Path, restored) -> None:
 def _eval_config(config, workdir: str, overrides, job: str = '--eval'):
   """(config, workdir path, run checkpoint meta or None, HF checkpoint or None) of an --eval or a
   --sample (`job`): the run's newest checkpoint if it has one (its shape, its tokenizer and its
-  model.document_mask), else init.from_hf."""
-  path = config_lib.check_workdir(workdir)
+  model.document_mask), else init.from_hf. --sample writes nothing there; --eval its result."""
+  path = (config_lib.check_workdir(workdir, writes='--eval writes eval.json there')
+          if job == '--eval' else config_lib.check_run_readable(workdir))
   meta = runs.newest_checkpoint_meta(path)
   if meta is not None:
     runs.check_same_start(config, path, meta)
@@ -1059,7 +1060,7 @@ def export_hf(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> 
   files written."""
   config_lib.validate(config)  # the export section
   out = export_lib.check_destination(out_dir)
-  path = config_lib.check_workdir(workdir)
+  path = config_lib.check_run_readable(workdir)  # it writes nothing there
   meta = runs.newest_checkpoint_meta(path)
   if meta is None:
     raise ConfigError(f'--export_hf: {path} holds no checkpoint to export. Pass the --workdir of '

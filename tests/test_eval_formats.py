@@ -3,8 +3,13 @@ Parquet, directories and globs, read by the data package's readers; record files
 documents as training stores them ([BOS] tokens EOS), and prompt/completion records score only
 their completions. A .jsonl eval file gives the eval/loss of the equivalent token stream."""
 
+import contextlib
 import gzip
 import json
+import os
+import pathlib
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -258,6 +263,51 @@ def test_eval_sample_and_export_read_a_run_that_is_training(trained, tmp_path):
     assert any(f.name.endswith('.safetensors') for f in files)
     with pytest.raises(locks.DirectoryInUseError):  # a second training run is still refused
       train.train_and_evaluate(config, str(workdir))
+
+
+@contextlib.contextmanager
+def _read_only_view(directory: pathlib.Path, view: pathlib.Path):
+  """`directory` as a read-only tree at `view`: a read-only bind mount as root (root ignores mode
+  bits), else a copy with every directory mode 0555."""
+  if os.geteuid() == 0:
+    view.mkdir()
+    subprocess.run(['mount', '--bind', str(directory), str(view)], check=True)
+    try:
+      subprocess.run(['mount', '-o', 'remount,bind,ro', str(view)], check=True)
+      yield view
+    finally:
+      subprocess.run(['umount', str(view)], check=True)
+    return
+  shutil.copytree(directory, view)
+  dirs = [view, *(p for p in view.rglob('*') if p.is_dir())]
+  for d in dirs:
+    d.chmod(0o555)
+  try:
+    yield view
+  finally:
+    for d in dirs:
+      d.chmod(0o755)
+
+
+def test_sample_and_export_read_a_run_they_cannot_write_to(trained, tmp_path):
+  """A teammate's run, or a read-only mount: --sample and --export_hf write nothing into the
+  workdir, so they read it (both refused it as not writable); --eval, which writes eval.json
+  there, is refused saying so, before it reads anything."""
+  config, workdir = trained
+  config = config.copy_and_resolve_references()
+  config.sample.prompt, config.sample.max_new_tokens = 'The ', 4
+  (tmp_path / 'eval.txt').write_text('Some text to score. ' * 8)
+  config.eval.path, config.eval.max_len = str(tmp_path / 'eval.txt'), 32
+  with _read_only_view(workdir, tmp_path / 'ro') as view:
+    with pytest.raises(OSError):
+      (view / 'probe').write_text('')
+    before = sorted(p.relative_to(view) for p in view.rglob('*'))
+    assert train.sample(config, str(view))['sample/tokens'] >= 1
+    files = train.export_hf(config, str(view), str(tmp_path / 'hf'))
+    assert any(f.name.endswith('.safetensors') for f in files)
+    with pytest.raises(ConfigError, match=r'is not writable \(--eval writes eval.json there\)'):
+      train.evaluate(config, str(view))
+    assert sorted(p.relative_to(view) for p in view.rglob('*')) == before
 
 
 def test_an_export_killed_midway_leaves_nothing_at_its_destination(trained, tmp_path, monkeypatch):
