@@ -63,8 +63,26 @@ def recorded_config(workdir, given: ml_collections.ConfigDict,
     if key in known:  # a field of an older version no longer in the schema is left out
       config_lib.set_field(config, key, tuple(value) if isinstance(value, list) else value)
   for key in (*overrides, *distributed.LOCAL_FIELDS):
+    if key == 'offload.dir' and key not in overrides and _is_directory(config.offload.dir):
+      continue  # the run's own NVMe directory, on this machine too: its stores stay there
     config_lib.set_field(config, key, config_lib.get_field(given, key))
   return config
+
+
+def _is_directory(path: str) -> bool:
+  return bool(path) and pathlib.Path(path).expanduser().is_dir()
+
+
+def recorded_offload_dir(workdir: pathlib.Path) -> pathlib.Path | None:
+  """The offload.dir the run in `workdir` last trained with (its config.json; '' is
+  <workdir>/offload), absolute; None when it recorded none."""
+  try:
+    value = json.loads((workdir / 'config.json').read_text())['offload']['dir']
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+  if not isinstance(value, str):
+    return None
+  return pathlib.Path(value or workdir / 'offload').expanduser().absolute()
 
 
 def run_data_field(workdir: pathlib.Path, name: str) -> str | None:

@@ -687,14 +687,24 @@ def _hold_offload_dir(locked: contextlib.ExitStack, config, placement, workdir,
   """Locks this process's part of offload.dir for the run (`locked`: its ExitStack) when the
   placement has NVMe stores, until `checkpointer`'s last commit is done (it may copy a staged
   snapshot of the stores from there). Without them (a resume that left NVMe, by choice or by
-  plan), it deletes the stores a run there left, unless another run holds the directory: the
-  full FP32 state, never read again (a run rebuilds its stores from its checkpoint's own
-  snapshot)."""
+  plan), and in the offload.dir the run last trained with when it moved (config.json's), it
+  deletes the stores a run there left, unless another run holds the directory: the full FP32
+  state, never read again (a run rebuilds its stores from its checkpoint's own snapshot)."""
+  directory = pathlib.Path(config.offload.dir or workdir / 'offload').expanduser().absolute()
+  unused = [] if placement.uses_nvme else [directory]
+  previous = runs.recorded_offload_dir(workdir)  # before this run rewrites config.json
+  if previous is not None and previous != directory:
+    unused.append(previous)
+  for stale_dir in unused:
+    _delete_unused_stores(stale_dir, workdir)
   if placement.uses_nvme:
     locked.enter_context(locks.hold_offload_dir(distributed.process_dir(placement.dir), workdir))
     locked.push(_closing(checkpointer.wait))  # unwound before the lock is given back
-    return
-  directory = pathlib.Path(config.offload.dir or workdir / 'offload').expanduser()
+
+
+def _delete_unused_stores(directory: pathlib.Path, workdir: pathlib.Path) -> None:
+  """Deletes the NVMe stores in this process's part of `directory` (`_hold_offload_dir`), unless
+  another run holds it, and says so."""
   stale = nvme.store_dirs(directory)
   if not stale:
     return

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from megatrain_jax import checkpoint, locks, partition, train
+from megatrain_jax import checkpoint, locks, partition, runs, train
+from megatrain_jax import config as config_lib
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
@@ -341,6 +342,26 @@ def test_checkpoints_move_between_placements(tmp_path, tmp_path_factory, data, m
     assert stores == []
   if second.get('offload__params') == 'host':
     assert 'params' not in stores
+
+
+def test_a_resume_keeps_the_runs_offload_dir_or_cleans_the_one_it_left(tmp_path, data,
+                                                                       monkeypatch, capsys):
+  """An NVMe run in its own offload.dir (a fast drive): a rerun without --config (the run's
+  config.json; offload.dir is each machine's field) keeps it there, where it built a second full
+  copy of the state in <workdir>/offload and left the first behind; a resume told another
+  offload.dir deletes the stores in the one it left (the full FP32 state, never read again) and
+  says so."""
+  first, second, workdir = tmp_path / 'nvme_a', tmp_path / 'nvme_b', tmp_path / 'run'
+  run_until_crash(monkeypatch, config(data, **NVME, offload__dir=str(first)), workdir,
+                  crash_after_checkpoint=4)
+  assert nvme.store_dirs(first)
+  command = config_lib.load_config('default')  # `launch.py --workdir run --config.train.steps=8`
+  assert runs.recorded_config(workdir, command, ['train.steps']).offload.dir == str(first)
+  capsys.readouterr()
+  train.train_and_evaluate(config(data, **NVME, offload__dir=str(second)), str(workdir))
+  assert nvme.store_dirs(first) == [] and nvme.store_dirs(second)
+  assert f'note: deleted the NVMe stores this run no longer uses in {first} (' in (
+      capsys.readouterr().out)
 
 
 # ------------------------------------------------------------------------------------------------
