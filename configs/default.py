@@ -82,7 +82,8 @@ def get_config() -> ml_collections.ConfigDict:
   train.steps = 300  # Optimizer steps in total (a resumed run continues to this count).
   train.epochs = 0.0  # > 0: passes over the training data instead: train.steps becomes
   #                      ceil(epochs * windows / (batch_size * microbatches)), counted once the data
-  #                      is prepared (printed; the same on resume). 0 = train.steps as set.
+  #                      is prepared (printed; the same on resume, where a new batch size
+  #                      counts the samples left at its size). 0 = train.steps as set.
   train.microbatches = 1  # Gradient accumulation: microbatches summed into each optimizer step;
   #                         0 = auto (the planner picks enough to hide the weight streaming).
   train.batch_size = 16  # Sequences per microbatch.

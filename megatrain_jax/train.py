@@ -390,17 +390,20 @@ def _check_tokenizer(config, model_cfg):
 
 
 def _workdir_data(config, source, workdir: pathlib.Path, microbatches: int,
-                  document_eos: int):
+                  document_eos: int, restored=None):
   """(config, train sampler, eval batches): the tokenizer adopted (`runs.adopt_tokenizer`) and the
   data prepared and opened (`_open_data`), in process 0 first. The other processes then open
   what it prepared as it is where they see the same data directory (a shared workdir): each
   compared the sources' file times on its own machine, and a copy of the corpus there (cp, scp
   keep no times) had them delete process 0's files and tokenize the corpus again, at every
-  start. All then check that they read the same data."""
+  start. All then check that they read the same data. `restored`: the checkpoint a resume
+  starts from (train.epochs counts the steps left from its data position)."""
+  resumed_at = (0, 0) if restored is None else (restored.step, restored.meta['data_position'])
+
   def make(as_prepared: bool = False):
     adopted = runs.adopt_chat_template(runs.adopt_tokenizer(config, source, workdir), workdir)
     return _open_data(adopted, workdir, microbatches, document_eos,
-                      _finding_documents(adopted, document_eos), as_prepared)
+                      _finding_documents(adopted, document_eos), as_prepared, resumed_at)
 
   if jax.process_count() == 1:
     return make()
@@ -432,9 +435,10 @@ def _finding_documents(config, document_eos: int) -> str:
 
 
 def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: int, uses: str,
-               as_prepared: bool = False):
+               as_prepared: bool = False, resumed_at: tuple[int, int] = (0, 0)):
   """(config, train sampler, eval batches) over the token files prepared (or reused) in
-  <workdir>/data; with train.epochs, the config's train.steps are the epochs' (`epoch_steps`).
+  <workdir>/data; with train.epochs, the config's train.steps are the epochs' (`epoch_steps`,
+  from `resumed_at`: a resume's (step, data position)).
   `document_eos` (the model's document_eos_id, -1 without model.document_mask): the target after
   each document's first token is neither learned nor scored (data.unlearn_starts). `uses`: what
   finds documents (`_finding_documents`): in data prepared without their recorded ends (an older
@@ -458,13 +462,17 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: i
       batch_size=train_cfg.batch_size, num_batches=train_cfg.eval_batches,
       document_eos=document_eos, row_packing=row_packing)
   if train_cfg.epochs:
-    steps = epoch_steps(train_cfg.epochs, sampler.n_windows, sampler.samples_per_step)
+    steps = epoch_steps(train_cfg.epochs, sampler.n_windows, sampler.samples_per_step,
+                        *resumed_at)
     config = ml_collections.ConfigDict(config.to_dict())
     config_lib.set_field(config, 'train.steps', steps)
     if distributed.is_main():
       passes = sampler.source_passes(steps * sampler.samples_per_step)
+      step, read = resumed_at
       print(f'train.epochs={train_cfg.epochs:g}: {steps:,} steps of {sampler.samples_per_step} '
             f'samples over {sampler.n_windows:,} windows of {train_cfg.seq_len + 1} tokens'
+            + (f' ({steps - step:,} from step {step:,}, where {read:,} samples had been read)'
+               if step else '')
             + (f' (the mixture\'s weights decide how often each source is read: '
                f'{", ".join(f"{p:.2f}" for p in passes)} passes over its sources)'
                if passes else ''), flush=True)
@@ -473,10 +481,15 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: i
   return config, sampler, eval_data
 
 
-def epoch_steps(epochs: float, windows: int, samples_per_step: int) -> int:
+def epoch_steps(epochs: float, windows: int, samples_per_step: int, step: int = 0,
+                position: int = 0) -> int:
   """Steps that take `epochs` passes over `windows` training windows (the last step completes
-  the last pass; at least one step)."""
-  return max(1, math.ceil(epochs * windows / samples_per_step))
+  the last pass; at least one step), for a run at `step` that has read `position` samples (a
+  resume): the samples left are counted at this run's `samples_per_step`, so a resume with
+  another batch size ends at the same pass (counting every step at the new size, a larger batch
+  had nothing to do and a smaller one read the data again)."""
+  left = math.ceil(max(0.0, epochs * windows - position) / samples_per_step)
+  return max(1, step + left)
 
 
 def _open_run_log(config, model_cfg, hw, plan, workdir: pathlib.Path, samples_per_step: int,
@@ -659,7 +672,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     workdir.mkdir(parents=True, exist_ok=True)
     # Process 0 copies the tokenizer and prepares the data; the others then read what it wrote.
     config, sampler, eval_data = _workdir_data(config, source, workdir, plan.microbatches,
-                                               model_cfg.document_eos_id)
+                                               model_cfg.document_eos_id, restored)
     if config.train.epochs and _finished(restored, config, main):  # its steps: counted just now
       return {}
     layout = distributed.run_layout(config)

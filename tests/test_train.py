@@ -478,6 +478,18 @@ def test_epochs_count_the_steps_from_the_prepared_data(tmp_path, shared_data, ca
   last = train.train_and_evaluate(config, str(workdir))
   assert last['step'] == 7 == train.epoch_steps(1.0, 50, 8)  # ceil(50 / 8)
 
+  # Another batch size on resume: the samples left (50 * 1.5 - 56 = 19) at the new size, 4 a
+  # step, so the run ends at the same pass (counted at 4 a step from the start: 19 steps, 1.2
+  # passes too many; at 16 a step it had nothing to do).
+  config.train.epochs, config.train.batch_size = 1.5, 4
+  capsys.readouterr()
+  last = train.train_and_evaluate(config, str(workdir))
+  assert last['step'] == 7 + 5 == train.epoch_steps(1.5, 50, 4, 7, 56)
+  assert ('train.epochs=1.5: 12 steps of 4 samples over 50 windows of 65 tokens (5 from step 7, '
+          'where 56 samples had been read)') in capsys.readouterr().out
+  meta = json.loads((workdir / 'checkpoints' / '12' / 'meta.json').read_text())
+  assert meta['data_position'] == 56 + 5 * 4 >= 1.5 * 50
+
 
 @pytest.mark.parametrize('peak', [None, 0.5])
 def test_mfu_only_against_a_datasheet_peak(tmp_path, capsys, peak):
