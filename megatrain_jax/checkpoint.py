@@ -846,9 +846,15 @@ class Checkpointer:
       shutil.rmtree(stale, ignore_errors=True)
     os.rename(tmp, final)
     fs.fsync(self.directory, directory=True)
+    self.delete_beyond_keep(step)  # only now that the new one is complete
+
+  def delete_beyond_keep(self, step: int) -> list[int]:
+    """Deletes the checkpoints older than the newest `keep` up to `step` (the one just committed,
+    or a resume's), but the best with keep_best and any being read (a later call deletes it);
+    returns their steps. Newer ones are those a resume fell back past (damaged): counted, they
+    would delete every intact checkpoint."""
     best = best_step(self.directory) if self.keep_best else None
-    # The newest `keep` up to this step, only now that it is complete. Newer ones are those a
-    # resume fell back past (damaged): counted, they would delete every intact checkpoint.
+    deleted = []
     for old in [s for s in self.steps() if s <= step][:-self.keep]:
       if old == best:  # checkpoint.keep_best
         continue
@@ -858,6 +864,8 @@ class Checkpointer:
         doomed = self.directory / f'{_TMP_PREFIX}delete-{old}'  # a kill mid-delete leaves no
         os.rename(self.directory / str(old), doomed)            # half checkpoint behind
       shutil.rmtree(doomed, ignore_errors=True)
+      deleted.append(old)
+    return deleted
 
   def _raise_disk_full(self, step: int, error: BaseException, needed: int) -> None:
     """Raises DiskFullError (naming the directory, the bytes and the fix) if `error` is ENOSPC."""
@@ -870,7 +878,8 @@ class Checkpointer:
     raise DiskFullError(
         f'checkpoint step {step}: the disk holding {self.directory} is full (the checkpoint needs '
         f'about {fs.human_bytes(needed)}, {fs.human_bytes(free)} are free). {previous} Free space '
-        'there, lower checkpoint.keep, or use a --workdir on a larger disk.') from error
+        'there, rerun with a lower checkpoint.keep (the rerun deletes the checkpoints beyond it '
+        'before it saves), or use a --workdir on a larger disk.') from error
 
   def wait(self) -> None:
     """Waits for the checkpoint being written; raises its error (DiskFullError when full)."""

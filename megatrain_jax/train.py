@@ -643,21 +643,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   runtime.configure(config)  # before the run allocates (the package applied the default at import)
   config, source = runs.resolve_init(config, workdir, overrides)
   model_cfg, workdir = _validate(config, workdir)
-  # Several processes (distributed.py) share the workdir: process 0 locks it, writes its files
-  # and prints; every process computes, and checkpoints its own shards (checkpoint.py).
   main = distributed.is_main()
   with contextlib.ExitStack() as locked:
-    if main:
-      locked.enter_context(locks.hold_workdir(workdir))  # before anything is written
-    # SIGTERM / SIGINT stop training once it starts (`arm`), and until the last commit is done.
-    stop = locked.enter_context(preemption.StopSignals(saves=config.checkpoint.every >= 0,
-                                                       armed=False))
-    checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep,
-                                keep_best=config.checkpoint.keep_best)
-    # Closed last, however the run ends: commits the checkpoint in flight.
-    locked.push(_closing(checkpointer.close))
-    # From here every process runs collectives (start-up's too): one that fails is one line.
-    locked.enter_context(distributed.lost_process_error(checkpointer))
+    stop, checkpointer = _hold_run(locked, config, workdir)
     config, hw, plan, restored = resolve_plan(config, model_cfg, workdir, checkpointer)
     distributed.check_same_plan(f'{plan.placement.summary()}, M={plan.microbatches}')
     if not config.train.epochs and _finished(restored, config, main):  # a finished run, rerun
@@ -679,7 +667,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     engine = _build_engine(model_cfg, config, plan, restored, source, layout)
     locked.push(_closing(engine.close))  # before the checkpointer's: waits for write-behind
     start_step = engine.step
-    position, early = _resumed(restored, config, sampler, main, workdir)
+    position, early = _resumed(restored, config, sampler, main, workdir, checkpointer)
     del restored
     if main:
       fs.write_json_atomic(workdir / 'config.json', json.loads(config.to_json_best_effort()))
@@ -693,6 +681,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         _train(config, model_cfg, plan, engine, sampler, eval_data, checkpointer, log,
                position, early, stop, profiler)
     return log.last
+
+
+def _hold_run(locked: contextlib.ExitStack, config, workdir: pathlib.Path):
+  """(stop signals, checkpointer) of a run, held in `locked` (its ExitStack) for its life.
+  Several processes (distributed.py) share the workdir: process 0 locks it, writes its files and
+  prints; every process computes, and checkpoints its own shards (checkpoint.py)."""
+  if distributed.is_main():
+    locked.enter_context(locks.hold_workdir(workdir))  # before anything is written
+  # SIGTERM / SIGINT stop training once it starts (`arm`), and until the last commit is done.
+  stop = locked.enter_context(preemption.StopSignals(saves=config.checkpoint.every >= 0,
+                                                     armed=False))
+  checkpointer = Checkpointer(workdir, keep=config.checkpoint.keep,
+                              keep_best=config.checkpoint.keep_best)
+  # Closed last, however the run ends: commits the checkpoint in flight.
+  locked.push(_closing(checkpointer.close))
+  # From here every process runs collectives (start-up's too): one that fails is one line.
+  locked.enter_context(distributed.lost_process_error(checkpointer))
+  return stop, checkpointer
 
 
 def _hold_offload_dir(locked: contextlib.ExitStack, config, placement, workdir,
@@ -764,13 +770,15 @@ def _data_record(config, sampler, position: int) -> dict:
   return {'next_samples': sampler.digest(position), 'fields': _data_fields(config)}
 
 
-def _resumed(restored, config, sampler, main: bool,
-             workdir: pathlib.Path) -> tuple[int, metrics_lib.EarlyStopping]:
+def _resumed(restored, config, sampler, main: bool, workdir: pathlib.Path,
+             checkpointer: Checkpointer) -> tuple[int, metrics_lib.EarlyStopping]:
   """(data position, early stopping) to train on from: the checkpoint's (`restored`), else 0
   and none yet. A resume whose data no longer gives the checkpoint's next samples (another
   data.path, data.pack, train.seq_len, seed, or changed files) goes on from that position of the
   data as it is now; process 0 says so, naming the fields that changed, and names the settings
-  that differ from those the run trained with in `workdir` (`_note_changed_settings`)."""
+  that differ from those the run trained with in `workdir` (`_note_changed_settings`). Process 0
+  deletes the checkpoints beyond a lowered checkpoint.keep now, not at the next commit: a run
+  stopped by a full disk is rerun with a lower keep to make room for that commit."""
   early = metrics_lib.EarlyStopping.resumed(
       config.train.early_stopping_patience, config.train.early_stopping_threshold,
       None if restored is None else restored.meta.get('early_stopping'))
@@ -778,6 +786,9 @@ def _resumed(restored, config, sampler, main: bool,
     return 0, early
   if main:
     _note_changed_settings(config, workdir, restored.step)  # before config.json is rewritten
+    if deleted := checkpointer.delete_beyond_keep(restored.step):
+      print(f'note: deleted checkpoint(s) {", ".join(map(str, deleted))} beyond '
+            f'checkpoint.keep={config.checkpoint.keep}', flush=True)
   position, recorded = restored.meta['data_position'], restored.meta.get('data')
   if main and recorded and recorded['next_samples'] != sampler.digest(position):
     now = _data_fields(config)

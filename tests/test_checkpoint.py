@@ -154,6 +154,26 @@ def test_keep_counts_no_checkpoint_newer_than_the_one_committed(tmp_path):
   checkpointer.close()
 
 
+def test_a_resume_with_a_lower_keep_deletes_the_checkpoints_beyond_it_first(tmp_path, data,
+                                                                             monkeypatch, capsys):
+  """A run stopped by a full disk, rerun with a lower checkpoint.keep (the error's advice): the
+  checkpoints beyond it are deleted before the first save, which needs the room; they were
+  deleted only after that save's commit, so the rerun failed the same way."""
+  train.train_and_evaluate(config(data, steps=6, checkpoint__every=2, checkpoint__keep=3),
+                           str(tmp_path))
+  assert Checkpointer(tmp_path, keep=3).steps() == [2, 4, 6]
+  there = []
+  save = Checkpointer.save
+  monkeypatch.setattr(Checkpointer, 'save', lambda self, step, *a, **k: there.append(
+      self.steps()) or save(self, step, *a, **k))
+  capsys.readouterr()
+  train.train_and_evaluate(config(data, steps=8, checkpoint__every=2, checkpoint__keep=1),
+                           str(tmp_path))
+  assert there[0] == [6]
+  assert 'note: deleted checkpoint(s) 2, 4 beyond checkpoint.keep=1' in capsys.readouterr().out
+  assert Checkpointer(tmp_path, keep=1).steps() == [8]
+
+
 LEAF = "['params']['layers']['attn']['q_proj']['kernel']"
 
 
