@@ -241,7 +241,9 @@ def _note_other_placement(restored, placement, offload) -> None:
   if restored is None:
     return
   was, now = restored.meta.get('placement') or {}, dataclasses.asdict(placement)
-  changed = [key for key in _PLACED if key in was and was[key] != now[key]]
+  # A streamed placement cuts the embedding and head into vocabulary chunks of shard_mb.
+  placed = _PLACED + (('shard_mb',) if placement.streamed else ())
+  changed = [key for key in placed if key in was and was[key] != now[key]]
   if not changed:
     return
   planned = [key for key in changed if offload.get(key) in ('auto', 0)]  # layers_per_group 0

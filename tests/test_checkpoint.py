@@ -1,12 +1,14 @@
 """Checkpoints: NVMe snapshots without the state in RAM, portability between placements, crash
 consistency of the live NVMe state, damaged checkpoints, and full disks."""
 
+import dataclasses
 import os
 import pathlib
 import re
 import shutil
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -17,6 +19,7 @@ from megatrain_jax import config as config_lib
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
+from megatrain_jax.placement import Placement
 from megatrain_jax.partition import split_axis
 from megatrain_jax.tiers import codecs
 from megatrain_jax.tiers import nvme
@@ -382,6 +385,21 @@ def test_a_resume_keeps_the_runs_offload_dir_or_cleans_the_one_it_left(tmp_path,
   assert nvme.store_dirs(first) == [] and nvme.store_dirs(second)
   assert f'note: deleted the NVMe stores this run no longer uses in {first} (' in (
       capsys.readouterr().out)
+
+
+def test_a_streamed_resume_under_another_shard_mb_says_it_is_not_bit_for_bit(capsys):
+  """offload.shard_mb cuts a streamed run's embedding and head into other vocabulary chunks (the
+  same arithmetic in another order): a resume under another one says so, as for a placement; a
+  resident run, which cuts nothing by it, says nothing."""
+  offload = small_config('').offload
+  for placement, note in ((Placement(params='host', opt_state='host', layers_per_group=1,
+                                     shard_mb=64.0), True),
+                          (Placement(shard_mb=64.0), False)):
+    was = dataclasses.asdict(dataclasses.replace(placement, shard_mb=512.0))
+    train._note_other_placement(  # pylint: disable=protected-access
+        types.SimpleNamespace(step=4, meta={'placement': was}), placement, offload)
+    out = capsys.readouterr().out
+    assert ('shard_mb 512.0 -> 64.0' in out and 'not bit for bit' in out) == note, out
 
 
 # ------------------------------------------------------------------------------------------------
