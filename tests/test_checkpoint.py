@@ -19,8 +19,8 @@ from megatrain_jax import config as config_lib
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.errors import ConfigError, DiskFullError, StoreCorruptionError
-from megatrain_jax.placement import Placement
 from megatrain_jax.partition import split_axis
+from megatrain_jax.placement import Placement
 from megatrain_jax.tiers import codecs
 from megatrain_jax.tiers import nvme
 from megatrain_jax.tiers.nvme import NvmeStore
