@@ -848,16 +848,25 @@ class Checkpointer:
     fs.fsync(self.directory, directory=True)
     self.delete_beyond_keep(step)  # only now that the new one is complete
 
+  def beyond_keep(self, step: int) -> list[int]:
+    """The checkpoints older than the newest `keep` up to `step`, but the best with keep_best:
+    what `delete_beyond_keep` deletes."""
+    best = best_step(self.directory) if self.keep_best else None
+    return [s for s in [s for s in self.steps() if s <= step][:-self.keep] if s != best]
+
+  def array_bytes(self, step: int) -> int:
+    """Bytes deleting checkpoint `step` frees of its in-memory leaves' files (arrays/; its
+    nvme/ files are links the live stores or other checkpoints may share)."""
+    files = (self.directory / str(step) / 'arrays').rglob('*')
+    return sum(st.st_size for st in (f.stat() for f in files if f.is_file()) if st.st_nlink == 1)
+
   def delete_beyond_keep(self, step: int) -> list[int]:
     """Deletes the checkpoints older than the newest `keep` up to `step` (the one just committed,
     or a resume's), but the best with keep_best and any being read (a later call deletes it);
     returns their steps. Newer ones are those a resume fell back past (damaged): counted, they
     would delete every intact checkpoint."""
-    best = best_step(self.directory) if self.keep_best else None
     deleted = []
-    for old in [s for s in self.steps() if s <= step][:-self.keep]:
-      if old == best:  # checkpoint.keep_best
-        continue
+    for old in self.beyond_keep(step):
       with locks.unless_read(self.directory / str(old)) as free:
         if not free:  # an --eval, --sample or --export_hf is reading it: a later commit deletes it
           continue

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import sys
 import time
 from typing import Iterable
@@ -226,7 +227,33 @@ def resolve_plan(config, model_cfg, workdir: pathlib.Path, checkpointer: Checkpo
     hw, plan = plan_for(config, workdir, dry_run=False)
   if plan.placement.uses_nvme:
     _check_offload_dir(config, model_cfg, workdir, plan.placement)
+  _check_checkpoint_room(config, model_cfg, plan.placement, checkpointer,
+                         0 if restored is None else restored.step)
   return config, hw, plan, restored
+
+
+def _check_checkpoint_room(config, model_cfg, placement, checkpointer: Checkpointer,
+                           step: int) -> None:
+  """The workdir's disk holds the next checkpoint's in-memory leaves, raw FP32 (params and Adam's
+  m and v, 12 B per parameter not on NVMe; NVMe leaves are links, checked with offload.dir),
+  with what a resume at `step` deletes first (a lowered checkpoint.keep: `_resumed`). Checked
+  before anything is written: the first save may be hours of training away."""
+  if config.checkpoint.every < 0:
+    return
+  layers = 4 * model_cfg.num_layers * model_cfg.params_per_layer
+  outer = 4 * model_cfg.num_params - layers
+  needed = (layers * ((placement.params != 'nvme') + 2 * (placement.opt_state != 'nvme'))
+            + 3 * outer * (placement.embed_head != 'nvme'))
+  freed = sum(checkpointer.array_bytes(s) for s in checkpointer.beyond_keep(step))
+  free = shutil.disk_usage(fs.nearest_existing(checkpointer.directory)).free + freed
+  if free < needed:
+    also = ' with the older checkpoints deleted' if freed else ''
+    raise ConfigError(
+        f'checkpoint: a checkpoint of this run writes {fs.human_bytes(needed)} (its params and '
+        f'Adam state off NVMe, raw FP32) into {checkpointer.directory}, and '
+        f'{fs.human_bytes(free)} are free there{also}. Free space there, lower checkpoint.keep, '
+        'put the state on NVMe in another offload.dir, or use a --workdir on a larger disk '
+        '(checkpoint.every=-1 saves none).')
 
 
 # Where a placement keeps the state and how it steps (not its budgets, which follow free memory).

@@ -569,6 +569,23 @@ def test_disk_full_during_nvme_write_back(tmp_path, tmp_path_factory, data, monk
 
 
 @AS_ROOT
+def test_a_workdir_without_room_for_a_checkpoint_is_refused_at_the_start(tmp_path, data):
+  """A workdir whose disk cannot hold one checkpoint (its params and Adam state off NVMe, 12 B a
+  parameter: 1.29 MB here) is refused before training, naming the bytes and the fixes, instead
+  of failing at the first save (hours of training later)."""
+  with tmpfs(8) as disk:
+    workdir = disk / 'run'
+    ballast = fill(disk, leave_bytes=600 << 10)  # room for half a checkpoint
+    with pytest.raises(ConfigError, match=r'a checkpoint of this run writes 1\.29 MB .* into '
+                                          rf'{workdir / "checkpoints"}, and .* are free there\. '
+                                          'Free space there, lower checkpoint.keep'):
+      train.train_and_evaluate(config(data, steps=2, data__cache_dir=str(tmp_path / 'data')),
+                               str(workdir))
+    assert not (workdir / 'checkpoints').exists() and not (workdir / 'metrics.jsonl').exists()
+    ballast.unlink()
+
+
+@AS_ROOT
 def test_a_full_disk_outside_checkpoints_is_one_error(tmp_path, data):
   """The workdir's disk full as a run resumes (its lock's holder line), or data.cache_dir's as
   the data is prepared: DiskFullError naming the directory and the rerun, not an OSError's
