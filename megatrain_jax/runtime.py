@@ -23,9 +23,10 @@ NVMe, 2 steps: 6.67 GB against 2.45 predicted; 125m on the host tier: 5.67 GB af
 still growing). So 'tuned' also runs a watcher thread (`HeapTrimmer`): once the resident set is
 over a limit it calls malloc_trim(0), which hands every free page of the heap back to the OS (its
 free top and the holes inside it), and the resident set tracks live memory. train.py sets the
-limit to the plan's predicted host peak x TRIM_MARGIN = 1.1 for a streamed run (`trim_limit`);
-resident runs, and processes that never configure a run (library use, notebooks building engines
-themselves), get no limit. Below the limit nothing is faulted in twice.
+limit to the plan's predicted host peak x TRIM_MARGIN = 1.1 for a streamed run (`trim_limit`),
+and x RESIDENT_TRIM_MARGIN = 1.2 (at least RESIDENT_TRIM_FLOOR above it) for a resident run;
+--eval to its own prediction x 1.1; processes that never configure a run (library use, notebooks
+building engines themselves) get no limit. Below the limit nothing is faulted in twice.
 
 Measured (BENCHMARKS.md, "One allocator"): issue 10's 1b command (all on NVMe, 2 steps;
 whole-process peak RSS, wall) 2.91-3.12 GB in 4:57-5:19 against 6.67 GB in 4:13 with the heap
@@ -72,6 +73,14 @@ _DEFAULTS = ((M_ARENA_MAX, 0), (M_MMAP_MAX, 65536), (M_TRIM_THRESHOLD, 128 * 102
 # planner's +-20% (bench/memory_accuracy.py, BENCHMARKS.md: at 1.25 the 125m host and NVMe runs
 # peaked at 1.25x their prediction, and 1.1 + a fixed 0.25 GB put 125m on NVMe at 1.3x).
 TRIM_MARGIN = 1.1
+# A resident run's heap is trimmed only above the bound the planner promises (+25%, less the
+# trimmer's SLACK of freed pages it leaves), and never within RESIDENT_TRIM_FLOOR of its
+# prediction: below that the heap keeps its high-water mark for speed (tiny config: 0.50 vs 0.61
+# s/step with glibc untouched; its 0.54 GB plan peaked at 0.59-0.91 GB, and a limit at 1.2x
+# trimmed it 17 times in 60 steps), above it the holes between a large model's step temporaries
+# had put a 152k-vocabulary fine-tune at 1.19-1.80x of its prediction, growing step by step.
+RESIDENT_TRIM_MARGIN = 1.2
+RESIDENT_TRIM_FLOOR = 0.5e9
 
 _applied = None  # the allocator setting in force: None (glibc untouched) or one of ALLOCATORS
 
@@ -206,13 +215,15 @@ TRIMMER = HeapTrimmer()
 
 def trim_limit(streamed: bool, host_peak_bytes: float | None) -> float | None:
   """Where a run's 'tuned' heap is trimmed: above the plan's predicted host peak x TRIM_MARGIN
-  for a streamed run (host memory is its bound); never for a resident run, whose heap keeps its
-  high-water mark for speed (tiny config: 0.50 vs 0.61 s/step with glibc untouched) and whose
-  plan on a CPU backend sits within 0.87-1.11x of its peak (bench/memory_accuracy.py): a limit
-  there would trim the default tiny run on every step."""
-  if streamed and host_peak_bytes:
+  for a streamed run (host memory is its bound); x RESIDENT_TRIM_MARGIN for a resident one, whose
+  heap keeps its high-water mark for speed below that (its plan on a CPU backend sits within
+  0.87-1.11x of its peak, bench/memory_accuracy.py: a limit at 1.1x would trim the default tiny
+  run on every step), and at least RESIDENT_TRIM_FLOOR above it. None without a prediction."""
+  if not host_peak_bytes:
+    return None
+  if streamed:
     return host_peak_bytes * TRIM_MARGIN
-  return None
+  return max(host_peak_bytes * RESIDENT_TRIM_MARGIN, host_peak_bytes + RESIDENT_TRIM_FLOOR)
 
 
 def configure(config, streamed: bool = False, host_peak_bytes: float | None = None) -> None:

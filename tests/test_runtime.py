@@ -60,12 +60,15 @@ def test_rejects_unknown_allocator():
 
 
 def test_configure_reads_the_config_section():
-  """A run's trim limit: the plan's host peak x TRIM_MARGIN when it streams, else none."""
+  """A run's trim limit: the plan's host peak x TRIM_MARGIN when it streams, else x
+  RESIDENT_TRIM_MARGIN and at least RESIDENT_TRIM_FLOOR above it; none without a plan."""
   from configs import default  # pylint: disable=import-outside-toplevel
   config = default.get_config()
   assert config.runtime.allocator == 'tuned'
   assert runtime.trim_limit(True, 2e9) == pytest.approx(2e9 * runtime.TRIM_MARGIN)
-  assert runtime.trim_limit(False, 2e9) is None
+  assert runtime.trim_limit(False, 4e9) == pytest.approx(4e9 * runtime.RESIDENT_TRIM_MARGIN)
+  assert runtime.trim_limit(False, 0.5e9) == pytest.approx(0.5e9 + runtime.RESIDENT_TRIM_FLOOR)
+  assert runtime.trim_limit(False, None) is None
   try:
     runtime.configure(config, streamed=True, host_peak_bytes=2e9)
     assert runtime.applied() in ('tuned', None)  # None where there is no glibc
