@@ -642,12 +642,25 @@ def _joint_ids(documents: Sequence[Parts], tokenizer) -> list[tuple[list[int], n
     for text, is_learned in parts:
       if is_learned and text:
         first = _token_of(encoding, range(at, at + len(text)))
-        last = _token_of(encoding, range(at + len(text) - 1, at - 1, -1))
+        last = _last_token_of(encoding, at, at + len(text))
         if first is not None and last is not None:
           learned[first:last + 1] = 1
       at += len(text)
     out.append((encoding.ids, learned))
   return out
+
+
+def _last_token_of(encoding, start: int, end: int) -> int | None:
+  """The last token holding a character of text[start:end]. char_to_token names a character's
+  first token only, and a byte-level BPE may split one character into several (an emoji's 4
+  bytes, a rare CJK character's 3): the tokens after it that begin before `end` hold it too."""
+  last = _token_of(encoding, range(end - 1, start - 1, -1))
+  while last is not None and last + 1 < len(encoding.ids):
+    chars = encoding.token_to_chars(last + 1)
+    if chars is None or chars[0] >= end:
+      break
+    last += 1
+  return last
 
 
 def _token_of(encoding, chars: range) -> int | None:
