@@ -238,10 +238,15 @@ def test_text_files_stay_a_raw_stream_and_globs(tmp_path):
   (tmp_path / 'a.txt').write_text('first\n')
   (tmp_path / 'b.txt').write_text('second\n')
   _write_jsonl(tmp_path / 'c.jsonl', [{'text': 'third'}])
-  info = prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[tmp_path / '*.*'],
+  info = prepare_dataset(tmp_path / 'out', ByteTokenizer(),
+                         train_sources=[tmp_path / '*.txt', tmp_path / 'c.jsonl'],
                          val_sources=[tmp_path / 'a.txt'])
   # .txt bytes as they are; each record + EOS (the byte tokenizer's EOS is NUL).
   assert bytes(_stream(info, 'train').astype(np.uint8)) == b'first\nsecond\nthird\0'
+  # One pattern matching both is refused, as a directory holding both is
+  # (test_data_inputs.py::test_a_pattern_matching_records_and_text_is_refused_as_a_directory_is).
+  with pytest.raises(ConfigError, match='mixes record files'):
+    prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[tmp_path / '*.*'])
   with pytest.raises(ConfigError, match='matches no files'):
     prepare_dataset(tmp_path / 'out', ByteTokenizer(), train_sources=[tmp_path / '*.parquet'])
 
@@ -268,14 +273,22 @@ def test_text_documents_make_each_text_file_one_document(tmp_path, tokenizer_dir
   # Where each document ends is recorded, whatever chunks a file was read in.
   ends = np.cumsum([len(t.encode()) + 1 for t in texts.values()] + [len(b'a record\0')])
   np.testing.assert_array_equal(load_split(info, 'train').document_ends(), ends)
-  # Without it, the text would run into the record as raw text: that directory is refused.
-  with pytest.raises(ConfigError, match=r'mixes record files \(d.jsonl\) with text files'):
-    load_data(_data_config(path=str(tmp_path), val_path=str(held_out),
-                           cache_dir=str(tmp_path / 'cache')), tmp_path / 'run')
-  plain, _ = load_data(_data_config(path=f'{tmp_path}/*.*', val_path=str(held_out),
+  # Without it, the text would run into the record as raw text: that directory is refused, and
+  # so is a pattern matching both.
+  for path in (str(tmp_path), f'{tmp_path}/*.*'):
+    with pytest.raises(ConfigError, match=r'mixes record files \(d.jsonl\) with text files'):
+      load_data(_data_config(path=path, val_path=str(held_out),
+                             cache_dir=str(tmp_path / 'cache')), tmp_path / 'run')
+  # The same text files without it: prepared again, one raw stream.
+  plain, _ = load_data(_data_config(path=f'{tmp_path}/*.txt', val_path=str(held_out),
                                     cache_dir=str(tmp_path / 'cache')), tmp_path / 'run')
   assert bytes(_stream(plain, 'train').astype(np.uint8)) == (
-      b'first line\nsecond line\nanother file\nx\na record\0')
+      b'first line\nsecond line\nanother file\nx\n')
+  documents_again, _ = load_data(_data_config(path=f'{tmp_path}/*.txt', val_path=str(held_out),
+                                              text_documents=True,
+                                              cache_dir=str(tmp_path / 'cache')), tmp_path / 'run')
+  assert bytes(_stream(documents_again, 'train').astype(np.uint8)) == (
+      b''.join(t.encode() + b'\0' for t in texts.values()))
   # A tokenizer with a BOS: before the file's first chunk only.
   tok = load_tokenizer(str(tokenizer_dir))
   fmt = document_format(tok, text_documents=True)

@@ -10,9 +10,10 @@ The fixtures and writers are test_data_formats.py's.
 import numpy as np
 import pytest
 
-from megatrain_jax.data import load_tokenizer
-from test_data_formats import (EOS, _prepared_chat, documents,  # noqa: F401  (fixtures)
-                               tokenizer_dir)
+from megatrain_jax.data import ByteTokenizer, check_data_config, load_data, load_tokenizer
+from megatrain_jax.errors import ConfigError
+from test_data_formats import (EOS, _data_config, _prepared_chat, _stream, _write_jsonl,
+                               documents, tokenizer_dir)  # noqa: F401  (fixtures)
 
 
 # --- learned tokens: every token of a learned character ---------------------------------------
@@ -37,3 +38,41 @@ def test_every_token_of_a_learned_character_is_learned(tmp_path, tokenizer_dir):
     want = [int(end > len(prompt)) for _, end in theirs['offset_mapping']] + [1]
     assert mask.tolist() == want, (prompt, completion)
     assert tok.decode(tokens[mask == 1]).endswith(completion + EOS)
+
+
+# --- sources: a glob that matches a dataset card ------------------------------------------------
+
+
+def test_a_pattern_matching_records_and_text_is_refused_as_a_directory_is(tmp_path):
+  """A Hub repository's files matched by 'D/*' (README.md, .gitattributes, train.jsonl): the
+  card would run, as raw text, into the first record, as with data.path=D, so the pattern is
+  refused the same way, in every field that reads sources (eval.path too), before anything is
+  written; the records' own pattern, or data.text_documents, reads."""
+  from megatrain_jax import evaluate  # pylint: disable=import-outside-toplevel
+  hub = tmp_path / 'hub'
+  hub.mkdir()
+  (hub / 'README.md').write_text('---\nlicense: mit\n---\n# A dataset card\n')
+  (hub / '.gitattributes').write_text('*.jsonl filter=lfs\n')
+  _write_jsonl(hub / 'train.jsonl', [{'text': 'hello'}, {'text': 'world'}])
+  (tmp_path / 'x.txt').write_text('x' * 100)
+  for pattern in (f'{hub}/*', f'{tmp_path}/**/*[dl]'):
+    for field in ('path', 'val_path', 'mixture'):
+      value = f'1:{pattern}' if field == 'mixture' else pattern
+      other = {'path': str(tmp_path / 'x.txt')} if field == 'val_path' else {}
+      with pytest.raises(ConfigError, match=rf'data.{field}: the pattern .* mixes record files '
+                         r'\(train.jsonl\) with text files \(README.md\).*'
+                         r"point data\.\w+ at the records, e.g. '.*/hub/\*.jsonl'.*"
+                         r'data.text_documents=True'):
+        check_data_config(_data_config(**{field: value}, **other))
+    with pytest.raises(ConfigError, match=r'data.path: the pattern .* mixes record files'):
+      load_data(_data_config(path=pattern, cache_dir=str(tmp_path / 'out')), tmp_path)
+    with pytest.raises(ConfigError, match=r'eval.path: the pattern .* mixes record files.*move '
+                       r'the text files out\.$'):
+      evaluate.read_eval_data(pattern, ByteTokenizer())
+  assert not (tmp_path / 'out').exists()
+  info, _ = load_data(_data_config(path=f'{hub}/*.jsonl', cache_dir=str(tmp_path / 'o1'),
+                                   val_fraction=0.5), tmp_path)
+  assert bytes(_stream(info).astype(np.uint8)) == b'hello\0world\0'
+  info, _ = load_data(_data_config(path=f'{hub}/*', cache_dir=str(tmp_path / 'o2'),
+                                   text_documents=True, val_fraction=0.5), tmp_path)
+  assert info.stats['documents'] == 3

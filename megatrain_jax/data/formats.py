@@ -86,8 +86,7 @@ def expand_sources(sources, field: str) -> list[Path]:
   for source in sources:
     path = Path(source).expanduser()
     if _has_glob(str(source)) and not path.exists():
-      matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
-      matches = [p for p in matches if p.is_file() and not p.name.startswith('.')]
+      matches = _pattern_files(path)
       if not matches:
         raise ConfigError(f'{field}: the pattern {source} matches no files; fix the pattern or '
                           f'point {field} at a file or directory.')
@@ -107,6 +106,12 @@ def expand_sources(sources, field: str) -> list[Path]:
     else:
       files.append(path.resolve())
   return files
+
+
+def _pattern_files(pattern: Path) -> list[Path]:
+  """The non-hidden files a glob pattern matches, sorted (`**` recurses)."""
+  matches = sorted(Path(p) for p in glob.glob(str(pattern), recursive=True))
+  return [p for p in matches if p.is_file() and not p.name.startswith('.')]
 
 
 def _directory_files(path: Path, field: str) -> list[Path]:
@@ -141,9 +146,10 @@ def _is_repository_file(path: Path) -> bool:
 
 
 def check_directories(sources, text_documents: bool, field: str) -> None:
-  """Refuses a directory source that mixes record files with text files, unless each text file
-  is a document (`text_documents`: data.text_documents): the text would run, as raw text without
-  an EOS, into the next record (a Hub repository's README.md beside its train.jsonl).
+  """Refuses a directory source, or a glob pattern, whose files mix record files with text
+  files, unless each text file is a document (`text_documents`: data.text_documents): the text
+  would run, as raw text without an EOS, into the next record (a Hub repository's README.md
+  beside its train.jsonl, matched by 'D/*' as by 'D').
 
   Raises:
     ConfigError: (naming `field`, the files and the fix).
@@ -152,14 +158,19 @@ def check_directories(sources, text_documents: bool, field: str) -> None:
     return
   for source in sources:
     path = Path(source).expanduser()
-    if not path.is_dir() or (path / 'state.json').is_file():
+    if _has_glob(str(source)) and not path.exists():
+      what, files = f'the pattern {source}', _pattern_files(path)
+    elif path.is_dir() and not (path / 'state.json').is_file():
+      what, files = f'directory {path}', _directory_children(path)[0]
+    else:
       continue
-    _, records, texts = _directory_children(path)
+    records = [f for f in files if source_format(f) != TEXT]
+    texts = [f for f in files if source_format(f) == TEXT]
     if records and texts:
-      raise ConfigError(f'{field}: directory {path} mixes record files ({_names(records)}) with '
+      raise ConfigError(f'{field}: {what} mixes record files ({_names(records)}) with '
                         f'text files ({_names(texts)}), which would be read as raw text running '
                         f'into the records; point {field} at the records, e.g. '
-                        f"'{path}/*{records[0].suffix}', or move the text files out"
+                        f"'{records[0].parent}/*{records[0].suffix}', or move the text files out"
                         + (' (or set data.text_documents=True to read each text file as a '
                            'document).' if field.startswith('data.') else '.'))
 
