@@ -7,13 +7,18 @@ Everything is written under pytest's tmp_path; the tokenizers are trained here (
 The fixtures and writers are test_data_formats.py's.
 """
 
+import json
+
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from megatrain_jax.data import ByteTokenizer, check_data_config, load_data, load_tokenizer
+from megatrain_jax.data import (ByteTokenizer, TokenStream, check_data_config, load_data,
+                                load_tokenizer, prepare_dataset)
 from megatrain_jax.errors import ConfigError
-from test_data_formats import (EOS, _data_config, _prepared_chat, _stream, _write_jsonl,
-                               documents, tokenizer_dir)  # noqa: F401  (fixtures)
+from test_data_formats import (EOS, _data_config, _prepared_chat, _stream, _tokenizer_with,
+                               _write_jsonl, documents, tokenizer_dir)  # noqa: F401  (fixtures)
 
 
 # --- learned tokens: every token of a learned character ---------------------------------------
@@ -76,3 +81,46 @@ def test_a_pattern_matching_records_and_text_is_refused_as_a_directory_is(tmp_pa
   info, _ = load_data(_data_config(path=f'{hub}/*', cache_dir=str(tmp_path / 'o2'),
                                    text_documents=True, val_fraction=0.5), tmp_path)
   assert info.stats['documents'] == 3
+
+
+# --- JSON nulls: a JSON line reads as its Parquet row -------------------------------------------
+
+
+def test_json_lines_with_nulls_read_as_their_parquet_rows(tmp_path, tokenizer_dir):
+  """`Dataset.to_json()` and pandas write every column of a mixed dataset into every line,
+  null where the record has none (`{"text": null, "messages": [...]}`), and a chat turn's
+  absent tool_calls as `"tool_calls": null`: those lines read as the same rows of Parquet do
+  (they were bad records); a null that leaves nothing to read says it is null, in both."""
+  template = ("{% if tools %}tools: {{ tools|length }}\n{% endif %}{% for m in messages %}"
+              "{{ m['role'] }}{% if 'tool_calls' in m %} calls {{ m['tool_calls'][0]['name'] }}"
+              "{% endif %}: {{ m['content'] }}\n{% endfor %}")
+  tok = _tokenizer_with(tmp_path / 'tok', tokenizer_dir, {'eos_token': EOS,
+                                                          'chat_template': template})
+  records = [{'messages': [{'role': 'user', 'content': 'weather?'},
+                           {'role': 'assistant', 'content': '',
+                            'tool_calls': [{'name': 'get_weather'}]}],
+              'tools': [{'name': 'get_weather'}]},
+             {'text': 'a plain text record'},
+             {'messages': [{'role': 'user', 'content': 'hi'},
+                           {'role': 'assistant', 'content': 'hello'}]},
+             {'prompt': 'Q: 2+2?', 'completion': ' 4'}]
+  columns = dict.fromkeys(k for r in records for k in r)  # from_pylist: the first row's only
+  table = pa.table({k: [r.get(k) for r in records] for k in columns})
+  rows = table.to_pylist()  # every column in every row, nulls where a record has none
+  assert rows[1]['messages'] is None and rows[2]['messages'][1]['tool_calls'] is None
+  (tmp_path / 'mixed.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  pq.write_table(table, tmp_path / 'mixed.parquet')
+  want = [_prepared_chat(tmp_path, tok, r, name=f'one{i}') for i, r in enumerate(records)]
+  for ext in ('.jsonl', '.parquet'):
+    info = prepare_dataset(tmp_path / f'o{ext}', tok, val_fraction=0.5,
+                           train_sources=[tmp_path / f'mixed{ext}'])
+    whole = TokenStream(info.splits['train'] + info.splits['val'], info.dtype)
+    assert whole[:].tolist() == [t for tokens, _ in want for t in tokens.tolist()], ext
+    assert whole.mask(slice(0, len(whole))).tolist() == [
+        m for _, mask in want for m in mask.tolist()], ext
+  pq.write_table(pa.table({'text': ['fine', None]}), tmp_path / 'null.parquet')
+  (tmp_path / 'null.jsonl').write_text('{"text": "fine"}\n{"text": null}\n')
+  for name, where in (('null.parquet', r'null.parquet: row 1'), ('null.jsonl', r'null.jsonl:2')):
+    with pytest.raises(ConfigError, match=rf"{where}: field 'text' is null, not a string\. "
+                       'Fix the data, or set data.skip_bad_records=True'):
+      load_data(_data_config(path=str(tmp_path / name), cache_dir=str(tmp_path / 'c')), tmp_path)

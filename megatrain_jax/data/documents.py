@@ -55,7 +55,7 @@ SHAREGPT_FIELD = 'conversations'
 TOOLS_FIELD = 'tools'
 # The rules that read records (record_parts): raised when a kind of record that was bad becomes
 # readable.
-RECORDS_VERSION = 3
+RECORDS_VERSION = 4
 # How a chat template's rendering becomes a document (chat_parts), part of the prepared data's
 # identity where the template writes bos_token or eos_token (the ones it changed): 2 = the
 # template's own first BOS and last EOS are the document's (they were doubled before), so such
@@ -117,9 +117,9 @@ class DocumentFormat:
     if not out['text_documents']:  # data prepared before the field existed stays valid
       del out['text_documents']
     if self.skip_bad_records:
-      # Records read since version 2 (ShareGPT, conversational prompt/completion, tool calls)
-      # and 3 (Alpaca) were bad records before, skipped where this is set: prepare such data
-      # again.
+      # Records read since version 2 (ShareGPT, conversational prompt/completion, tool calls),
+      # 3 (Alpaca) and 4 (JSON lines with null fields, read as Parquet rows are) were bad
+      # records before, skipped where this is set: prepare such data again.
       out['records_version'] = RECORDS_VERSION
     template = out.pop('chat_template')
     out['chat_template_sha256'] = (hashlib.sha256(template.encode()).hexdigest()
@@ -268,9 +268,29 @@ def _string(record: dict, field: str, fmt: DocumentFormat) -> str:
 
 
 def record_parts(record: Any, fmt: DocumentFormat) -> Parts:
-  """The parts of one record (module docstring). Raises BadRecord."""
+  """The parts of one record (module docstring), read without its nulls (`without_nulls`), so
+  that a JSON line and the Parquet or Arrow row of the same record read alike. Raises
+  BadRecord."""
   if not isinstance(record, dict):
     raise BadRecord(f'a record must be a JSON object, got {type(record).__name__}')
+  parts = _rule_parts(without_nulls(record), fmt)
+  if parts is not None:
+    return parts
+  nulls = [k for k in (fmt.prompt_field, fmt.completion_field, fmt.text_field, MESSAGES_FIELD,
+                       SHAREGPT_FIELD, ALPACA_INSTRUCTION, *ALPACA_OUTPUT) if
+           k in record and record[k] is None]
+  if nulls:
+    kind = 'a list' if nulls[0] in (MESSAGES_FIELD, SHAREGPT_FIELD) else 'a string'
+    raise BadRecord(f'field {nulls[0]!r} is null, not {kind}')
+  keys = ', '.join(repr(k) for k in list(record)[:8])
+  raise BadRecord(f'record without the text field {fmt.text_field!r} (nor '
+                  f'{fmt.prompt_field!r}+{fmt.completion_field!r}, {MESSAGES_FIELD!r}, '
+                  f'{SHAREGPT_FIELD!r} or {ALPACA_INSTRUCTION!r}+{ALPACA_OUTPUT[0]!r}); its '
+                  f'fields: {keys}; set data.text_field')
+
+
+def _rule_parts(record: dict, fmt: DocumentFormat) -> Parts | None:
+  """The parts of a record (without nulls) by the first rule that reads it, or None."""
   if fmt.prompt_field in record and fmt.completion_field in record:
     prompt, completion = record[fmt.prompt_field], record[fmt.completion_field]
     if isinstance(prompt, list) and isinstance(completion, list):  # conversational (TRL's)
@@ -289,11 +309,21 @@ def record_parts(record: Any, fmt: DocumentFormat) -> Parts:
   output = next((field for field in ALPACA_OUTPUT if field in record), None)
   if ALPACA_INSTRUCTION in record and output is not None:
     return _alpaca_parts(record, output, fmt)
-  keys = ', '.join(repr(k) for k in list(record)[:8])
-  raise BadRecord(f'record without the text field {fmt.text_field!r} (nor '
-                  f'{fmt.prompt_field!r}+{fmt.completion_field!r}, {MESSAGES_FIELD!r}, '
-                  f'{SHAREGPT_FIELD!r} or {ALPACA_INSTRUCTION!r}+{ALPACA_OUTPUT[0]!r}); its '
-                  f'fields: {keys}; set data.text_field')
+  return None
+
+
+def without_nulls(value: Any) -> Any:
+  """A record without its nulls, at any depth. Arrow gives every row every column, and every
+  struct (a chat message) every field any row has, null where the record had none (a plain
+  turn's tool_calls, an Alpaca row's input); pandas' and `datasets`' to_json write the same
+  nulls into JSON lines (`{"text": null, "messages": [...]}` of a mixed dataset). Templates test
+  `'tool_calls' in m`, and a null field is one the record does not have (a null text alone is
+  then a record without a text: a bad record)."""
+  if isinstance(value, dict):
+    return {k: without_nulls(v) for k, v in value.items() if v is not None}
+  if isinstance(value, list):
+    return [without_nulls(v) for v in value]
+  return value
 
 
 def _alpaca_parts(record: dict, output: str, fmt: DocumentFormat) -> Parts:

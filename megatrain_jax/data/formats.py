@@ -656,23 +656,11 @@ def _batch_documents(batch, columns, file: str, row: int, fmt: DocumentFormat, d
   values = [batch.column(name).to_pylist() for name in columns]
   for record_values in zip(*values):
     try:
-      docs.append(documents.record_parts(_without_nulls(dict(zip(columns, record_values))), fmt))
+      docs.append(documents.record_parts(dict(zip(columns, record_values)), fmt))
     except BadRecord as e:
       bad.append(f'{file}: row {row}: {e}')
     row += 1
   return row
-
-
-def _without_nulls(value: Any) -> Any:
-  """A row as its JSON record: Arrow gives every row every column, and every struct (a chat
-  message) every field any row has, null where the record had none (a plain turn's tool_calls,
-  an Alpaca row's input); templates test `'tool_calls' in m`, so nulls are dropped, at any
-  depth. A null text is a missing text (a bad record, as in JSON)."""
-  if isinstance(value, dict):
-    return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-  if isinstance(value, list):
-    return [_without_nulls(v) for v in value]
-  return value
 
 
 # --- Arrow IPC (Hugging Face datasets' save_to_disk) -------------------------------------------
