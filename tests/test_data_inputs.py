@@ -124,3 +124,32 @@ def test_json_lines_with_nulls_read_as_their_parquet_rows(tmp_path, tokenizer_di
     with pytest.raises(ConfigError, match=rf"{where}: field 'text' is null, not a string\. "
                        'Fix the data, or set data.skip_bad_records=True'):
       load_data(_data_config(path=str(tmp_path / name), cache_dir=str(tmp_path / 'c')), tmp_path)
+
+
+# --- damaged files: named, before anything is written where the up-front check reads them -------
+
+
+def test_a_truncated_arrow_stream_is_named_as_a_truncated_arrow_file_is(tmp_path):
+  """`save_to_disk`'s stream format cut short (a copy interrupted) read as far as its last whole
+  record batch, then raised pyarrow's bare OSError ('Expected to be able to read ... bytes for
+  message body'); it is refused naming the file and the batch, by the up-front check, before
+  anything is written, as a truncated Arrow file-format file is."""
+  from megatrain_jax import evaluate  # pylint: disable=import-outside-toplevel
+  table = pa.table({'text': [f'record {i} ' * 20 for i in range(300)]})
+  whole = tmp_path / 'whole.arrow'
+  with pa.OSFile(str(whole), 'wb') as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+    for batch in table.to_batches(max_chunksize=50):
+      writer.write_batch(batch)
+  cut = tmp_path / 'cut.arrow'
+  cut.write_bytes(whole.read_bytes()[:whole.stat().st_size * 2 // 3])
+  message = (r'{field}: .*cut.arrow is not a readable Arrow IPC file \(record batch 4: .*\); it '
+             r'is truncated or damaged: save or download it again, or remove it from {field}\.')
+  with pytest.raises(ConfigError, match=message.format(field='data.path')):
+    check_data_config(_data_config(path=str(cut)))
+  with pytest.raises(ConfigError, match=message.format(field='data.path')):
+    load_data(_data_config(path=str(cut), cache_dir=str(tmp_path / 'out')), tmp_path)
+  assert not (tmp_path / 'out').exists()
+  with pytest.raises(ConfigError, match=message.format(field='eval.path')):
+    evaluate.read_eval_data(str(cut), ByteTokenizer())
+  info, _ = load_data(_data_config(path=str(whole), cache_dir=str(tmp_path / 'ok')), tmp_path)
+  assert info.stats['documents'] == 300

@@ -671,20 +671,37 @@ def _arrow_batches(path: Path, field: str):
   memory-mapped: a batch is read only when reached, and not copied.
 
   Raises:
-    ConfigError: (naming `field` and the file) if it is neither.
+    ConfigError: (naming `field` and the file) if it is neither, or, while iterating, where a
+      batch cannot be read (a truncated or damaged file).
   """
   import pyarrow as pa  # pylint: disable=g-import-not-at-top  (only Arrow and Parquet need it)
   source = pa.memory_map(str(path))
   try:
     reader = pa.ipc.open_stream(source)
-    return reader.schema, iter(reader)
+    return reader.schema, _checked_batches(path, field, iter(reader))
   except pa.ArrowInvalid:
     pass
   try:
     reader = pa.ipc.open_file(source)
   except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...
     raise ConfigError(f'{field}: {path} is not a readable Arrow IPC file ({e}).') from e
-  return reader.schema, (reader.get_batch(i) for i in range(reader.num_record_batches))
+  return reader.schema, _checked_batches(
+      path, field, (reader.get_batch(i) for i in range(reader.num_record_batches)))
+
+
+def _checked_batches(path: Path, field: str, batches):
+  """`batches`, a reader's error (a stream cut short: 'Expected to be able to read 2552 bytes
+  for message body, got 2512') a ConfigError naming the file and the batch."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  index = 0
+  try:
+    for batch in batches:
+      yield batch
+      index += 1
+  except (pa.ArrowException, OSError) as e:
+    raise ConfigError(f'{field}: {path} is not a readable Arrow IPC file (record batch {index}: '
+                      f'{e}); it is truncated or damaged: save or download it again, or remove '
+                      f'it from {field}.') from e
 
 
 @dataclasses.dataclass(frozen=True)
