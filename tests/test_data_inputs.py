@@ -16,6 +16,7 @@ import pytest
 
 from megatrain_jax.data import (ByteTokenizer, TokenStream, check_data_config, load_data,
                                 load_tokenizer, prepare_dataset)
+from megatrain_jax.data import prepare as prepare_module
 from megatrain_jax.errors import ConfigError
 from test_data_formats import (EOS, _data_config, _prepared_chat, _stream, _tokenizer_with,
                                _write_jsonl, documents, tokenizer_dir)  # noqa: F401  (fixtures)
@@ -153,3 +154,35 @@ def test_a_truncated_arrow_stream_is_named_as_a_truncated_arrow_file_is(tmp_path
     evaluate.read_eval_data(str(cut), ByteTokenizer())
   info, _ = load_data(_data_config(path=str(whole), cache_dir=str(tmp_path / 'ok')), tmp_path)
   assert info.stats['documents'] == 300
+
+
+def test_a_damaged_parquet_page_is_named_and_leaves_nothing(tmp_path, monkeypatch):
+  """A Parquet file whose footer is intact (the up-front check reads only it) but a data page
+  is damaged (200 bytes flipped in its middle) crashed the prepare with pyarrow's 'OSError:
+  Corrupt snappy compressed data.', naming nothing, and left an empty data directory; it is a
+  ConfigError naming the file and the row group, in a worker process too, and the prepare
+  leaves nothing behind: the data directory it made is gone, and a rerun on the mended file
+  prepares it."""
+  monkeypatch.setattr(prepare_module, '_POOL_MIN_BYTES', 0)
+  rng = np.random.default_rng(0)
+  rows = [f'record {i} ' + rng.bytes(48).hex() for i in range(8000)]
+  good = tmp_path / 'good.parquet'
+  pq.write_table(pa.table({'text': rows}), good, row_group_size=2000, compression='snappy')
+  data = bytearray(good.read_bytes())
+  middle = len(data) // 2
+  data[middle:middle + 200] = bytes(b ^ 0xff for b in data[middle:middle + 200])
+  source = tmp_path / 'data.parquet'
+  source.write_bytes(bytes(data))
+  assert pq.ParquetFile(source).metadata.num_row_groups == 4  # the footer reads
+  check_data_config(_data_config(path=str(source)))
+  for workers in (1, 2):
+    config = _data_config(path=str(source), cache_dir=str(tmp_path / 'run' / 'data'),
+                          num_workers=workers)
+    with pytest.raises(ConfigError, match=r'data.path: .*data.parquet: row group 2 \(rows from '
+                       r'4000\) cannot be read \(OSError: .*\); the file is damaged: download or '
+                       r'write it again, or remove it from data.path\.'):
+      load_data(config, tmp_path / 'run')
+    assert not (tmp_path / 'run').exists(), workers
+  source.write_bytes(good.read_bytes())
+  info, _ = load_data(config, tmp_path / 'run')
+  assert info.stats['documents'] == len(rows)

@@ -617,11 +617,13 @@ def _record_columns(names: list[str], path: Path, fmt: DocumentFormat, field: st
 
 @dataclasses.dataclass(frozen=True)
 class ParquetTask:
-  """One row group of a Parquet file; `first_row` is its first row's index in the file."""
+  """One row group of a Parquet file; `first_row` is its first row's index in the file; `field`
+  the config field that names the file (for an error)."""
   file: str
   row_group: int
   first_row: int
   columns: tuple[str, ...]
+  field: str = 'data.path'
 
 
 def parquet_tasks(path: Path, fmt: DocumentFormat,
@@ -634,18 +636,31 @@ def parquet_tasks(path: Path, fmt: DocumentFormat,
   for group in range(metadata.num_row_groups):
     info = metadata.row_group(group)
     done += info.total_byte_size
-    yield ParquetTask(str(path), group, row, columns), done
+    yield ParquetTask(str(path), group, row, columns, field), done
     row += info.num_rows
 
 
 def _parquet_documents(task: ParquetTask, fmt: DocumentFormat, bad: list) -> list:
+  """The documents of a task's row group.
+
+  Raises:
+    ConfigError: (naming the file and the row group) where the row group cannot be read: a
+      damaged page (its footer, read up front, may be intact), or a file cut short.
+  """
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   docs = []
   row = task.first_row
-  batches = pq.ParquetFile(task.file).iter_batches(
-      batch_size=_PARQUET_BATCH_ROWS, row_groups=[task.row_group], columns=list(task.columns))
-  for batch in batches:
-    row = _batch_documents(batch, task.columns, task.file, row, fmt, docs, bad)
+  try:
+    batches = pq.ParquetFile(task.file).iter_batches(
+        batch_size=_PARQUET_BATCH_ROWS, row_groups=[task.row_group], columns=list(task.columns))
+    for batch in batches:
+      row = _batch_documents(batch, task.columns, task.file, row, fmt, docs, bad)
+  except (pa.ArrowException, OSError) as e:  # pyarrow's OSError: 'Corrupt snappy compressed data.'
+    raise ConfigError(f'{task.field}: {task.file}: row group {task.row_group} (rows from '
+                      f'{task.first_row}) cannot be read ({type(e).__name__}: {e}); the file is '
+                      f'damaged: download or write it again, or remove it from {task.field}.'
+                      ) from e
   return docs
 
 

@@ -220,10 +220,10 @@ def prepare_dataset(out_dir: str | Path,
   if (meta is not None and (as_prepared or meta.get('fingerprint') == fingerprint) and
       _token_files_complete(job.out_dir, meta)):
     return _info_from_meta(job.out_dir, meta)
-  job.out_dir.mkdir(parents=True, exist_ok=True)
   started = time.monotonic()
   # One prepare at a time per directory (a second one would delete the first's unfinished
-  # shards): two --prepare runs, or runs sharing a data.cache_dir.
+  # shards): two --prepare runs, or runs sharing a data.cache_dir. The lock makes the directory,
+  # and removes it again if bad input found by the prepare leaves it empty (_run).
   with locks.hold(job.out_dir, 'data directory', 'point data.cache_dir at another directory'):
     meta = _run(job, {**identity, 'fingerprint': fingerprint})
   info = _info_from_meta(job.out_dir, meta)
