@@ -7,6 +7,7 @@ Everything is written under pytest's tmp_path; the tokenizers are trained here (
 The fixtures and writers are test_data_formats.py's.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -14,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatrain_jax.data import (ByteTokenizer, TokenStream, check_data_config, load_data,
-                                load_tokenizer, prepare_dataset)
+from megatrain_jax.data import (ByteTokenizer, TokenStream, check_data_config, document_format,
+                                load_data, load_tokenizer, prepare_dataset)
 from megatrain_jax.data import prepare as prepare_module
 from megatrain_jax.errors import ConfigError
 from test_data_formats import (EOS, _data_config, _prepared_chat, _stream, _tokenizer_with,
@@ -186,3 +187,23 @@ def test_a_damaged_parquet_page_is_named_and_leaves_nothing(tmp_path, monkeypatc
   source.write_bytes(good.read_bytes())
   info, _ = load_data(config, tmp_path / 'run')
   assert info.stats['documents'] == len(rows)
+
+
+def test_invalid_utf8_that_encodes_a_surrogate_is_a_bad_record(tmp_path, tokenizer_dir):
+  """Bytes ED A0 80 are not UTF-8 (they encode half of a UTF-16 pair), but json.loads of bytes
+  decodes them to a lone '\\ud800' (surrogatepass), which crashed the tokenizers (a
+  UnicodeEncodeError, a TypeError), skip_bad_records or not: such a line is a bad record, named
+  by its line, like other invalid UTF-8, and skipped with skip_bad_records."""
+  source = tmp_path / 'sur.jsonl'
+  source.write_bytes(b'{"text":"ok"}\n{"text":"bad \xed\xa0\x80"}\n{"text":"fine"}\n')
+  other = tmp_path / 'latin1.jsonl'
+  other.write_bytes(b'{"text":"ok"}\n{"text":"caf\xe9"}\n')
+  for tok in (ByteTokenizer(), load_tokenizer(str(tokenizer_dir))):
+    for path in (source, other):
+      with pytest.raises(ConfigError, match=rf'{path.name}:2: not UTF-8 text \(byte 0x(ed|e9) at '
+                         r'byte \d+ of the line: .*\); convert the file to UTF-8\. Fix the data'):
+        prepare_dataset(tmp_path / 'o', tok, train_sources=[path])
+    fmt = dataclasses.replace(document_format(tok), skip_bad_records=True)
+    info = prepare_dataset(tmp_path / f'o-{tok.name[-8:]}', tok, train_sources=[source],
+                           doc_format=fmt)
+    assert info.stats['skipped_records'] == 1 and info.stats['documents'] == 2

@@ -443,7 +443,12 @@ def _jsonl_documents(task: JsonlTask, fmt: DocumentFormat, bad: list) -> list:
       continue
     try:
       try:
-        record = json.loads(raw_line)
+        # Decoded strictly here: json.loads(bytes) decodes with 'surrogatepass', so invalid
+        # UTF-8 that encodes a surrogate (bytes ED A0 80) became a lone '\ud800' in the text.
+        record = json.loads(raw_line.decode('utf-8-sig'))
+      except UnicodeDecodeError as e:
+        raise BadRecord(f'not UTF-8 text (byte 0x{e.object[e.start]:02x} at byte {e.start} of '
+                        f'the line: {e.reason}); convert the file to UTF-8') from e
       except ValueError as e:
         raise BadRecord(f'malformed JSON ({e})') from e
       parts = documents.record_parts(record, fmt)
