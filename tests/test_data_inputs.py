@@ -207,3 +207,62 @@ def test_invalid_utf8_that_encodes_a_surrogate_is_a_bad_record(tmp_path, tokeniz
     info = prepare_dataset(tmp_path / f'o-{tok.name[-8:]}', tok, train_sources=[source],
                            doc_format=fmt)
     assert info.stats['skipped_records'] == 1 and info.stats['documents'] == 2
+
+
+# --- the prepare step's memory ------------------------------------------------------------------
+
+
+def _census_by_hand(masks: list, ends: list, bos: bool) -> dict:
+  """The mask census of shards (each a 0/1 mask, or None for all learned, and the shard-local
+  ends of the documents ending in it), document by document."""
+  stream = np.concatenate([np.ones(n, np.uint8) if m is None else m for m, n in masks])
+  offsets = np.cumsum([0] + [n for _, n in masks])
+  cuts = np.concatenate([np.asarray(e, np.int64) + o for e, o in zip(ends, offsets)])
+  nothing = whole = 0
+  for start, end in zip(np.concatenate([[0], cuts[:-1]]), cuts):
+    learned, length = int(stream[start:end - 1].sum()), end - start - 1
+    nothing += learned == 0
+    whole += learned >= length - int(bos) and learned > 0
+  return {'documents_learning_nothing': nothing, 'documents_learned_whole': whole}
+
+
+def test_the_mask_census_reads_a_shard_in_bounded_memory(tmp_path, monkeypatch):
+  """The census of what documents learn (prepare's warning, documents_learning_nothing) summed
+  each shard's mask with np.add.reduceat in int64, a copy of 8 bytes a token (829 MB for a
+  100 MB JSONL, 1.07 GB for a full default shard; the mask of text records is no file at all):
+  it gives the counts a document-by-document count gives, in blocks, documents longer than a
+  block and across shards included, and allocates a small part of the shard."""
+  import tracemalloc  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(1)
+
+  def shards(specs):
+    records, masks, ends = [], [], []
+    for index, (tokens, masked, cut) in enumerate(specs):
+      mask = (rng.random(tokens) < 0.5).astype(np.uint8) if masked else None
+      if masked and index % 2:
+        mask[: tokens // 3] = 0  # a long document learning nothing
+      doc_ends = np.unique(rng.integers(1, tokens + 1, cut)) if cut else np.array([], np.int64)
+      (tmp_path / f'{index}.ends').write_bytes(doc_ends.astype(np.int64).tobytes())
+      if masked:
+        mask.tofile(tmp_path / f'{index}.mask')
+      records.append({'tokens': tokens, 'ends': f'{index}.ends',
+                      'mask': f'{index}.mask' if masked else None})
+      masks.append((mask, tokens))
+      ends.append(doc_ends)
+    return {'streams': {'train': {'shards': records}}}, masks, ends
+
+  monkeypatch.setattr(prepare_module, '_CENSUS_BLOCK_TOKENS', 500, raising=False)
+  progress, masks, ends = shards([(3000, True, 40), (2000, False, 30), (4000, True, 3),
+                                  (1000, True, 0), (3000, True, 200), (500, False, 5)])
+  census = prepare_module._mask_census  # pylint: disable=protected-access
+  for bos in (False, True):
+    assert census(tmp_path, progress, bos) == _census_by_hand(masks, ends, bos)
+  monkeypatch.undo()
+  size = 16 << 20
+  for masked in (False, True):
+    progress, _, _ = shards([(size, masked, size // 200)])
+    tracemalloc.start()
+    census(tmp_path, progress, False)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 3 * size, (masked, peak)  # the int64 copy was 8 bytes a token

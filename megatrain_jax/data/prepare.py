@@ -351,7 +351,8 @@ def _mask_census(out_dir: Path, progress: dict[str, Any], bos: bool) -> dict[str
   turn, an empty completion: records the format reads otherwise than their author meant), and
   those it learns whole (text records among pairs or chats: a mix of kinds). A shard without a
   mask file learns every token; with `bos` a masked document's first token (its BOS) is never
-  learned. Zeros for data without recorded ends; a shard at a time, memory-mapped."""
+  learned. Zeros for data without recorded ends; a shard at a time, memory-mapped, its mask read
+  a block at a time (`_learned_tokens`)."""
   nothing = whole = 0
   for stream in progress['streams'].values():
     carried = np.zeros(2, np.int64)  # (learned, length) of the document a shard ended inside
@@ -359,22 +360,46 @@ def _mask_census(out_dir: Path, progress: dict[str, Any], bos: bool) -> dict[str
       if shard.get('ends') is None:
         carried[:] = 0
         continue
-      mask = (np.memmap(out_dir / shard['mask'], np.uint8, 'r') if shard.get('mask') else
-              np.broadcast_to(np.uint8(1), (shard['tokens'],)))  # ones, in no memory
+      # None: every token learned (no mask file), counted from the ends alone.
+      mask = np.memmap(out_dir / shard['mask'], np.uint8, 'r') if shard.get('mask') else None
       ends = np.fromfile(out_dir / shard['ends'], np.int64)  # shard-local, increasing
       if ends.size:
         starts = np.concatenate([[0], ends[:-1]])
-        # (reduceat's last sum runs to the end of the array: cut at the last document's end)
-        learned = np.add.reduceat(mask[:ends[-1]], starts, dtype=np.int64) - mask[ends - 1]
-        length = ends - starts - 1
+        length = ends - starts - 1  # without the EOS
+        learned = (length.copy() if mask is None else
+                   _learned_tokens(mask, starts, ends) - mask[ends - 1])
         learned[0] += carried[0]
         length[0] += carried[1]
         nothing += int(np.count_nonzero(learned == 0))
         whole += int(np.count_nonzero((learned >= length - int(bos)) & (learned > 0)))
         carried[:] = 0
-      tail = mask[ends[-1] if ends.size else 0:]
-      carried += (int(np.sum(tail, dtype=np.int64)), tail.size)
+      tail = int(ends[-1]) if ends.size else 0  # where the document the next shard ends begins
+      carried += (shard['tokens'] - tail if mask is None else np.count_nonzero(mask[tail:]),
+                  shard['tokens'] - tail)
   return {'documents_learning_nothing': nothing, 'documents_learned_whole': whole}
+
+
+# Tokens of a mask summed at a time by _learned_tokens (8 bytes each while summed).
+_CENSUS_BLOCK_TOKENS = 1 << 22
+
+
+def _learned_tokens(mask: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+  """[documents] int64: the learned tokens of mask[starts[i]:ends[i]] (a 0/1 uint8 mask), a
+  block of documents spanning about _CENSUS_BLOCK_TOKENS at a time: np.add.reduceat with an
+  int64 sum casts its whole input, 8 bytes a token (1.07 GB for a full default shard); a
+  document longer than a block is counted alone (count_nonzero, which copies nothing)."""
+  out = np.empty(len(ends), np.int64)
+  first = 0
+  while first < len(ends):
+    last = max(first + 1, int(np.searchsorted(ends, starts[first] + _CENSUS_BLOCK_TOKENS,
+                                              'right')))
+    if last == first + 1:
+      out[first] = np.count_nonzero(mask[starts[first]:ends[first]])
+    else:
+      out[first:last] = np.add.reduceat(mask[starts[first]:ends[last - 1]],
+                                        starts[first:last] - starts[first], dtype=np.int64)
+    first = last
+  return out
 
 
 def _tokenize_streams(job: _Job, progress: dict[str, Any]) -> dict[str, Any]:
