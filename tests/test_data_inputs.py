@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatrain_jax.data import (ByteTokenizer, TokenStream, check_data_config, document_format,
-                                load_data, load_tokenizer, prepare_dataset)
+                                load_data, load_tokenizer, prepare_dataset, read_prompts)
 from megatrain_jax.data import prepare as prepare_module
 from megatrain_jax.errors import ConfigError
 from test_data_formats import (EOS, _data_config, _prepared_chat, _stream, _tokenizer_with,
@@ -266,3 +266,20 @@ def test_the_mask_census_reads_a_shard_in_bounded_memory(tmp_path, monkeypatch):
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 3 * size, (masked, peak)  # the int64 copy was 8 bytes a token
+
+
+# --- smaller things: sample.prompts' BOM, compressed forms, NUL offsets ---------------------------
+
+
+def test_a_prompts_file_with_a_bom_reads_as_without(tmp_path):
+  """A UTF-8 BOM (Windows editors write one) is the file's encoding mark, not text: the first
+  prompt of a text file did not start with '\\ufeff' any more than in training, and a .jsonl or
+  .json file of prompts with one was refused as not JSON."""
+  bom = b'\xef\xbb\xbf'
+  cases = {'p.txt': (b'Once upon\n\nA time\n', ['Once upon', 'A time']),
+           'p.jsonl': (b'{"prompt": "x"}\n{"prompt": "y"}\n', ['x', 'y']),
+           'lines.json': (b'{"prompt": "x"}\n', ['x']),
+           'array.json': (b'[{"prompt": "x"}, {"prompt": "y"}]', ['x', 'y'])}
+  for name, (data, want) in cases.items():
+    (tmp_path / name).write_bytes(bom + data)
+    assert read_prompts(tmp_path / name) == want, name

@@ -908,7 +908,8 @@ def read_prompts(path: str | Path, prompt_field: str = 'prompt') -> list:
                       "'instruction'.")
   try:
     with open(path, 'rb') as raw:
-      lines = open_decompressed(path, raw).read().decode('utf-8').splitlines()
+      # utf-8-sig: a BOM that starts the file is not part of the first prompt (as in training).
+      lines = open_decompressed(path, raw).read().decode('utf-8-sig').splitlines()
   except UnicodeDecodeError as e:
     raise not_utf8_error(path, field, e) from e
   except _STREAM_ERRORS as e:
