@@ -8,12 +8,14 @@ The fixtures and writers are test_data_formats.py's.
 """
 
 import dataclasses
+import gzip
 import json
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 from megatrain_jax.data import (ByteTokenizer, TokenStream, check_data_config, document_format,
                                 load_data, load_tokenizer, prepare_dataset, read_prompts)
@@ -283,3 +285,43 @@ def test_a_prompts_file_with_a_bom_reads_as_without(tmp_path):
   for name, (data, want) in cases.items():
     (tmp_path / name).write_bytes(bom + data)
     assert read_prompts(tmp_path / name) == want, name
+
+
+def test_compressed_json_is_read_and_other_compressed_files_are_refused_naming_the_forms(
+    tmp_path):
+  """A .json.gz / .json.zst (an array of records, or lines) was read as text and refused as
+  binary, with advice for UTF-16 text: it is read decompressed, as .json is (sample.prompts
+  too); a compressed file of another kind (.txt.gz) is refused naming the forms read
+  compressed, in data.path, a directory and eval.path, before anything is written."""
+  from megatrain_jax import evaluate  # pylint: disable=import-outside-toplevel
+  records = [{'instruction': f'Say {i}.', 'output': f'{i} said.'} for i in range(300)]
+  array = json.dumps(records, indent=2).encode()
+  lines = b''.join(json.dumps(r).encode() + b'\n' for r in records)
+  (tmp_path / 'plain.json').write_bytes(array)
+  want = _stream(prepare_dataset(tmp_path / 'o', ByteTokenizer(),
+                                 train_sources=[tmp_path / 'plain.json']))
+  for name, data in (('a.json.gz', gzip.compress(array)), ('l.json.gz', gzip.compress(lines)),
+                     ('a.json.zst', zstandard.ZstdCompressor().compress(array)),
+                     ('l.json.zst', zstandard.ZstdCompressor().compress(lines))):
+    (tmp_path / name).write_bytes(data)
+    got = prepare_dataset(tmp_path / f'o-{name}', ByteTokenizer(), train_sources=[tmp_path / name])
+    assert np.array_equal(_stream(got), want), name
+  assert len(read_prompts(tmp_path / 'a.json.gz')) == 300
+  packed = gzip.compress(array)
+  (tmp_path / 'cut.json.gz').write_bytes(packed[:len(packed) // 2])
+  with pytest.raises(ConfigError, match=r'cut.json.gz: cannot read past line \d+ .*truncated'):
+    prepare_dataset(tmp_path / 'o-cut', ByteTokenizer(), train_sources=[tmp_path / 'cut.json.gz'])
+  text = tmp_path / 'texts'
+  text.mkdir()
+  (text / 'book.txt.gz').write_bytes(gzip.compress(b'Once upon a time. ' * 200))
+  message = (r'{field}: .*book.txt.gz is compressed, and only JSON records are read compressed '
+             r'\(.jsonl, .ndjson or .json, each .gz or .zst\); decompress it \(gunzip a .txt.gz '
+             r'to .txt\), or remove it from {field}\.')
+  for path in (text / 'book.txt.gz', text):
+    with pytest.raises(ConfigError, match=message.format(field='data.path')):
+      check_data_config(_data_config(path=str(path)))
+    with pytest.raises(ConfigError, match=message.format(field='data.path')):
+      load_data(_data_config(path=str(path), cache_dir=str(tmp_path / 'out')), tmp_path)
+    with pytest.raises(ConfigError, match=message.format(field='eval.path')):
+      evaluate.read_eval_data(str(path), ByteTokenizer())
+  assert not (tmp_path / 'out').exists()

@@ -5,11 +5,13 @@ A source is a file, a directory (its non-hidden files, sorted) or a glob pattern
 
   *.jsonl, *.jsonl.zst, *.jsonl.gz   one JSON record per line (zstd / gzip streams decompressed
                                      on the fly; a truncated stream is an error)
+  *.json (.zst, .gz)                 records: one JSON array of them, or one per line
   *.parquet                          one record per row, read a row group at a time (pyarrow)
   *.arrow                            one record per row: Arrow IPC files as Hugging Face
                                      `datasets` writes them (`save_to_disk`: the stream format;
                                      the file format too), memory-mapped, a few batches at a time
-  anything else                      UTF-8 text, a continuous stream (no documents)
+  anything else                      UTF-8 text, a continuous stream (no documents); a
+                                     compressed one (.txt.gz, .parquet.zst, ...) is refused
 
 A directory that `datasets.Dataset.save_to_disk` wrote (state.json beside .arrow files) means its
 .arrow files, in state.json's order; a DatasetDict's (dataset_dict.json) is refused naming its
@@ -43,6 +45,10 @@ from megatrain_jax.errors import ConfigError
 TEXT, JSONL, JSON, PARQUET, ARROW = 'text', 'jsonl', 'json', 'parquet', 'arrow'
 _JSONL_SUFFIXES = ('.jsonl', '.jsonl.zst', '.jsonl.zstd', '.jsonl.gz', '.ndjson', '.ndjson.zst',
                    '.ndjson.zstd', '.ndjson.gz')
+_JSON_SUFFIXES = ('.json', '.json.zst', '.json.zstd', '.json.gz')
+# Names of compressed files: only JSON records are read decompressed (open_decompressed).
+_COMPRESSED_SUFFIXES = ('.gz', '.zst', '.zstd', '.bz2', '.xz', '.lz4', '.lzma', '.zip', '.7z',
+                        '.tgz')
 # Bytes of input per task: large enough that a task amortises its trip to a worker, small enough
 # that (workers x in-flight tasks) of them stay well within the memory bound.
 CHUNK_BYTES = 4 << 20
@@ -64,9 +70,18 @@ def source_format(path: Path) -> str:
     return JSONL
   if name.endswith('.arrow'):
     return ARROW
-  if name.endswith('.json'):
+  if name.endswith(_JSON_SUFFIXES):
     return JSON
   return TEXT
+
+
+def _check_compressed(path: Path, field: str) -> None:
+  """Refuses a compressed file the readers do not decompress (a .txt.gz): read as text, its
+  bytes were refused as binary, with advice for UTF-16 text."""
+  if path.name.lower().endswith(_COMPRESSED_SUFFIXES) and source_format(path) == TEXT:
+    raise ConfigError(f'{field}: {path} is compressed, and only JSON records are read '
+                      'compressed (.jsonl, .ndjson or .json, each .gz or .zst); decompress it '
+                      f'(gunzip a .txt.gz to .txt), or remove it from {field}.')
 
 
 def _has_glob(text: str) -> bool:
@@ -105,6 +120,8 @@ def expand_sources(sources, field: str) -> list[Path]:
       files.extend(child.resolve() for child in children)
     else:
       files.append(path.resolve())
+  for file in files:
+    _check_compressed(file, field)
   return files
 
 
@@ -480,10 +497,18 @@ def _check_no_lone_surrogate(parts: list) -> None:
 
 
 def json_is_array(path: Path) -> bool:
-  """Whether a .json file holds a JSON array (its first non-blank character is '['), not lines."""
-  with open(path, 'rb') as f:
-    head = f.read(SNIFF_BYTES).removeprefix(codecs.BOM_UTF8).lstrip()
-  return head.startswith(b'[')
+  """Whether a .json(.gz/.zst) file holds a JSON array (its first non-blank character is '['),
+  not lines."""
+  head = b''
+  with open(path, 'rb') as raw:
+    stream = open_decompressed(path, raw)
+    try:
+      while (len(head) < SNIFF_BYTES and not head.removeprefix(codecs.BOM_UTF8).strip() and
+             (block := stream.read1(SNIFF_BYTES))):
+        head += block
+    except _STREAM_ERRORS:
+      pass  # a truncated stream: its reader names it
+  return head.removeprefix(codecs.BOM_UTF8).lstrip().startswith(b'[')
 
 
 # The longest record of a JSON array read (the reader holds one whole).
@@ -497,12 +522,16 @@ class _JsonArray:
   each as one line of JSON (its text, the newlines between its tokens made spaces)."""
 
   def __init__(self, path: Path, field: str, raw):
-    self.path, self.field, self.raw = path, field, raw
+    self.path, self.field, self.raw = path, field, raw  # raw: the file, read decompressed
+    self.stream = open_decompressed(path, raw)
     self.buf, self.pos, self.line, self.eof = '', 0, 1, False  # line: the line at buf[pos]
     self._utf8 = codecs.getincrementaldecoder('utf-8-sig')()
 
   def _more(self) -> bool:
-    block = self.raw.read(1 << 20)
+    try:
+      block = self.stream.read(1 << 20)
+    except _STREAM_ERRORS as e:
+      raise stream_error(self.path, self.field, self.line, e) from e
     try:
       text = self._utf8.decode(block, final=not block)
     except UnicodeDecodeError as e:
