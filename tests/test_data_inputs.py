@@ -325,3 +325,16 @@ def test_compressed_json_is_read_and_other_compressed_files_are_refused_naming_t
     with pytest.raises(ConfigError, match=message.format(field='eval.path')):
       evaluate.read_eval_data(str(path), ByteTokenizer())
   assert not (tmp_path / 'out').exists()
+
+
+def test_a_nul_in_text_is_named_by_its_byte_offset_and_line(tmp_path):
+  """A NUL past the checked head was named by its offset in characters, as if in bytes (40004
+  for byte 80004 after 40000 two-byte characters): its byte offset and line, wherever it is."""
+  late = tmp_path / 'late.txt'
+  late.write_bytes('é'.encode() * 40000 + b'\nabc\0 tail\n')
+  early = tmp_path / 'early.txt'
+  early.write_bytes('é'.encode() * 10 + b'\n\nx\0y')
+  for path, offset, line in ((late, 80004, 2), (early, 23, 3)):
+    with pytest.raises(ConfigError, match=rf'{path.name} looks like a binary file, not text \(a '
+                       rf'NUL character at offset {offset} \(line {line}\)\)'):
+      prepare_dataset(tmp_path / 'o', ByteTokenizer(), train_sources=[path])

@@ -237,10 +237,32 @@ def _saved_dataset_files(path: Path, field: str) -> list[Path] | None:
 # --- text --------------------------------------------------------------------------------------
 
 
-def binary_error(path: Path, field: str, offset: int) -> ConfigError:
+def binary_error(path: Path, field: str, head: bytes | None = None) -> ConfigError:
+  """The error for a file holding a NUL: the first one's byte offset and line, in `head` (the
+  file's first bytes, decompressed where the file is), else found in the file again (text read
+  decoded, whose character offsets are not byte offsets)."""
+  if head is None:
+    offset, line = _first_nul(path)
+  else:
+    offset = head.index(b'\0')
+    line = head.count(b'\n', 0, offset) + 1
+  where = ' of its decompressed bytes' if path.name.lower().endswith(_COMPRESSED_SUFFIXES) else ''
   return ConfigError(f'{field}: {path} looks like a binary file, not text (a NUL character at '
-                     f'offset {offset}); point {field} at UTF-8 text (convert UTF-16 text to '
-                     f'UTF-8), or remove the file from {field}.')
+                     f'offset {offset}{where} (line {line})); point {field} at UTF-8 text '
+                     f'(convert UTF-16 text to UTF-8), or remove the file from {field}.')
+
+
+def _first_nul(path: Path) -> tuple[int, int]:
+  """(byte offset, line) of the first NUL byte of `path` ((-1, -1) if none)."""
+  done, lines = 0, 1
+  with open(path, 'rb') as f:
+    while block := f.read(1 << 20):
+      at = block.find(b'\0')
+      if at >= 0:
+        return done + at, lines + block.count(b'\n', 0, at)
+      done += len(block)
+      lines += block.count(b'\n')
+  return -1, -1
 
 
 def not_utf8_error(path: Path, field: str, error: UnicodeDecodeError) -> ConfigError:
@@ -274,7 +296,7 @@ def check_text_head(path: Path, field: str) -> None:
   with open(path, 'rb') as f:
     head = f.read(SNIFF_BYTES)
   if b'\0' in head:
-    raise binary_error(path, field, head.index(b'\0'))
+    raise binary_error(path, field, head)
   try:
     # final=False: the sniffed prefix may end inside a multi-byte character.
     codecs.getincrementaldecoder('utf-8')().decode(head, final=len(head) < SNIFF_BYTES)
@@ -320,7 +342,7 @@ def _text_chunks(path: Path, field: str, chunk_chars: int, tokenizer: Tokenizer 
         raise not_utf8_error(path, field, e) from e
       new = ''.join(lines)
       if '\0' in new:
-        raise binary_error(path, field, offset + len(carry) + new.index('\0'))
+        raise binary_error(path, field)  # its byte offset: `new` is characters
       if offset == 0 and not carry and new.startswith('\ufeff'):
         new = new[1:]  # a BOM marks the encoding (JSONL's reader drops it too)
       text, carry = carry + new, ''
@@ -862,7 +884,7 @@ def _check_jsonl_head(path: Path, fmt: DocumentFormat, field: str) -> int:
       raise stream_error(path, field, head.count(b'\n'), e) from e
   head = head[:SNIFF_BYTES + 1]
   if b'\0' in head:  # UTF-16 (or binary): every line would be malformed JSON
-    raise binary_error(path, field, head.index(b'\0'))
+    raise binary_error(path, field, head)
   complete = len(head) <= SNIFF_BYTES
   if not complete:
     head = head[:head.rfind(b'\n') + 1]
