@@ -1,7 +1,8 @@
 """Tests for how user data files are read (a review of the readers): a learned character a
 byte-level BPE splits into several tokens, a glob that picks up a dataset card, JSON nulls, a
 damaged Arrow stream or Parquet page, invalid UTF-8 that decodes to a surrogate, the prepare
-step's memory, and sample.prompts files.
+step's memory, sample.prompts with a BOM, compressed names, NUL offsets, and a chat template
+that rewrites earlier turns (Qwen3's thinking).
 
 Everything is written under pytest's tmp_path; the tokenizers are trained here (no download).
 The fixtures and writers are test_data_formats.py's.
@@ -338,3 +339,79 @@ def test_a_nul_in_text_is_named_by_its_byte_offset_and_line(tmp_path):
     with pytest.raises(ConfigError, match=rf'{path.name} looks like a binary file, not text \(a '
                        rf'NUL character at offset {offset} \(line {line}\)\)'):
       prepare_dataset(tmp_path / 'o', ByteTokenizer(), train_sources=[path])
+
+
+# --- chat templates that rewrite earlier turns ----------------------------------------------------
+
+
+# A Qwen3-like template as its tokenizer_config.json has it (without the tool branches): an
+# assistant turn's '<think>...</think>' is split off its content, and written back only for a turn
+# after the last user message that is the last turn or has reasoning; so an earlier turn renders
+# as its answer alone once a user turn follows it. GEN_OPEN / GEN_CLOSE: where transformers'
+# `{% generation %}` version marks what an assistant turn learns.
+QWEN3_THINKING = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}{%- set content = message.content %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1]"
+    ".lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}GEN_OPEN"
+    "{%- if loop.index0 > ns.last_query_index %}"
+    "{%- if loop.last or (not loop.last and reasoning_content) %}"
+    "{{- '<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + "
+    "content.lstrip('\\n') }}"
+    "{%- else %}{{- content }}{%- endif %}"
+    "{%- else %}{{- content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}GEN_CLOSE{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_template_that_drops_earlier_turns_thinking_learns_what_transformers_marks(
+    tmp_path, tokenizer_dir):
+  """Qwen3's template writes an assistant turn's thinking only while no user turn follows it,
+  so a conversation cut after an earlier turn renders that turn otherwise than the whole does:
+  such records were refused ('cannot be located'). Each turn is learned as the whole
+  conversation renders it (an earlier one without its thinking, the last with it), token for
+  token the mask transformers' apply_chat_template(return_assistant_tokens_mask=True) gives with
+  the `{% generation %}` version of the template, and a conversation without thinking as before."""
+  import transformers  # pylint: disable=import-outside-toplevel  (a dev dependency)
+  template = QWEN3_THINKING.replace('GEN_OPEN', '').replace('GEN_CLOSE', '')
+  marked = QWEN3_THINKING.replace('GEN_OPEN', '{% generation %}').replace(
+      'GEN_CLOSE', '{% endgeneration %}')
+  tok = _tokenizer_with(tmp_path / 'qwen3', tokenizer_dir, {'eos_token': EOS,
+                                                            'chat_template': template})
+  hf_tok = transformers.PreTrainedTokenizerFast(
+      tokenizer_file=str(tokenizer_dir / 'tokenizer.json'), eos_token=EOS, chat_template=marked)
+  think = lambda reasoning, answer: f'<think>\n{reasoning}\n</think>\n\n{answer}'
+  conversations = [
+      [{'role': 'system', 'content': 'Be brief.'},
+       {'role': 'user', 'content': 'Capital of France?'},
+       {'role': 'assistant', 'content': think('France: Paris.', 'Paris.')},
+       {'role': 'user', 'content': 'And Italy?'},
+       {'role': 'assistant', 'content': think('Italy: Rome.', 'Rome.')},
+       {'role': 'user', 'content': 'Spain?'},
+       {'role': 'assistant', 'content': think('Spain: Madrid.', 'Madrid 😀')}],
+      [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': think('hm', 'Hello.')},
+       {'role': 'user', 'content': 'Bye'}, {'role': 'assistant', 'content': 'Bye.'}],
+      [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello.'},
+       {'role': 'user', 'content': 'Bye'}, {'role': 'assistant', 'content': 'Bye.'}]]
+  for n, messages in enumerate(conversations):
+    tokens, mask = _prepared_chat(tmp_path, tok, {'messages': messages}, name=f'c{n}')
+    theirs = hf_tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    assert tokens.tolist() == theirs['input_ids'] + [tok.token_id(EOS)], n
+    assert mask.tolist() == theirs['assistant_masks'] + [1], n
+  tokens, mask = _prepared_chat(tmp_path, tok, {'messages': conversations[0]}, name='again')
+  assert tok.decode(tokens[mask == 1]) == (
+      'Paris.<|im_end|>\nRome.<|im_end|>\n<think>\nSpain: Madrid.\n</think>\n\nMadrid 😀'
+      '<|im_end|>\n' + EOS)

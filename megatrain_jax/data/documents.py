@@ -55,7 +55,7 @@ SHAREGPT_FIELD = 'conversations'
 TOOLS_FIELD = 'tools'
 # The rules that read records (record_parts): raised when a kind of record that was bad becomes
 # readable.
-RECORDS_VERSION = 4
+RECORDS_VERSION = 5
 # How a chat template's rendering becomes a document (chat_parts), part of the prepared data's
 # identity where the template writes bos_token or eos_token (the ones it changed): 2 = the
 # template's own first BOS and last EOS are the document's (they were doubled before), so such
@@ -118,8 +118,9 @@ class DocumentFormat:
       del out['text_documents']
     if self.skip_bad_records:
       # Records read since version 2 (ShareGPT, conversational prompt/completion, tool calls),
-      # 3 (Alpaca) and 4 (JSON lines with null fields, read as Parquet rows are) were bad
-      # records before, skipped where this is set: prepare such data again.
+      # 3 (Alpaca), 4 (JSON lines with null fields, read as Parquet rows are) and 5 (chats
+      # whose template rewrites earlier turns: Qwen3's thinking) were bad records before,
+      # skipped where this is set: prepare such data again.
       out['records_version'] = RECORDS_VERSION
     template = out.pop('chat_template')
     out['chat_template_sha256'] = (hashlib.sha256(template.encode()).hexdigest()
@@ -548,7 +549,9 @@ def _turn_end(full: str, messages: list, i: int, start: int, render) -> int:
   render the last turn otherwise (Qwen3 opens an assistant turn after the last user message with
   a thinking block), and then the turn's content is found in `full` after `start` (the end of
   the generation prompt), followed by the end marker the template writes after it (Qwen3's
-  '<|im_end|>' and a newline)."""
+  '<|im_end|>' and a newline); or it may rewrite the content of a turn a user turn follows
+  (Qwen3 drops its '<think>...</think>'), and then where the content ends is marked
+  (`_marked_turn_end`)."""
   upto = render(messages[:i + 1], generation_prompt=False)
   if full.startswith(upto):
     return len(upto)
@@ -559,8 +562,39 @@ def _turn_end(full: str, messages: list, i: int, start: int, render) -> int:
     marker = upto[in_upto + len(content):]  # what the template writes after the content
     if full.startswith(marker, at + len(content)):
       return at + len(content) + len(marker)
-  raise BadRecord('the chat template renders an assistant turn so differently once later turns '
-                  'follow it that the turn cannot be located in the conversation')
+  end = _marked_turn_end(full, messages, i, start, render)
+  if end is None:
+    raise BadRecord('the chat template renders an assistant turn so differently once later '
+                    'turns follow it that the turn cannot be located in the conversation')
+  return end
+
+
+# Appended to an assistant turn's content to find where the template writes its end (private-use
+# characters: no template changes or writes them).
+_CONTENT_END = '\ue000megatrain:content-end\ue000'
+
+
+def _marked_turn_end(full: str, messages: list, i: int, start: int, render) -> int | None:
+  """Where assistant turn `i` ends in `full`, found by rendering the conversation with a mark
+  after the turn's content: where the mark lands in the whole rendering is where the content,
+  as the template rewrites it there, ends (Qwen3's answer without its thinking), and the turn
+  ends after the end marker the template writes after the content when the turn is the last.
+  None where the mark changes the rendering otherwise (a template that trims the content) or
+  the turn has no text content (tool calls)."""
+  content = messages[i].get('content')
+  if not isinstance(content, str):
+    return None
+  marked = [*messages[:i], {**messages[i], 'content': content + _CONTENT_END}]
+  whole = render(marked + list(messages[i + 1:]), generation_prompt=False)
+  last = render(marked, generation_prompt=False)
+  if (whole.count(_CONTENT_END) != 1 or whole.replace(_CONTENT_END, '') != full or
+      _CONTENT_END not in last):
+    return None
+  at = whole.index(_CONTENT_END)  # in `full` too: the mark is the only difference
+  marker = last[last.rindex(_CONTENT_END) + len(_CONTENT_END):]  # the turn's end, as the last
+  if at < start or not full.startswith(marker, at):
+    return None
+  return at + len(marker)
 
 
 def prompt_ids(prompt: str | list | dict, tokenizer: Tokenizer, fmt: DocumentFormat,
