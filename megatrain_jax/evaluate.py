@@ -386,8 +386,9 @@ def memory_line(memory: EvalMemory, max_len: int, batch_size: int, budget_bytes:
   (`Evaluator.memory`) and the process's predicted host peak.
 
   Raises:
-    ConfigError: what it holds at once, with one window per call, exceeds `budget_bytes` of
-      device memory; naming the settings that shrink it.
+    ConfigError: what it holds at once, with `memory.rows` windows per call, exceeds
+      `budget_bytes` of device memory; naming the settings that shrink it (a lower
+      eval.working_gb runs fewer windows per call).
   """
   gb = lambda n: f'{n / 1e9:.2f} GB'
   if memory.total > budget_bytes:
