@@ -274,8 +274,13 @@ def load_profile(spec: str) -> HardwareProfile:
       why = f'the calibration file {cached} is for {profile.device_kind!r}, not {kind!r}'
     else:
       why = f'no calibration file at {cached}'
-    return _fill_sizes(dataclasses.replace(PRESETS[preset], origin=(
-        f'preset auto-detected for this {kind} device: config.hardware is empty and {why}')))
+    # This machine's sizes, not the preset's: its rates describe the device, but a preset's RAM
+    # (2 TB for h100) and drive (30 TB) are a machine's that this one may not be (a 256 GB box
+    # would be planned 1.7 TB of host memory). Disk 0: offload.dir's free space, measured.
+    return _fill_sizes(dataclasses.replace(
+        PRESETS[preset], host_memory_gb=0.0, device_memory_gb=0.0, disk_gb=0.0, host_cores=0,
+        origin=f'preset auto-detected for this {kind} device (its rates, this machine\'s RAM, '
+               f'device memory and disk): config.hardware is empty and {why}'))
   name = ALIASES.get(spec.lower(), spec.lower())
   if name in PRESETS:
     return _fill_sizes(dataclasses.replace(PRESETS[name],

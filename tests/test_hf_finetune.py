@@ -239,8 +239,9 @@ def test_eval_equals_transformers(arch, stride, placement, checkpoints, eval_tex
   result = train.evaluate(config, str(tmp_path / 'w'))
   if placement:
     resolved, _ = runs.resolve_init(config, str(tmp_path / 'x'))
-    groups, vocab, _ = train._eval_pieces(resolved, config_lib.validate(resolved), tmp_path)
-    assert (len(groups), len(vocab)) == (2, 10)
+    evaluator = train._evaluator(resolved, config_lib.validate(resolved), tmp_path, None)
+    assert (len(evaluator.groups), len(evaluator.vocab)) == (2, 10)
+    evaluator.close()
   ids = np.asarray(transformers.AutoTokenizer.from_pretrained(source)(eval_text.read_text())[
       'input_ids'])
   plain = Tokenizer.from_file(str(source / 'tokenizer.json')).encode(

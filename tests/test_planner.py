@@ -432,6 +432,23 @@ def test_unknown_hardware_is_refused():
     hardware.load_profile('/nonexistent/profile.json')
 
 
+def test_an_auto_detected_gpu_preset_plans_with_this_machines_sizes(monkeypatch, tmp_path):
+  """config.hardware='' on a GPU with no calibration file: the preset's rates, but this
+  machine's RAM, device memory and disk (the h100 preset's 2 TB of RAM and 30 TB drive planned a
+  256 GB box for 1.7 TB of host memory); a preset named on purpose (planning another machine)
+  keeps its sizes."""
+  monkeypatch.setattr(hardware.layout, 'platform', lambda: 'gpu')
+  monkeypatch.setattr(hardware.layout, 'device_kind', lambda: 'NVIDIA H100 80GB HBM3')
+  monkeypatch.setattr(hardware, 'device_memory_gb', lambda: 79.2)
+  monkeypatch.setattr(hardware, 'PROFILE_CACHE', tmp_path / 'none.json')
+  auto, named = hardware.load_profile(''), hardware.load_profile('h100')
+  assert auto.name == 'h100' and auto.compute_tflops == named.compute_tflops
+  assert auto.host_memory_gb == pytest.approx(hardware.machine_memory_gb())
+  assert (auto.device_memory_gb, auto.disk_gb) == (79.2, 0.0)  # disk: offload.dir's, measured
+  assert 'this machine' in auto.origin
+  assert (named.host_memory_gb, named.device_memory_gb, named.disk_gb) == (2048.0, 80.0, 30_000)
+
+
 def test_bad_profile_file_is_refused(tmp_path):
   bad = tmp_path / 'p.json'
   bad.write_text('{"name": 1')

@@ -521,7 +521,8 @@ def test_mfu_peak_is_the_datasheet_peak_of_the_run_devices(monkeypatch):
 def test_a_streamed_run_trims_the_heap_above_its_plans_host_peak(tmp_path, shared_data,
                                                                 monkeypatch):
   """A streamed run's 'tuned' heap is trimmed above the plan's predicted host peak (x
-  runtime.TRIM_MARGIN); a resident run's afterwards is kept whole (no limit)."""
+  runtime.TRIM_MARGIN); a resident run's afterwards only above its bound (x
+  RESIDENT_TRIM_MARGIN, at least RESIDENT_TRIM_FLOOR above its peak)."""
   plans, resolve_plan = [], train.resolve_plan
 
   def recording(*args, **kwargs):
@@ -543,6 +544,8 @@ def test_a_streamed_run_trims_the_heap_above_its_plans_host_peak(tmp_path, share
                              str(tmp_path / 'resident'))
     assert not plans[-1].placement.streamed
     assert runtime.applied() == 'tuned'
-    assert runtime.TRIMMER.limit is None
+    peak = plans[-1].host_peak_bytes
+    assert runtime.TRIMMER.limit == pytest.approx(max(
+        peak * runtime.RESIDENT_TRIM_MARGIN, peak + runtime.RESIDENT_TRIM_FLOOR))
   finally:
     runtime.configure_allocator('tuned')
