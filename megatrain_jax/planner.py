@@ -619,17 +619,33 @@ def _step_time(p: Placement, hw: HardwareProfile, times: dict, sizes: StateSizes
       # transfers, disk I/O and optimizer with the forward's compute, the rest of the step the
       # rest. The pipeline overlaps within a phase, not across the head between them.
       f, share = forward_phase, forward_phase['compute_share']
-      step = (max(share * (compute + comm) + device_opt, max(f['h2d'], f['d2h']), f['disk'],
-                  host_opt_s)
-              + max((1 - share) * (compute + comm),
-                    max(h2d - f['h2d'], d2h - f['d2h']) + link_comm, disk - f['disk'])
-              + fill + dispatch)
-    else:
-      step = max(device_work, link, disk, host_opt_s) + fill + dispatch
+      phases = [{device_bound: share * (compute + comm) + device_opt,
+                 'host<->device': max(f['h2d'], f['d2h']), 'disk': f['disk'],
+                 'host optimizer': host_opt_s},
+                {device_bound: (1 - share) * (compute + comm),
+                 'host<->device': max(h2d - f['h2d'], d2h - f['d2h']) + link_comm,
+                 'disk': disk - f['disk']}]
+      step = sum(max(phase.values()) for phase in phases) + fill + dispatch
+      return step, _phase_bottleneck(phases)
+    step = max(device_work, link, disk, host_opt_s) + fill + dispatch
     resources = {device_bound: device_work, 'host<->device': link, 'disk': disk,
                  'host optimizer': host_opt_s}
     bottleneck = max(resources.items(), key=lambda x: x[1])[0]
   return step, bottleneck
+
+
+def _phase_bottleneck(phases: list[dict]) -> str:
+  """The bottleneck of a step in two phases ({resource: seconds} of the forward, and of the rest
+  of the step: `_step_time`), each bound by its slowest resource: that of the longer phase, and
+  the other phase's where it differs ('compute (disk in the forward phase)': whole-step totals
+  called a step whose forward waits on the disk 'compute')."""
+  bounds = [max(phase.items(), key=lambda x: x[1]) for phase in phases]
+  names = ('the forward phase', 'the rest of the step')
+  major = max(range(2), key=lambda i: bounds[i][1])
+  other = 1 - major
+  if bounds[other][0] == bounds[major][0] or bounds[other][1] <= 0:
+    return bounds[major][0]
+  return f'{bounds[major][0]} ({bounds[other][0]} in {names[other]})'
 
 
 def _disk_cached(rows: list, hw: HardwareProfile, budgets: dict, local: int) -> bool:

@@ -570,7 +570,10 @@ def test_clipped_updates_are_priced_beside_the_next_forward():
   forward = (planner.forward_flops(cfg, micro, batch, seq)
              / planner.step_flops(cfg, clipped.placement, micro, batch, seq)[0])
   assert clipped.step_time_s >= times['disk'] + (1 - forward) * times['compute']
+  # Its bottleneck names both phases' bounds (it read 'compute', from the whole-step totals).
+  assert clipped.bottleneck == 'compute (disk in the forward phase)', clipped.bottleneck
   fixed = dict(params='host', opt_state='host', activations='host', embed_head='device',
                optimizer_on='device', layers_per_group=1, prefetch_depth=1, park_grads='device')
   clipped, unclipped = _fixed_plan('7b', 1.0, **fixed), _fixed_plan('7b', 0.0, **fixed)
   assert clipped.step_time_s == pytest.approx(unclipped.step_time_s, rel=1e-9)
+  assert clipped.bottleneck == 'compute'  # both phases compute-bound
