@@ -230,6 +230,18 @@ def processes_where(flag: bool) -> list[int]:
   return [int(i) for i in np.flatnonzero(np.asarray(flags).reshape(-1))]
 
 
+def processes_on_this_machine() -> int:
+  """How many of the run's processes share this machine (its host name), this one included:
+  they share its RAM and drives (every process calls it, in the same order). One process: 1."""
+  if jax.process_count() == 1:
+    return 1
+  # 31 bits of the name's hash: jax gathers int32 (int64 is cut to it without jax_enable_x64).
+  name = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:4], 'little')
+  names = _gathered(np.asarray([name & 0x7FFFFFFF], np.int32)).reshape(-1)
+  name &= 0x7FFFFFFF
+  return int(np.count_nonzero(names == name))
+
+
 def from_main(values: list[int]) -> list[int]:
   """Process 0's `values` (non-negative ints) in every process (every process calls it, in the
   same order): a list each process would read for itself (a directory's checkpoints) may differ

@@ -227,9 +227,11 @@ def train_key(train) -> tuple:
 class Devices:
   """What a plan is for: `count` (N) devices split the batch (each computes B/N sequences of every
   microbatch) and shard every piece of the train state (each keeps 1/N, in every tier); `local`
-  (n) of them are this process's and share its host RAM, drives and CPU cores."""
+  (n) of them are this process's and share its host RAM, drives and CPU cores; `sharing`
+  processes (this one included) run on this machine, and share its RAM and drives."""
   count: int = 1
   local: int = 1
+  sharing: int = 1
 
   def describe(self, hw: HardwareProfile, batch: int) -> list:
     """The plan's lines on what it is for."""
@@ -244,7 +246,9 @@ class Devices:
             f'over {link} at {rate:,.4g} GB/s per device',
             '        device rows are per device; host and nvme rows are the process\'s ('
             + (f'its {local} devices\' shares' if local > 1 else 'its device\'s share')
-            + '), against the machine\'s RAM and drives']
+            + '), against the machine\'s RAM and drives'
+            + (f' (1/{self.sharing} of them: {self.sharing} processes run on this machine)'
+               if self.sharing > 1 else '')]
 
 
 def devices_for(config) -> Devices:
@@ -260,7 +264,7 @@ def devices_for(config) -> Devices:
   if jax.process_count() == 1:
     return Devices(count, count)
   local = sum(d.process_index == jax.process_index() for d in jax.devices()[:count])
-  return Devices(count, max(local, 1))
+  return Devices(count, max(local, 1), distributed.processes_on_this_machine())
 
 
 # -------------------------------------------------------------------------------------------------
@@ -844,10 +848,16 @@ def device_fraction(hw: HardwareProfile) -> float:
   return fraction
 
 
-def budgets_for(hw: HardwareProfile, offload, disk_free_gb: float | None) -> dict:
-  device = (offload.get('device_memory_gb') or hw.device_memory_gb * device_fraction(hw))
-  host = (offload.get('host_memory_gb') or hw.host_memory_gb * HOST_USABLE_FRACTION)
-  disk = disk_free_gb if disk_free_gb is not None else hw.disk_gb
+def budgets_for(hw: HardwareProfile, offload, disk_free_gb: float | None,
+                sharing: int = 1) -> dict:
+  """{tier: bytes} a process plans with: offload.*_memory_gb where set (the process's own), else
+  the profile's sizes, the machine's RAM and drives split between the `sharing` processes that
+  run on it (each planned them whole: srun's one process per GPU put 8 plans in one RAM)."""
+  # A CPU backend's device memory is the same RAM.
+  device = (offload.get('device_memory_gb') or hw.device_memory_gb * device_fraction(hw)
+            / (sharing if hw.unified_memory else 1))
+  host = (offload.get('host_memory_gb') or hw.host_memory_gb * HOST_USABLE_FRACTION / sharing)
+  disk = (disk_free_gb if disk_free_gb is not None else hw.disk_gb) / sharing
   budgets = {'device': device * _GB, 'host': host * _GB, 'nvme': disk * _GB}
   pinned = None if hw.unified_memory else pinned_limit_bytes()
   if hw.unified_memory:
@@ -970,7 +980,7 @@ def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: De
   cfg = model_lib.ModelConfig.from_config_dict(config.model)
   train, offload = config.train, config.offload
   sizes = state_sizes(cfg, train_key(train))
-  budgets = budgets_for(hw, offload, disk_free_gb)
+  budgets = budgets_for(hw, offload, disk_free_gb, devices.sharing)
   clipping = train.grad_clip > 0
   ckpt = config.get('checkpoint')
   # train.epochs: the steps are counted once the data is prepared; plan for keep copies.

@@ -71,7 +71,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from helpers import (CFG, DOCUMENTS_CFG, JAX_CACHE_DIR, STEPS,  # noqa: E402
                      assert_states_match, initial_state, make_tx, small_config, with_documents)
-from megatrain_jax import distributed, train  # noqa: E402
+from megatrain_jax import distributed, hardware, planner, train  # noqa: E402
 from megatrain_jax.checkpoint import Checkpointer, WeightsOnly  # noqa: E402
 from megatrain_jax.data import Batch, unlearn_starts  # noqa: E402
 from megatrain_jax.engine import resident  # noqa: E402
@@ -278,6 +278,11 @@ def process_main(process_id: str, coordinator: str, workdir: str) -> dict:
   fresh_nvme_checkpoint(layout, workdir)
   out['value_checks'] = value_checks
   out['restored'] = restored_runs(layout, pathlib.Path(workdir))
+  config = trainer_config('', 1, parallel__devices=4)
+  out['sharing'] = planner.devices_for(config).sharing
+  hw = hardware.load_profile('cpu')
+  out['host_budget'] = planner.budgets_for(hw, config.offload, 100.0, out['sharing'])['host']
+  out['host_gb'] = hw.host_memory_gb
   return out
 
 

@@ -32,7 +32,7 @@ import pytest
 
 from helpers import (CFG, JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, SMALL_MODEL, config_with,
                      initial_state, make_tx)
-from megatrain_jax import distributed, faults, train
+from megatrain_jax import distributed, faults, planner, train
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
 from megatrain_jax.errors import ConfigError
@@ -192,6 +192,15 @@ def test_two_processes_train_like_one_device(runs, process_runs, name):
     _assert_losses_match(report[name]['losses'], runs['reference'])
     for leaf, split in report[name]['splits'].items():
       assert split['devices'] == 4 and "'data'" in split['spec'], (leaf, split)
+
+
+def test_processes_on_one_machine_plan_with_their_share_of_its_ram(process_runs):
+  """The 2 processes run on this one machine: each plans with half its RAM (each planned all of
+  it: srun's one process per GPU put 8 full plans into one machine's RAM)."""
+  for report in process_runs:
+    assert report['sharing'] == 2
+    assert report['host_budget'] == pytest.approx(
+        report['host_gb'] * planner.HOST_USABLE_FRACTION / 2 * 1e9)
 
 
 def test_processes_put_only_their_own_shards(process_runs):
