@@ -61,8 +61,8 @@ def _layer_tflops(d_model: int, tokens: int) -> float:
                     argnums=(0, 1))(p, h)
 
   seconds = _best_time(lambda: jax.block_until_ready(fwd_bwd(params, x)), 5, 3.0)
-  # flops_per_token counts 3 x forward (fwd + bwd) for every layer plus the head; remat adds one.
-  flops = tokens * (cfg.flops_per_token(seq) - 6.0 * cfg.d_model * cfg.vocab_size) * 4 / 3
+  # The forward the layers execute, 4 times: forward, backward (2x) and the remat'd forward.
+  flops = tokens * layers * cfg.layer_forward_flops(seq) * 4
   return flops / seconds / 1e12
 
 

@@ -203,7 +203,9 @@ PRESETS = {
     # CI VMs (BENCHMARKS.md); run --calibrate for a real machine. Sizes are read at plan time.
     'cpu': HardwareProfile(
         name='cpu', device_kind='cpu', device_memory_gb=0.0, host_memory_gb=0.0, disk_gb=0.0,
-        compute_tflops={'float32@256': 0.078, 'float32@512': 0.107, 'float32@1024': 0.129,
+        # The 2026-12-03 calibration (0.078, 0.107, 0.129) counted the causal half of the
+        # attention the layers execute whole: the same timings over the FLOPs executed.
+        compute_tflops={'float32@256': 0.0848, 'float32@512': 0.1117, 'float32@1024': 0.1319,
                         'bfloat16': 0.02},
         h2d_gbps=2.5, d2h_gbps=2.5, disk_read_gbps=1.0, disk_write_gbps=0.54, disks=1,
         device_adam_gparams=1.47, host_adam_gparams=1.47, dispatch_s=8e-6, overlap=False,

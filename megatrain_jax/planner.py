@@ -550,10 +550,9 @@ def collective_bytes(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: i
 
 
 def forward_flops(cfg: ModelConfig, micro: int, batch: int, seq: int) -> float:
-  """FLOPs of the streamed forward stage (every layer once; step_flops counts it in `executed`)."""
-  layer_fwd = (2.0 * (cfg.params_per_layer - 2 * cfg.d_model)
-               + 2.0 * seq * cfg.num_heads * cfg.head_dim)
-  return micro * batch * seq * cfg.num_layers * layer_fwd
+  """FLOPs the streamed forward stage executes (every layer once: ModelConfig.layer_forward_flops,
+  its attention over all S keys; step_flops counts it in `executed`)."""
+  return micro * batch * seq * cfg.num_layers * cfg.layer_forward_flops(seq)
 
 
 def step_flops(cfg: ModelConfig, p: Placement, micro: int, batch: int, seq: int) -> tuple:
@@ -568,7 +567,7 @@ def step_flops(cfg: ModelConfig, p: Placement, micro: int, batch: int, seq: int)
     recompute = 1 + (1 if cfg.remat == 'full' else 0)
   executed = forward_flops(cfg, micro, batch, seq) * (3 + recompute) + tokens * 3 * head_fwd
   if cfg.attention_chunk and seq > cfg.attention_chunk:  # each query block re-runs in its backward
-    executed += tokens * cfg.num_layers * 2.0 * seq * cfg.num_heads * cfg.head_dim
+    executed += tokens * cfg.num_layers * 4.0 * seq * cfg.num_heads * cfg.head_dim
   model = float(cfg.flops_per_token(seq)) * tokens
   return executed, model
 

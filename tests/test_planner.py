@@ -551,6 +551,25 @@ def _fixed_plan(model: str, grad_clip: float, **offload):
   return planner.plan_run(config, hardware.load_profile('h100'))
 
 
+def test_the_planner_counts_the_attention_the_layers_execute():
+  """A layer's forward executes its attention scores and values against all S keys (the causal
+  mask is applied after): ModelConfig.layer_forward_flops, which the planner's step time and
+  --calibrate count, is XLA's own count of the compiled layer (unchunked: XLA's cost analysis
+  counts a loop's body once). The causal half it counted put a 32k-token step at 1/1.53 of the
+  compute it runs."""
+  from megatrain_jax import model as model_lib  # pylint: disable=import-outside-toplevel
+  cfg = ModelConfig(vocab_size=256, d_model=256, num_layers=1, num_heads=4, num_kv_heads=2,
+                    d_ff=640, max_seq_len=2048, attention_chunk=0)
+  params = model_lib.init_layers(cfg, jax.random.key(0), 0, 1)
+  x = np.zeros((1, 2048, 256), np.float32)
+  positions = model_lib.default_positions(np.zeros((1, 2048), np.int32))
+  cost = jax.jit(lambda p, h: model_lib.apply_group(cfg, p, h, positions)).lower(
+      params, x).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  assert cost['flops'] == pytest.approx(2048 * cfg.layer_forward_flops(2048), rel=0.05)
+  assert planner.forward_flops(cfg, 2, 3, 2048) == 2 * 3 * 2048 * cfg.layer_forward_flops(2048)
+
+
 def test_clipped_updates_are_priced_beside_the_next_forward():
   """With exact clipping the layer updates run in the next step's forward (engine/updates.py), so
   a step pays for their transfers and disk I/O only where the forward's compute cannot cover

@@ -207,6 +207,14 @@ class ModelConfig:
     head = 0 if self.tie_embeddings else self.d_model * self.vocab_size
     return embed + self.num_layers * self.params_per_layer + self.d_model + head
 
+  def layer_forward_flops(self, seq_len: int) -> float:
+    """FLOPs one layer's forward executes per token of a sequence of `seq_len`: 2 x its matmul
+    params, plus 4 * S * H * Dh for the scores and values of its query against all S keys
+    (layers._attend computes every block of queries against every key, then masks; the causal
+    half `flops_per_token` counts is the work that matters, not the work done)."""
+    return (2.0 * (self.params_per_layer - 2 * self.d_model)
+            + 4.0 * seq_len * self.num_heads * self.head_dim)
+
   def flops_per_token(self, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), excluding remat recompute.
 
