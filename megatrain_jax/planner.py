@@ -1105,13 +1105,8 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
   if any('XLA_PJRT' in t for t in tiers):
     hints.append(f'raise {PINNED_LIMIT_ENV} (XLA\'s cap on pinned host memory) toward the RAM '
                  'you have')
-  if any(t.startswith('host') for t in tiers):
-    kept = (" or set offload.keep_layer_inputs='false'"
-            if closest.placement.keeps_layer_inputs and closest.placement.activations == 'host'
-            else '')
-    buffer = ' or lower offload.host_buffer_gb' * closest.placement.uses_nvme
-    hints.append("move state to disk (offload.params='nvme', offload.opt_state='nvme')" + buffer
-                 + kept)
+  if 'host' in tiers:
+    hints.append(_host_hint(closest, *tiers['host']))
   if 'nvme' in tiers:
     hints.append('point offload.dir at a disk with more free space, lower checkpoint.keep (each '
                  'kept checkpoint pins a copy of the NVMe stores), or keep offload.opt_state '
@@ -1120,6 +1115,29 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
                '--config.offload.device_memory_gb / host_memory_gb)')
   lines.append('Fix: ' + '; '.join(hints) + '.')
   return '\n'.join(lines)
+
+
+def _host_hint(closest: Plan, needed: float, available: float) -> str:
+  """What would shrink the refused plan's host rows: its layer inputs waiting on the host where
+  they are much of the gap (one per group and microbatch: fewer microbatches, a smaller batch),
+  the state it still keeps there, its NVMe staging, its kept layer inputs."""
+  p, hints = closest.placement, []
+  waiting = sum(r.bytes for r in closest.rows if r.tier == 'host' and 'activation' in r.item)
+  if waiting >= 0.25 * (needed - available):
+    if closest.microbatches > 1:
+      hints.append(f'lower train.microbatches (now {closest.microbatches}: each microbatch\'s '
+                   'layer inputs wait on the host)')
+    hints.append(f'lower train.batch_size (now {closest.batch_size})'
+                 if closest.batch_size > closest.devices.count
+                 else f'lower train.seq_len (now {closest.seq_len})')
+  if 'host' in (p.params, p.opt_state):
+    hints.append("move state to disk (offload.params='nvme', offload.opt_state='nvme')")
+  if p.uses_nvme:
+    hints.append('lower offload.host_buffer_gb')
+  if p.keeps_layer_inputs and p.activations == 'host':
+    hints.append("set offload.keep_layer_inputs='false'")
+  return ' or '.join(hints or ['move the activations to the device (offload.activations)']) + (
+      ' (host memory)')
 
 
 # Device rows that grow with the batch (B·S): what lower train.batch_size or seq_len shrink.

@@ -551,6 +551,20 @@ def _fixed_plan(model: str, grad_clip: float, **offload):
   return planner.plan_run(config, hardware.load_profile('h100'))
 
 
+def test_a_host_refusal_names_what_would_shrink_its_host_rows():
+  """101B on an RTX 4090 box: the closest plan has its state on NVMe already, and its host
+  overflow is the layer inputs of 16 microbatches waiting there. The fix names fewer microbatches
+  (8 fit), not moving the state to disk, which it had named."""
+  config = config_lib.load_config('101b', hardware='rtx4090')
+  with pytest.raises(planner.NoPlacementFits) as refused:
+    planner.plan_run(config, hardware.load_profile('rtx4090'), suggest_presets=False)
+  host_fix = [h for h in str(refused.value).split('; ') if h.endswith('(host memory)')]
+  assert len(host_fix) == 1 and 'lower train.microbatches (now 16' in host_fix[0], host_fix
+  assert 'move state to disk' not in host_fix[0]
+  config.train.microbatches = 8
+  assert planner.plan_run(config, hardware.load_profile('rtx4090')).microbatches == 8
+
+
 def test_the_planner_counts_the_attention_the_layers_execute():
   """A layer's forward executes its attention scores and values against all S keys (the causal
   mask is applied after): ModelConfig.layer_forward_flops, which the planner's step time and
