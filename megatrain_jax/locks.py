@@ -129,8 +129,9 @@ class DirectoryLock:
     fd = _lock_directory(self.directory, fcntl.LOCK_EX | fcntl.LOCK_NB)
     if fd == 'busy':
       raise DirectoryInUseError(
-          f'{self.what} {self.directory} is in use by another run (its {LOCK_FILE} was deleted '
-          f'while it ran, so it cannot be named): wait for it, stop it, or {self.fix}.')
+          f'{self.what} {self.directory} is in use by another run: one reading it (a training '
+          f'run on the data prepared there), or one whose {LOCK_FILE} was deleted while it ran, '
+          f'so it cannot be named: wait for it, stop it, or {self.fix}.')
     self._directory_fd = fd if isinstance(fd, int) else None
 
   def _write_holder(self) -> None:

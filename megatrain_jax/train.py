@@ -419,20 +419,21 @@ def _check_tokenizer(config, model_cfg):
 
 
 def _workdir_data(config, source, workdir: pathlib.Path, microbatches: int,
-                  document_eos: int, restored=None):
+                  document_eos: int, restored=None, held: contextlib.ExitStack | None = None):
   """(config, train sampler, eval batches): the tokenizer adopted (`runs.adopt_tokenizer`) and the
   data prepared and opened (`_open_data`), in process 0 first. The other processes then open
   what it prepared as it is where they see the same data directory (a shared workdir): each
   compared the sources' file times on its own machine, and a copy of the corpus there (cp, scp
   keep no times) had them delete process 0's files and tokenize the corpus again, at every
   start. All then check that they read the same data. `restored`: the checkpoint a resume
-  starts from (train.epochs counts the steps left from its data position)."""
+  starts from (train.epochs counts the steps left from its data position). `held`: the run's
+  ExitStack, which holds the prepared directories for reading (`_open_data`)."""
   resumed_at = (0, 0) if restored is None else (restored.step, restored.meta['data_position'])
 
   def make(as_prepared: bool = False):
     adopted = runs.adopt_chat_template(runs.adopt_tokenizer(config, source, workdir), workdir)
     return _open_data(adopted, workdir, microbatches, document_eos,
-                      _finding_documents(adopted, document_eos), as_prepared, resumed_at)
+                      _finding_documents(adopted, document_eos), as_prepared, resumed_at, held)
 
   if jax.process_count() == 1:
     return make()
@@ -464,16 +465,22 @@ def _finding_documents(config, document_eos: int) -> str:
 
 
 def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: int, uses: str,
-               as_prepared: bool = False, resumed_at: tuple[int, int] = (0, 0)):
+               as_prepared: bool = False, resumed_at: tuple[int, int] = (0, 0),
+               held: contextlib.ExitStack | None = None):
   """(config, train sampler, eval batches) over the token files prepared (or reused) in
   <workdir>/data; with train.epochs, the config's train.steps are the epochs' (`epoch_steps`,
-  from `resumed_at`: a resume's (step, data position)).
+  from `resumed_at`: a resume's (step, data position)). With `held` (a run's ExitStack), the
+  prepared directories are held for reading until the run ends (locks.read_hold): a prepare of
+  other data into one of them (a --prepare into the run's workdir, a run sharing its
+  data.cache_dir) is refused instead of replacing the shards this run reads.
   `document_eos` (the model's document_eos_id, -1 without model.document_mask): the target after
   each document's first token is neither learned nor scored (data.unlearn_starts). `uses`: what
   finds documents (`_finding_documents`): in data prepared without their recorded ends (an older
   version's), by their EOS, whose count is checked. `as_prepared`: data_lib.load_data's."""
   train_cfg = config.train
   info, tokenizer = data_lib.load_data(config.data, workdir, as_prepared=as_prepared)
+  for directory in data_lib.prepared_dirs(info) if held is not None else ():
+    held.enter_context(locks.read_hold(directory))
   row_packing = data_lib.row_packing(config.data, tokenizer)  # data.pack: rows of whole documents
   if uses:
     fmt = data_lib.document_format(tokenizer, eos_token=config.data.eos_token)
@@ -689,7 +696,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     workdir.mkdir(parents=True, exist_ok=True)
     # Process 0 copies the tokenizer and prepares the data; the others then read what it wrote.
     config, sampler, eval_data = _workdir_data(config, source, workdir, plan.microbatches,
-                                               model_cfg.document_eos_id, restored)
+                                               model_cfg.document_eos_id, restored, locked)
     if config.train.epochs and _finished(restored, config, main):  # its steps: counted just now
       return {}
     layout = distributed.run_layout(config)

@@ -21,6 +21,7 @@ installed from the main thread; every_minutes writes a checkpoint at every step 
 shorter than a step; and the bad-input rows (locked workdir, locked offload.dir, every_minutes<0).
 """
 
+import contextlib
 import os
 import pathlib
 import random
@@ -35,6 +36,7 @@ import time
 import pytest
 
 from megatrain_jax import config as config_lib
+from megatrain_jax import data as data_lib
 from megatrain_jax import locks
 from megatrain_jax import metrics
 from megatrain_jax import preemption
@@ -509,12 +511,35 @@ def test_a_deleted_lock_file_does_not_let_a_second_run_in(tmp_path):
   with locks.hold_workdir(tmp_path):
     (tmp_path / locks.LOCK_FILE).unlink()
     with pytest.raises(locks.DirectoryInUseError, match=(
-        rf'workdir {tmp_path} is in use by another run \(its .megatrain.lock was deleted while it '
-        r'ran, so it cannot be named\): wait for it, stop it, or ')):
+        rf'workdir {tmp_path} is in use by another run: one reading it \(.*\), or one whose '
+        r'.megatrain.lock was deleted while it ran, so it cannot be named: wait for it, stop it, '
+        r'or ')):
       locks.DirectoryLock(tmp_path, 'workdir', 'choose another --workdir').acquire()
     assert not (tmp_path / locks.LOCK_FILE).exists()  # the refused one's is gone with it
   with locks.hold_workdir(tmp_path):  # given back: the next run takes it
     pass
+
+
+def test_a_training_run_holds_its_prepared_data_against_another_prepare(tmp_path, shared_data):
+  """A run holds the data directory it reads for its life: a prepare of other data into it (a
+  --prepare into the run's workdir, a run sharing its data.cache_dir) is refused, where it
+  replaced the shards the run was reading; the same data is read beside it, and once the run
+  ends the prepare goes ahead."""
+  text = shared_data / 'tinyshakespeare' / 'input.txt'
+  other = tmp_path / 'other.txt'
+  other.write_text(text.read_text()[:20_000])
+  cache = tmp_path / 'cache'
+  config = config_of({}, data__path=str(text), data__cache_dir=str(cache))
+  with contextlib.ExitStack() as held:
+    train._open_data(config, tmp_path / 'run', 1, -1, '', held=held)  # the run's data, held
+    shards = sorted(p.name for p in cache.iterdir())
+    data_lib.load_data(config.data, tmp_path / 'beside')  # the same data: read, not prepared
+    with pytest.raises(locks.DirectoryInUseError, match=rf'data directory {cache} is in use by '
+                                                        'another run: one reading it'):
+      data_lib.load_data(dict(config.data, path=str(other)), tmp_path / 'w')
+    assert sorted(p.name for p in cache.iterdir()) == shards
+  info, _ = data_lib.load_data(dict(config.data, path=str(other)), tmp_path / 'w')
+  assert info.train_tokens < 20_000
 
 
 def test_a_filesystem_without_flock_warns_and_runs(tmp_path, monkeypatch, capfd):

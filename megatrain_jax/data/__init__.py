@@ -23,7 +23,7 @@ from megatrain_jax.data.loader import (Batch, BatchSampler, MixtureSplit, batch_
                                        verify_data)
 from megatrain_jax.data.pipeline import (check_data_config, data_format,
                                          load_data, prepare_summary, prepared_digest,
-                                         row_packing)
+                                         prepared_dirs, row_packing)
 from megatrain_jax.data.prepare import DatasetInfo, prepare_dataset, read_dataset_info
 from megatrain_jax.data.shards import TokenStream
 from megatrain_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -54,7 +54,7 @@ __all__ = [
     'unlearn_starts',
     'prepare_dataset',
     'prepare_summary',
-    'prepared_digest',
+    'prepared_digest', 'prepared_dirs',
     'prompt_ids',
     'read_dataset_info',
     'read_prompts',

@@ -342,6 +342,12 @@ def _cache_dir(data_config: Any, workdir: str | Path) -> Path:
   return Path(_field(data_config, 'cache_dir') or Path(workdir) / 'data')
 
 
+def prepared_dirs(info: DatasetInfo) -> list[Path]:
+  """The directories whose shards `info` reads (each source's of a mixture)."""
+  return sorted({Path(segment[0]).parent for segments in info.splits.values()
+                 for segment in segments})
+
+
 def prepared_digest(data_config: Any, workdir: str | Path) -> bytes:
   """A digest of the meta.json files of the data directory `load_data` prepares into (that of a
   mixture's sources too; b'' when there is none): processes that see the same digest after
