@@ -350,13 +350,7 @@ def check_workdir(workdir: str, writes: str = '') -> pathlib.Path:
   """Checks that `workdir` exists or can be created, and is writable, without writing anything.
   `writes`: what a job that reads a run there writes into it ('' : a training run's files);
   a job that writes nothing there (--sample, --export_hf) passes `check_run_readable` instead."""
-  if not workdir:
-    raise ConfigError('--workdir is empty: give a directory for checkpoints and metrics.')
-  path = pathlib.Path(workdir).expanduser().absolute()
-  existing = nearest_existing(path)
-  if not existing.is_dir():
-    raise ConfigError(f'--workdir={workdir}: {existing} is a file, not a directory. Choose another '
-                      'workdir.')
+  path, existing = _workdir_directory(workdir, 'Choose another workdir.')
   if not os.access(existing, os.W_OK | os.X_OK):
     why = f' ({writes})' if writes else ''
     raise ConfigError(f'--workdir={workdir}: {existing} is not writable{why}. Choose a workdir you '
@@ -367,14 +361,20 @@ def check_workdir(workdir: str, writes: str = '') -> pathlib.Path:
 def check_run_readable(workdir: str) -> pathlib.Path:
   """`workdir` for a job that only reads the run there (--sample, --export_hf): a read-only one
   (a teammate's run, a read-only mount) is fine; one it cannot read or list is refused."""
-  if not workdir:
-    raise ConfigError('--workdir is empty: give the directory of the run to read.')
-  path = pathlib.Path(workdir).expanduser().absolute()
-  existing = nearest_existing(path)
-  if not existing.is_dir():
-    raise ConfigError(f'--workdir={workdir}: {existing} is a file, not a directory. Pass the '
-                      '--workdir of a run.')
+  path, existing = _workdir_directory(workdir, 'Pass the --workdir of a run.')
   if not os.access(existing, os.R_OK | os.X_OK):
     raise ConfigError(f'--workdir={workdir}: {existing} is not readable. Fix its permissions, or '
                       'read the run as a user who may.')
   return path
+
+
+def _workdir_directory(workdir: str, fix: str) -> tuple[pathlib.Path, pathlib.Path]:
+  """(--workdir absolute, its nearest existing directory), or a ConfigError ending in `fix` for
+  an empty --workdir or one under a file."""
+  if not workdir:
+    raise ConfigError('--workdir is empty: give a directory for checkpoints and metrics.')
+  path = pathlib.Path(workdir).expanduser().absolute()
+  existing = nearest_existing(path)
+  if not existing.is_dir():
+    raise ConfigError(f'--workdir={workdir}: {existing} is a file, not a directory. {fix}')
+  return path, existing

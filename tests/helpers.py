@@ -204,3 +204,20 @@ def read_only_directory():
 
 
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason='mounting a small tmpfs needs root')
+
+
+# The start of Qwen3's chat template as its tokenizer_config.json has it (without the tool
+# branches), up to an assistant turn: the tests that read chats with Qwen3-like templates append
+# their own assistant branch.
+QWEN3_TEMPLATE_HEAD = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}{%- set content = message.content %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}")

@@ -33,6 +33,8 @@ from megatrain_jax.data import formats
 from megatrain_jax.data import prepare as prepare_module
 from megatrain_jax.errors import ConfigError
 
+from helpers import QWEN3_TEMPLATE_HEAD
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / 'shared' / 'data'
 WIKITEXT_VALID = SHARED_DATA / 'wikitext-2' / 'valid.txt'
@@ -846,18 +848,7 @@ def test_a_document_of_several_parts_is_tokenized_whole(tmp_path, tokenizer_dir,
 # assistant turn after the last user message opens with a thinking block (empty without
 # reasoning_content) and earlier ones do not, so a conversation cut after an assistant turn
 # renders that turn differently than the whole conversation does.
-QWEN3_TEMPLATE = (
-    "{%- if messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
-    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
-    "{%- if ns.multi_step_tool and message.role == 'user' %}"
-    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}"
-    "{%- endfor %}"
-    "{%- for message in messages %}{%- set content = message.content %}"
-    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
-    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+QWEN3_TEMPLATE = QWEN3_TEMPLATE_HEAD + (
     "{%- if loop.index0 > ns.last_query_index %}"
     "{%- if loop.last or (not loop.last and reasoning_content) %}"
     "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + "
@@ -1304,14 +1295,19 @@ def test_directories_that_would_be_misread_are_refused(tmp_path):
   assert formats.expand_sources([corpus], 'data.path') == [corpus / 'a.txt']
 
 
-def test_parquet_rows_read_as_their_json_records(tmp_path, tokenizer_dir):
-  """Every column the record rules read (tools, Alpaca's), and no null Arrow adds: a Parquet
-  row gives the tokens of its JSONL line."""
+def _tool_chat_tokenizer(tmp_path, tokenizer_dir):
+  """A tokenizer whose chat template writes the record's tools and a turn's tool calls."""
   template = ("{% if tools %}tools: {{ tools|length }}\n{% endif %}{% for m in messages %}"
               "{{ m['role'] }}{% if 'tool_calls' in m %} calls {{ m['tool_calls'][0]['name'] }}"
               "{% endif %}: {{ m['content'] }}\n{% endfor %}")
-  tok = _tokenizer_with(tmp_path / 'tok', tokenizer_dir, {'eos_token': EOS,
-                                                          'chat_template': template})
+  return _tokenizer_with(tmp_path / 'tok', tokenizer_dir, {'eos_token': EOS,
+                                                           'chat_template': template})
+
+
+def test_parquet_rows_read_as_their_json_records(tmp_path, tokenizer_dir):
+  """Every column the record rules read (tools, Alpaca's), and no null Arrow adds: a Parquet
+  row gives the tokens of its JSONL line."""
+  tok = _tool_chat_tokenizer(tmp_path, tokenizer_dir)
   chats = [{'messages': [{'role': 'user', 'content': 'weather?'},
                          {'role': 'assistant', 'content': '',
                           'tool_calls': [{'name': 'get_weather'}]}],

@@ -22,8 +22,11 @@ from megatrain_jax.data import (ByteTokenizer, TokenStream, check_data_config, d
                                 load_data, load_tokenizer, prepare_dataset, read_prompts)
 from megatrain_jax.data import prepare as prepare_module
 from megatrain_jax.errors import ConfigError
+
+from helpers import QWEN3_TEMPLATE_HEAD
 from test_data_formats import (EOS, _data_config, _prepared_chat, _stream, _tokenizer_with,
-                               _write_jsonl, documents, tokenizer_dir)  # noqa: F401  (fixtures)
+                               _tool_chat_tokenizer, _write_jsonl, documents,
+                               tokenizer_dir)  # noqa: F401  (fixtures)
 
 
 # --- learned tokens: every token of a learned character ---------------------------------------
@@ -96,11 +99,7 @@ def test_json_lines_with_nulls_read_as_their_parquet_rows(tmp_path, tokenizer_di
   null where the record has none (`{"text": null, "messages": [...]}`), and a chat turn's
   absent tool_calls as `"tool_calls": null`: those lines read as the same rows of Parquet do
   (they were bad records); a null that leaves nothing to read says it is null, in both."""
-  template = ("{% if tools %}tools: {{ tools|length }}\n{% endif %}{% for m in messages %}"
-              "{{ m['role'] }}{% if 'tool_calls' in m %} calls {{ m['tool_calls'][0]['name'] }}"
-              "{% endif %}: {{ m['content'] }}\n{% endfor %}")
-  tok = _tokenizer_with(tmp_path / 'tok', tokenizer_dir, {'eos_token': EOS,
-                                                          'chat_template': template})
+  tok = _tool_chat_tokenizer(tmp_path, tokenizer_dir)
   records = [{'messages': [{'role': 'user', 'content': 'weather?'},
                            {'role': 'assistant', 'content': '',
                             'tool_calls': [{'name': 'get_weather'}]}],
@@ -349,18 +348,7 @@ def test_a_nul_in_text_is_named_by_its_byte_offset_and_line(tmp_path):
 # after the last user message that is the last turn or has reasoning; so an earlier turn renders
 # as its answer alone once a user turn follows it. GEN_OPEN / GEN_CLOSE: where transformers'
 # `{% generation %}` version marks what an assistant turn learns.
-QWEN3_THINKING = (
-    "{%- if messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
-    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
-    "{%- if ns.multi_step_tool and message.role == 'user' %}"
-    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}"
-    "{%- endfor %}"
-    "{%- for message in messages %}{%- set content = message.content %}"
-    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
-    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+QWEN3_THINKING = QWEN3_TEMPLATE_HEAD + (
     "{%- if '</think>' in content %}"
     "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1]"
     ".lstrip('\\n') %}"
