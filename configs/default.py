@@ -215,7 +215,8 @@ def get_config() -> ml_collections.ConfigDict:
   #                                opt_state off the device) or 'auto'.
   offload.device_memory_gb = 0.0  # Device memory the planner may fill; 0 = the hardware profile's
   #                                 (90% of it: XLA needs workspace).
-  offload.host_memory_gb = 0.0  # Host RAM the planner may fill; 0 = 85% of the profile's.
+  offload.host_memory_gb = 0.0  # Host RAM the planner may fill (this process's); 0 = 85% of the
+  #                               profile's, split between the run's processes on one machine.
   # NVMe tier (offload.params / offload.opt_state = 'nvme'): TensorStore zarr3 arrays on disk.
   offload.dir = ''  # Directory of the NVMe stores (a local disk); '' = <workdir>/offload.
   offload.codec = 'none'  # Lossless on-disk codec: 'none', 'zstd' or 'blosc' (zstd + byte
