@@ -852,7 +852,8 @@ class Checkpointer:
     """The checkpoints older than the newest `keep` up to `step`, but the best with keep_best:
     what `delete_beyond_keep` deletes."""
     best = best_step(self.directory) if self.keep_best else None
-    return [s for s in [s for s in self.steps() if s <= step][:-self.keep] if s != best]
+    upto = [s for s in self.steps() if s <= step]
+    return [s for s in upto[:-self.keep] if s != best]
 
   def array_bytes(self, step: int) -> int:
     """Bytes deleting checkpoint `step` frees of its in-memory leaves' files (arrays/; its

@@ -236,9 +236,9 @@ def processes_on_this_machine() -> int:
   if jax.process_count() == 1:
     return 1
   # 31 bits of the name's hash: jax gathers int32 (int64 is cut to it without jax_enable_x64).
-  name = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:4], 'little')
-  names = _gathered(np.asarray([name & 0x7FFFFFFF], np.int32)).reshape(-1)
-  name &= 0x7FFFFFFF
+  digest = hashlib.sha256(socket.gethostname().encode()).digest()
+  name = int.from_bytes(digest[:4], 'little') & 0x7FFFFFFF
+  names = _gathered(np.asarray([name], np.int32)).reshape(-1)
   return int(np.count_nonzero(names == name))
 
 

@@ -1080,10 +1080,9 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
   hints = []
   if 'device' in tiers:  # only what would shrink this plan's device rows
     p = closest.placement
-    n = closest.devices.count  # train.batch_size splits over them: at least 1 sequence each
+    n = closest.devices.count
     needed, available = tiers['device']
-    batch = (f'lower train.batch_size (now {closest.batch_size})' if closest.batch_size > n
-             else f'lower train.seq_len (now {closest.seq_len})')
+    batch = _batch_hint(closest)
     # Named first only where the batch's rows could close much of the gap.
     device = [batch] if _batch_bytes(closest) >= 0.25 * (needed - available) else []
     if not closest.budgets.get('_unified'):  # CPU devices would share the same RAM
@@ -1117,6 +1116,14 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
   return '\n'.join(lines)
 
 
+def _batch_hint(closest: Plan) -> str:
+  """Fewer sequences per microbatch, or shorter ones where each device computes one already
+  (train.batch_size splits over the devices: at least 1 sequence each)."""
+  if closest.batch_size > closest.devices.count:
+    return f'lower train.batch_size (now {closest.batch_size})'
+  return f'lower train.seq_len (now {closest.seq_len})'
+
+
 def _host_hint(closest: Plan, needed: float, available: float) -> str:
   """What would shrink the refused plan's host rows: its layer inputs waiting on the host where
   they are much of the gap (one per group and microbatch: fewer microbatches, a smaller batch),
@@ -1127,9 +1134,7 @@ def _host_hint(closest: Plan, needed: float, available: float) -> str:
     if closest.microbatches > 1:
       hints.append(f'lower train.microbatches (now {closest.microbatches}: each microbatch\'s '
                    'layer inputs wait on the host)')
-    hints.append(f'lower train.batch_size (now {closest.batch_size})'
-                 if closest.batch_size > closest.devices.count
-                 else f'lower train.seq_len (now {closest.seq_len})')
+    hints.append(_batch_hint(closest))
   if 'host' in (p.params, p.opt_state):
     hints.append("move state to disk (offload.params='nvme', offload.opt_state='nvme')")
   if p.uses_nvme:
