@@ -178,10 +178,15 @@ def _disk_free_gb(offload_dir: str, hw: hardware.HardwareProfile, dry_run: bool,
   return min(free, hw.disk_gb) if hw.disk_gb else free
 
 
+def _param_bytes(model_cfg) -> tuple[int, int]:
+  """(bytes of the layers' params, of the rest: embedding, head, final norm), float32."""
+  layers = 4 * model_cfg.num_layers * model_cfg.params_per_layer
+  return layers, 4 * model_cfg.num_params - layers
+
+
 def _check_offload_dir(config, model_cfg, workdir: pathlib.Path, placement) -> None:
   """offload.dir is writable and holds the NVMe stores plus what kept checkpoints pin."""
-  layer_bytes = 4 * model_cfg.num_layers * model_cfg.params_per_layer
-  outer_bytes = 4 * (model_cfg.num_params - model_cfg.num_layers * model_cfg.params_per_layer)
+  layer_bytes, outer_bytes = _param_bytes(model_cfg)
   offload_dir = placement.dir or str(workdir / 'offload')
   needed = (nvme.nvme_bytes(layer_bytes, placement.params, placement.opt_state)
             + nvme.nvme_bytes(outer_bytes, placement.embed_head, placement.embed_head))
@@ -240,8 +245,7 @@ def _check_checkpoint_room(config, model_cfg, placement, checkpointer: Checkpoin
   before anything is written: the first save may be hours of training away."""
   if config.checkpoint.every < 0:
     return
-  layers = 4 * model_cfg.num_layers * model_cfg.params_per_layer
-  outer = 4 * model_cfg.num_params - layers
+  layers, outer = _param_bytes(model_cfg)
   needed = (layers * ((placement.params != 'nvme') + 2 * (placement.opt_state != 'nvme'))
             + 3 * outer * (placement.embed_head != 'nvme'))
   freed = sum(checkpointer.array_bytes(s) for s in checkpointer.beyond_keep(step))
