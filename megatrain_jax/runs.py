@@ -73,13 +73,19 @@ def _is_directory(path: str) -> bool:
   return bool(path) and pathlib.Path(path).expanduser().is_dir()
 
 
+def _recorded_field(workdir: pathlib.Path, section: str, name: str):
+  """<section>.<name> as the run in `workdir` recorded it in its config.json; None when it has
+  none, or no readable config.json."""
+  try:
+    return json.loads((workdir / 'config.json').read_text())[section][name]
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
 def recorded_offload_dir(workdir: pathlib.Path) -> pathlib.Path | None:
   """The offload.dir the run in `workdir` last trained with (its config.json; '' is
   <workdir>/offload), absolute; None when it recorded none."""
-  try:
-    value = json.loads((workdir / 'config.json').read_text())['offload']['dir']
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
+  value = _recorded_field(workdir, 'offload', 'dir')
   if not isinstance(value, str):
     return None
   return pathlib.Path(value or workdir / 'offload').expanduser().absolute()
@@ -90,10 +96,7 @@ def run_data_field(workdir: pathlib.Path, name: str) -> str | None:
   copied into its workdir (its tokenizer, its chat template) is read from `workdir`: config.json
   records the path it had when it was written, and the run may have been moved or copied since
   (a copy would otherwise read the original's files, a moved run find none)."""
-  try:
-    value = json.loads((workdir / 'config.json').read_text())['data'][name]
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
+  value = _recorded_field(workdir, 'data', name)
   if not isinstance(value, str) or not value:
     return value
   recorded = pathlib.Path(value)
@@ -212,12 +215,7 @@ INIT_FIELDS = ('from_hf', 'from_run')
 def _recorded_init(workdir: pathlib.Path) -> dict:
   """{from_hf, from_run} of the run in `workdir` as its config.json recorded them ('' each when
   it has none, or no readable config.json)."""
-  try:
-    init = json.loads((workdir / 'config.json').read_text())['init']
-  except (OSError, ValueError, KeyError, TypeError):
-    init = {}
-  init = init if isinstance(init, dict) else {}
-  return {field: init.get(field) or '' for field in INIT_FIELDS}
+  return {field: _recorded_field(workdir, 'init', field) or '' for field in INIT_FIELDS}
 
 
 def run_source(from_run: str, workdir: pathlib.Path, read: str = 'newest') -> RunSource:
