@@ -477,7 +477,7 @@ def test_an_eos_that_ends_every_chat_turn_keeps_each_conversation_whole(tmp_path
   assert info.document_ends and info.train_tokens == 36 * length
   whole = TokenStream(info.splits['train'] + info.splits['val'], info.dtype, True)
   np.testing.assert_array_equal(whole.document_ends(), length * np.arange(1, 41))
-  assert np.count_nonzero(whole[:] == eos) == 240  # six of the id per conversation
+  assert np.count_nonzero(whole[:] == eos) == 200  # five: every turn's end, the last the EOS
   train_split = data_lib.load_split(info, 'train')
   for row_packing in (None, packing.RowPacking('best_fit', eos)):
     sampler = BatchSampler(train_split, seq_len=64, batch_size=3, microbatches=2, seed=0,
@@ -505,12 +505,47 @@ def test_an_eos_that_ends_every_chat_turn_keeps_each_conversation_whole(tmp_path
   meta = json.loads((tmp_path / 'prepared' / 'meta.json').read_text())
   (tmp_path / 'prepared' / 'meta.json').write_text(json.dumps(meta | {'document_ends': False}))
   old = read_dataset_info(tmp_path / 'prepared')
-  with pytest.raises(ConfigError, match=r'\(240 of it in 40 documents: .*prepared without '
+  with pytest.raises(ConfigError, match=r'\(200 of it in 40 documents: .*prepared without '
                      r'recording where its documents end .* model.document_mask finds its '
                      r'documents by that id.*Prepare it again'):
     data_lib.check_document_ends(old, eos, '<|im_end|>', 'model.document_mask')
   data_lib.check_document_ends(old, tok.token_id(EOS), EOS, 'model.document_mask')  # fine
   data_lib.check_document_ends(info, eos, '<|im_end|>', 'model.document_mask')  # ends recorded
+
+
+def test_a_chat_whose_turn_end_is_the_eos_ends_at_it_once(tmp_path, tokenizer_dir):
+  """Qwen2.5 Instruct's tokenizer: its EOS '<|im_end|>' is the turn end its template writes
+  with a newline after every turn. A conversation is transformers' apply_chat_template without
+  the newline after its last '<|im_end|>' (generation stops at that EOS), which is learned once,
+  not '<|im_end|>\\n<|im_end|>' (the template's turn end, then the document's EOS); data
+  prepared with that doubled EOS (documents.LEARNED_RULES_VERSION 1) is prepared again, while
+  data learned whole (plain text) is kept as it was prepared."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  instruct = tmp_path / 'instruct'
+  tok = _tokenizer_with(instruct, tokenizer_dir, {'eos_token': '<|im_end|>',
+                                                  'chat_template': CHAT_TEMPLATE})
+  reference = transformers.PreTrainedTokenizerFast(
+      tokenizer_file=str(instruct / 'tokenizer.json'), eos_token='<|im_end|>')
+  reference.chat_template = CHAT_TEMPLATE
+  want = reference.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)['input_ids']
+  assert reference.decode(want[-2:]) == '<|im_end|>\n'
+  tokens, mask = _prepared_chat(tmp_path, tok)
+  assert tokens.tolist() == want[:-1]
+  assert tok.decode(tokens[mask == 1]) == 'Paris.<|im_end|>\nRome.<|im_end|>'
+  # Prepared by the rules before: the conversation is prepared again; a text corpus is not.
+  source = _write_jsonl(tmp_path / 'again.jsonl', [{'messages': CONVERSATION}] * 4)
+  text = _write_jsonl(tmp_path / 'text.jsonl', [{'text': 'plain words'}] * 4)
+  for path, name in ((source, 'chat'), (text, 'text')):
+    out = tmp_path / f'{name}-before'
+    with pytest.MonkeyPatch.context() as patch:  # the identity before the rules' version
+      identity = documents_module.DocumentFormat.identity
+      patch.setattr(documents_module.DocumentFormat, 'identity', lambda fmt: {
+          k: v for k, v in identity(fmt).items() if k != documents_module.LEARNED_RULES_FIELD})
+      prepare_dataset(out, tok, train_sources=[path], val_fraction=0.5)
+    before = json.loads((out / 'meta.json').read_text())['fingerprint']
+    prepare_dataset(out, tok, train_sources=[path], val_fraction=0.5)
+    after = json.loads((out / 'meta.json').read_text())['fingerprint']
+    assert (after != before) == (name == 'chat'), name
 
 
 def test_a_damaged_document_ends_file_is_refused(tmp_path, documents):
@@ -837,11 +872,13 @@ def test_a_document_of_several_parts_is_tokenized_whole(tmp_path, tokenizer_dir,
       tokenizer_file=str(directory / 'tokenizer.json'), eos_token='<unk>', chat_template=template)
   ids = lambda out: list(out['input_ids'] if 'input_ids' in out else out)
   theirs = ids(hf_tok.apply_chat_template(conversation))
-  assert tokens.tolist() == theirs + [zephyr.token_id('<unk>')]
-  # Learned: the reply after the generation prompt, its end marker and the document's EOS.
+  # The template ends each turn with the EOS and a newline: the document ends at that EOS, once.
+  assert theirs[-2] == zephyr.token_id('<unk>') and hf_tok.decode(theirs[-1:]).endswith('\n')
+  assert tokens.tolist() == theirs[:-1]
+  # Learned: the reply after the generation prompt through its EOS.
   prompt = ids(hf_tok.apply_chat_template(conversation[:1], add_generation_prompt=True))
   assert theirs[:len(prompt)] == prompt
-  assert mask.tolist() == [0] * len(prompt) + [1] * (len(theirs) + 1 - len(prompt))
+  assert mask.tolist() == [0] * len(prompt) + [1] * (len(theirs) - 1 - len(prompt))
 
 
 # Qwen3's chat template as its tokenizer_config.json has it, without the tool branches: an

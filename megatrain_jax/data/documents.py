@@ -61,6 +61,14 @@ RECORDS_VERSION = 5
 # template's own first BOS and last EOS are the document's (they were doubled before), so such
 # data prepared before is prepared again (other data, large corpora included, is not).
 CHAT_RENDERING_VERSION = 2
+# How the learned tokens of records that learn only some of theirs (pairs, chats) are found, part
+# of the prepared data's identity. 2: every token of a learned character that a byte-level BPE
+# splits (an emoji's 4 bytes), not only its first; and a chat whose template ends every turn with
+# the EOS (Qwen2.5 Instruct's '<|im_end|>') ends at the last turn's, not '<|im_end|>\n<|im_end|>'.
+# Data prepared before with a loss mask is prepared again; data without one (text, a corpus of
+# JSONL text) is kept (prepare.prepared_before).
+LEARNED_RULES_VERSION = 2
+LEARNED_RULES_FIELD = 'learned_rules'
 # Alpaca records (record_parts): the field names (where two, Alpaca's, then Dolly's).
 ALPACA_INSTRUCTION = 'instruction'
 ALPACA_OUTPUT = ('output', 'response')
@@ -127,6 +135,7 @@ class DocumentFormat:
                                    if template else None)
     if template and ('bos_token' in template or 'eos_token' in template):
       out['chat_rendering'] = CHAT_RENDERING_VERSION
+    out[LEARNED_RULES_FIELD] = LEARNED_RULES_VERSION
     return out
 
 
@@ -527,11 +536,17 @@ def _without_template_bos_eos(parts: Parts, fmt: DocumentFormat) -> Parts:
   document gets the tokenizer's BOS anyway (Llama 3's and Mistral's templates begin with
   {{ bos_token }}), and without the EOS it writes last (Mistral's ends the last reply with
   {{ eos_token }}): the document's own BOS and EOS (encode_documents) replace them, so each is
-  there once, as transformers' apply_chat_template gives them (each twice before)."""
+  there once, as transformers' apply_chat_template gives them (each twice before). Where the EOS
+  is the template's turn end (Qwen2.5 Instruct's '<|im_end|>', every turn ended '<|im_end|>\n'),
+  the document ends at the last turn's: the whitespace after it goes too, so the reply is learned
+  as generation writes it, ending at the EOS that stops it (not '<|im_end|>\n<|im_end|>')."""
   if parts:
     parts[0] = (_without_template_bos(parts[0][0], fmt), parts[0][1])
-  if parts and fmt.eos_text and parts[-1][0].endswith(fmt.eos_text):
-    parts[-1] = (parts[-1][0][:-len(fmt.eos_text)], parts[-1][1])
+  last = parts[-1][0] if parts else ''
+  if fmt.eos_text and not last.endswith(fmt.eos_text) and last.rstrip().endswith(fmt.eos_text):
+    last = last.rstrip()
+  if fmt.eos_text and last.endswith(fmt.eos_text):
+    parts[-1] = (last[:-len(fmt.eos_text)], parts[-1][1])
   return [(text, learned) for text, learned in parts if text]
 
 

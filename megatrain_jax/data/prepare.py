@@ -41,7 +41,7 @@ from megatrain_jax import fs
 from megatrain_jax import locks
 from megatrain_jax.data import formats, shards
 from megatrain_jax.data.corpus import DEFAULT_CORPUS_NAME, default_corpus_text
-from megatrain_jax.data.documents import DocumentFormat, document_format
+from megatrain_jax.data.documents import LEARNED_RULES_FIELD, DocumentFormat, document_format
 from megatrain_jax.data.tokenizer import Tokenizer
 from megatrain_jax.errors import ConfigError
 
@@ -217,7 +217,8 @@ def prepare_dataset(out_dir: str | Path,
   identity = _source_identity(job)
   fingerprint = _fingerprint(identity)
   meta = _read_meta(job.out_dir)
-  if (meta is not None and (as_prepared or meta.get('fingerprint') == fingerprint) and
+  if (meta is not None and (as_prepared or meta.get('fingerprint') in
+                            (fingerprint, _fingerprint_before_learned_rules(identity, meta))) and
       _token_files_complete(job.out_dir, meta)):
     return _info_from_meta(job.out_dir, meta)
   started = time.monotonic()
@@ -295,6 +296,17 @@ def _describe_files(files: Sequence[Path]) -> list[dict[str, Any]]:
 
 def _fingerprint(identity: dict[str, Any]) -> str:
   return hashlib.sha256(json.dumps(identity, sort_keys=True).encode('utf-8')).hexdigest()
+
+
+def _fingerprint_before_learned_rules(identity: dict[str, Any], meta: dict[str, Any]) -> str | None:
+  """The fingerprint these sources had before documents.LEARNED_RULES_VERSION was part of it,
+  where the data prepared then has no loss mask: every token is learned, so the rules that find
+  the learned ones changed nothing in it (a corpus of JSONL text is not tokenized again)."""
+  documents = identity.get('documents')
+  if meta.get('has_mask', True) or not documents or LEARNED_RULES_FIELD not in documents:
+    return None
+  before = {k: v for k, v in documents.items() if k != LEARNED_RULES_FIELD}
+  return _fingerprint({**identity, 'documents': before})
 
 
 # --- running a prepare ---------------------------------------------------------------------------
