@@ -169,12 +169,18 @@ def _log_interpolate(points: list[tuple[int, float]], x: float) -> float:
   return points[-1][1]
 
 
+# The GPU presets' NVMe tier: one PCIe Gen4 data-centre drive of 7.68 TB (the rates below are
+# its datasheet's); bench/projection.py stripes 2 and 4 of them. A machine with more is planned
+# with its own sizes: auto-detected on it, or a profile JSON (`disk_gb`, `disks`) elsewhere.
+DRIVE_GB = 7_680.0
+
+
 def _gpu(name, kind, memory_gb, host_gb, fp32, tf32, bf16, hbm_gbps, pcie_gbps, link_gbps,
          link, via_host=False):
   efficiency = 0.7
   return HardwareProfile(
       name=name, device_kind=kind, device_memory_gb=memory_gb, host_memory_gb=host_gb,
-      disk_gb=30_000.0,
+      disk_gb=DRIVE_GB,
       compute_tflops={'float32': efficiency * fp32, 'tf32': efficiency * tf32,
                       'bfloat16': efficiency * bf16},
       h2d_gbps=0.8 * pcie_gbps, d2h_gbps=0.8 * pcie_gbps,
@@ -277,7 +283,7 @@ def load_profile(spec: str) -> HardwareProfile:
     else:
       why = f'no calibration file at {cached}'
     # This machine's sizes, not the preset's: its rates describe the device, but a preset's RAM
-    # (2 TB for h100) and drive (30 TB) are a machine's that this one may not be (a 256 GB box
+    # (2 TB for h100) and drive (7.68 TB) are a machine's that this one may not be (a 256 GB box
     # would be planned 1.7 TB of host memory). Disk 0: offload.dir's free space, measured.
     return _fill_sizes(dataclasses.replace(
         PRESETS[preset], host_memory_gb=0.0, device_memory_gb=0.0, disk_gb=0.0, host_cores=0,

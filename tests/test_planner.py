@@ -446,7 +446,7 @@ def test_an_auto_detected_gpu_preset_plans_with_this_machines_sizes(monkeypatch,
   assert auto.host_memory_gb == pytest.approx(hardware.machine_memory_gb())
   assert (auto.device_memory_gb, auto.disk_gb) == (79.2, 0.0)  # disk: offload.dir's, measured
   assert 'this machine' in auto.origin
-  assert (named.host_memory_gb, named.device_memory_gb, named.disk_gb) == (2048.0, 80.0, 30_000)
+  assert (named.host_memory_gb, named.device_memory_gb, named.disk_gb) == (2048.0, 80.0, 7_680)
 
 
 def test_bad_profile_file_is_refused(tmp_path):

@@ -259,7 +259,7 @@ def test_a_refusal_names_the_presets_it_would_fit():
   assert 'It fits these hardware presets' in message
   for preset in ('rtx4090', 'a100', 'h100', 'h200'):  # each with its sizes and fastest plan
     assert f'--config.hardware={preset} (' in message
-  assert '--config.hardware=h200 (141 GB device, 2,048 GB RAM, 30,000 GB disk): ' in message
+  assert '--config.hardware=h200 (141 GB device, 2,048 GB RAM, 7,680 GB disk): ' in message
   # A caller that wants only the closest plan skips the presets' searches: same refusal, no list.
   with pytest.raises(planner.NoPlacementFits) as quiet:
     planner.plan_run(config_lib.load_config('7b', hardware='cpu'), small, disk_free_gb=80.0,
