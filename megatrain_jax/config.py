@@ -220,6 +220,20 @@ def _require(ok: bool, field: str, message: str) -> None:
     raise ConfigError(f'{field}: {message}')
 
 
+def _longer_context_fix(config: ml_collections.ConfigDict) -> str:
+  """How to train beyond the model's maximum length: where the model's shape comes from."""
+  if config.init.get('from_hf'):
+    return ('extend the checkpoint\'s context in its config.json (init.from_hf fixes the model '
+            'from it): raise max_position_embeddings, with the rope_scaling its model card gives '
+            'for longer inputs (Qwen2.5: YaRN past 32,768 tokens).')
+  if config.init.get('from_run'):
+    return ('export the run (--export_hf) and start from the export with init.from_hf, its '
+            'config.json extended (max_position_embeddings, rope_scaling): init.from_run keeps '
+            'the run\'s model.')
+  return ('raise model.max_seq_len (RoPE models may need model.rope_scaling to work beyond their '
+          'trained length).')
+
+
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   """Checks every field; returns the ModelConfig. Allocates and writes nothing."""
   check_keys(config)
@@ -233,8 +247,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
            f'must be >= 1, or 0 for auto (the planner chooses), got {t.microbatches}.')
   _require(t.seq_len <= model_cfg.max_seq_len, 'train.seq_len',
            f'{t.seq_len} is longer than the model maximum model.max_seq_len='
-           f'{model_cfg.max_seq_len}. Lower train.seq_len, or raise model.max_seq_len (RoPE models '
-           'may need model.rope_scaling to work beyond their trained length).')
+           f'{model_cfg.max_seq_len}. Lower train.seq_len, or {_longer_context_fix(config)}')
   _require(t.lr > 0, 'train.lr', f'must be > 0, got {t.lr}.')
   _require(t.warmup_steps >= 0, 'train.warmup_steps', f'must be >= 0, got {t.warmup_steps}.')
   _require(0 <= t.warmup_ratio < 1, 'train.warmup_ratio',

@@ -432,6 +432,26 @@ def test_hf_path_is_a_file(hf_checkpoint):
     hf.load_hf(hf_checkpoint / 'config.json')
 
 
+def test_a_seq_len_beyond_a_checkpoints_context_names_a_fix_that_works(tmp_path):
+  """train.seq_len past init.from_hf's max_position_embeddings (64) names config.json as the
+  place to extend it, not model.max_seq_len, which the next error refuses as an override of the
+  checkpoint's shape; nothing is written."""
+  cfg = model_lib.ModelConfig(vocab_size=256, d_model=32, num_layers=2, num_heads=4,
+                              num_kv_heads=2, d_ff=64, max_seq_len=64)
+  hf_checkpoint = tmp_path / 'model'  # byte ids: the byte tokenizer reads its data
+  hf.save_hf(hf_checkpoint, cfg, model_lib.init_params(cfg, jax.random.key(0)))
+  config = config_lib.load_config('tiny', init__from_hf=str(hf_checkpoint), train__seq_len=128)
+  with pytest.raises(ConfigError, match=r"train.seq_len: 128 is longer than the model maximum "
+                     r"model.max_seq_len=64. Lower train.seq_len, or extend the checkpoint's "
+                     r"context in its config.json .*max_position_embeddings"):
+    train.train_and_evaluate(config, str(tmp_path / 'run'))
+  with pytest.raises(ConfigError, match=r'model.max_seq_len=128 disagrees with .*config.json'):
+    train.train_and_evaluate(config_lib.load_config(
+        'tiny', init__from_hf=str(hf_checkpoint), train__seq_len=128, model__max_seq_len=128),
+        str(tmp_path / 'run'), overrides=['model.max_seq_len'])
+  assert not (tmp_path / 'run').exists()
+
+
 # ------------------------------------------------------------------------------------------------
 # The command line: `error: ...`, status 1, no traceback, no workdir.
 # ------------------------------------------------------------------------------------------------

@@ -190,6 +190,15 @@ def test_sharded_checkpoint(saved, tokens, tmp_path):
   assert not (tmp_path / 'model.safetensors').exists()
   cfg, params = hf.load_hf(tmp_path)
   _assert_parity('sharded', _our_logits(cfg, params, tokens), _torch_logits(model, tokens))
+  # A stale index (one entry naming a shard that lacks the tensor) is named, not a traceback.
+  name = 'model.layers.1.mlp.down_proj.weight'
+  other = next(f for f in sorted(set(index['weight_map'].values()))
+               if f != index['weight_map'][name])
+  index['weight_map'][name] = other
+  (tmp_path / 'model.safetensors.index.json').write_text(json.dumps(index))
+  with pytest.raises(ConfigError, match=rf'index.json maps tensor {name} to {other}, which does '
+                     'not hold it .*Copy model.safetensors.index.json again'):
+    hf.load_hf(tmp_path)
 
 
 def test_rope_scaling_and_window_are_exercised(saved, tokens):
@@ -526,6 +535,27 @@ def test_qwen2_sliding_window_follows_layer_types():
   assert hf.model_config_from_hf(on).sliding_window == 0  # default max_window_layers=28 > 2 layers
   with pytest.raises(UnsupportedModelError, match='some layers'):
     hf.model_config_from_hf(on | {'max_window_layers': 1})
+
+
+@pytest.mark.parametrize('model_type', ['llama', 'mistral', 'qwen2', 'qwen3', 'phi3'])
+def test_a_config_json_without_optional_keys_means_what_transformers_makes_of_it(model_type):
+  """A hand-written or trimmed config.json holding only the shapes: each optional key we read
+  takes that architecture's transformers default (MistralConfig's window of 4096 and its 8 KV
+  heads, Phi3Config's rms_norm_eps of 1e-5), not one default for all (the window was 0: logits
+  4.7 apart from position 4096 on)."""
+  minimal = {'model_type': model_type, 'vocab_size': VOCAB, 'hidden_size': 512,
+             'intermediate_size': 128, 'num_hidden_layers': 2, 'num_attention_heads': 32,
+             'max_position_embeddings': 8192}
+  theirs = transformers.AutoConfig.for_model(**minimal)
+  cfg = hf.model_config_from_hf(minimal)
+  window = getattr(theirs, 'sliding_window', None) if getattr(theirs, 'use_sliding_window',
+                                                              True) else None
+  assert (cfg.norm_eps, cfg.sliding_window, cfg.num_kv_heads, cfg.tie_embeddings, cfg.init_std,
+          cfg.rope_theta) == (theirs.rms_norm_eps, window or 0, theirs.num_key_value_heads,
+                              theirs.tie_word_embeddings, theirs.initializer_range,
+                              theirs.rope_parameters['rope_theta'])
+  # An explicit null window is full attention (Mistral v0.3).
+  assert hf.model_config_from_hf(minimal | {'sliding_window': None}).sliding_window == 0
 
 
 def test_missing_shape_key_and_invalid_values():

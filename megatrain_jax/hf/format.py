@@ -62,6 +62,13 @@ _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_INIT_STD = 0.02
 # Qwen2: layers at index >= max_window_layers use the sliding window (transformers' default 28).
 _DEFAULT_QWEN2_MAX_WINDOW_LAYERS = 28
+# Where an architecture's transformers default differs from the ones above (MistralConfig's
+# window of 4096, Phi3Config's rms_norm_eps of 1e-5): a config.json without the key (one written
+# by hand, or trimmed) means what transformers makes of it. An explicit null stays null (Mistral
+# v0.3's `"sliding_window": null` is full attention). Without num_key_value_heads every query
+# head has its own (Qwen2Config's default of 32 would be no model with fewer query heads).
+_ARCHITECTURE_DEFAULTS = {'MistralForCausalLM': {'sliding_window': 4096, 'num_key_value_heads': 8},
+                          'Phi3ForCausalLM': {'rms_norm_eps': 1e-5}}
 
 # HF rope_type -> ModelConfig.rope_scaling_type.
 _ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3', 'yarn': 'yarn'}
@@ -326,6 +333,7 @@ def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     ConfigError: if a shape field is missing or the values do not form a valid ModelConfig.
   """
   arch = _architecture(hf_config)
+  hf_config = {**_ARCHITECTURE_DEFAULTS.get(arch, {}), **hf_config}
   if hf_config.get('quantization_config'):
     raise UnsupportedModelError('quantized checkpoints are not supported; load the unquantized '
                                 '(float16/bfloat16/float32) weights.')
@@ -513,7 +521,13 @@ def _check_headers(cfg: ModelConfig, tensors: list[_Tensor], files: dict[str, Pa
   """Checks every shape and dtype from the safetensors headers, reading no tensor data."""
   for file, group in _by_file(tensors, files).items():
     with _open_safetensors(file) as f:
+      held = set(f.keys())
       for t in group:
+        if t.hf_name not in held:
+          raise ConfigError(
+              f'{_INDEX_FILE} maps tensor {t.hf_name} to {file.name}, which does not hold it (a '
+              f'stale index: the shards were replaced, or the index edited). Copy '
+              f'{_INDEX_FILE} again with its shards.')
         info = f.get_slice(t.hf_name)
         shape, dtype = tuple(info.get_shape()), info.get_dtype()
         if shape != t.hf_shape:

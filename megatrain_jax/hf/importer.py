@@ -110,8 +110,8 @@ def apply_fields(config: ml_collections.ConfigDict, fields: dict[str, Any], sour
     given = _get(config, key)
     if key in chosen and not _agrees(key, given, value):
       raise ConfigError(
-          f'{key}={given!r} disagrees with {source}, which gives {value!r}: with init.from_hf the '
-          f'model shape comes from the checkpoint. Drop the {key} override (or set it to '
+          f'{key}={given!r} disagrees with {source}, which gives {value!r}: the model\'s shape '
+          f'comes from it (init.from_hf, init.from_run). Drop the {key} override (or set it to '
           f'{value!r}); runtime fields such as model.remat or model.dtype may still be set.')
   out = ml_collections.ConfigDict(config.to_dict())
   for key, value in fields.items():
