@@ -91,8 +91,9 @@ def get_config() -> ml_collections.ConfigDict:
   train.lr = 3e-3  # Peak learning rate of AdamW.
   train.warmup_steps = 50  # Linear warmup from 0 to lr, then train.lr_schedule (step s uses the
   #                          schedule at s - 1, as optax and Hugging Face count: step 1 at 0).
-  train.warmup_ratio = 0.0  # > 0: the warmup is this fraction of train.steps instead (e.g. 0.03;
-  #                           a run sized by train.epochs does not know its steps in advance).
+  train.warmup_ratio = 0.0  # > 0: the warmup is this fraction of train.steps instead, rounded up
+  #                           as the Trainer does (e.g. 0.03; a run sized by train.epochs does not
+  #                           know its steps in advance).
   train.lr_schedule = 'cosine'  # After the warmup: 'cosine' or 'linear' decay to lr * min_lr_ratio
   #                                at train.steps (Hugging Face Trainer's default is linear to 0:
   #                                min_lr_ratio=0), or 'constant' (lr held; min_lr_ratio unused).

@@ -8,6 +8,7 @@ hence identical numbers), then `tx.update` on whatever slice of the tree they ho
 """
 
 import functools
+import math
 import weakref
 from typing import NamedTuple
 
@@ -22,10 +23,11 @@ _DECAYED_LEAVES = ('kernel', 'embedding')
 
 
 def warmup_steps(train) -> int:
-  """train.warmup_ratio of train.steps (rounded) when set, else train.warmup_steps; at most
-  steps - 1, so that the run reaches its peak learning rate."""
+  """train.warmup_ratio of train.steps (rounded up, as Hugging Face's Trainer counts it:
+  `math.ceil(steps * ratio)`, so 70 steps at 0.03 warm up for 3) when set, else
+  train.warmup_steps; at most steps - 1, so that the run reaches its peak learning rate."""
   ratio = getattr(train, 'warmup_ratio', 0.0)
-  warmup = round(ratio * train.steps) if ratio else train.warmup_steps
+  warmup = math.ceil(train.steps * ratio) if ratio else train.warmup_steps
   return min(warmup, train.steps - 1)
 
 
