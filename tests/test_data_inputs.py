@@ -56,6 +56,23 @@ def test_every_token_of_a_learned_character_is_learned(tmp_path, tokenizer_dir):
 # --- sources: a glob that matches a dataset card ------------------------------------------------
 
 
+def test_a_file_a_directory_reaches_by_two_names_is_read_once(tmp_path):
+  """A symlink beside its target (latest.jsonl -> 2024-05.jsonl) in a directory or a pattern's
+  matches is one file, read once in its first place; a file named twice in data.path is read
+  twice, as asked."""
+  from megatrain_jax.data import formats  # pylint: disable=import-outside-toplevel
+  corpus = tmp_path / 'corpus'
+  corpus.mkdir()
+  _write_jsonl(corpus / '2024-05.jsonl', [{'text': 'may'}])
+  _write_jsonl(corpus / '2024-06.jsonl', [{'text': 'june'}])
+  (corpus / 'latest.jsonl').symlink_to('2024-06.jsonl')
+  want = [corpus / '2024-05.jsonl', corpus / '2024-06.jsonl']
+  assert formats.expand_sources([corpus], 'data.path') == want
+  assert formats.expand_sources([f'{corpus}/*.jsonl'], 'data.path') == want
+  twice = formats.expand_sources([corpus / 'latest.jsonl', corpus / '2024-06.jsonl'], 'data.path')
+  assert twice == [corpus / '2024-06.jsonl'] * 2
+
+
 def test_a_pattern_matching_records_and_text_is_refused_as_a_directory_is(tmp_path):
   """A Hub repository's files matched by 'D/*' (README.md, .gitattributes, train.jsonl): the
   card would run, as raw text, into the first record, as with data.path=D, so the pattern is

@@ -105,7 +105,7 @@ def expand_sources(sources, field: str) -> list[Path]:
       if not matches:
         raise ConfigError(f'{field}: the pattern {source} matches no files; fix the pattern or '
                           f'point {field} at a file or directory.')
-      files.extend(p.resolve() for p in matches)
+      files.extend(_unique_files(matches))
     elif not path.exists():
       raise ConfigError(f'{field}: {path} does not exist; set {field} to an existing file '
                         '(.txt, .jsonl, .jsonl.zst, .jsonl.gz, .parquet, .arrow), a directory or a '
@@ -117,12 +117,19 @@ def expand_sources(sources, field: str) -> list[Path]:
       if not children:
         raise ConfigError(f'{field}: directory {path} contains no (non-hidden) files; put data '
                           f'files in it or point {field} at a file.')
-      files.extend(child.resolve() for child in children)
+      files.extend(_unique_files(children))
     else:
       files.append(path.resolve())
   for file in files:
     _check_compressed(file, field)
   return files
+
+
+def _unique_files(paths: list[Path]) -> list[Path]:
+  """`paths` resolved, each file once in its first place: a directory or pattern may reach one
+  file by two names (a symlink beside its target, as `latest.jsonl -> 2024-05.jsonl`), which would
+  be read twice. A file named twice in `data.path` itself is read twice, as asked."""
+  return list(dict.fromkeys(p.resolve() for p in paths))
 
 
 def _pattern_files(pattern: Path) -> list[Path]:
