@@ -959,7 +959,9 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
       raise invalid[0]
     cfg = model_lib.ModelConfig.from_config_dict(config.model)
     closest = min(rejected, key=_overshoot)
-    message = refusal_message(cfg, closest)
+    more = (_devices_that_fit(config, hw, disk_free_gb, devices, fresh_init)
+            if 'device' in closest.over_budget() and not closest.budgets.get('_unified') else None)
+    message = refusal_message(cfg, closest, more)
     pinned_only = [p for p in rejected if list(p.over_budget()) == [PINNED_ROW]]
     if pinned_only:  # the cap the user set is all that stands in the way
       best = max(pinned_only, key=lambda p: p.tokens_per_s)
@@ -1069,7 +1071,26 @@ def _overshoot(plan: Plan) -> float:
   return sum(max(0.0, n / max(a, 1.0) - 1) for n, a in plan.over_budget().values())
 
 
-def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
+def _devices_that_fit(config, hw: HardwareProfile, disk_free_gb: float | None,
+                      devices: Devices, fresh_init: bool) -> int | None:
+  """The fewest devices of 2N, 4N and 8N (those that split train.batch_size) on which some
+  placement's device rows fit; None where none does: what the device holds whole (a gathered
+  layer group, a vocabulary chunk, a microbatch of one sequence per device) does not shrink."""
+  for factor in (2, 4, 8):
+    count = factor * devices.count
+    if config.train.batch_size % count:
+      break
+    plans, rejected, _ = _search(config, hw, disk_free_gb, dataclasses.replace(devices, count=count),
+                                 fresh_init=fresh_init)
+    if plans or any('device' not in p.over_budget() for p in rejected):
+      return count
+  return None
+
+
+def refusal_message(cfg: ModelConfig, closest: Plan, devices_that_fit: int | None = None) -> str:
+  """Why nothing fits (the closest plan's tiers over budget) and what would shrink each;
+  `devices_that_fit`: the device count on which the device rows would fit (_devices_that_fit),
+  None where more devices would not."""
   lines = [f'this config fits no placement on this hardware: {cfg.num_params:,} params '
            f'need {_gb(16 * cfg.num_params)} of FP32 state (params, grads, Adam m, v). '
            f'The closest placement ({closest.placement.summary()}, M={closest.microbatches}) '
@@ -1085,8 +1106,9 @@ def refusal_message(cfg: ModelConfig, closest: Plan) -> str:
     batch = _batch_hint(closest)
     # Named first only where the batch's rows could close much of the gap.
     device = [batch] if _batch_bytes(closest) >= 0.25 * (needed - available) else []
-    if not closest.budgets.get('_unified'):  # CPU devices would share the same RAM
-      device.append(f'shard the state over more devices (parallel.devices, now {n})')
+    if devices_that_fit:
+      device.append(f'shard the state over more devices (parallel.devices, now {n}; '
+                    f'{devices_that_fit} would hold it)')
     if closest.microbatches > 1:  # streamed: each microbatch's hidden state stays on device;
       # resident: the gradient accumulator (4·P)
       device.append(f'lower train.microbatches (now {closest.microbatches})')
