@@ -829,6 +829,75 @@ def test_a_template_that_writes_bos_and_eos_gives_each_once(tmp_path, tokenizer_
   assert 'chat_rendering' not in document_format(load_tokenizer(str(tokenizer_dir))).identity()
 
 
+def test_a_bos_the_template_writes_is_tokenized_with_what_follows_it(tmp_path, documents):
+  """A Metaspace tokenizer (prepend_scheme 'first', as Llama 2 and Mistral files exported by
+  recent transformers have it) with a template that writes {{ bos_token }} first: the rendering is
+  tokenized whole, as transformers' apply_chat_template does, so the text after the BOS gets no
+  '▁' of its own (it got one when the rendering was tokenized without its BOS); so do --sample's
+  chat prompts, and a text document still starts with one BOS."""
+  import transformers  # pylint: disable=import-outside-toplevel  (a dev dependency)
+  tok = tokenizers.Tokenizer(models.BPE(unk_token='<unk>'))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme='first')
+  tok.decoder = decoders.Metaspace(prepend_scheme='first')
+  tok.train_from_iterator(documents[:100], trainers.BpeTrainer(
+      vocab_size=400, special_tokens=['<unk>', '<s>', '</s>'], initial_alphabet=list('[]/?'),
+      show_progress=False))
+  tok.post_processor = tokenizers.processors.TemplateProcessing(
+      single='<s> $A', special_tokens=[('<s>', tok.token_to_id('<s>'))])
+  directory = tmp_path / 'metaspace'
+  directory.mkdir()
+  tok.save(str(directory / 'tokenizer.json'))
+  (directory / 'tokenizer_config.json').write_text(json.dumps(
+      {'bos_token': '<s>', 'eos_token': '</s>', 'chat_template': MISTRAL_TEMPLATE}))
+  ours = load_tokenizer(str(directory))
+  theirs = transformers.PreTrainedTokenizerFast(
+      tokenizer_file=str(directory / 'tokenizer.json'), bos_token='<s>', eos_token='</s>',
+      chat_template=MISTRAL_TEMPLATE)
+  conversation = CONVERSATION[1:]
+  want = theirs.apply_chat_template(conversation, tokenize=True, return_dict=True)['input_ids']
+  assert theirs.convert_ids_to_tokens(want[:2]) == ['<s>', '['], want[:4]
+  tokens, mask = _prepared_chat(tmp_path, ours, {'messages': conversation})
+  assert tokens.tolist() == want and tokens.tolist().count(ours.token_id('<s>')) == 1
+  assert ours.decode(tokens[mask == 1]) == 'Paris.</s>Rome.</s>'
+  prompt = theirs.apply_chat_template(conversation[:1], add_generation_prompt=True,
+                                      tokenize=True, return_dict=True)['input_ids']
+  assert documents_module.prompt_ids('Capital of France?', ours, document_format(ours),
+                                     chat=True) == prompt
+  assert documents_module.prompt_ids('Hello', ours, document_format(ours)) == theirs('Hello')[
+      'input_ids']
+  text, _ = _prepared_chat(tmp_path, ours, {'text': 'Hello there'}, name='text')
+  assert text.tolist() == theirs('Hello there')['input_ids'] + [ours.token_id('</s>')]
+
+
+# Phi-3-mini-4k-instruct's chat template: every turn ends '<|end|>\n'; the EOS ends only a
+# conversation rendered without the generation prompt.
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+
+
+def test_a_template_that_writes_the_eos_after_a_whole_conversation_only(tmp_path,
+                                                                       tokenizer_dir):
+  """Phi-3's template writes the EOS after the last turn only, so a conversation rendered up to
+  an earlier reply ends with an EOS the whole one does not hold there: each reply ends at its
+  '<|end|>\n' (multi-turn Phi-3 chats were refused as bad records), the tokens equal
+  transformers' apply_chat_template, the EOS once."""
+  import transformers  # pylint: disable=import-outside-toplevel  (a dev dependency)
+  tok = _tokenizer_with(tmp_path / 'phi3', tokenizer_dir, {'eos_token': EOS,
+                                                           'chat_template': PHI3_TEMPLATE})
+  tokens, mask = _prepared_chat(tmp_path, tok)
+  theirs = transformers.PreTrainedTokenizerFast(
+      tokenizer_file=str(tmp_path / 'phi3' / 'tokenizer.json'), eos_token=EOS,
+      chat_template=PHI3_TEMPLATE)
+  assert tokens.tolist() == theirs.apply_chat_template(CONVERSATION, tokenize=True,
+                                                       return_dict=True)['input_ids']
+  assert tok.decode(tokens[mask == 1]) == f'Paris.<|end|>\nRome.<|end|>\n{EOS}'
+
+
 def test_a_template_that_renders_a_turn_otherwise_once_cut_names_the_fix(tmp_path,
                                                                         tokenizer_dir):
   """Mistral v0.3's template writes the system message into the last user turn only, so the

@@ -517,7 +517,7 @@ def chat_parts(messages: list, fmt: DocumentFormat, learn_from: int = 0,
       continue
     prompt = render(messages[:i], generation_prompt=True)
     start = len(prompt)
-    end = _turn_end(full, messages, i, start, render)
+    end = _turn_end(full, messages, i, start, render, fmt.eos_text)
     if not (full.startswith(prompt) and done <= start <= end <= len(full)):
       raise BadRecord('the chat template does not render conversations prefix by prefix, so '
                       'the assistant turns cannot be located (Mistral v0.3\'s, for one, writes '
@@ -528,20 +528,19 @@ def chat_parts(messages: list, fmt: DocumentFormat, learn_from: int = 0,
   parts.append((full[done:], False))
   if fmt.refuse_nul and '\0' in full:
     raise BadRecord('the conversation holds a NUL character, which the byte tokenizer uses as EOS')
-  return _without_template_bos_eos([(text, learned) for text, learned in parts if text], fmt)
+  return _without_template_eos([(text, learned) for text, learned in parts if text], fmt)
 
 
-def _without_template_bos_eos(parts: Parts, fmt: DocumentFormat) -> Parts:
-  """`parts` of a rendered conversation without the BOS its template writes first where the
-  document gets the tokenizer's BOS anyway (Llama 3's and Mistral's templates begin with
-  {{ bos_token }}), and without the EOS it writes last (Mistral's ends the last reply with
-  {{ eos_token }}): the document's own BOS and EOS (encode_documents) replace them, so each is
-  there once, as transformers' apply_chat_template gives them (each twice before). Where the EOS
+def _without_template_eos(parts: Parts, fmt: DocumentFormat) -> Parts:
+  """`parts` of a rendered conversation without the EOS its template writes last (Mistral's
+  ends the last reply with {{ eos_token }}): the document's own EOS (encode_documents) replaces
+  it, so it is there once, as transformers' apply_chat_template gives it (twice before). The BOS
+  a template writes first (Llama 3's and Mistral's begin with {{ bos_token }}) stays, tokenized
+  with what follows it as transformers tokenizes the rendering, and is the document's
+  (encode_documents adds none where the ids begin with it). Where the EOS
   is the template's turn end (Qwen2.5 Instruct's '<|im_end|>', every turn ended '<|im_end|>\n'),
   the document ends at the last turn's: the whitespace after it goes too, so the reply is learned
   as generation writes it, ending at the EOS that stops it (not '<|im_end|>\n<|im_end|>')."""
-  if parts:
-    parts[0] = (_without_template_bos(parts[0][0], fmt), parts[0][1])
   last = parts[-1][0] if parts else ''
   if fmt.eos_text and not last.endswith(fmt.eos_text) and last.rstrip().endswith(fmt.eos_text):
     last = last.rstrip()
@@ -550,15 +549,18 @@ def _without_template_bos_eos(parts: Parts, fmt: DocumentFormat) -> Parts:
   return [(text, learned) for text, learned in parts if text]
 
 
-def _without_template_bos(text: str, fmt: DocumentFormat) -> str:
-  """A rendering without the BOS its template writes first where the tokenizer's BOS is
-  prepended anyway (the document's, --sample's prompt's)."""
-  if fmt.bos is not None and fmt.bos_text and text.startswith(fmt.bos_text):
-    return text[len(fmt.bos_text):]
-  return text
+def _with_bos(ids: Sequence[int], fmt: DocumentFormat) -> list:
+  """`ids` of a document or prompt after the tokenizer's BOS where it adds one, unless they
+  begin with it: a rendering whose template writes {{ bos_token }} first, tokenized whole (a
+  Metaspace tokenizer gives the text after a BOS no '▁' of its own, as transformers does; the
+  rendering without its BOS, tokenized alone, got one)."""
+  ids = list(ids)
+  if fmt.bos is None or (ids and ids[0] == fmt.bos):
+    return ids
+  return [fmt.bos] + ids
 
 
-def _turn_end(full: str, messages: list, i: int, start: int, render) -> int:
+def _turn_end(full: str, messages: list, i: int, start: int, render, eos_text: str) -> int:
   """Where assistant turn `i` (with its end marker) ends in `full`, the whole conversation's
   rendering. Usually the length of the conversation rendered up to that turn; but a template may
   render the last turn otherwise (Qwen3 opens an assistant turn after the last user message with
@@ -570,6 +572,10 @@ def _turn_end(full: str, messages: list, i: int, start: int, render) -> int:
   upto = render(messages[:i + 1], generation_prompt=False)
   if full.startswith(upto):
     return len(upto)
+  if eos_text and upto.endswith(eos_text) and full.startswith(upto[:-len(eos_text)]):
+    # The template ends only a whole conversation with the EOS (Phi-3's '{{ eos_token }}' where
+    # no generation prompt follows): a turn that others follow ends before it.
+    return len(upto) - len(eos_text)
   content = messages[i].get('content') or ''
   in_upto = upto.rfind(content) if content else -1
   at = full.find(content, start) if content else -1
@@ -643,9 +649,7 @@ def prompt_ids(prompt: str | list | dict, tokenizer: Tokenizer, fmt: DocumentFor
     text = _render(messages + [{'role': 'user', 'content': prompt}], fmt, generation_prompt=True)
   else:
     text = prompt
-  if isinstance(prompt, list) or chat:  # a rendering: its own BOS is the one prepended below
-    text = _without_template_bos(text, fmt)
-  return ([] if fmt.bos is None else [fmt.bos]) + list(encode_batch(tokenizer, [text])[0])
+  return _with_bos(encode_batch(tokenizer, [text])[0], fmt)
 
 
 # --- parts -> tokens ---------------------------------------------------------------------------
@@ -661,16 +665,15 @@ def encode_documents(documents: Sequence[Parts], tokenizer: Tokenizer, fmt: Docu
   learned text (`_joint_ids`); tokenized part by part, the joins got tokens of their own (a
   SentencePiece '▁' before each part, 'Ġ' + 'Paris' for ' Paris')."""
   encoded = _document_ids(documents, tokenizer)
-  prefix = [] if fmt.bos is None else [fmt.bos]
   flat: list[int] = []
   ends: list[int] = []
   masks = []
   for ids, learned in encoded:
-    flat.extend(prefix)
-    flat.extend(ids)
+    whole = _with_bos(ids, fmt)  # a template's own BOS first is the document's (_with_bos)
+    flat.extend(whole)
     flat.append(fmt.eos)
     ends.append(len(flat))
-    masks.append((len(prefix), len(ids), learned))
+    masks.append((len(whole) - len(ids), len(ids), learned))
   tokens = np.array(flat, dtype=dtype)
   ends = np.array(ends, dtype=np.int64)
   if all(learned is None for _, _, learned in masks):
