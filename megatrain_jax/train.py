@@ -1041,8 +1041,10 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
   outputs = sample_lib.generate_all(model_cfg, params, prompts,
                                     max_new_tokens=settings.max_new_tokens, seed=settings.seed,
                                     eos_id=stops, batch_size=rows, **sampling)
-  completions = [(tokenizer.decode(ids[:-1] if ids.size and ids[-1] in stops else ids),
-                  int(ids.size), bool(ids.size and ids[-1] in stops)) for ids in outputs]
+  completions = [(data_lib.decode_continuation(
+      tokenizer, prompt, ids[:-1] if ids.size and ids[-1] in stops else ids),
+                  int(ids.size), bool(ids.size and ids[-1] in stops))
+                 for prompt, ids in zip(prompts, outputs)]
   if settings.prompts:
     return _write_samples(settings.out, texts, completions, source)
   text, tokens, stopped = completions[0]

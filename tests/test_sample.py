@@ -12,12 +12,13 @@ import pytest
 import tokenizers
 import torch
 import transformers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from megatrain_jax import hardware
 from megatrain_jax import hf
 from megatrain_jax import sample
 from megatrain_jax import train
-from megatrain_jax.data import ByteTokenizer
+from megatrain_jax.data import ByteTokenizer, decode_continuation, load_tokenizer
 from megatrain_jax.errors import ConfigError
 
 from helpers import config_with, small_config
@@ -202,7 +203,7 @@ def test_sample_command_stops_at_generation_config_eos_ids(checkpoints, tmp_path
   got = train.sample(config, str(tmp_path / 'w'))
   end = list(greedy).index(stop)
   assert got['sample/tokens'] == end + 1
-  assert got['sample/text'] == ' '.join(f't{i}' for i in greedy[:end])
+  assert got['sample/text'] == ''.join(f' t{i}' for i in greedy[:end])  # after the prompt's
   assert capsys.readouterr().out.splitlines() == [
       'sampling: greedy', words + got['sample/text'],
       f"[{end} new tokens; the model wrote 't{stop}', a "
@@ -233,7 +234,7 @@ def test_sample_command_samples_as_generation_config_asks(checkpoints, tmp_path,
   want = sample.generate(cfg, params, PROMPT, max_new_tokens=12, temperature=0.7, top_k=20,
                          top_p=0.8, repetition_penalty=1.05, seed=4, eos_id=0)
   assert got['sample/tokens'] == want.size
-  assert got['sample/text'] == ' '.join(f't{i}' for i in want[:want.size - (want[-1] == 0)])
+  assert got['sample/text'] == ''.join(f' t{i}' for i in want[:want.size - (want[-1] == 0)])
   assert capsys.readouterr().out.startswith(
       'sampling: temperature 0.7, top_k 20, top_p 0.8, repetition_penalty 1.05 (temperature, '
       f'top_k, top_p, repetition_penalty as {tmp_path}/tok/generation_config.json asks, where the '
@@ -244,7 +245,7 @@ def test_sample_command_samples_as_generation_config_asks(checkpoints, tmp_path,
   want = sample.generate(cfg, params, PROMPT, max_new_tokens=12, repetition_penalty=1.05,
                          eos_id=0)
   assert greedy['sample/tokens'] == want.size and greedy['sample/text'].startswith(
-      ' '.join(f't{i}' for i in want[:3]))
+      ''.join(f' t{i}' for i in want[:3]))
   assert capsys.readouterr().out.startswith(  # greedy came from the command line, not the file
       'sampling: greedy, repetition_penalty 1.05 (repetition_penalty as ')
   config.data.tokenizer = _word_tokenizer(tmp_path / 'bad', {**asks, 'top_p': 1.5})
@@ -373,3 +374,25 @@ def test_a_json_file_of_prompts_is_an_array_or_lines(tmp_path):
   (tmp_path / 'bad.json').write_text('[{"prompt": "x"}, {"text": "y"}]')
   with pytest.raises(ConfigError, match="bad.json record 2 has no string 'prompt'"):
     formats.read_prompts(tmp_path / 'bad.json')
+
+
+def test_a_continuation_keeps_the_space_before_its_first_word(tmp_path):
+  """--sample's text is the whole decoded, cut where the prompt's text ends (transformers'
+  text-generation pipeline): a Metaspace tokenizer's decoder strips the first token's '▁' as a
+  text's first, so the new ids decoded alone ran on from the prompt ('France isthe')."""
+  tok = tokenizers.Tokenizer(models.BPE(unk_token='<unk>'))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme='first')
+  tok.decoder = decoders.Metaspace(prepend_scheme='first')
+  text = 'The capital of France is the city of Paris, and the capital of Italy is Rome. ' * 20
+  tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=120, special_tokens=['<unk>'],
+                                                      show_progress=False))
+  tok.save(str(tmp_path / 'tokenizer.json'))
+  ours = load_tokenizer(str(tmp_path))
+  prompt = ours.encode('The capital of France is').tolist()
+  whole = ours.encode('The capital of France is the city of Paris').tolist()
+  assert whole[:len(prompt)] == prompt
+  new = whole[len(prompt):]
+  assert ours.decode(new) == 'the city of Paris'  # alone: the first word's space is gone
+  assert decode_continuation(ours, prompt, np.array(new)) == ' the city of Paris'
+  byte = ByteTokenizer()
+  assert decode_continuation(byte, list(b'Hi'), np.array(list(b' there'))) == ' there'

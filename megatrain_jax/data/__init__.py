@@ -26,7 +26,8 @@ from megatrain_jax.data.pipeline import (check_data_config, data_format,
                                          prepared_dirs, row_packing)
 from megatrain_jax.data.prepare import DatasetInfo, prepare_dataset, read_dataset_info
 from megatrain_jax.data.shards import TokenStream
-from megatrain_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from megatrain_jax.data.tokenizer import (ByteTokenizer, HFTokenizer, Tokenizer,
+                                          decode_continuation, load_tokenizer)
 
 __all__ = [
     'Batch',
@@ -41,6 +42,7 @@ __all__ = [
     'check_data_config',
     'check_document_ends',
     'data_format',
+    'decode_continuation',
     'default_corpus_text',
     'document_format',
     'eval_batches',

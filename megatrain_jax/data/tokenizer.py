@@ -37,6 +37,17 @@ class Tokenizer(Protocol):
     """Returns the text of `ids`."""
 
 
+def decode_continuation(tokenizer: Tokenizer, prompt: Sequence[int],
+                        ids: Sequence[int] | np.ndarray) -> str:
+  """The text `ids` add after `prompt`: the whole decoded, cut where the prompt's text ends, as
+  transformers' text-generation pipeline cuts it. Decoded alone, a Metaspace tokenizer's first
+  new token loses its space ('▁the' -> 'the': 'France isthe'), the decoder stripping it as a
+  text's first."""
+  before = tokenizer.decode(list(prompt))
+  whole = tokenizer.decode([*prompt, *np.asarray(ids).reshape(-1).tolist()])
+  return whole[len(before):] if whole.startswith(before) else tokenizer.decode(ids)
+
+
 def encode_batch(tokenizer: Tokenizer, texts: Sequence[str]) -> list[Sequence[int]]:
   """The ids of each text: the tokenizer's own `encode_batch` where it has one (one call into
   the Rust tokenizer for the whole batch), else `encode` text by text."""
