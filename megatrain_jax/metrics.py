@@ -281,13 +281,35 @@ def host_memory_gb() -> dict:
           'perf/host_peak_gb': max(peak_bytes, rss_bytes) / 1e9}
 
 
+# Seconds this process has spent tracing, lowering and compiling jitted programs, summed from
+# JAX's '/jax/core/compile/*' duration events once `compile_seconds` first runs.
+_COMPILE_EVENTS = '/jax/core/compile/'
+_compiling = {'seconds': 0.0, 'listening': False}
+
+
+def compile_seconds() -> float:
+  """Seconds spent compiling (tracing, lowering, XLA) since the first call, which starts
+  listening to JAX's compile events: a step during which this grows compiled a program."""
+  if not _compiling['listening']:
+    from jax import monitoring  # pylint: disable=import-outside-toplevel  (jax loads lazily)
+    monitoring.register_event_duration_secs_listener(_on_duration)
+    _compiling['listening'] = True
+  return _compiling['seconds']
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+  if event.startswith(_COMPILE_EVENTS):
+    _compiling['seconds'] += seconds
+
+
 class RunLog(MetricsWriter):
   """The log of one training run: a MetricsWriter that also times the steps, derives throughput
   and MFU (when `peak_tflops`, a datasheet peak, is known), and stops a run whose loss is no
   longer finite.
 
-  Step times leave out the first step a process runs (it includes compilation), unless no other
-  step has been timed since the last logged row."""
+  Step times leave out the steps that compiled a program (`compile_seconds`): the first a process
+  runs, and a streamed step under exact clipping whose deferred layer updates run for the first
+  time in the second; a row whose steps all compiled reports its last."""
 
   def __init__(self, workdir: pathlib.Path, *, total_steps: int, start_step: int, log_every: int,
                tokens_per_step: int, flops_per_step: float, peak_tflops: float | None,
@@ -302,17 +324,19 @@ class RunLog(MetricsWriter):
     self.checkpointer = checkpointer
     self.last = {}  # the newest row `record` wrote, with its step
     self._timed_steps, self._timed_seconds = 0, 0.0
+    compile_seconds()  # listening from here
 
   def timed_step(self, step: int, train_step, batch) -> dict:
     """Runs `train_step(batch)`, the step that makes `step` steps done, and waits for its loss.
     Returns its scalars with the perf/* ones at a logging step, else {}."""
-    started = time.perf_counter()
+    started, compiled = time.perf_counter(), compile_seconds()
     step_metrics = train_step(batch)
     loss = float(step_metrics['learning/loss'])  # waits for the step
     elapsed = time.perf_counter() - started
     if not math.isfinite(loss):
       raise self._diverged(loss, step)
-    if step > self.start_step + 1:  # the first step of a process includes compilation
+    # The first step of a process compiles (a persistent-cache hit still traces), as may others.
+    if step > self.start_step + 1 and compile_seconds() == compiled:
       self._timed_steps, self._timed_seconds = self._timed_steps + 1, self._timed_seconds + elapsed
     self.advance(1, loss)
     if not due(step, self.log_every, self.total_steps):

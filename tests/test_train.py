@@ -549,3 +549,27 @@ def test_a_streamed_run_trims_the_heap_above_its_plans_host_peak(tmp_path, share
         peak * runtime.RESIDENT_TRIM_MARGIN, peak + runtime.RESIDENT_TRIM_FLOOR))
   finally:
     runtime.configure_allocator('tuned')
+
+
+def test_a_step_that_compiles_is_left_out_of_the_step_time(tmp_path):
+  """perf/step_time_s leaves out every step that compiled a program (metrics.compile_seconds),
+  not only a process's first: a streamed step under exact clipping compiles its deferred layer
+  updates in the second, which made that row's step time twice the others'."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  compiled = []
+
+  def train_step(batch):
+    if batch in (1, 3):  # a program these steps meet first, as the deferred updates are met
+      compiled.append(jax.jit(lambda x, k=batch: x * k + len(compiled))(jnp.ones(4)))
+    time.sleep(0.3 if batch in (1, 3) else 0.05)
+    return {'learning/loss': 1.0}
+
+  with metrics.RunLog(tmp_path, total_steps=6, start_step=0, log_every=3, tokens_per_step=100,
+                      flops_per_step=1e9, peak_tflops=None, predicted_step_time_s=1.0,
+                      checkpointer=None, progress_bar=False) as log:
+    for step in range(1, 7):
+      log.record(step, log.timed_step(step, train_step, step - 1 if step > 1 else 99))
+  first, second = read_rows(tmp_path)
+  assert len(compiled) == 2
+  assert first['perf/step_time_s'] < 0.15 and second['perf/step_time_s'] < 0.15
