@@ -176,7 +176,7 @@ DRIVE_GB = 7_680.0
 
 
 def _gpu(name, kind, memory_gb, host_gb, fp32, tf32, bf16, hbm_gbps, pcie_gbps, link_gbps,
-         link, via_host=False):
+         link, via_host=False, host_adam_gbps=100.0):
   efficiency = 0.7
   return HardwareProfile(
       name=name, device_kind=kind, device_memory_gb=memory_gb, host_memory_gb=host_gb,
@@ -186,7 +186,7 @@ def _gpu(name, kind, memory_gb, host_gb, fp32, tf32, bf16, hbm_gbps, pcie_gbps, 
       h2d_gbps=0.8 * pcie_gbps, d2h_gbps=0.8 * pcie_gbps,
       disk_read_gbps=6.8, disk_write_gbps=4.0, disks=1,
       device_adam_gparams=0.7 * hbm_gbps / ADAM_BYTES_PER_PARAM,
-      host_adam_gparams=100.0 / ADAM_BYTES_PER_PARAM,
+      host_adam_gparams=host_adam_gbps / ADAM_BYTES_PER_PARAM,
       dispatch_s=20e-6, overlap=True, unified_memory=False, disk_read_cached_gbps=0.0,
       peak_tflops={'float32': fp32, 'tf32': tf32, 'bfloat16': bf16},
       interconnect_gbps=0.8 * link_gbps, interconnect=link, interconnect_shares_host_link=via_host,
@@ -205,6 +205,22 @@ PRESETS = {
                  300.0, 'NVLink 3'),
     'rtx4090': _gpu('rtx4090', 'NVIDIA GeForce RTX 4090', 24.0, 256.0, 82.6, 82.6, 165.2, 1008.0,
                     32.0, 32.0, 'PCIe Gen4 x16 through host memory (no NVLink)', via_host=True),
+    # The PCIe cards of the same chips (NVIDIA's H100 PCIe, H100 NVL and H200 NVL datasheets):
+    # lower clocks (FP32 51 and 60 TFLOP/s, the tensor rates halved from the datasheets' "with
+    # sparsity" figures), PCIe Gen5 x16 to the host, an NVLink bridge between pairs or fours
+    # (600, 600 and 900 GB/s both directions together).
+    'h100-pcie': _gpu('h100-pcie', 'NVIDIA H100 PCIe', 80.0, 1024.0, 51.0, 378.0, 756.0, 2000.0,
+                      64.0, 300.0, 'NVLink bridge'),
+    'h100-nvl': _gpu('h100-nvl', 'NVIDIA H100 NVL', 94.0, 1024.0, 60.0, 417.5, 835.5, 3900.0,
+                     64.0, 300.0, 'NVLink bridge'),
+    'h200-nvl': _gpu('h200-nvl', 'NVIDIA H200 NVL', 141.0, 1024.0, 60.0, 417.5, 835.5, 4800.0,
+                     64.0, 450.0, 'NVLink bridge'),
+    # Grace Hopper (GH200 480GB: an H100-class GPU with 96 GB of HBM3, and a Grace CPU with 480 GB
+    # of LPDDR5X at up to 512 GB/s): host and device are joined by NVLink-C2C, 900 GB/s both
+    # directions together, in place of PCIe; the host AdamW is assumed to run at 350 GB/s of
+    # Grace's memory bandwidth (an assumption, as the 100 GB/s of the x86 hosts above).
+    'gh200': _gpu('gh200', 'NVIDIA GH200 480GB', 96.0, 480.0, 67.0, 494.7, 989.4, 4000.0, 450.0,
+                  450.0, 'NVLink 4', host_adam_gbps=350.0),
     # The CPU backend: "device" and host are the same RAM. Rates are those measured on the 2-core
     # CI VMs (BENCHMARKS.md); run --calibrate for a real machine. Sizes are read at plan time.
     'cpu': HardwareProfile(
@@ -224,7 +240,10 @@ PRESETS = {
 ALIASES = {'h100-80gb': 'h100', 'h200-141gb': 'h200', 'a100-80gb': 'a100', '4090': 'rtx4090',
            'rtx-4090': 'rtx4090'}
 # device_kind substrings -> preset, for auto-detection.
-_DETECT = (('H200', 'h200'), ('H100', 'h100'), ('A100', 'a100'), ('4090', 'rtx4090'))
+# The most specific first: 'NVIDIA H100 PCIe' is no SXM H100, 'NVIDIA GH200 480GB' no H200.
+_DETECT = (('GH200', 'gh200'), ('H200 NVL', 'h200-nvl'), ('H100 NVL', 'h100-nvl'),
+           ('H100 PCIe', 'h100-pcie'), ('H200', 'h200'), ('H100', 'h100'), ('A100', 'a100'),
+           ('4090', 'rtx4090'))
 
 
 def preset_for(device_kind: str) -> str | None:
@@ -267,7 +286,8 @@ def _detect_preset() -> str:
 
 
 def load_profile(spec: str) -> HardwareProfile:
-  """`spec`: a preset name (h100, h200, a100, rtx4090, cpu), a profile JSON path, or '' (auto).
+  """`spec`: a preset name (PRESETS: h100, h200, a100, rtx4090, ...), a profile JSON path, or ''
+  (auto).
   The profile's `origin` says which of these it is, with the file's path: an empty spec picks up
   a calibration file in ~/.cache silently otherwise."""
   if not spec:

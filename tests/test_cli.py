@@ -1,6 +1,7 @@
 """The command line (launch.py) and the bad-input table: each bad input is a clear ConfigError that
 names the field and the fix, raised before anything is allocated or written."""
 
+import dataclasses
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from megatrain_jax import config as config_lib
+from megatrain_jax import hardware
 from megatrain_jax import train
 from megatrain_jax.errors import ConfigError
 
@@ -25,10 +27,14 @@ def run_launch(*args, timeout=300):
 
 
 @pytest.mark.timing
-@pytest.mark.parametrize('name, target', [('101b', 101e9), ('405b.py', 405e9)])
-def test_dry_run_of_the_largest_presets_is_fast_and_exact(name, target):
+@pytest.mark.parametrize('name, target, drives', [('101b', 101e9, 1), ('405b.py', 405e9, 4)])
+def test_dry_run_of_the_largest_presets_is_fast_and_exact(name, target, drives, tmp_path):
+  """101B and 405B plan for an H200 (405B's 25.7 TB of NVMe, 3 checkpoints kept, on four drives)."""
+  profile = dataclasses.replace(hardware.load_profile('h200'), disks=drives,
+                                disk_gb=drives * hardware.DRIVE_GB)
   started = time.monotonic()
-  result = run_launch('--config', name, '--dry_run', '--config.hardware=h200')
+  result = run_launch('--config', name, '--dry_run',
+                      f'--config.hardware={hardware.save_profile(profile, tmp_path / "h200.json")}')
   elapsed = time.monotonic() - started
   assert result.returncode == 0, result.stderr
   lines = dict(line.split(':', 1) for line in result.stdout.splitlines() if ':' in line)

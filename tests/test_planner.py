@@ -434,7 +434,7 @@ def test_unknown_hardware_is_refused():
 
 def test_an_auto_detected_gpu_preset_plans_with_this_machines_sizes(monkeypatch, tmp_path):
   """config.hardware='' on a GPU with no calibration file: the preset's rates, but this
-  machine's RAM, device memory and disk (the h100 preset's 2 TB of RAM and 30 TB drive planned a
+  machine's RAM, device memory and disk (the h100 preset's 2 TB of RAM and its drive planned a
   256 GB box for 1.7 TB of host memory); a preset named on purpose (planning another machine)
   keeps its sizes."""
   monkeypatch.setattr(hardware.layout, 'platform', lambda: 'gpu')
@@ -447,6 +447,23 @@ def test_an_auto_detected_gpu_preset_plans_with_this_machines_sizes(monkeypatch,
   assert (auto.device_memory_gb, auto.disk_gb) == (79.2, 0.0)  # disk: offload.dir's, measured
   assert 'this machine' in auto.origin
   assert (named.host_memory_gb, named.device_memory_gb, named.disk_gb) == (2048.0, 80.0, 7_680)
+
+
+@pytest.mark.parametrize('device_kind, preset, fp32', [
+    ('NVIDIA H100 80GB HBM3', 'h100', 67.0), ('NVIDIA H100 PCIe', 'h100-pcie', 51.0),
+    ('NVIDIA H100 NVL', 'h100-nvl', 60.0), ('NVIDIA H200', 'h200', 67.0),
+    ('NVIDIA H200 NVL', 'h200-nvl', 60.0), ('NVIDIA GH200 480GB', 'gh200', 67.0),
+    ('NVIDIA A100-SXM4-80GB', 'a100', 19.5), ('NVIDIA GeForce RTX 4090', 'rtx4090', 82.6)])
+def test_each_gpu_is_planned_and_its_mfu_taken_from_its_own_datasheet(device_kind, preset, fp32):
+  """A PCIe or NVL card of the H100/H200 chip, or a Grace Hopper, is its own preset: perf/mfu's
+  peak and the planner's rates are that card's (an H100 PCIe's 51 FP32 TFLOP/s, not the SXM's 67:
+  its MFU read 24% low), and a GH200's host link is NVLink-C2C (360 GB/s planned), not PCIe."""
+  assert hardware.preset_for(device_kind) == preset
+  assert hardware.datasheet_peak_tflops(device_kind, 'float32', 'highest') == fp32
+  profile = hardware.load_profile(preset)
+  assert profile.device_kind == device_kind
+  assert profile.h2d_gbps == (360.0 if preset == 'gh200' else
+                              25.6 if preset in ('a100', 'rtx4090') else 51.2)
 
 
 def test_bad_profile_file_is_refused(tmp_path):
