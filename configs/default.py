@@ -344,7 +344,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.jax_cache_dir = '~/.cache/megatrain_jax/jax'  # Persistent XLA compile cache; '' = off.
   config.hardware = ''  # Hardware profile the planner predicts from: a preset (h100, h200, a100,
-  #                       rtx4090, h100-pcie, h100-nvl, h200-nvl, gh200, cpu), a JSON file from `launch.py --calibrate`, or '' = auto
+  #                       rtx4090, h100-pcie, h100-nvl, h200-nvl, gh200, cpu), a JSON file
+  #                       from `launch.py --calibrate`, or '' = auto
   #                       (~/.cache/megatrain_jax/hardware.json if calibrated on this device kind,
   #                       else the preset matching the device).
   return config

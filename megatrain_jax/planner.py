@@ -1080,8 +1080,8 @@ def _devices_that_fit(config, hw: HardwareProfile, disk_free_gb: float | None,
     count = factor * devices.count
     if config.train.batch_size % count:
       break
-    plans, rejected, _ = _search(config, hw, disk_free_gb, dataclasses.replace(devices, count=count),
-                                 fresh_init=fresh_init)
+    more = dataclasses.replace(devices, count=count)
+    plans, rejected, _ = _search(config, hw, disk_free_gb, more, fresh_init=fresh_init)
     if plans or any('device' not in p.over_budget() for p in rejected):
       return count
   return None
