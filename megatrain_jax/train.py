@@ -1041,9 +1041,7 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
   outputs = sample_lib.generate_all(model_cfg, params, prompts,
                                     max_new_tokens=settings.max_new_tokens, seed=settings.seed,
                                     eos_id=stops, batch_size=rows, **sampling)
-  completions = [(data_lib.decode_continuation(
-      tokenizer, prompt, ids[:-1] if ids.size and ids[-1] in stops else ids),
-                  int(ids.size), bool(ids.size and ids[-1] in stops))
+  completions = [_completion(tokenizer, prompt, ids, stops)
                  for prompt, ids in zip(prompts, outputs)]
   if settings.prompts:
     return _write_samples(settings.out, texts, completions, source)
@@ -1056,6 +1054,14 @@ def sample(config: ml_collections.ConfigDict, workdir: str,
   print(f'[{tokens - stopped} new token{"s" * (tokens - stopped != 1)}; {end}]', flush=True)
   return {'sample/prompt': settings.prompt, 'sample/text': text, 'sample/tokens': tokens,
           'sample/source': source}
+
+
+def _completion(tokenizer, prompt: list, ids: np.ndarray, stops) -> tuple[str, int, bool]:
+  """(text, tokens, stopped) of `ids` generated after `prompt`: the text without the stop id
+  that ended it, as it reads after the prompt's (data.decode_continuation)."""
+  stopped = bool(ids.size and ids[-1] in stops)
+  text = data_lib.decode_continuation(tokenizer, prompt, ids[:-1] if stopped else ids)
+  return text, int(ids.size), stopped
 
 
 def _check_sample_settings(settings) -> None:

@@ -61,12 +61,13 @@ RECORDS_VERSION = 5
 # template's own first BOS and last EOS are the document's (they were doubled before), so such
 # data prepared before is prepared again (other data, large corpora included, is not).
 CHAT_RENDERING_VERSION = 2
-# How the learned tokens of records that learn only some of theirs (pairs, chats) are found, part
+# How records that learn only some of their tokens (pairs, chats) become tokens and masks, part
 # of the prepared data's identity. 2: every token of a learned character that a byte-level BPE
-# splits (an emoji's 4 bytes), not only its first; and a chat whose template ends every turn with
-# the EOS (Qwen2.5 Instruct's '<|im_end|>') ends at the last turn's, not '<|im_end|>\n<|im_end|>'.
+# splits (an emoji's 4 bytes), not only its first; a chat whose template ends every turn with the
+# EOS (Qwen2.5 Instruct's '<|im_end|>') ends at the last turn's, not '<|im_end|>\n<|im_end|>';
+# multi-turn Phi-3 chats are read; a template's own BOS is tokenized with the text after it.
 # Data prepared before with a loss mask is prepared again; data without one (text, a corpus of
-# JSONL text) is kept (prepare.prepared_before).
+# JSONL text) is kept (prepare._fingerprint_before_learned_rules).
 LEARNED_RULES_VERSION = 2
 LEARNED_RULES_FIELD = 'learned_rules'
 # Alpaca records (record_parts): the field names (where two, Alpaca's, then Dolly's).
@@ -537,10 +538,12 @@ def _without_template_eos(parts: Parts, fmt: DocumentFormat) -> Parts:
   it, so it is there once, as transformers' apply_chat_template gives it (twice before). The BOS
   a template writes first (Llama 3's and Mistral's begin with {{ bos_token }}) stays, tokenized
   with what follows it as transformers tokenizes the rendering, and is the document's
-  (encode_documents adds none where the ids begin with it). Where the EOS
-  is the template's turn end (Qwen2.5 Instruct's '<|im_end|>', every turn ended '<|im_end|>\n'),
-  the document ends at the last turn's: the whitespace after it goes too, so the reply is learned
-  as generation writes it, ending at the EOS that stops it (not '<|im_end|>\n<|im_end|>')."""
+  (encode_documents adds none where the ids begin with it).
+
+  Where the EOS is the template's turn end (Qwen2.5 Instruct's '<|im_end|>', every turn ended
+  '<|im_end|>\n'), the document ends at the last turn's: the whitespace after it goes too, so
+  the reply is learned as generation writes it, ending at the EOS that stops it (not
+  '<|im_end|>\n<|im_end|>')."""
   last = parts[-1][0] if parts else ''
   if fmt.eos_text and not last.endswith(fmt.eos_text) and last.rstrip().endswith(fmt.eos_text):
     last = last.rstrip()

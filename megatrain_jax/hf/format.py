@@ -65,8 +65,9 @@ _DEFAULT_QWEN2_MAX_WINDOW_LAYERS = 28
 # Where an architecture's transformers default differs from the ones above (MistralConfig's
 # window of 4096, Phi3Config's rms_norm_eps of 1e-5): a config.json without the key (one written
 # by hand, or trimmed) means what transformers makes of it. An explicit null stays null (Mistral
-# v0.3's `"sliding_window": null` is full attention). Without num_key_value_heads every query
-# head has its own (Qwen2Config's default of 32 would be no model with fewer query heads).
+# v0.3's `"sliding_window": null` is full attention). Without num_key_value_heads, other than
+# Mistral's, every query head has its own (Qwen2Config's default of 32 KV heads would be no model
+# with fewer query heads).
 _ARCHITECTURE_DEFAULTS = {'MistralForCausalLM': {'sliding_window': 4096, 'num_key_value_heads': 8},
                           'Phi3ForCausalLM': {'rms_norm_eps': 1e-5}}
 
