@@ -496,7 +496,8 @@ def _open_data(config, workdir: pathlib.Path, microbatches: int, document_eos: i
   sampler = data_lib.BatchSampler(
       data_lib.load_split(info, 'train'), seq_len=train_cfg.seq_len,
       batch_size=train_cfg.batch_size, microbatches=microbatches, seed=train_cfg.seed,
-      document_eos=document_eos, row_packing=row_packing, verifier=data_lib.verify_data(info))
+      document_eos=document_eos, row_packing=row_packing, verifier=data_lib.verify_data(info),
+      tokenizer=info.tokenizer)
   eval_data = data_lib.eval_batches(
       data_lib.load_split(info, 'val'), seq_len=train_cfg.seq_len,
       batch_size=train_cfg.batch_size, num_batches=train_cfg.eval_batches,
@@ -805,9 +806,12 @@ def _data_fields(config) -> dict:
 
 
 def _data_record(config, sampler, position: int) -> dict:
-  """What a checkpoint records of its data: a digest of the samples from `position` on (the
-  next ones trained) and the fields that decide them (`_resumed` compares)."""
-  return {'next_samples': sampler.digest(position), 'fields': _data_fields(config)}
+  """What a checkpoint records of its data: a digest of the next step's samples (those from
+  `position` on), the fields that decide them and the tokenizer whose ids they are (its content
+  hash), which `_resumed` compares."""
+  return {'next_samples': sampler.digest(position, sampler.samples_per_step),
+          'samples': sampler.samples_per_step, 'fields': _data_fields(config),
+          'tokenizer': sampler.tokenizer}
 
 
 def _resumed(restored, config, sampler, main: bool, workdir: pathlib.Path,
@@ -830,16 +834,37 @@ def _resumed(restored, config, sampler, main: bool, workdir: pathlib.Path,
       print(f'note: deleted checkpoint(s) {", ".join(map(str, deleted))} beyond '
             f'checkpoint.keep={config.checkpoint.keep}', flush=True)
   position, recorded = restored.meta['data_position'], restored.meta.get('data')
-  if main and recorded and recorded['next_samples'] != sampler.digest(position):
+  _check_same_tokenizer(recorded, sampler, config, restored.step)
+  # Records before 2026-12-07 digest 4 samples; since, the whole next step's.
+  if main and recorded and recorded['next_samples'] != sampler.digest(
+      position, recorded.get('samples', 4)):
     now = _data_fields(config)
     changed = [f'{name} {recorded["fields"].get(name)!r} -> {value!r}'
                for name, value in now.items() if recorded['fields'].get(name) != value]
     print(f'warning: checkpoint step {restored.step} was trained on other data: '
-          f'{"; ".join(changed) or "the same config, but the files it reads changed"}. Training '
-          f'goes on from sample {position:,} of the data as it is now, so the batches from here '
-          'on are not those of an uninterrupted run'
+          f'{"; ".join(changed) or _SAME_CONFIG_OTHER_DATA}. Training goes on from sample '
+          f'{position:,} of the data as it is now, so the batches from here on are not those of '
+          'an uninterrupted run'
           f'{" (set those fields back to resume exactly)" if changed else ""}.', flush=True)
   return position, early
+
+
+_SAME_CONFIG_OTHER_DATA = ('the same config, but the data as prepared now differs (the files it '
+                           'reads changed, or this version prepares them otherwise: a note above '
+                           'says why the data was prepared again)')
+
+
+def _check_same_tokenizer(recorded: dict | None, sampler, config, step: int) -> None:
+  """Refuses a resume whose tokenizer is not the one checkpoint `step` trained with (another
+  tokenizer.json at the same data.tokenizer path): its ids would name other tokens to the
+  checkpoint's embedding rows. Records before 2026-12-07 hold no tokenizer."""
+  was = (recorded or {}).get('tokenizer')
+  if was and sampler.tokenizer and was != sampler.tokenizer:
+    raise ConfigError(
+        f'data.tokenizer={config.data.tokenizer} is not the tokenizer checkpoint step {step} '
+        f'trained with (its content was {was}, now {sampler.tokenizer}): its ids would name other '
+        'tokens to the checkpoint\'s embeddings. Put back the tokenizer.json the run trained '
+        'with, or start a new run.')
 
 
 # The settings a resume may change that change the steps ahead (model shapes are refused, data

@@ -513,7 +513,7 @@ def test_an_eos_that_ends_every_chat_turn_keeps_each_conversation_whole(tmp_path
   data_lib.check_document_ends(info, eos, '<|im_end|>', 'model.document_mask')  # ends recorded
 
 
-def test_a_chat_whose_turn_end_is_the_eos_ends_at_it_once(tmp_path, tokenizer_dir):
+def test_a_chat_whose_turn_end_is_the_eos_ends_at_it_once(tmp_path, tokenizer_dir, caplog):
   """Qwen2.5 Instruct's tokenizer: its EOS '<|im_end|>' is the turn end its template writes
   with a newline after every turn. A conversation is transformers' apply_chat_template without
   the newline after its last '<|im_end|>' (generation stops at that EOS), which is learned once,
@@ -543,9 +543,13 @@ def test_a_chat_whose_turn_end_is_the_eos_ends_at_it_once(tmp_path, tokenizer_di
           k: v for k, v in identity(fmt).items() if k != documents_module.LEARNED_RULES_FIELD})
       prepare_dataset(out, tok, train_sources=[path], val_fraction=0.5)
     before = json.loads((out / 'meta.json').read_text())['fingerprint']
+    caplog.clear()
     prepare_dataset(out, tok, train_sources=[path], val_fraction=0.5)
     after = json.loads((out / 'meta.json').read_text())['fingerprint']
     assert (after != before) == (name == 'chat'), name
+    said = [r.getMessage() for r in caplog.records if 'again' in r.getMessage()]
+    assert said == ([f'prepare: preparing {out} again: this version reads records otherwise '
+                     '(learned_rules None -> 2)'] if name == 'chat' else []), said
 
 
 def test_a_damaged_document_ends_file_is_refused(tmp_path, documents):

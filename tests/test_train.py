@@ -289,13 +289,71 @@ def test_resume_on_other_data_says_what_changed(tmp_path, shared_data, capsys):
   assert second['data/epoch'] == pytest.approx(2 * first['data/epoch']) and first['data/epoch'] > 0
   meta = json.loads((tmp_path / 'run' / 'checkpoints' / '2' / 'meta.json').read_text())
   assert meta['data']['fields']['train.seed'] == 0 and len(meta['data']['next_samples']) == 16
+  assert meta['data']['samples'] == 8 and meta['data']['tokenizer'] == 'byte'  # the whole step
   warned = resume(3, train__seed=1)
   assert len(warned) == 1 and 'checkpoint step 2 was trained on other data: train.seed 0 -> 1' \
       in warned[0] and 'set those fields back' in warned[0]
   data.write_text(data.read_text()[::-1])  # the same size, other text
   warned = resume(4, train__seed=1)
-  assert len(warned) == 1 and 'the same config, but the files it reads changed' in warned[0]
+  assert len(warned) == 1 and 'the same config, but the data as prepared now differs' in warned[0]
   assert resume(5, train__seed=1) == []  # trained on these since
+
+
+def test_a_resume_sees_a_change_anywhere_in_the_next_step(tmp_path, shared_data, capsys,
+                                                         monkeypatch):
+  """The digest a checkpoint records covers the whole next step (its 16 samples here: it was
+  the first 4, so data changed after them resumed in silence); the record of an earlier version
+  (4 samples, no count) is compared as it was made."""
+  from megatrain_jax.data import loader  # pylint: disable=import-outside-toplevel
+  resume, _ = _resumer(tmp_path, shared_data, capsys, lambda line: 'other data' in line)
+  with monkeypatch.context() as patch:  # the record of an earlier version
+    patch.setattr(train, '_data_record', lambda config, sampler, position: {
+        'next_samples': sampler.digest(position), 'fields': train._data_fields(config)})
+    assert resume(1, train__microbatches=2) == []
+  assert resume(2, train__microbatches=2) == []  # compared as made: the same data
+  meta = json.loads((tmp_path / 'run' / 'checkpoints' / '2' / 'meta.json').read_text())
+  assert meta['data']['samples'] == 16
+  # Samples 5-16 of the next step changed, the first 4 as they were: seen.
+  digest = loader.BatchSampler.digest
+  monkeypatch.setattr(loader.BatchSampler, 'digest', lambda self, position, count=4: (
+      digest(self, position, count) if count <= 4 else 'changed after the 4th'))
+  warned = resume(3, train__microbatches=2)
+  assert len(warned) == 1 and 'checkpoint step 2 was trained on other data' in warned[0]
+
+
+def test_a_resume_with_another_tokenizer_at_the_same_path_is_refused(tmp_path, capsys):
+  """A checkpoint records the content hash of the tokenizer its ids are of: a tokenizer.json
+  replaced at the same data.tokenizer path is refused on resume (its ids name other tokens to the
+  embeddings), before anything is written; the same tokenizer resumes."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  from tokenizers import models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
+  text = (REPO_ROOT.parent / 'shared' / 'data' / 'tinyshakespeare' / 'input.txt').read_text()
+  corpus = tmp_path / 'corpus.txt'
+  corpus.write_text(text[:40_000])
+
+  def tokenizer(vocab_size):
+    tok = tokenizers.Tokenizer(models.BPE(unk_token='<unk>'))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text[:40_000]], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=['<unk>', '</s>'], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    (tmp_path / 'tok').mkdir(exist_ok=True)
+    tok.save(str(tmp_path / 'tok' / 'tokenizer.json'))
+    (tmp_path / 'tok' / 'tokenizer_config.json').write_text('{"eos_token": "</s>"}')
+
+  def run(steps):
+    return train.train_and_evaluate(small_config(
+        corpus, train__steps=steps, checkpoint__every=1, data__tokenizer=str(tmp_path / 'tok'),
+        model__vocab_size=512), str(tmp_path / 'run'))
+  tokenizer(400)
+  run(1)
+  run(2)  # the same tokenizer: resumes
+  tokenizer(420)  # another one, at the same path
+  with pytest.raises(ConfigError, match=r'data.tokenizer=.*tok is not the tokenizer checkpoint '
+                     r'step 2 trained with \(its content was hf:\w+, now hf:\w+\): its ids '
+                     r'would name other tokens .*Put back the tokenizer.json'):
+    run(3)
+  assert not (tmp_path / 'run' / 'checkpoints' / '3').exists()
 
 
 def test_damaged_prepared_data_stops_the_run_before_its_next_checkpoint(tmp_path, shared_data,

@@ -299,7 +299,7 @@ class BatchSampler:
 
   def __init__(self, tokens, *, seq_len: int, batch_size: int, microbatches: int, seed: int,
                document_eos: int = -1, row_packing: packing.RowPacking | None = None,
-               verifier: shards.ShardVerifier | None = None):
+               verifier: shards.ShardVerifier | None = None, tokenizer: str = ''):
     """Creates the sampler.
 
     Args:
@@ -317,6 +317,8 @@ class BatchSampler:
         always.
       verifier: The check of the prepared files `tokens` are read from (`verify_data`), which
         `check_data` waits for.
+      tokenizer: The name of the tokenizer whose ids `tokens` are (DatasetInfo.tokenizer: for a
+        tokenizer.json, a hash of its content), which a checkpoint records.
 
     Raises:
       ConfigError: If an argument is out of range, or (naming `train.seq_len`) if a stream is too
@@ -337,6 +339,7 @@ class BatchSampler:
     self._document_eos = document_eos
     self.has_mask = any(stream.has_mask for stream in self._streams) or document_eos >= 0
     self._verifier = verifier
+    self.tokenizer = tokenizer
 
   def check_data(self, wait: bool = True) -> None:
     """Raises StoreCorruptionError if the `verifier` (reading every prepared file the batches

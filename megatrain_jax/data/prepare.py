@@ -221,6 +221,8 @@ def prepare_dataset(out_dir: str | Path,
                             (fingerprint, _fingerprint_before_learned_rules(identity, meta))) and
       _token_files_complete(job.out_dir, meta)):
     return _info_from_meta(job.out_dir, meta)
+  if meta is not None:  # a run resumed on the new data is told its batches changed: this is why
+    _LOG.warning('prepare: preparing %s again: %s', job.out_dir, _why_again(meta, identity))
   started = time.monotonic()
   # One prepare at a time per directory (a second one would delete the first's unfinished
   # shards): two --prepare runs, or runs sharing a data.cache_dir. The lock makes the directory,
@@ -296,6 +298,35 @@ def _describe_files(files: Sequence[Path]) -> list[dict[str, Any]]:
 
 def _fingerprint(identity: dict[str, Any]) -> str:
   return hashlib.sha256(json.dumps(identity, sort_keys=True).encode('utf-8')).hexdigest()
+
+
+# What each part of a prepare's identity (_source_identity) is, for the note of a prepare again.
+_IDENTITY_NAMES = {'format': 'this version stores prepared data otherwise',
+                   'train_sources': "data.path's files changed (their sizes or times)",
+                   'val_sources': "data.val_path's files changed (their sizes or times)",
+                   'tokenizer': 'another tokenizer', 'vocab_size': 'another vocabulary size',
+                   'shard_tokens': 'data.shard_tokens changed',
+                   'val_fraction': 'data.val_fraction changed'}
+# Parts of the documents' identity that are this version's rules, not the user's settings.
+_RULES = ('records_version', 'chat_rendering', LEARNED_RULES_FIELD)
+
+
+def _why_again(meta: dict[str, Any], identity: dict[str, Any]) -> str:
+  """Why data prepared before (`meta`) is prepared again for `identity`: the parts that
+  differ, this version's rules for records named as such (a run resumed on the new data is told
+  its batches changed; this says why)."""
+  reasons = [_IDENTITY_NAMES.get(key, key) for key in identity
+             if key != 'documents' and meta.get(key) != identity[key]]
+  was, now = meta.get('documents') or {}, identity.get('documents') or {}
+  rules = [f'{key} {was.get(key)} -> {now.get(key)}' for key in _RULES
+           if key in now and was.get(key) != now.get(key)]
+  if rules:
+    reasons.append(f'this version reads records otherwise ({", ".join(rules)})')
+  settings = sorted(key for key in set(was) | set(now)
+                    if key not in _RULES and was.get(key) != now.get(key))
+  if settings:
+    reasons.append(f'other document settings ({", ".join(settings)})')
+  return '; '.join(reasons) or 'its files are incomplete'
 
 
 def _fingerprint_before_learned_rules(identity: dict[str, Any], meta: dict[str, Any]) -> str | None:
