@@ -20,8 +20,8 @@ import tensorstore as ts
 from megatrain_jax import model as model_lib
 from megatrain_jax import layout as layout_lib
 from megatrain_jax import optim
-from megatrain_jax.hardware import (PRESETS, HardwareProfile, device_memory_gb, machine_memory_gb,
-                                    preset_for)
+from megatrain_jax.hardware import (CALIBRATION_VERSION, PRESETS, HardwareProfile,
+                                    device_memory_gb, machine_memory_gb, preset_for)
 from megatrain_jax.runtime import process_rss_bytes
 from megatrain_jax.tiers import codecs, nvme
 
@@ -204,6 +204,7 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
         break
   profile = HardwareProfile(
       name=f'calibrated-{device.device_kind}', device_kind=device.device_kind,
+      calibration_version=CALIBRATION_VERSION,
       device_memory_gb=machine_memory_gb() if cpu else device_memory_gb(),
       host_memory_gb=machine_memory_gb(), disk_gb=0.0, compute_tflops=compute,
       h2d_gbps=h2d, d2h_gbps=d2h, disk_read_gbps=cold, disk_write_gbps=write, disks=1,

@@ -108,6 +108,9 @@ class HardwareProfile:
   interconnect: str = ''  # the link in words, for the plan ('NVLink 4', ...)
   # True when the collectives cross the same link as the host<->device copies (no peer link).
   interconnect_shares_host_link: bool = False
+  # The CALIBRATION_VERSION of the `--calibrate` that wrote this profile; 0: a preset, a profile
+  # written by hand, or a calibration of an earlier version (load_profile says so).
+  calibration_version: int = 0
   # Where this profile came from (a preset named by config.hardware, auto-detected, or a file and
   # its path): set by load_profile, printed with the plan, never saved (not a measured figure).
   origin: str = ''
@@ -296,7 +299,7 @@ def load_profile(spec: str) -> HardwareProfile:
     if cached.is_file():
       profile = _read_profile(cached)
       if profile.device_kind == kind:
-        return _fill_sizes(dataclasses.replace(profile, origin=(
+        return _fill_sizes(_origin(profile, (
             f'calibration file {cached}, used because config.hardware is empty and it was made '
             f'on this device kind; config.hardware={preset} plans with the preset instead')))
       why = f'the calibration file {cached} is for {profile.device_kind!r}, not {kind!r}'
@@ -319,21 +322,40 @@ def load_profile(spec: str) -> HardwareProfile:
       raise ConfigError(f'hardware={spec!r}: no such profile file. Write one with '
                         '`python launch.py --calibrate`, or use a preset: '
                         f'{", ".join(PRESETS)}.')
-    return _fill_sizes(dataclasses.replace(
-        _read_profile(path), origin=f'profile file {path.absolute()}, named by config.hardware'))
+    return _fill_sizes(_origin(
+        _read_profile(path), f'profile file {path.absolute()}, named by config.hardware'))
   raise ConfigError(f'hardware={spec!r} is neither a preset ({", ".join(PRESETS)}) nor a profile '
                     'file. Use a preset name, a path to a JSON profile written by '
                     '`python launch.py --calibrate`, or leave it empty to auto-detect.')
 
 
+# Raised when a calibration's figures change meaning, so a profile calibrated before is named as
+# such with the plan (load_profile). 1 (2026-12-07): layer rates over the FLOPs the layers
+# execute, all of attention (the causal half before: rates 2-9% low at widths 1024-256), and
+# programs_host_gb recorded.
+CALIBRATION_VERSION = 1
+_CALIBRATED = 'calibrated-'  # the name --calibrate gives its profiles
+
+
 def _read_profile(path: pathlib.Path) -> HardwareProfile:
+  """The profile in `path`; one that an earlier version's --calibrate wrote is marked so
+  (`origin`, which load_profile completes): its figures mean less than they say."""
   try:
     fields = json.loads(path.read_text())
     fields.pop('origin', None)  # set by whoever loads it, never trusted from the file
-    return HardwareProfile(**fields)
+    profile = HardwareProfile(**fields)
   except (json.JSONDecodeError, TypeError, AttributeError) as e:
     raise ConfigError(f'hardware profile {path} is not a valid profile ({e}). Re-create it with '
                       '`python launch.py --calibrate`.') from e
+  return profile
+
+
+def _origin(profile: HardwareProfile, origin: str) -> HardwareProfile:
+  """`profile` with `origin`, and a note where an earlier version's --calibrate wrote it."""
+  if profile.name.startswith(_CALIBRATED) and profile.calibration_version < CALIBRATION_VERSION:
+    origin += ('; calibrated by an earlier version of megatrain_jax, whose layer rates count half '
+               'the attention and which may lack programs_host_gb: rerun --calibrate')
+  return dataclasses.replace(profile, origin=origin)
 
 
 def save_profile(profile: HardwareProfile, path: pathlib.Path = PROFILE_CACHE) -> pathlib.Path:

@@ -54,6 +54,7 @@ import time
 from megatrain_jax.errors import ConfigError
 
 ALLOCATORS = ('tuned', 'system')
+_RETIRED_ALLOCATORS = ('auto', 'bounded')  # settings of earlier versions, now 'tuned'
 ENV = 'MEGATRAIN_JAX_ALLOCATOR'  # read at import, before a config exists
 
 # mallopt parameter numbers (<malloc.h>).
@@ -106,7 +107,11 @@ def configure_allocator(allocator: str, trim_above: float | None = None) -> bool
   resident set in bytes above which its heap is trimmed (None: never)."""
   global _applied
   if allocator not in ALLOCATORS:
-    raise ConfigError(f'runtime.allocator: {allocator!r} is not one of {", ".join(ALLOCATORS)}.')
+    retired = (f" ('{allocator}' was folded into 'tuned' on 2026-12-05: 'tuned' bounds its heap "
+               "as 'bounded' did; set runtime.allocator='tuned')"
+               if allocator in _RETIRED_ALLOCATORS else '')
+    raise ConfigError(f'runtime.allocator: {allocator!r} is not one of {", ".join(ALLOCATORS)}'
+                      f'{retired}.')
   TRIMMER.watch(trim_above if allocator == 'tuned' else None)
   if allocator == _applied or (allocator == 'system' and _applied is None):
     return True

@@ -278,13 +278,14 @@ def _note_other_placement(restored, placement, offload) -> None:
   if not changed:
     return
   planned = [key for key in changed if offload.get(key) in ('auto', 0)]  # layers_per_group 0
-  why = (f'which the planner chose for the memory and disk free now (set offload.'
-         f'{", offload.".join(planned)} to keep the earlier one)' if planned else
-         'as offload.* now asks')
+  why = (f'which the planner chose now (for the memory and disk free now, or as this version '
+         f'plans; set offload.{", offload.".join(planned)} to keep the earlier one)' if planned
+         else 'as offload.* now asks')
   print(f'note: checkpoint step {restored.step} was written under another placement '
         f'({"; ".join(f"{key} {was[key]} -> {now[key]}" for key in changed)}); the run resumes '
-        f'under this one, {why}: the same arithmetic in another order, so its numbers match the '
-        'earlier placement\'s within float32 rounding, not bit for bit', flush=True)
+        f'under this one, {why}: the same arithmetic, possibly in another order, so its numbers '
+        'match the earlier placement\'s within float32 rounding, not necessarily bit for bit',
+        flush=True)
 
 
 def _build_engine(model_cfg, config, plan, restored, source, layout: Layout):

@@ -352,11 +352,11 @@ def test_checkpoints_move_between_placements(tmp_path, tmp_path_factory, data, m
            if line.startswith('note: checkpoint step 4 was written under another placement')]
   if first == NVME and second == RESIDENT:  # `auto` fields: the planner's choice
     assert len(notes) == 1 and 'params nvme -> device; opt_state nvme -> device' in notes[0]
-    assert 'which the planner chose for the memory and disk free now (set offload.params, ' in (
-        notes[0])
+    assert ('which the planner chose now (for the memory and disk free now, or as this version '
+            'plans; set offload.params, ') in notes[0]
   if first == NVME and second == HOST:  # the user's (the note blamed the planner)
-    assert len(notes) == 1 and 'under this one, as offload.* now asks: the same arithmetic in ' \
-        'another order' in notes[0] and 'not bit for bit' in notes[0], notes
+    assert len(notes) == 1 and 'under this one, as offload.* now asks: the same arithmetic, ' \
+        'possibly in another order' in notes[0] and 'not necessarily bit for bit' in notes[0], notes
   if 'offload__codec' in first:
     assert notes == []
   # The stores of the pieces that left NVMe are deleted (the full state, never read again).
@@ -399,7 +399,7 @@ def test_a_streamed_resume_under_another_shard_mb_says_it_is_not_bit_for_bit(cap
     train._note_other_placement(  # pylint: disable=protected-access
         types.SimpleNamespace(step=4, meta={'placement': was}), placement, offload)
     out = capsys.readouterr().out
-    assert ('shard_mb 512.0 -> 64.0' in out and 'not bit for bit' in out) == note, out
+    assert ('shard_mb 512.0 -> 64.0' in out and 'not necessarily bit for bit' in out) == note, out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -534,6 +534,8 @@ def calibrated_profile(tmp_path_factory):
   assert not (out.parent / 'run').exists()
   profile = hardware.load_profile(str(out))
   assert profile.disk_read_gbps > 0 and profile.compute_tflops
+  assert profile.calibration_version == hardware.CALIBRATION_VERSION
+  assert 'earlier version' not in profile.origin
   return out
 
 

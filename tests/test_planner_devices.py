@@ -248,6 +248,20 @@ def test_an_empty_hardware_names_the_calibration_file_it_picked_up(tmp_path, mon
   assert 'forged' not in hardware.load_profile(str(cache)).origin
 
 
+def test_a_profile_an_earlier_calibration_wrote_is_named_so():
+  """A --calibrate of an earlier version counted half the attention (and no programs_host_gb):
+  its profile is used, and the plan's hardware line says to calibrate again; this version's is
+  not, nor a profile that is no calibration."""
+  cpu = hardware.PRESETS['cpu']
+  for name, version, noted in (('calibrated-x', 0, True),
+                               ('calibrated-x', hardware.CALIBRATION_VERSION, False),
+                               ('my-machine', 0, False)):
+    profile = dataclasses.replace(cpu, name=name, calibration_version=version)
+    origin = hardware._origin(profile, 'a file').origin  # pylint: disable=protected-access
+    assert ('calibrated by an earlier version of megatrain_jax' in origin) == noted, name
+    assert origin.startswith('a file') and ('rerun --calibrate' in origin) == noted
+
+
 # --- a refusal names the presets that would fit (issue 14) ----------------------------------------
 
 def test_a_refusal_names_the_presets_it_would_fit():

@@ -55,8 +55,13 @@ def test_tuned_reuses_freed_buffers_and_system_does_not():
 
 
 def test_rejects_unknown_allocator():
-  with pytest.raises(ConfigError, match='runtime.allocator'):
+  with pytest.raises(ConfigError, match='runtime.allocator') as unknown:
     runtime.configure_allocator('jemalloc')
+  assert 'folded' not in str(unknown.value)
+  for retired in ('auto', 'bounded'):  # an earlier version's settings name the one they became
+    with pytest.raises(ConfigError, match=rf"'{retired}' was folded into 'tuned' on 2026-12-05.*"
+                       r"set runtime.allocator='tuned'"):
+      runtime.configure_allocator(retired)
 
 
 def test_configure_reads_the_config_section():
