@@ -992,6 +992,18 @@ def _eval_memory(config, memory: evaluate_lib.EvalMemory, max_len: int, batch_si
   runtime.configure(config, streamed=True, host_peak_bytes=host_peak)
 
 
+def _keep_earlier_eval(path: pathlib.Path) -> None:
+  """Starts evals.jsonl with the eval.json an earlier version wrote alone (before evals.jsonl
+  kept every evaluation), so the next one does not overwrite the only record of it."""
+  if (path / 'eval.json').is_file() and not (path / 'evals.jsonl').exists():
+    try:
+      earlier = json.loads((path / 'eval.json').read_text())
+    except (OSError, ValueError):  # unreadable: nothing to keep
+      return
+    if isinstance(earlier, dict):
+      metrics_lib.append_row(path / 'evals.jsonl', earlier)
+
+
 @_disk_full_is_an_error
 def evaluate(config: ml_collections.ConfigDict, workdir: str,
              overrides: Iterable[str] | None = None) -> dict:
@@ -1023,6 +1035,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
     result = {**result, 'eval/source': source, 'eval/path': str(config.eval.path),
               'eval/document_mask': bool(config.model.document_mask)}
     path.mkdir(parents=True, exist_ok=True)
+    _keep_earlier_eval(path)
     fs.write_json_atomic(path / 'eval.json', result)  # the newest; evals.jsonl keeps every one
     metrics_lib.append_row(path / 'evals.jsonl', {**result, 'eval/finished': time.strftime(
         '%Y-%m-%dT%H:%M:%S%z')})

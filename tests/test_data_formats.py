@@ -1203,7 +1203,8 @@ def test_documents_that_learn_nothing_or_everything_are_counted_and_named(tmp_pa
   assert len(list((tmp_path / 'out').glob('train-*.ends'))) > 1
   summary = prepare_summary(info)
   assert 'warning: 3 documents learn no token but their EOS' in summary
-  assert 'note: 5 documents are learned whole (text records) and 32 in part' in summary
+  assert 'note: 5 documents are learned whole (text records, or pairs' in summary
+  assert 'and 32 in part (prompt/completion pairs, chats): the records may mix kinds' in summary
   # With a tokenizer that adds a BOS (never learned), the same counts.
   _tokenizer_with(tmp_path / 'bos', tokenizer_dir, {'eos_token': EOS, 'bos_token': '<s>',
                                                     'add_bos_token': True})

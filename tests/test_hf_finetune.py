@@ -260,6 +260,13 @@ def test_eval_equals_transformers(arch, stride, placement, checkpoints, eval_tex
                .splitlines()]
     assert [(row['eval/loss'], row['eval/stride']) for row in history] == [
         (result['eval/loss'], 32), (again['eval/loss'], 16)]
+    # An earlier version wrote eval.json alone: the next --eval keeps it as evals.jsonl's first.
+    (tmp_path / 'w' / 'evals.jsonl').unlink()
+    train.evaluate(config, str(tmp_path / 'w'))
+    history = [json.loads(line) for line in (tmp_path / 'w' / 'evals.jsonl').read_text()
+               .splitlines()]
+    assert [row['eval/loss'] for row in history] == [again['eval/loss']] * 2
+    assert 'eval/finished' not in history[0] and 'eval/finished' in history[1]
 
 
 def test_a_chat_template_of_the_run_trains_and_is_exported(checkpoints, tmp_path):

@@ -379,8 +379,9 @@ def prepare_summary(info: DatasetInfo) -> str:
             - stats.get('documents_learning_nothing', 0))
     if stats.get('documents_learned_whole') and part > 0:
       lines.append(f'  note: {stats["documents_learned_whole"]:,} documents are learned whole '
-                   f'(text records) and {part:,} in part (prompt/completion pairs, chats): the '
-                   'records mix kinds')
+                   f'(text records, or pairs whose whole prompt merges into the completion\'s '
+                   f'first token) and {part:,} in part (prompt/completion pairs, chats): the '
+                   'records may mix kinds')
   seconds = stats.get('seconds')
   if seconds:
     mb = stats.get('input_bytes', 0) / 1e6
