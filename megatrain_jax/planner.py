@@ -50,8 +50,9 @@ what the stages of schedule.py declare they hold, each row naming its stage):
   XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB when the user set it (megatrain_jax/__init__.py otherwise
   raises XLA's 64 GiB default to the machine's RAM).
   One layer's internals (what its backward needs when nothing is recomputed, per microbatch):
-    B·S·c·(6·D + 3·H·Dh + 3·Hkv·Dh + 4·F) + 2·B·H·Q·S·c   (attention scores and probabilities
-    of one block of Q = min(S, model.attention_chunk) queries; Q = S when unchunked)
+    B·S·c·(6·D + 3·H·Dh + 3·Hkv·Dh + 4·F) + 3·4·B·H·Q·S   (attention scores, probabilities and
+    their gradient, float32 whatever model.dtype, of one block of Q = min(S,
+    model.attention_chunk) queries; Q = S when unchunked)
 
 TRAFFIC (bytes moved per step; `traffic` sums what each stage of schedule.py declares, the same
 StepSchedule the engine takes its decisions from, and tests check it against the engine's own

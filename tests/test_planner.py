@@ -11,6 +11,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -182,16 +183,25 @@ def test_resident_init_temporaries_against_memory_analysis():
   assert {r.item: r.bytes for r in big.rows}[planner.INIT_ROW] == 0.0
 
 
-@pytest.mark.parametrize('seq, chunk', [(32, 0), (256, 0), (256, 32)],
-                         ids=['short', 'long-whole', 'long-chunked'])
-def test_group_backward_memory_against_memory_analysis(seq, chunk):
-  """The group backward of one layer (remat none) holds about one layer's internals; at 256
-  tokens those are mostly attention scores, which query blocks (model.attention_chunk) shrink."""
+@pytest.mark.parametrize('seq, chunk, dtype', [
+    (32, 0, 'float32'), (256, 0, 'float32'), (256, 32, 'float32'), (1024, 0, 'float32'),
+    (1024, 128, 'float32'), (2048, 256, 'float32'), (1024, 0, 'bfloat16')],
+    ids=['short', 'long-whole', 'long-chunked', '1k-whole', '1k-chunked', '2k-chunked',
+         '1k-whole-bf16'])
+def test_group_backward_memory_against_memory_analysis(seq, chunk, dtype):
+  """The group backward of one layer (remat none) holds about one layer's internals (XLA's
+  count 0.75-1.6x of them); at 256 tokens and more those are mostly attention scores, which query
+  blocks (model.attention_chunk) shrink: three float32 arrays of a block's scores whatever
+  model.dtype (the planner counted two at model.dtype's width: 1.5x low at 1k tokens, 3x in
+  bfloat16). What is left at 2k tokens chunked (1.53x) grows as S² whatever the block, and the
+  attention's own backward does not hold it (~13 bytes a score, as counted): not explained, so
+  not counted."""
   from megatrain_jax import model as model_lib
   batch = 4
-  cfg = CFG.replace(remat='none', max_seq_len=max(CFG.max_seq_len, seq), attention_chunk=chunk)
+  cfg = CFG.replace(remat='none', max_seq_len=max(CFG.max_seq_len, seq), attention_chunk=chunk,
+                    dtype=dtype)
   params = jax.eval_shape(lambda: {'layers': model_lib.init_layers(cfg, jax.random.key(0), 0, 1)})
-  x = jax.ShapeDtypeStruct((batch, seq, cfg.d_model), np.float32)
+  x = jax.ShapeDtypeStruct((batch, seq, cfg.d_model), jnp.dtype(dtype))
   positions = jax.ShapeDtypeStruct((batch, seq), np.int32)
 
   def backward(p, h, pos, dy):
@@ -202,8 +212,8 @@ def test_group_backward_memory_against_memory_analysis(seq, chunk):
   if analysis is None:
     pytest.skip('this backend reports no memory_analysis')
   want = planner.layer_internal_bytes(cfg, batch, seq)
-  assert 0.5 * want <= analysis.temp_size_in_bytes + analysis.output_size_in_bytes <= 2 * want, (
-      analysis.temp_size_in_bytes, want)
+  got = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+  assert 0.75 * want <= got <= 1.6 * want, (got, want, got / want)
 
 
 # --- auto placement and refusals ----------------------------------------------------------------
