@@ -161,6 +161,17 @@ def _disk_gbps(directory: pathlib.Path, nbytes: int) -> tuple[float, float, floa
   return tuple(actual / s / _GB for s in (write_s, cold_s, cached_s, cached_write_s))
 
 
+def _remove_probe(probe_dir: pathlib.Path, made: list) -> None:
+  """Removes the disk probe's directory and the directories made for it (`made`, innermost
+  first) while they are empty: a calibration leaves no <workdir>/offload behind."""
+  shutil.rmtree(probe_dir, ignore_errors=True)
+  for path in made[1:]:
+    try:
+      path.rmdir()
+    except OSError:  # not empty: something else is there now
+      break
+
+
 def calibrate(directory: str, log=print) -> HardwareProfile:
   """Measures this machine (about 30-60 s) and returns its profile. `directory`: where the disk
   probe writes (the NVMe tier's directory; ~256 MB, removed afterwards)."""
@@ -196,12 +207,7 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
         if interconnect else '  interconnect: one device visible, not measured (the planner '
         'assumes the host link for more)')
   finally:
-    shutil.rmtree(probe_dir, ignore_errors=True)
-    for path in made[1:]:
-      try:
-        path.rmdir()
-      except OSError:  # not empty: something else is there now
-        break
+    _remove_probe(probe_dir, made)
   profile = HardwareProfile(
       name=f'calibrated-{device.device_kind}', device_kind=device.device_kind,
       calibration_version=CALIBRATION_VERSION,
