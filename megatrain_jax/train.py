@@ -835,7 +835,7 @@ def _resumed(restored, config, sampler, main: bool, workdir: pathlib.Path,
       print(f'note: deleted checkpoint(s) {", ".join(map(str, deleted))} beyond '
             f'checkpoint.keep={config.checkpoint.keep}', flush=True)
   position, recorded = restored.meta['data_position'], restored.meta.get('data')
-  _check_same_tokenizer(recorded, sampler, config, restored.step)
+  _refuse_another_tokenizer(recorded, sampler, config, restored.step)
   # Records before 2026-12-07 digest 4 samples; since, the whole next step's.
   if main and recorded and recorded['next_samples'] != sampler.digest(
       position, recorded.get('samples', 4)):
@@ -855,7 +855,7 @@ _SAME_CONFIG_OTHER_DATA = ('the same config, but the data as prepared now differ
                            'says why the data was prepared again)')
 
 
-def _check_same_tokenizer(recorded: dict | None, sampler, config, step: int) -> None:
+def _refuse_another_tokenizer(recorded: dict | None, sampler, config, step: int) -> None:
   """Refuses a resume whose tokenizer is not the one checkpoint `step` trained with (another
   tokenizer.json at the same data.tokenizer path): its ids would name other tokens to the
   checkpoint's embedding rows. Records before 2026-12-07 hold no tokenizer."""
