@@ -236,10 +236,10 @@ def test_processes_that_plan_other_placements_stop_with_one_line(tmp_path):
   streams the state where process 0's keeps it resident, and the two would wait for each other's
   collectives forever. Both stop with one line naming each plan and the fix."""
   homes = [tmp_path / 'home0', tmp_path / 'home1']
-  # 1.6 MB a device (3.2 MB of "device" RAM, which the 2 processes of this one machine split):
-  # the small model's resident step no longer fits on each of the 4 devices, the host placement
-  # with the embedding on the device does (the plans' device rows).
-  small = dataclasses.replace(hardware.PRESETS['cpu'], device_memory_gb=0.0032)
+  # 1.53 MB a device (3.4 MB of "device" RAM, which the 2 processes of this one machine split,
+  # at the budget's share): the small model's resident step (1.57 MB) no longer fits on each of
+  # the 4 devices, the host placement with the embedding on the device (1.50 MB) does.
+  small = dataclasses.replace(hardware.PRESETS['cpu'], device_memory_gb=0.0034)
   hardware.save_profile(small, homes[1] / '.cache' / 'megatrain_jax' / 'hardware.json')
   processes = _two(tmp_path / 'run', homes=homes)
   outputs = _ended(processes, timeout=REFUSAL_TIMEOUT_S)

@@ -289,15 +289,15 @@ def test_a_refusal_names_the_presets_it_would_fit():
 
 def test_a_refusal_suggests_more_devices_only_where_they_would_hold_it():
   """'shard the state over more devices' is named with the count that would hold the device rows
-  (7B at 8 sequences per microbatch on an RTX 4090: 2), and not where none of 2N, 4N, 8N would:
+  (7B at 8 sequences per microbatch on an RTX 4090: 4), and not where none of 2N, 4N, 8N would:
   a batch of one sequence (it cannot split), or a device too small for what each holds whole."""
   rtx = hardware.load_profile('rtx4090')
   config = config_lib.load_config('7b', hardware='rtx4090', train__batch_size=8)
   with pytest.raises(planner.NoPlacementFits) as e:
     planner.plan_run(config, rtx, suggest_presets=False)
-  assert 'shard the state over more devices (parallel.devices, now 1; 2 would hold it)' in str(
+  assert 'shard the state over more devices (parallel.devices, now 1; 4 would hold it)' in str(
       e.value)
-  fits = planner.plan_run(config, rtx, devices=planner.Devices(count=2, local=1),
+  fits = planner.plan_run(config, rtx, devices=planner.Devices(count=4, local=1),
                           suggest_presets=False)
   assert 'device' not in fits.over_budget()
   for name, fields in (('101b', dict(train__batch_size=1)),
