@@ -68,6 +68,27 @@ def test_chunked_attention_equals_whole_attention(params, seq, chunk, extra):
                ref_grads)
 
 
+@pytest.mark.parametrize('segments', [False, True], ids=['positions', 'documents'])
+def test_query_blocks_keep_no_mask_for_the_backward(params, segments):
+  """A chunked layer's backward recomputes each query block's mask with its scores: no array of
+  every block's mask (a bool [blocks, B, KV, G, Q, S], B·H·S² bytes a layer: 34 GB at 32k tokens
+  and 32 heads) is kept from the forward, with or without documents; its gradients are as
+  before (test_chunked_attention_equals_whole_attention)."""
+  cfg = CFG.replace(attention_chunk=8, remat='none')
+  x = jnp.ones((2, 32, CFG.d_model), jnp.float32)
+  tokens = jnp.zeros((2, 32), jnp.int32)
+  starts = jnp.zeros((2, 32), jnp.uint8).at[:, 12].set(1) if segments else None
+  positions = model_lib.token_positions(cfg, tokens, starts)
+  group = jax.tree.map(lambda a: a[:1], params['layers'])
+  backward = jax.make_jaxpr(lambda p, h: jax.vjp(
+      lambda p, h: model_lib.apply_group(cfg, p, h, positions), p, h)[1](h))(group, x)
+  blocks = 32 // 8
+  kept = [v.aval for eqn in backward.eqns for v in eqn.outvars
+          if v.aval.dtype == jnp.bool_ and v.aval.shape[:1] == (blocks,)
+          and np.prod(v.aval.shape) >= blocks * 2 * CFG.num_heads * 8 * 32]
+  assert not kept, kept
+
+
 def test_groups_compose_to_the_whole_stack(params):
   """embed -> apply_group over K-slices (with a remainder group) -> head equals forward."""
   tokens = _batch(2, (2, 16))

@@ -207,9 +207,19 @@ def _attend_blocks(cfg: ModelConfig, q, k, v, q_where, k_where):
   # The blocks' positions and segments [blocks, B, chunk] (segments may be None).
   q_where = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), mode='edge').reshape(
       b, blocks, chunk).swapaxes(0, 1), q_where)
-  attend = jax.checkpoint(lambda qc, wc: _attend(cfg, qc, k, v, wc, k_where))
+  attend = jax.checkpoint(lambda qc, wc: _attend(cfg, qc, k, v, _tied_to(wc, qc), k_where))
   out = jax.lax.map(lambda xs: attend(*xs), (q_blocks, q_where))  # [blocks, B, KV, G, chunk, hd]
   return jnp.moveaxis(out, 0, 3).reshape(b, kv, g, blocks * chunk, hd)[:, :, :, :s]
+
+
+def _tied_to(where, q):
+  """`where` (positions, segments or None: int [B, Q]) plus a zero computed from `q`: the mask a
+  block builds from them then depends on the differentiated q, so its backward recomputes it with
+  the block's scores. Built from the positions alone, JAX computes it with the forward and keeps
+  every block's mask for the backward: a bool [blocks, B, KV, G, Q, T], B·H·S² bytes a layer
+  (2 GB at 8k tokens and 32 heads, 34 GB at 32k)."""
+  zero = jnp.isfinite(q.reshape(-1)[0]).astype(jnp.int32) * 0  # 0 for a NaN q too
+  return jax.tree.map(lambda a: a + zero, where)
 
 
 def _attend(cfg: ModelConfig, q, k, v, q_where, k_where):
