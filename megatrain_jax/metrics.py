@@ -270,15 +270,20 @@ def append_row(path: pathlib.Path, row: dict) -> None:
     f.write(json.dumps(row) + '\n')
 
 
+_peak_seen = [0]  # the largest peak host_memory_gb has reported in this process, in bytes
+
+
 def host_memory_gb() -> dict:
   """This process's resident memory now and at its peak so far, in GB (1e9 bytes): what the
   planner's `predicted_host_peak_gb` predicts (Linux: /proc/self/statm and ru_maxrss, in KiB)."""
   peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   rss_bytes = runtime.process_rss_bytes() or 0
   # The kernel updates ru_maxrss lazily (per-thread counters folded in now and then), so statm's
-  # current figure can be a few pages above the peak it reports: the peak is at least the RSS.
-  return {'perf/host_rss_gb': rss_bytes / 1e9,
-          'perf/host_peak_gb': max(peak_bytes, rss_bytes) / 1e9}
+  # current figure can be a few pages above the peak it reports: the peak is at least the RSS,
+  # and at least any peak reported before (ru_maxrss may not yet hold an RSS seen then).
+  _peak_seen[0] = max(_peak_seen[0], peak_bytes, rss_bytes)
+  return {'perf/host_rss_gb': rss_bytes / 1e9, 'perf/host_peak_gb': _peak_seen[0] / 1e9}
+
 
 
 # Seconds this process has spent tracing, lowering and compiling jitted programs, summed from

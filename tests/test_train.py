@@ -565,6 +565,23 @@ def test_mfu_only_against_a_datasheet_peak(tmp_path, capsys, peak):
     assert f'mfu {100 * row["perf/mfu"]:.1f}%' in out
 
 
+def test_the_reported_peak_never_falls(monkeypatch):
+  """perf/host_peak_gb is at least the RSS and at least every peak reported before: the kernel
+  folds RSS into ru_maxrss lazily, so a row whose RSS stood above ru_maxrss reported a peak that
+  the next row's ru_maxrss had not yet caught up with (a falling peak: 2.45431 then 2.45425)."""
+  samples = iter([(100, 110), (105, 90), (120, 95)])  # (ru_maxrss KiB, RSS KiB) per row
+  now = {}
+
+  def getrusage(who):
+    now['ru'], now['rss'] = next(samples)
+    return types.SimpleNamespace(ru_maxrss=now['ru'])
+  monkeypatch.setattr(metrics.resource, 'getrusage', getrusage)
+  monkeypatch.setattr(metrics.runtime, 'process_rss_bytes', lambda: now['rss'] * 1024)
+  monkeypatch.setattr(metrics, '_peak_seen', [0])
+  peaks = [metrics.host_memory_gb()['perf/host_peak_gb'] * 1e9 / 1024 for _ in range(3)]
+  assert peaks == pytest.approx([110, 110, 120])
+
+
 def test_mfu_peak_is_the_datasheet_peak_of_the_run_devices(monkeypatch):
   """On the CPU there is none (the profile's measured rate is no peak); on a known accelerator,
   its datasheet figure for the run's precision."""
