@@ -552,15 +552,12 @@ def _without_template_eos(parts: Parts, fmt: DocumentFormat) -> Parts:
   return [(text, learned) for text, learned in parts if text]
 
 
-def _with_bos(ids: Sequence[int], fmt: DocumentFormat) -> list:
-  """`ids` of a document or prompt after the tokenizer's BOS where it adds one, unless they
-  begin with it: a rendering whose template writes {{ bos_token }} first, tokenized whole (a
-  Metaspace tokenizer gives the text after a BOS no '▁' of its own, as transformers does; the
-  rendering without its BOS, tokenized alone, got one)."""
-  ids = list(ids)
-  if fmt.bos is None or (ids and ids[0] == fmt.bos):
-    return ids
-  return [fmt.bos] + ids
+def _adds_bos(ids: Sequence[int], fmt: DocumentFormat) -> bool:
+  """Whether the tokenizer's BOS goes before `ids` of a document or prompt: where it adds one,
+  unless they begin with it (a rendering whose template writes {{ bos_token }} first, tokenized
+  whole: a Metaspace tokenizer gives the text after a BOS no '▁' of its own, as transformers
+  does; the rendering without its BOS, tokenized alone, got one)."""
+  return fmt.bos is not None and not (len(ids) and ids[0] == fmt.bos)
 
 
 def _turn_end(full: str, messages: list, i: int, start: int, render, eos_text: str) -> int:
@@ -652,7 +649,8 @@ def prompt_ids(prompt: str | list | dict, tokenizer: Tokenizer, fmt: DocumentFor
     text = _render(messages + [{'role': 'user', 'content': prompt}], fmt, generation_prompt=True)
   else:
     text = prompt
-  return _with_bos(encode_batch(tokenizer, [text])[0], fmt)
+  ids = list(encode_batch(tokenizer, [text])[0])
+  return [fmt.bos] + ids if _adds_bos(ids, fmt) else ids
 
 
 # --- parts -> tokens ---------------------------------------------------------------------------
@@ -672,11 +670,13 @@ def encode_documents(documents: Sequence[Parts], tokenizer: Tokenizer, fmt: Docu
   ends: list[int] = []
   masks = []
   for ids, learned in encoded:
-    whole = _with_bos(ids, fmt)  # a template's own BOS first is the document's (_with_bos)
-    flat.extend(whole)
+    bos = _adds_bos(ids, fmt)  # a template's own BOS first is the document's
+    if bos:
+      flat.append(fmt.bos)
+    flat.extend(ids)
     flat.append(fmt.eos)
     ends.append(len(flat))
-    masks.append((len(whole) - len(ids), len(ids), learned))
+    masks.append((int(bos), len(ids), learned))
   tokens = np.array(flat, dtype=dtype)
   ends = np.array(ends, dtype=np.int64)
   if all(learned is None for _, _, learned in masks):
