@@ -338,8 +338,8 @@ _CALIBRATED = 'calibrated-'  # the name --calibrate gives its profiles
 
 
 def _read_profile(path: pathlib.Path) -> HardwareProfile:
-  """The profile in `path`; one that an earlier version's --calibrate wrote is marked so
-  (`origin`, which load_profile completes): its figures mean less than they say."""
+  """The profile in `path` (load_profile gives it its origin, `_origin`, which names one an
+  earlier version's --calibrate wrote)."""
   try:
     fields = json.loads(path.read_text())
     fields.pop('origin', None)  # set by whoever loads it, never trusted from the file
