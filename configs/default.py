@@ -49,8 +49,9 @@ def get_config() -> ml_collections.ConfigDict:
   #                              with qkv_bias, Mistral with a window, else Llama.
   model.attention_chunk = 512  # Queries per attention block. Longer sequences run attention block by
   #                             block, each recomputed in the backward, so a layer holds B·H·512·S
-  #                             scores instead of B·H·S·S (17 GB for 405B at 4096 tokens). Same
-  #                             math; 0 = all queries at once.
+  #                             scores instead of B·H·S·S (17 GB for 405B at 4096 tokens), and each
+  #                             block skips the keys causality (or sliding_window) masks: about
+  #                             half the attention work. Same math; 0 = all queries at once.
   model.vocab_chunk = 0  # Vocabulary columns per block of the LM head + loss. The loss runs block by
   #                         block (online logsumexp, each block recomputed in the backward), so it
   #                         holds [tokens, chunk] float32 logits instead of [tokens, vocab_size].

@@ -50,9 +50,9 @@ what the stages of schedule.py declare they hold, each row naming its stage):
   XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB when the user set it (megatrain_jax/__init__.py otherwise
   raises XLA's 64 GiB default to the machine's RAM).
   One layer's internals (what its backward needs when nothing is recomputed, per microbatch):
-    B·S·c·(6·D + 3·H·Dh + 3·Hkv·Dh + 4·F) + 3·4·B·H·Q·S   (attention scores, probabilities and
-    their gradient, float32 whatever model.dtype, of one block of Q = min(S,
-    model.attention_chunk) queries; Q = S when unchunked)
+    B·S·c·(6·D + 3·H·Dh + 3·Hkv·Dh + 4·F) + 3·4·B·H·Q·T   (attention scores, probabilities and
+    their gradient, float32 whatever model.dtype, of the largest block of Q = min(S,
+    model.attention_chunk) queries over the T keys it computes; Q = T = S when unchunked)
 
 TRAFFIC (bytes moved per step; `traffic` sums what each stage of schedule.py declares, the same
 StepSchedule the engine takes its decisions from, and tests check it against the engine's own
@@ -64,8 +64,10 @@ counters exactly):
   nothing on the device.
 
 TIME (seconds per step):
-  compute = FLOPs / achieved layer FLOP/s, with FLOPs = tokens × (layer forwards × 2·(P_l − 2D)
-            + attention 2·S·H·Dh per layer) + head 6·D·V per token. A layer's forward runs
+  compute = FLOPs / achieved layer FLOP/s, with FLOPs = tokens × layer forwards × (2·(P_l − 2D)
+            + attention 4·T·H·Dh) + head 6·D·V per token, T the keys a query is scored against
+            (ModelConfig.attended_keys: S unchunked; about S/2 in query blocks, which skip the
+            keys causality masks, and W + a band under a sliding window W). A layer's forward runs
             3 (fwd + 2× in bwd) + recomputes: resident remat full +1; streamed K = 1 +1 (the group
             backward recomputes the layer from its input); streamed K > 1 +1 (group) +1 (remat),
             or +1 with offload.keep_layer_inputs (each layer recomputed from its kept input);
@@ -552,7 +554,7 @@ def collective_bytes(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: i
 
 def forward_flops(cfg: ModelConfig, micro: int, batch: int, seq: int) -> float:
   """FLOPs the streamed forward stage executes (every layer once: ModelConfig.layer_forward_flops,
-  its attention over all S keys; step_flops counts it in `executed`)."""
+  its attention over the keys each query block computes; step_flops counts it in `executed`)."""
   return micro * batch * seq * cfg.num_layers * cfg.layer_forward_flops(seq)
 
 
@@ -568,7 +570,8 @@ def step_flops(cfg: ModelConfig, p: Placement, micro: int, batch: int, seq: int)
     recompute = 1 + (1 if cfg.remat == 'full' else 0)
   executed = forward_flops(cfg, micro, batch, seq) * (3 + recompute) + tokens * 3 * head_fwd
   if cfg.attention_chunk and seq > cfg.attention_chunk:  # each query block re-runs in its backward
-    executed += tokens * cfg.num_layers * 4.0 * seq * cfg.num_heads * cfg.head_dim
+    executed += (tokens * cfg.num_layers * 4.0 * cfg.attended_keys(seq) * cfg.num_heads
+                 * cfg.head_dim)
   model = float(cfg.flops_per_token(seq)) * tokens
   return executed, model
 

@@ -63,15 +63,15 @@ def hidden_bytes(cfg, batch: int, seq: int) -> int:
 
 def layer_internal_bytes(cfg, batch: int, seq: int) -> int:
   """What one layer's backward keeps when nothing is recomputed, for one microbatch:
-  B·S·c·(6·D + 3·H·Dh + 3·Hkv·Dh + 4·F) + 3·4·B·H·Q·S (one block of Q = min(S,
-  model.attention_chunk) queries' attention scores, probabilities and their gradient, float32
-  whatever model.dtype (layers._attend: a stable softmax); Q = S when unchunked)."""
+  B·S·c·(6·D + 3·H·Dh + 3·Hkv·Dh + 4·F) + 3·4·B·H·Q·T (the largest block of Q = min(S,
+  model.attention_chunk) queries' attention scores over its T keys, probabilities and their
+  gradient, float32 whatever model.dtype (layers._attend: a stable softmax); Q = T = S
+  unchunked, T <= S in blocks: ModelConfig.largest_attention_block)."""
   c, tokens = compute_bytes(cfg), batch * seq
   hd, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
   per_token = 6 * cfg.d_model + 3 * h * hd + 3 * kv * hd + 4 * cfg.d_ff
-  # Blocks are recomputed in the backward; a sliding window is a mask, so it doesn't shrink them.
-  block = min(seq, cfg.attention_chunk) if cfg.attention_chunk else seq
-  return c * tokens * per_token + 3 * 4 * batch * h * block * seq
+  # Blocks are recomputed in the backward, one at a time.
+  return c * tokens * per_token + 3 * 4 * batch * h * cfg.largest_attention_block(seq)
 
 
 def logits_bytes(cfg, batch: int, seq: int) -> int:

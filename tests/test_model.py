@@ -55,7 +55,11 @@ def test_remat_and_unrolled_match_plain_scan(params, variant):
 @pytest.mark.parametrize('seq, chunk, extra', [
     (32, 8, {}), (33, 8, {}), (33, 8, dict(sliding_window=5)), (33, 8, dict(remat='minimal')),
     (33, 8, dict(scan_layers=False, remat='none')),
-], ids=['divisible', 'ragged', 'window', 'minimal-remat', 'unrolled'])
+    # 20 blocks in 10 bands of 2 (MAX_ATTENTION_BANDS 16): a band's key length rounded up
+    (39, 2, {}), (39, 2, dict(sliding_window=5)),
+    (39, 2, dict(sliding_window=3, document_eos_id=5)),
+], ids=['divisible', 'ragged', 'window', 'minimal-remat', 'unrolled', 'bands', 'bands-window',
+        'bands-window-documents'])
 def test_chunked_attention_equals_whole_attention(params, seq, chunk, extra):
   """Query blocks (model.attention_chunk) compute the same loss and gradients as all queries at
   once, to float32 rounding, including a last block padded past the sequence."""
@@ -66,6 +70,38 @@ def test_chunked_attention_equals_whole_attention(params, seq, chunk, extra):
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads,
                ref_grads)
+
+
+@pytest.mark.parametrize('seq, chunk, window', [(64, 8, 0), (64, 8, 12), (200, 8, 0), (63, 0, 0)],
+                         ids=['causal', 'window', 'bands', 'unchunked'])
+def test_attention_scores_the_keys_the_planner_counts(monkeypatch, seq, chunk, window):
+  """A layer's query blocks are scored against only the keys their band may see (causality, the
+  window), and that is the work ModelConfig.attended_keys counts for the planner (its compute
+  time and `executed` FLOPs): 64 tokens in blocks of 8 score 36 of 64 key blocks a head; 200 in
+  13 bands of 2 blocks. Each band's program is traced once (lax.switch), recording its keys."""
+  from megatrain_jax.model import layers  # pylint: disable=import-outside-toplevel
+  cfg = CFG.replace(attention_chunk=chunk, sliding_window=window, max_seq_len=seq)
+  scored = []  # (queries, keys) of each program of _attend
+  attend = layers._attend  # pylint: disable=protected-access
+
+  def recording(cfg, q, k, v, q_where, k_where):
+    scored.append((q.shape[3], k.shape[2]))
+    return attend(cfg, q, k, v, q_where, k_where)
+
+  monkeypatch.setattr(layers, '_attend', recording)
+  layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                       model_lib.abstract_params(cfg)['layers'])
+  x = jax.ShapeDtypeStruct((2, seq, cfg.d_model), jnp.float32)
+  positions = model_lib.default_positions(jnp.zeros((2, seq), jnp.int32))
+  jax.make_jaxpr(lambda p, h: model_lib.apply_layer(cfg, p, h, positions))(layer, x)
+  bands = cfg.attention_bands(seq)
+  assert [keys for _, keys in scored] == [hi - lo for _, _, lo, hi in bands]
+  blocks = [-(-(q_hi - q_lo) // (chunk or seq)) for q_lo, q_hi, _, _ in bands]
+  assert sum(blocks) == -(-seq // (chunk or seq))
+  executed = sum(n * rows * keys for n, (rows, keys) in zip(blocks, scored))
+  assert executed == pytest.approx(seq * cfg.attended_keys(seq), rel=1e-12)
+  if chunk:  # about half of all keys, or fewer under the window
+    assert executed < (0.6 if not window else 0.4) * seq * seq, (executed, seq * seq)
 
 
 @pytest.mark.parametrize('segments', [False, True], ids=['positions', 'documents'])

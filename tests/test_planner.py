@@ -598,7 +598,8 @@ def test_the_planner_counts_the_attention_the_layers_execute():
   mask is applied after): ModelConfig.layer_forward_flops, which the planner's step time and
   --calibrate count, is XLA's own count of the compiled layer (unchunked: XLA's cost analysis
   counts a loop's body once). The causal half it counted put a 32k-token step at 1/1.53 of the
-  compute it runs."""
+  compute it runs. (In query blocks the masked keys are skipped: test_model.py's
+  test_attention_scores_the_keys_the_planner_counts.)"""
   from megatrain_jax import model as model_lib  # pylint: disable=import-outside-toplevel
   cfg = ModelConfig(vocab_size=256, d_model=256, num_layers=1, num_heads=4, num_kv_heads=2,
                     d_ff=640, max_seq_len=2048, attention_chunk=0)

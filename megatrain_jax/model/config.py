@@ -15,6 +15,9 @@ ROPE_SCALING_TYPES = ('none', 'linear', 'llama3', 'yarn')
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 MATMUL_PRECISIONS = ('highest', 'high', 'default')
 AUTO_VOCAB_CHUNK = 8192  # model.vocab_chunk = 0: see ModelConfig.resolved_vocab_chunk
+# Query blocks run in at most this many bands (ModelConfig.attention_bands), each its own program
+# of one key length: more bands skip more masked keys but compile more programs into each layer.
+MAX_ATTENTION_BANDS = 16
 # The transformers architectures a model is imported from and exported as (hf/format.py).
 HF_ARCHITECTURES = ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM',
                     'MistralForCausalLM', 'Phi3ForCausalLM')
@@ -209,11 +212,49 @@ class ModelConfig:
 
   def layer_forward_flops(self, seq_len: int) -> float:
     """FLOPs one layer's forward executes per token of a sequence of `seq_len`: 2 x its matmul
-    params, plus 4 * S * H * Dh for the scores and values of its query against all S keys
-    (layers._attend computes every block of queries against every key, then masks; the causal
-    half `flops_per_token` counts is the work that matters, not the work done)."""
+    params, plus 4 * keys * H * Dh for the scores and values of its query against the keys its
+    band computes (attended_keys: all S unchunked; about S/2 in query blocks, the masked ones
+    skipped band by band; the causal half `flops_per_token` counts is the work that matters)."""
     return (2.0 * (self.params_per_layer - 2 * self.d_model)
-            + 4.0 * seq_len * self.num_heads * self.head_dim)
+            + 4.0 * self.attended_keys(seq_len) * self.num_heads * self.head_dim)
+
+  def attention_bands(self, seq_len: int) -> tuple:
+    """How layers._attend_blocks cuts the causal self-attention of `seq_len` tokens:
+    ((q_lo, q_hi, k_lo, k_hi), ...), queries [q_lo, q_hi) against keys [k_lo, k_hi) only.
+
+    Keys after a band's last query are masked by causality, and keys `sliding_window` or more
+    before its first query by the window, so they are not computed: the scores of S queries cost
+    about S²/2 instead of S² (S·(W + band) under a window W). A band holds whole query blocks of
+    `attention_chunk` rows (one at a time, as lax.map runs them), at most MAX_ATTENTION_BANDS
+    bands (the blocks' key lengths rounded up to their band's). Unchunked (S <= attention_chunk
+    or 0): one band of everything."""
+    chunk = self.attention_chunk
+    if not chunk or seq_len <= chunk:
+      return ((0, seq_len, 0, seq_len),)
+    blocks = -(-seq_len // chunk)
+    per_band = -(-blocks // MAX_ATTENTION_BANDS)
+    bands = []
+    for first in range(0, blocks, per_band):
+      q_lo, q_hi = first * chunk, min(seq_len, (first + per_band) * chunk)
+      k_lo = max(0, q_lo - self.sliding_window + 1) if self.sliding_window else 0
+      bands.append((q_lo, q_hi, k_lo, q_hi))
+    return tuple(bands)
+
+  def attended_keys(self, seq_len: int) -> float:
+    """Keys each query is scored against on average, as attention_bands computes them (a band's
+    last block padded to `attention_chunk` rows counts whole): the executed attention work is
+    4 · attended_keys · H · Dh FLOPs a token and layer."""
+    chunk = self.attention_chunk or seq_len
+    rows_keys = [-(-(q_hi - q_lo) // chunk) * chunk * (k_hi - k_lo)
+                 for q_lo, q_hi, k_lo, k_hi in self.attention_bands(seq_len)]
+    return sum(rows_keys) / seq_len
+
+  def largest_attention_block(self, seq_len: int) -> int:
+    """Scores of the largest query block (queries x keys) attention_bands computes at a time:
+    what one block's float32 scores, probabilities and gradient are counted by."""
+    chunk = self.attention_chunk or seq_len
+    return max(min(chunk, q_hi - q_lo) * (k_hi - k_lo)
+               for q_lo, q_hi, k_lo, k_hi in self.attention_bands(seq_len))
 
   def flops_per_token(self, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), excluding remat recompute.

@@ -11,6 +11,7 @@ Matmul outputs carry `checkpoint_name`s so remat policies can save (`minimal`) o
 (`offload`) by name.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -192,14 +193,70 @@ class Attention(nnx.Module):
 def _attend_blocks(cfg: ModelConfig, q, k, v, q_where, k_where):
   """`_attend` of q [B, KV, G, S, Dh] over k, v [B, KV, T, Dh], in blocks of
   `cfg.attention_chunk` queries when S is longer. q_where = (positions, segments or None) [B, S]
-  of the queries, k_where the same [B, T] of the keys. -> [B, KV, G, S, Dh]."""
-  b, kv, g, s, hd = q.shape
+  of the queries, k_where the same [B, T] of the keys. -> [B, KV, G, S, Dh].
+
+  Self-attention (k_where is q_where, the layers' own positions) skips the keys no query of a
+  block may see (cfg.attention_bands): that needs positions that rise along the row within each
+  document, as decoder.token_positions numbers them, so that a key after a query (or a window
+  before it) in the row is after it (or out of the window) in positions too."""
+  s = q.shape[3]
   chunk = cfg.attention_chunk
   if not chunk or s <= chunk:
     return _attend(cfg, q, k, v, q_where, k_where)
-  # Query blocks of `chunk` rows, each against all keys: the same softmax per row. Each block is
-  # recomputed in the backward (jax.checkpoint), so only one block's scores [B, KV, G, chunk, T]
-  # exist at a time instead of [B, KV, G, S, T].
+  if k_where is not q_where:  # a key/value cache (extend): every block against every slot
+    return _query_blocks(cfg, q, q_where, lambda qc, wc, _: _attend(cfg, qc, k, v, wc, k_where))
+  bands = cfg.attention_bands(s)
+  band_of_block = jnp.asarray([b for b, (q_lo, q_hi, _, _) in enumerate(bands)
+                               for _ in range(-(-(q_hi - q_lo) // chunk))], jnp.int32)
+  banded = _banded_block(cfg, tuple((k_lo, k_hi) for _, _, k_lo, k_hi in bands))
+  return _query_blocks(cfg, q, q_where, lambda qc, wc, i: banded(i, qc, wc, k, v, k_where),
+                       band_of_block)
+
+
+def _banded_block(cfg: ModelConfig, key_ranges: tuple):
+  """attend(band, q block, its where, k, v, k_where): `_attend` of one query block against the keys
+  [lo, hi) of key_ranges[band] only (lax.switch: one program per band, in one loop over the
+  blocks). A custom VJP keeps only the inputs and recomputes the block in its backward (as
+  jax.checkpoint would), inside the same switch: differentiated by JAX, a switch's forward would
+  hand its backward the residuals of every branch (zeros but the taken one's), every band's
+  scores at once."""
+  def attend(band, qc, wc, k, v, k_where):
+    lo, hi = key_ranges[band]
+    keys = jax.tree.map(lambda a: a[:, lo:hi], k_where)
+    return _attend(cfg, qc, k[:, :, lo:hi], v[:, :, lo:hi], wc, keys)
+
+  def switch(band, fn, *args):
+    return jax.lax.switch(band, [functools.partial(fn, b) for b in range(len(key_ranges))],
+                          *args)
+
+  def gradients(band, qc, wc, k, v, k_where, g):
+    _, vjp = jax.vjp(lambda q_, k_, v_: attend(band, q_, wc, k_, v_, k_where), qc, k, v)
+    return vjp(g)
+
+  @jax.custom_vjp
+  def block(band, qc, wc, k, v, k_where):
+    return switch(band, attend, qc, wc, k, v, k_where)
+
+  def forward(band, qc, wc, k, v, k_where):
+    return block(band, qc, wc, k, v, k_where), (band, qc, wc, k, v, k_where)
+
+  def backward(res, g):
+    band, qc, wc, k, v, k_where = res
+    dq, dk, dv = switch(band, gradients, qc, wc, k, v, k_where, g)
+    return None, dq, None, dk, dv, None
+
+  block.defvjp(forward, backward)
+  return block
+
+
+def _query_blocks(cfg: ModelConfig, q, q_where, attend, band_of_block=None):
+  """attend(q block [B, KV, G, chunk, Dh], its (positions, segments) [B, chunk], its entry of
+  band_of_block (int [blocks], default 0s)) of each block of `cfg.attention_chunk` queries of
+  q [B, KV, G, S, Dh] in turn -> [B, KV, G, S, Dh]. Each block is recomputed in the backward
+  (jax.checkpoint), so only one block's scores [B, KV, G, chunk, T] exist at a time instead of
+  [B, KV, G, S, T]."""
+  b, kv, g, s, hd = q.shape
+  chunk = min(s, cfg.attention_chunk)
   blocks = -(-s // chunk)
   pad = blocks * chunk - s  # padded query rows repeat the last position; dropped below
   q_blocks = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
@@ -207,8 +264,10 @@ def _attend_blocks(cfg: ModelConfig, q, k, v, q_where, k_where):
   # The blocks' positions and segments [blocks, B, chunk] (segments may be None).
   q_where = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), mode='edge').reshape(
       b, blocks, chunk).swapaxes(0, 1), q_where)
-  attend = jax.checkpoint(lambda qc, wc: _attend(cfg, qc, k, v, _tied_to(wc, qc), k_where))
-  out = jax.lax.map(lambda xs: attend(*xs), (q_blocks, q_where))  # [blocks, B, KV, G, chunk, hd]
+  if band_of_block is None:
+    band_of_block = jnp.zeros((blocks,), jnp.int32)
+  block = jax.checkpoint(lambda qc, wc, i: attend(qc, _tied_to(wc, qc), i))
+  out = jax.lax.map(lambda xs: block(*xs), (q_blocks, q_where, band_of_block))
   return jnp.moveaxis(out, 0, 3).reshape(b, kv, g, blocks * chunk, hd)[:, :, :, :s]
 
 
