@@ -9,11 +9,12 @@ hf.hf_config_from_model_config: Llama, Qwen3 with q/k norms, Qwen2 with q/k/v bi
 with a window) and, when the run used a Hugging Face tokenizer, its tokenizer files.
 
 Bounded memory whatever the placement the run trained under: every shard's header is known from
-the shapes alone, so each file is written front to back, one tensor at a time (the embedding and
-an untied head in vocabulary-row slices of at most PIECE_BYTES), each read from the checkpoint
-(`checkpoint.CheckpointReader.read` with ranges: a layer of a stacked leaf, rows of the
-embedding, columns of the head kernel), transposed to torch's [out, in], cast to `export.dtype`
-and written before the next is read. The safetensors layout (an 8-byte little-endian header
+the shapes alone, so each file is written front to back, one tensor at a time, each read from the
+checkpoint (`checkpoint.CheckpointReader.read` with ranges: a layer of a stacked leaf, rows of the
+embedding, columns of the head kernel; a layer's tensor whole, the embedding and an untied head in
+vocabulary-row slices of at most PIECE_BYTES), then transposed to torch's [out, in], cast to
+`export.dtype` and written in slices of at most PIECE_BYTES before the next is read: the host
+holds one layer tensor and one slice's copy (a 405B MLP matrix: 3.5 GB and 256 MB). The safetensors layout (an 8-byte little-endian header
 length, a JSON header padded with spaces to 8 bytes, then the tensors back to back in header order)
 is the one `safetensors` itself writes.
 """
@@ -102,16 +103,19 @@ def _header(entries: list[_Entry], tag: str, itemsize: int) -> bytes:
 
 
 def _pieces(reader, e: _Entry) -> Iterator[np.ndarray]:
-  """Tensor `e` in torch layout, as consecutive slices of its rows (float32)."""
-  if e.layer is not None:  # one layer of a stacked leaf
-    value = reader.read(e.path, e.layer, e.layer + 1)[0]
-    yield value.T if e.transpose else value
-    return
+  """Tensor `e` in torch layout, as consecutive slices of its rows of at most PIECE_BYTES (float32;
+  a vector whole), each cast and written before the next (_write_shard). A layer's tensor is read
+  whole, once (its checkpoint file holds the layer: a slice of it would decode all of it), and
+  sliced here; the embedding and an untied head are read slice by slice."""
   rows = e.shape[0]
   row_bytes = 4 * math.prod(e.shape[1:])
-  step = max(1, min(rows, PIECE_BYTES // max(row_bytes, 1)))
-  if len(e.shape) == 1:
-    step = rows
+  step = rows if len(e.shape) == 1 else max(1, min(rows, PIECE_BYTES // max(row_bytes, 1)))
+  if e.layer is not None:  # one layer of a stacked leaf
+    value = reader.read(e.path, e.layer, e.layer + 1)[0]
+    value = value.T if e.transpose else value
+    for start in range(0, rows, step):
+      yield value[start:start + step]
+    return
   for start in range(0, rows, step):
     stop = min(rows, start + step)
     if e.transpose:  # the head kernel [D, V]: HF rows are our columns
@@ -127,7 +131,9 @@ def _write_shard(reader, file: Path, entries: list[_Entry], dtype: np.dtype, tag
     f.write(_header(entries, tag, dtype.itemsize))
     for e in entries:
       for piece in _pieces(reader, e):
-        f.write(np.ascontiguousarray(piece, dtype=dtype).tobytes())
+        # One cast (or transposed) copy of the piece at a time, written from its buffer:
+        # `tobytes` would copy it again.
+        f.write(np.ascontiguousarray(piece, dtype=dtype).reshape(-1).view(np.uint8))
         del piece
 
 
@@ -201,7 +207,9 @@ def _write_files(reader, cfg: ModelConfig, out_dir: Path, dtype: str, max_shard_
              'weight_map': {e.name: name for name, s in zip(names, shards) for e in s}}
     (out_dir / _INDEX_FILE).write_text(json.dumps(index, indent=2) + '\n')
     written.append(_INDEX_FILE)
-  config = hf.hf_config_from_model_config(cfg) | {'dtype': dtype}
+  # transformers 5 reads `dtype`; 4.x (before 4.56) and the servers built on it read `torch_dtype`
+  # and take a config without it for float32 weights of unknown width.
+  config = hf.hf_config_from_model_config(cfg) | {'dtype': dtype, 'torch_dtype': dtype}
   if tokenizer != 'byte':
     config |= special_token_ids(tokenizer, eos_token)
   (out_dir / 'config.json').write_text(json.dumps(config, indent=2) + '\n')

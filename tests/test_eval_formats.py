@@ -337,6 +337,30 @@ def test_an_export_killed_midway_leaves_nothing_at_its_destination(trained, tmp_
   assert [p.name for p in tmp_path.iterdir()] == ['hf']
 
 
+def test_an_export_casts_and_writes_every_tensor_a_piece_at_a_time(trained, tmp_path,
+                                                                   monkeypatch):
+  """--export_hf casts and writes every tensor, a layer's matrices too, in slices of its rows of
+  at most export.PIECE_BYTES: a 405B MLP matrix (3.5 GB) was cast whole and copied again to be
+  written, three times over; a layer is still read whole (its checkpoint file holds it). The files
+  are the same bytes as in one piece per tensor."""
+  config, workdir = trained
+  whole = train.export_hf(config, str(workdir), str(tmp_path / 'whole'))
+  monkeypatch.setattr(export_lib, 'PIECE_BYTES', 2048)
+  copies = []
+  contiguous = np.ascontiguousarray
+
+  def recording(a, dtype=None):
+    copies.append(np.asarray(a).nbytes)
+    return contiguous(a, dtype=dtype)
+
+  monkeypatch.setattr(export_lib.np, 'ascontiguousarray', recording)
+  sliced = train.export_hf(config, str(workdir), str(tmp_path / 'sliced'))
+  monkeypatch.undo()
+  assert len(copies) > 20 and max(copies) <= 2048, (len(copies), max(copies))
+  for a, b in zip(sorted(whole), sorted(sliced), strict=True):
+    assert a.name == b.name and a.read_bytes() == b.read_bytes(), a.name
+
+
 def test_windows_run_fewer_per_call_to_fit_the_working_limit_with_the_same_loss(trained):
   """A batch whose forward would compute in more than the evaluator's working limit runs a few
   windows per call (EvalMemory.rows), down to one: the same loss, and one call's working set

@@ -313,8 +313,11 @@ def test_a_chat_template_of_the_run_trains_and_is_exported(checkpoints, tmp_path
   rendered = transformers.AutoTokenizer.from_pretrained(out).apply_chat_template(
       conversation, tokenize=False)
   assert rendered == '<user> Who wrote Hamlet?\n<assistant> Shakespeare.\n'
-  # config.json names the EOS, which generate stops at where no generation_config.json says.
-  assert json.loads((out / 'config.json').read_text())['eos_token_id'] == 300
+  # config.json names the EOS, which generate stops at where no generation_config.json says, and
+  # the weights' width under transformers 5's key and 4.x's (vLLM, TGI on 4.x read torch_dtype).
+  exported = json.loads((out / 'config.json').read_text())
+  assert exported['eos_token_id'] == 300
+  assert exported['dtype'] == exported['torch_dtype'] == 'float32'
   assert transformers.GenerationConfig.from_model_config(
       transformers.AutoConfig.from_pretrained(out)).eos_token_id == 300
   # A resume (or --eval) asking for other weights or another tokenizer is refused, not ignored.
