@@ -14,9 +14,9 @@ checkpoint (`checkpoint.CheckpointReader.read` with ranges: a layer of a stacked
 embedding, columns of the head kernel; a layer's tensor whole, the embedding and an untied head in
 vocabulary-row slices of at most PIECE_BYTES), then transposed to torch's [out, in], cast to
 `export.dtype` and written in slices of at most PIECE_BYTES before the next is read: the host
-holds one layer tensor and one slice's copy (a 405B MLP matrix: 3.5 GB and 256 MB). The safetensors layout (an 8-byte little-endian header
-length, a JSON header padded with spaces to 8 bytes, then the tensors back to back in header order)
-is the one `safetensors` itself writes.
+holds one layer tensor and one slice's copy (a 405B MLP matrix: 3.5 GB and 256 MB). The
+safetensors layout (an 8-byte little-endian header length, a JSON header padded with spaces to 8
+bytes, then the tensors back to back in header order) is the one `safetensors` itself writes.
 """
 
 import dataclasses
