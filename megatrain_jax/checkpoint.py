@@ -854,12 +854,12 @@ class Checkpointer:
     fs.fsync(self.directory, directory=True)
     self.delete_beyond_keep(step)  # only now that the new one is complete
 
-  def beyond_keep(self, step: int) -> list[int]:
-    """The checkpoints older than the newest `keep` up to `step`, but the best with keep_best:
-    what `delete_beyond_keep` deletes."""
+  def beyond_keep(self, step: int, keep: int | None = None) -> list[int]:
+    """The checkpoints older than the newest `keep` (default: the run's) up to `step`, but the
+    best with keep_best: what `delete_beyond_keep` deletes."""
     best = best_step(self.directory) if self.keep_best else None
     upto = [s for s in self.steps() if s <= step]
-    return [s for s in upto[:-self.keep] if s != best]
+    return [s for s in upto[:-(keep or self.keep)] if s != best]
 
   def array_bytes(self, step: int) -> int:
     """Bytes deleting checkpoint `step` frees of its in-memory leaves' files (arrays/; its

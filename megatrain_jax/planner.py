@@ -929,16 +929,21 @@ def kept_checkpoints(ckpt) -> int:
   return ckpt.keep + int(bool(ckpt.get('keep_best', False)))
 
 
+def checkpoints_written(ckpt, steps: int, step: int = 0) -> int:
+  """Checkpoints a run at `step` writes up to `steps`: every `every` steps and at the end
+  (every = 0: the end only; every = -1: none). Time-based and preemption checkpoints may add one
+  more before the end."""
+  if ckpt is None or ckpt.every < 0 or steps <= step:
+    return 0
+  every = ckpt.every
+  written = 1 if every == 0 else steps // every - step // every + int(steps % every != 0)
+  return written + int(ckpt.get('every_minutes', 0.0) > 0)
+
+
 def checkpoint_copies(ckpt, steps: int) -> int:
   """Checkpoints that pin a copy of the NVMe stores: `kept_checkpoints`, or fewer when the run
-  writes fewer (every = 0: the end only, one; every = -1: none). Time-based and preemption
-  checkpoints may add one more before the end: counted while keep allows."""
-  if ckpt is None or ckpt.every < 0:
-    return 0
-  written = 1 if ckpt.every == 0 else -(-steps // ckpt.every)
-  if ckpt.get('every_minutes', 0.0) > 0:
-    written += 1
-  return min(kept_checkpoints(ckpt), written)
+  writes fewer (`checkpoints_written`), counted while keep allows."""
+  return min(kept_checkpoints(ckpt), checkpoints_written(ckpt, steps))
 
 
 def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,

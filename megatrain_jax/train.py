@@ -237,27 +237,77 @@ def resolve_plan(config, model_cfg, workdir: pathlib.Path, checkpointer: Checkpo
   return config, hw, plan, restored
 
 
-def _check_checkpoint_room(config, model_cfg, placement, checkpointer: Checkpointer,
-                           step: int) -> None:
-  """The workdir's disk holds the next checkpoint's in-memory leaves, raw FP32 (params and Adam's
-  m and v, 12 B per parameter not on NVMe; NVMe leaves are links, checked with offload.dir),
+# A checkpoint's files beyond its raw FP32 data, per leaf: its directories, zarr.json and the
+# last partial block of its files (4 KiB blocks: about 28 KiB on ext4; measured 15 KiB on tmpfs),
+# and 1% for the chunks' shard indexes, the manifest and meta.json. Without them the check was
+# 1.6% low, and a disk it passed filled at the last checkpoint.
+_LEAF_FILES_BYTES = 32 << 10
+
+
+def _checkpoint_bytes(model_cfg, placement) -> int:
+  """Bytes one checkpoint writes into the workdir: its in-memory leaves, raw FP32 (params and
+  Adam's m and v, 12 B per parameter not on NVMe; NVMe leaves are links, checked with
+  offload.dir), and their files' overhead (`_LEAF_FILES_BYTES`)."""
+  layers, outer = _param_bytes(model_cfg)
+  raw = (layers * ((placement.params != 'nvme') + 2 * (placement.opt_state != 'nvme'))
+         + 3 * outer * (placement.embed_head != 'nvme'))
+  leaves = 3 * len(jax.tree.leaves(model_lib.abstract_params(model_cfg))) + 4  # + step, rng, ...
+  return int(raw * 1.01) + leaves * _LEAF_FILES_BYTES
+
+
+def _checkpoints_peak(config, one: int, checkpointer: Checkpointer, step: int, steps: int,
+                      keep: int) -> tuple[int, int, int]:
+  """(checkpoints on the workdir's disk at their peak, bytes they add to it then, bytes a resume
+  at `step` deletes first) of a run from `step` to `steps` with checkpoint.keep=`keep`: `keep`
+  kept (and the best with keep_best), and the next one written before the oldest is deleted,
+  counted from those kept now, `one` byte each at most (`_checkpoint_bytes`)."""
+  ckpt = config.checkpoint
+  beyond = checkpointer.beyond_keep(step, keep)
+  kept = [s for s in checkpointer.steps() if s <= step and s not in beyond]
+  written = planner.checkpoints_written(ckpt, steps, step)
+  if ckpt.every_minutes > 0 and written:  # time-based saves: as many as the steps, at most
+    written = max(written, steps - step)
+  freed = sum(checkpointer.array_bytes(s) for s in beyond)
+  if not written:
+    return len(kept), 0, freed
+  peak = min(keep + int(ckpt.keep_best) + 1, len(kept) + written)
+  # Those kept now are on the disk already; a new one replaces one of them.
+  held = sum(min(one, checkpointer.array_bytes(s)) for s in kept)
+  return peak, max(0, peak * one - held), freed
+
+
+def _check_checkpoint_room(config, model_cfg, placement, checkpointer: Checkpointer, step: int,
+                           steps: int | None = None) -> None:
+  """The workdir's disk holds the checkpoints the run writes at their peak (`_checkpoints_peak`),
   with what a resume at `step` deletes first (a lowered checkpoint.keep: `_resumed`). Checked
-  before anything is written: the first save may be hours of training away."""
+  before anything is written (the first save may be hours of training away, the last days), and
+  again once the data is prepared (`steps`, which train.epochs sets then): on the same disk."""
   if config.checkpoint.every < 0:
     return
-  layers, outer = _param_bytes(model_cfg)
-  needed = (layers * ((placement.params != 'nvme') + 2 * (placement.opt_state != 'nvme'))
-            + 3 * outer * (placement.embed_head != 'nvme'))
-  freed = sum(checkpointer.array_bytes(s) for s in checkpointer.beyond_keep(step))
-  free = shutil.disk_usage(fs.nearest_existing(checkpointer.directory)).free + freed
-  if free < needed:
-    also = ' with the older checkpoints deleted' if freed else ''
-    raise ConfigError(
-        f'checkpoint: a checkpoint of this run writes {fs.human_bytes(needed)} (its params and '
-        f'Adam state off NVMe, raw FP32) into {checkpointer.directory}, and '
-        f'{fs.human_bytes(free)} are free there{also}. Free space there, lower checkpoint.keep, '
-        'put the state on NVMe in another offload.dir, or use a --workdir on a larger disk '
-        '(checkpoint.every=-1 saves none).')
+  prepared = steps is not None
+  if steps is None:  # with train.epochs, known once the data is prepared: one save until then
+    steps = step + 1 if config.train.epochs else config.train.steps
+  one, keep = _checkpoint_bytes(model_cfg, placement), config.checkpoint.keep
+  count, needed, freed = _checkpoints_peak(config, one, checkpointer, step, steps, keep)
+  disk_free = shutil.disk_usage(fs.nearest_existing(checkpointer.directory)).free
+  if disk_free + freed >= needed:
+    return
+  _, needed_1, freed_1 = _checkpoints_peak(config, one, checkpointer, step, steps, 1)
+  lower = (f'lower checkpoint.keep (keep=1 needs {fs.human_bytes(needed_1)}, with '
+           f'{fs.human_bytes(disk_free + freed_1)} free), ' if needed_1 - freed_1 < needed - freed
+           else '')
+  also = ' with the older checkpoints deleted' if freed else ''
+  also += ', the prepared data written' if prepared else ''
+  many = (f'{count} at once, {fs.human_bytes(one)} each: checkpoint.keep={keep} kept, and the '
+          'next written before the oldest is deleted' if count > 1 else
+          f'one checkpoint of {fs.human_bytes(one)}')
+  raise ConfigError(
+      f'checkpoint: the checkpoints of this run need {fs.human_bytes(needed)} more in '
+      f'{checkpointer.directory} at their peak ({many}; params and Adam state off NVMe, raw '
+      'FP32), and '
+      f'{fs.human_bytes(disk_free + freed)} are free there{also}. Free space there, {lower}put '
+      'the state on NVMe in another offload.dir, or use a --workdir on a larger disk '
+      '(checkpoint.every=-1 saves none).')
 
 
 # Where a placement keeps the state and how it steps (not its budgets, which follow free memory).
@@ -705,6 +755,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                                model_cfg.document_eos_id, restored, locked)
     if config.train.epochs and _finished(restored, config, main):  # its steps: counted just now
       return {}
+    _check_checkpoint_room(config, model_cfg, plan.placement, checkpointer,  # the data took room
+                           0 if restored is None else restored.step, config.train.steps)
     layout = distributed.run_layout(config)
     engine = _build_engine(model_cfg, config, plan, restored, source, layout)
     locked.push(_closing(engine.close))  # before the checkpointer's: waits for write-behind

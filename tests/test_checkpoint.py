@@ -571,17 +571,50 @@ def test_disk_full_during_nvme_write_back(tmp_path, tmp_path_factory, data, monk
 @AS_ROOT
 def test_a_workdir_without_room_for_a_checkpoint_is_refused_at_the_start(tmp_path, data):
   """A workdir whose disk cannot hold one checkpoint (its params and Adam state off NVMe, 12 B a
-  parameter: 1.29 MB here) is refused before training, naming the bytes and the fixes, instead
-  of failing at the first save (hours of training later)."""
+  parameter, and its files' overhead: 2.51 MB here) is refused before training, naming the bytes
+  and the fixes, instead of failing at the first save (hours of training later)."""
   with tmpfs(8) as disk:
     workdir = disk / 'run'
-    ballast = fill(disk, leave_bytes=600 << 10)  # room for half a checkpoint
-    with pytest.raises(ConfigError, match=r'a checkpoint of this run writes 1\.29 MB .* into '
-                                          rf'{workdir / "checkpoints"}, and .* are free there\. '
-                                          'Free space there, lower checkpoint.keep'):
+    ballast = fill(disk, leave_bytes=600 << 10)  # room for a quarter of a checkpoint
+    with pytest.raises(ConfigError, match=r'the checkpoints of this run need 2\.51 MB more in '
+                                          rf'{workdir / "checkpoints"} at their peak \(one '
+                                          r'checkpoint of 2\.51 MB;.*, and .* are free there\. '
+                                          'Free space there, put'):
       train.train_and_evaluate(config(data, steps=2, data__cache_dir=str(tmp_path / 'data')),
                                str(workdir))
     assert not (workdir / 'checkpoints').exists() and not (workdir / 'metrics.jsonl').exists()
+    ballast.unlink()
+
+
+@AS_ROOT
+def test_the_start_up_check_counts_every_checkpoint_kept_and_the_data(tmp_path, data):
+  """The start-up check made room for the first checkpoint only: a disk that held two passed it
+  with checkpoint.keep=3, and the run died at its third save (a run keeps `keep` and writes the
+  next before it deletes the oldest: 4 at once); and the data, prepared after the check on the
+  same disk, filled one that held a checkpoint at the first save. Both are refused before any
+  training, with the bytes; a lower keep is offered where it would help, and only there."""
+  model_cfg = config_lib.validate(config(data))
+  one = train._checkpoint_bytes(model_cfg, Placement())
+  assert one == 2_513_231  # 1.29 MB raw FP32 + 1%, 37 leaves x 32 KiB
+  with tmpfs(16) as disk:
+    workdir = disk / 'run'
+    ballast = fill(disk, leave_bytes=int(2.5 * one))
+    with pytest.raises(ConfigError) as error:
+      train.train_and_evaluate(config(data, checkpoint__every=2, data__cache_dir=str(
+          tmp_path / 'data')), str(workdir))
+    assert (f'need {one * 4 / 1e6:.2f} MB more in {workdir / "checkpoints"} at their peak (4 at '
+            f'once, {one / 1e6:.2f} MB each: checkpoint.keep=3 kept, and the next written '
+            'before the oldest is deleted' in str(error.value)), error.value
+    assert f'lower checkpoint.keep (keep=1 needs {one * 2 / 1e6:.2f} MB' in str(error.value)
+    assert not (workdir / 'checkpoints').exists()
+    ballast.unlink()
+    # Room for the one checkpoint of keep=1, but not beside the data prepared into the workdir
+    ballast = fill(disk, leave_bytes=one + (1 << 20))  # the data: 2.25 MB
+    with pytest.raises(ConfigError, match=r'need 2\.51 MB more .*\(one checkpoint .* are free '
+                                          r'there, the prepared data written\. Free space there, '
+                                          'put'):
+      train.train_and_evaluate(config(data, steps=2, checkpoint__keep=1), str(workdir))
+    assert not (workdir / 'checkpoints').exists() and (workdir / 'data').is_dir()
     ballast.unlink()
 
 
