@@ -855,11 +855,9 @@ class Checkpointer:
     self.delete_beyond_keep(step)  # only now that the new one is complete
 
   def beyond_keep(self, step: int, keep: int | None = None) -> list[int]:
-    """The checkpoints older than the newest `keep` (default: the run's) up to `step`, but the
-    best with keep_best: what `delete_beyond_keep` deletes."""
-    best = best_step(self.directory) if self.keep_best else None
-    upto = [s for s in self.steps() if s <= step]
-    return [s for s in upto[:-(keep or self.keep)] if s != best]
+    """`beyond_keep` of this run's checkpoints (`keep` default: the run's): what
+    `delete_beyond_keep` deletes."""
+    return beyond_keep(self.directory, step, keep or self.keep, self.keep_best)
 
   def array_bytes(self, step: int) -> int:
     """Bytes deleting checkpoint `step` frees of its in-memory leaves' files (arrays/; its
@@ -891,11 +889,13 @@ class Checkpointer:
     previous = (f'The previous checkpoint (step {steps[-1]}) is intact: a rerun with the same '
                 '--workdir resumes from it.' if steps else 'No earlier checkpoint exists.')
     free = shutil.disk_usage(self.directory).free
+    # A lower keep frees room only where the rerun has older checkpoints than its newest to delete.
+    lower = ('rerun with a lower checkpoint.keep (the rerun deletes the checkpoints beyond it '
+             'before it saves), ' if self.keep > 1 and len(steps) > 1 else '')
     raise DiskFullError(
         f'checkpoint step {step}: the disk holding {self.directory} is full (the checkpoint needs '
         f'about {fs.human_bytes(needed)}, {fs.human_bytes(free)} are free). {previous} Free space '
-        'there, rerun with a lower checkpoint.keep (the rerun deletes the checkpoints beyond it '
-        'before it saves), or use a --workdir on a larger disk.') from error
+        f'there, {lower}or use a --workdir on a larger disk.') from error
 
   def wait(self) -> None:
     """Waits for the checkpoint being written; raises its error (DiskFullError when full)."""
@@ -923,6 +923,17 @@ def committed_steps(directory: pathlib.Path) -> list[int]:
   if not directory.is_dir():
     return []
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def beyond_keep(directory: pathlib.Path, step: int | None, keep: int,
+                keep_best: bool = False) -> list[int]:
+  """The committed checkpoints in `directory` older than the newest `keep` up to `step` (None:
+  the newest), but the best with keep_best: those a run deletes after its next commit, or a
+  resume at `step` before it starts (train._resumed)."""
+  steps = committed_steps(directory)
+  upto = [s for s in steps if step is None or s <= step]
+  best = best_step(directory) if keep_best and upto else None
+  return [s for s in upto[:-keep] if s != best] if keep > 0 else []
 
 
 def best_step(directory: pathlib.Path) -> int | None:

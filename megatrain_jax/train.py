@@ -164,14 +164,15 @@ def calibrate(config: ml_collections.ConfigDict, workdir: str, out: str = '') ->
 
 
 def _disk_free_gb(offload_dir: str, hw: hardware.HardwareProfile, dry_run: bool,
-                  checkpoint_dir: pathlib.Path | None, keep: int = 0) -> float:
+                  checkpoint_dir: pathlib.Path | None, keep: int = 0, deleted=()) -> float:
   """Disk the NVMe tier may use: a profile that states it (a preset) is believed for a dry run;
   a real run never plans for more than offload.dir's filesystem has free, counting what the run
-  in the workdir holds there already (its stores and checkpoints: a resume plans as it started)."""
+  in the workdir holds there already (its stores and checkpoints: a resume plans as it started,
+  and the checkpoints `deleted` beyond a lowered keep are freed first)."""
   existing = fs.nearest_existing(pathlib.Path(offload_dir).expanduser().absolute())
   if not dry_run and not os.access(existing, os.W_OK | os.X_OK):
     return 0.0  # nothing can be stored there
-  held = nvme.held_by_run(offload_dir, checkpoint_dir, keep)
+  held = nvme.held_by_run(offload_dir, checkpoint_dir, keep, deleted)
   free = hardware.free_disk_gb(offload_dir) + held / 1e9
   if hw.disk_gb and dry_run:
     return hw.disk_gb
@@ -192,7 +193,17 @@ def _check_offload_dir(config, model_cfg, workdir: pathlib.Path, placement) -> N
             + nvme.nvme_bytes(outer_bytes, placement.embed_head, placement.embed_head))
   nvme.check_offload_dir(offload_dir, needed,
                          checkpoint_dir=workdir / 'checkpoints',
-                         keep=planner.kept_checkpoints(config.checkpoint))
+                         keep=planner.kept_checkpoints(config.checkpoint),
+                         deleted=_deleted_at_resume(config, workdir / 'checkpoints'))
+
+
+def _deleted_at_resume(config, checkpoints: pathlib.Path | None) -> list[int]:
+  """The checkpoints in `checkpoints` that a resume deletes before it writes (those beyond a
+  lowered checkpoint.keep: `_resumed`): their disk is free for the run."""
+  if checkpoints is None or config.checkpoint.every < 0:
+    return []
+  return checkpoint_lib.beyond_keep(checkpoints, None, config.checkpoint.keep,
+                                    config.checkpoint.keep_best)
 
 
 def plan_for(config, workdir: pathlib.Path | None, dry_run: bool):
@@ -205,7 +216,8 @@ def plan_for(config, workdir: pathlib.Path | None, dry_run: bool):
   resumes = checkpoints is not None and any(p.name.isdigit() for p in checkpoints.glob('*'))
   plan = planner.plan_run(
       config, hw, disk_free_gb=_disk_free_gb(offload_dir, hw, dry_run, checkpoints,
-                                             planner.kept_checkpoints(config.checkpoint)),
+                                             planner.kept_checkpoints(config.checkpoint),
+                                             _deleted_at_resume(config, checkpoints)),
       fresh_init=not (resumes or config.init.from_hf or config.init.from_run))
   if plan.placement.uses_nvme:
     plan.placement = dataclasses.replace(plan.placement, dir=offload_dir)

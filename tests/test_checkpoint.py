@@ -537,6 +537,7 @@ def test_disk_full_during_a_checkpoint(tmp_path, tmp_path_factory, data, monkeyp
     message = str(error.value)
     assert f'checkpoint step 8: the disk holding {workdir / "checkpoints"} is full' in message
     assert 'The previous checkpoint (step 4) is intact' in message and 'Free space' in message
+    assert 'checkpoint.keep' not in message  # one checkpoint: a lower keep frees nothing
     assert sorted(os.listdir(workdir / 'checkpoints')) == ['4']  # no half-written step 8
     if placement:  # copies, made from a staging snapshot that is gone once copied
       assert all(p.stat().st_nlink == 1 for p in chunk_files(workdir / 'checkpoints' / '4'))
@@ -654,19 +655,20 @@ def test_free_space_check_counts_kept_checkpoints(tmp_path):
   with tmpfs(8) as disk:  # 8 MiB; the stores need 3 MB
     nvme.check_offload_dir(str(disk / 'offload'), 3_000_000, checkpoint_dir=disk / 'run', keep=1)
     with pytest.raises(ConfigError, match=r'offload.dir=.*stores and their checkpoints need '
-                                          r'0\.01 GB .*checkpoint.keep=3 pins one more copy.*'
+                                          r'12\.00 MB .*checkpoint.keep=3 pins one more copy.*'
                                           r'lower checkpoint.keep'):
       nvme.check_offload_dir(str(disk / 'offload'), 3_000_000, checkpoint_dir=disk / 'run', keep=3)
     nvme.check_offload_dir(str(disk / 'offload'), 3_000_000, checkpoint_dir=disk / 'run', keep=0)
     # checkpoints on another filesystem are copies of a staging snapshot in offload.dir
-    with pytest.raises(ConfigError, match=r'offload.dir=.*stores need 0\.01 GB .*5\.00 MB|'
-                                          r'offload.dir=.*stores need 0\.01 GB .*0\.01 GB live, '
-                                          r'and as much for the snapshot a checkpoint copies'):
+    with pytest.raises(ConfigError, match=r'offload.dir=.*stores need 10\.00 MB .*5\.00 MB '
+                                          r'live, and as much for the snapshot a checkpoint '
+                                          r'copies'):
       nvme.check_offload_dir(str(disk / 'offload'), 5_000_000, checkpoint_dir=tmp_path, keep=1)
     nvme.check_offload_dir(str(disk / 'offload'), 3_000_000, checkpoint_dir=tmp_path, keep=1)
     # ... and kept + 1 being written must fit where the checkpoints are
     with pytest.raises(ConfigError, match=r'checkpoint.keep=3: .*cannot be hard links.*need '
-                                          r'0\.01 GB \(3 kept \+ 1 being written\)'):
+                                          r'12\.00 MB \(3 kept \+ 1 being written\).*'
+                                          r'lower checkpoint.keep'):
       nvme.check_offload_dir(str(tmp_path), 3_000_000, checkpoint_dir=disk / 'run', keep=3)
 
 
@@ -676,7 +678,7 @@ def test_the_disk_a_run_holds_counts_as_free_for_it(tmp_path, monkeypatch):
   checkpoints it keeps hold: they are rebuilt or kept, not added. Before, a 1B run killed
   mid-checkpoint came back under another placement with 2.4x the RAM, its own 20 GB counted as
   taken. Nothing else in offload.dir counts: another program's files, symbolic links, the
-  snapshots of checkpoints beyond checkpoint.keep (deleted only after the next commit), a
+  snapshots of checkpoints beyond checkpoint.keep unless named (those a resume deletes), a
   directory of a store's name that holds anything but arrays (a user's own, in a shared
   offload.dir: the engine deletes the stores it does not use)."""
   with tmpfs(12) as disk:  # 12 MiB
@@ -706,8 +708,8 @@ def test_the_disk_a_run_holds_counts_as_free_for_it(tmp_path, monkeypatch):
     ballast = fill(disk, leave_bytes=2_000_000)
     # 3 MB of stores and one checkpoint's 3 MB: 6 MB, of which the run holds 4.6 (2 free)
     nvme.check_offload_dir(str(stores), 3_000_000, checkpoint_dir=checkpoints, keep=1)
-    with pytest.raises(ConfigError, match=r'need 0\.01 GB .* GB are free there \(with the 0\.00 '
-                                          r'GB the run holds\)'):
+    with pytest.raises(ConfigError, match=r'need 9\.00 MB .* MB are free there \(with the 4\.60 '
+                                          r'MB the run holds\)'):
       nvme.check_offload_dir(str(stores), 4_500_000, checkpoint_dir=checkpoints, keep=1)
     monkeypatch.setattr(train.hardware, 'free_disk_gb', lambda directory: 0.0)
     free = train._disk_free_gb(str(stores), train.hardware.PRESETS['cpu'], False, checkpoints,
@@ -721,6 +723,44 @@ def test_the_disk_a_run_holds_counts_as_free_for_it(tmp_path, monkeypatch):
     assert sorted(p.name for p in stores.iterdir()) == ['datasets', 'elsewhere', 'head_params']
     assert (stores / 'datasets' / 'corpus').read_bytes() == b'\4' * 2_000_000
     assert (stores / 'head_params' / 'notes.txt').read_bytes() == b'\6' * 100_000
+
+
+@AS_ROOT
+def test_a_rerun_with_a_lower_keep_counts_the_nvme_checkpoints_it_deletes(tmp_path, data):
+  """An NVMe run stopped by a full disk with checkpoints 2, 4 and 6, rerun with checkpoint.keep=1
+  as docs/checkpoints.md says, was refused: the check counted the newest checkpoint's snapshot as
+  the run's, not those of 2 and 4, which the rerun deletes before it writes. They count now; a
+  lower keep is offered only where one would help, and the bytes read in MB, not '0.00 GB'."""
+  model_cfg = config_lib.validate(config(data, **NVME))
+  layers, _ = train._param_bytes(model_cfg)
+  stores = nvme.nvme_bytes(layers, 'nvme', 'nvme')  # 1.09 MB
+  placement = Placement(params='nvme', opt_state='nvme')
+  with tmpfs(16) as disk:
+    workdir, offload = disk / 'run', disk / 'offload'
+    for step in (2, 4, 6):  # each pins a copy of the stores, rewritten since
+      (workdir / 'checkpoints' / str(step) / 'nvme').mkdir(parents=True)
+      (workdir / 'checkpoints' / str(step) / 'nvme' / 'own').write_bytes(b'\1' * stores)
+    ballast = fill(disk, leave_bytes=stores // 2)
+
+    def check(keep):
+      run_config = config(data, **NVME, checkpoint__keep=keep, offload__dir=str(offload))
+      train._check_offload_dir(run_config, model_cfg, workdir, dataclasses.replace(
+          placement, dir=str(offload)))
+
+    check(keep=1)  # the stores and a checkpoint: 2.18 MB, 3.27 MB held, 0.5 MB free
+    with pytest.raises(ConfigError, match=rf'need {4 * stores / 1e6:.2f} MB .* but only 3\.8\d MB '
+                                          r'are free there \(with the 3\.27 MB the run holds\)\. '
+                                          r'.* on host, or lower checkpoint.keep\.'):
+      check(keep=3)
+    shutil.rmtree(workdir / 'checkpoints' / '4')
+    shutil.rmtree(workdir / 'checkpoints' / '6')
+    ballast.unlink()
+    ballast = fill(disk, leave_bytes=stores // 2)
+    with pytest.raises(ConfigError, match=r'the run holds\)\. Free space, point offload.dir at a '
+                                          r'larger disk, or keep offload.opt_state \(2/3 of it\) '
+                                          r'on host\.$'):  # keep=1: none lower
+      check(keep=1)
+    ballast.unlink()
 
 
 def test_the_offload_dir_lock_outlives_the_last_commit(tmp_path, data, monkeypatch):

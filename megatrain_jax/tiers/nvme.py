@@ -545,38 +545,42 @@ def _delete_store(directory: pathlib.Path) -> None:
   shutil.rmtree(doomed, ignore_errors=True)
 
 
-def held_by_run(directory, checkpoint_dir=None, keep: int = 0) -> int:
+def held_by_run(directory, checkpoint_dir=None, keep: int = 0, deleted=()) -> int:
   """Bytes of a run's NVMe data on offload.dir's filesystem (`bytes_held`): its stores in
   `directory` (`store_dirs`) and, on the same filesystem, the snapshots of the newest `keep`
-  checkpoints in `checkpoint_dir`, which the run keeps and its plan counts. The planner and
-  `check_offload_dir` count them as free for the run: a resume plans with the disk it started
-  with."""
+  checkpoints in `checkpoint_dir`, which the run keeps and its plan counts, and of the steps
+  `deleted` (checkpoint.beyond_keep: those a resume deletes before it writes, train._resumed).
+  The planner and `check_offload_dir` count them as free for the run: a resume plans with the
+  disk it started with (and a rerun with a lower keep with what the deletion frees)."""
   roots = store_dirs(directory)
   if checkpoint_dir is not None and keep > 0:
     existing = nearest_existing(pathlib.Path(directory).expanduser().absolute())
     checkpoints = nearest_existing(pathlib.Path(checkpoint_dir).absolute())
     if os.stat(checkpoints).st_dev == os.stat(existing).st_dev:
-      roots += snapshots(checkpoint_dir, keep)
+      roots += snapshots(checkpoint_dir, keep, deleted)
   return bytes_held(roots)
 
 
-def snapshots(checkpoint_dir, keep: int) -> list:
-  """The `nvme/` snapshots of the newest `keep` committed checkpoints in `checkpoint_dir`."""
+def snapshots(checkpoint_dir, keep: int, deleted=()) -> list:
+  """The `nvme/` snapshots of the newest `keep` committed checkpoints in `checkpoint_dir`, and of
+  the steps `deleted`."""
   if checkpoint_dir is None or not pathlib.Path(checkpoint_dir).is_dir():
     return []
   steps = sorted((d for d in pathlib.Path(checkpoint_dir).iterdir() if d.name.isdigit()),
                  key=lambda d: int(d.name))
-  return [d / 'nvme' for d in steps[-keep:] if (d / 'nvme').is_dir()] if keep > 0 else []
+  chosen = (steps[-keep:] if keep > 0 else []) + [d for d in steps if int(d.name) in deleted]
+  return [d / 'nvme' for d in chosen if (d / 'nvme').is_dir()]
 
 
 def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
-                      keep: int = 0) -> None:
+                      keep: int = 0, deleted=()) -> None:
   """offload.dir must be writable and hold `needed_bytes` (the live stores) plus what `keep`
   checkpoints in `checkpoint_dir` pin (checkpoint.py). Same filesystem: one full copy of the
   stores each (hard links share the live files only until the next write-back). Another
   filesystem: the checkpoints are copies, so that one needs keep + 1 copies (the new one is written
   before the oldest is deleted), and offload.dir one more copy for the staging snapshot being
-  copied. Checked before anything is written."""
+  copied. The checkpoints `deleted` (steps beyond keep, which a resume deletes first) count as
+  free. Checked before anything is written."""
   existing = nearest_existing(pathlib.Path(directory).expanduser().absolute())
   if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
     raise ConfigError(f'offload.dir={directory}: {existing} is not a writable directory. Point '
@@ -590,32 +594,34 @@ def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
   same_disk = checkpoints is not None and os.stat(checkpoints).st_dev == os.stat(existing).st_dev
   if same_disk:
     needed = needed_bytes * (1 + keep)
-    what = (f'the NVMe stores and their checkpoints need {needed / 1e9:,.2f} GB (uncompressed '
-            f'FP32: {needed_bytes / 1e9:,.2f} GB live, and each of checkpoint.keep={keep} pins one '
+    what = (f'the NVMe stores and their checkpoints need {human_bytes(needed)} (uncompressed '
+            f'FP32: {human_bytes(needed_bytes)} live, and each of checkpoint.keep={keep} pins one '
             'more copy)')
-    fix += ', or lower checkpoint.keep'
+    fix += ', or lower checkpoint.keep' * (keep > 1)  # keep=1 is the least
   elif checkpoints is not None:
     needed = 2 * needed_bytes
-    what = (f'the NVMe stores need {needed / 1e9:,.2f} GB (uncompressed FP32: '
-            f'{needed_bytes / 1e9:,.2f} GB live, and as much for the snapshot a checkpoint copies '
+    what = (f'the NVMe stores need {human_bytes(needed)} (uncompressed FP32: '
+            f'{human_bytes(needed_bytes)} live, and as much for the snapshot a checkpoint copies '
             'to the workdir on another filesystem)')
     fix += ', or put offload.dir on the workdir\'s filesystem'
   else:
     needed = needed_bytes
-    what = f'the NVMe stores need {needed / 1e9:,.2f} GB (uncompressed FP32)'
-  held = held_by_run(directory, checkpoint_dir if same_disk else None, keep)
+    what = f'the NVMe stores need {human_bytes(needed)} (uncompressed FP32)'
+  held = held_by_run(directory, checkpoint_dir if same_disk else None, keep, deleted)
   free = shutil.disk_usage(existing).free + held
   if free < needed:
-    raise ConfigError(f'offload.dir={directory}: {what} but only {free / 1e9:,.2f} GB are free '
-                      f'there{f" (with the {held / 1e9:,.2f} GB the run holds)" * bool(held)}. '
+    raise ConfigError(f'offload.dir={directory}: {what} but only {human_bytes(free)} are free '
+                      f'there{f" (with the {human_bytes(held)} the run holds)" * bool(held)}. '
                       f'{fix}.')
   if checkpoints is not None and not same_disk:
     needed = needed_bytes * (keep + 1)
-    free = shutil.disk_usage(checkpoints).free + bytes_held(snapshots(checkpoint_dir, keep))
+    free = (shutil.disk_usage(checkpoints).free
+            + bytes_held(snapshots(checkpoint_dir, keep, deleted)))
     if free < needed:
       raise ConfigError(
           f'checkpoint.keep={keep}: the checkpoints in {checkpoint_dir} hold copies of the NVMe '
           f'state (offload.dir is on another filesystem, so they cannot be hard links): they need '
-          f'{needed / 1e9:,.2f} GB ({keep} kept + 1 being written) but only {free / 1e9:,.2f} GB '
-          'are free there. Put offload.dir on the workdir\'s filesystem, lower checkpoint.keep, '
+          f'{human_bytes(needed)} ({keep} kept + 1 being written) but only {human_bytes(free)} '
+          'are free there. Put offload.dir on the workdir\'s filesystem, '
+          f'{"lower checkpoint.keep, " * (keep > 1)}'
           'set checkpoint.every=-1 (no checkpoints), or free space.')
