@@ -1001,8 +1001,8 @@ def _eval_config(config, workdir: str, overrides, job: str = '--eval'):
   """(config, workdir path, run checkpoint meta or None, HF checkpoint or None) of an --eval or a
   --sample (`job`): the run's newest checkpoint if it has one (its shape, its tokenizer and its
   model.document_mask), else init.from_hf. --sample writes nothing there; --eval its result."""
-  path = (config_lib.check_workdir(workdir, writes='--eval writes eval.json there')
-          if job == '--eval' else config_lib.check_run_readable(workdir))
+  path = (_check_eval_workdir(workdir) if job == '--eval'
+          else config_lib.check_run_readable(workdir))
   meta = runs.newest_checkpoint_meta(path)
   if meta is not None:
     runs.check_same_start(config, path, meta)
@@ -1021,6 +1021,38 @@ def _eval_config(config, workdir: str, overrides, job: str = '--eval'):
                       f'--config.init.from_hf=<Hugging Face model directory>{also}.')
   checkpoint = hf.inspect_checkpoint(config.init.from_hf)
   return hf.config_from_checkpoint(config, checkpoint, overrides), path, None, checkpoint
+
+
+_EVAL_ELSEWHERE = ('To evaluate a run you cannot write to, export it (--export_hf=<dir>) and run '
+                   '--eval with --config.init.from_hf=<dir> and a --workdir of your own.')
+
+
+def _check_eval_workdir(workdir: str) -> pathlib.Path:
+  """The --eval workdir, where eval.json and evals.jsonl go: writable, with room for them (1 MB),
+  checked before the evaluation (minutes to hours) computes what would be lost."""
+  path = config_lib.check_workdir(workdir, writes='--eval writes eval.json there',
+                                  fix=_EVAL_ELSEWHERE)
+  return config_lib.check_writable(path, f'--workdir={workdir}', _EVAL_ELSEWHERE,
+                                   needed_bytes=1 << 20, what='--eval\'s eval.json')
+
+
+def _write_eval(path: pathlib.Path, result: dict) -> None:
+  """eval.json (the newest) and evals.jsonl (every one) in `path`; a full disk is one line that
+  says the result printed above is the record (`evaluate` prints it first)."""
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    _keep_earlier_eval(path)
+    fs.write_json_atomic(path / 'eval.json', result)
+    metrics_lib.append_row(path / 'evals.jsonl', {**result, 'eval/finished': time.strftime(
+        '%Y-%m-%dT%H:%M:%S%z')})
+  except OSError as error:
+    if not fs.is_disk_full(error):
+      raise
+    raise DiskFullError(
+        f'--eval: the disk of {path} is full ({error.strerror or error}): eval.json and '
+        'evals.jsonl were not written; the result printed above is the evaluation\'s record. '
+        'Free space there and rerun --eval to record it, or evaluate with another --workdir.'
+    ) from error
 
 
 def _evaluator(config, model_cfg, workdir: pathlib.Path, reader) -> evaluate_lib.Evaluator:
@@ -1098,14 +1130,13 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
       evaluator.close()
     result = {**result, 'eval/source': source, 'eval/path': str(config.eval.path),
               'eval/document_mask': bool(config.model.document_mask)}
-    path.mkdir(parents=True, exist_ok=True)
-    _keep_earlier_eval(path)
-    fs.write_json_atomic(path / 'eval.json', result)  # the newest; evals.jsonl keeps every one
-    metrics_lib.append_row(path / 'evals.jsonl', {**result, 'eval/finished': time.strftime(
-        '%Y-%m-%dT%H:%M:%S%z')})
-  print(f'eval/loss {result["eval/loss"]:.6f} | eval/perplexity {result["eval/perplexity"]:.4f}'
-        f' | eval/tokens {result["eval/tokens"]} | {source} | {result["eval/seconds"]:.2f} s '
-        f'({result["eval/tokens"] / max(result["eval/seconds"], 1e-9):,.0f} tokens/s)', flush=True)
+    # Printed before it is written: a write that fails loses no result.
+    print(f'eval/loss {result["eval/loss"]:.6f} | eval/perplexity '
+          f'{result["eval/perplexity"]:.4f} | eval/tokens {result["eval/tokens"]} | {source} | '
+          f'{result["eval/seconds"]:.2f} s '
+          f'({result["eval/tokens"] / max(result["eval/seconds"], 1e-9):,.0f} tokens/s)',
+          flush=True)
+    _write_eval(path, result)
   return result
 
 

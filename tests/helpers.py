@@ -37,7 +37,7 @@ from megatrain_jax.engine.streamed import StreamedEngine
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.placement import Placement
 from megatrain_jax.reliability import (  # noqa: F401 (re-exported)
-    JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, SMALL_MODEL, tmpfs)
+    JAX_CACHE_DIR, REPO_ROOT, SHARED_DATA, SMALL_MODEL, fill, tmpfs)
 
 # ------------------------------------------------------------------------------------------------
 # The parity harness: streamed engine vs resident engine on one small model.

@@ -4,10 +4,12 @@ documents as training stores them ([BOS] tokens EOS), and prompt/completion reco
 their completions. A .jsonl eval file gives the eval/loss of the equivalent token stream."""
 
 import contextlib
+import errno
 import gzip
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 
@@ -21,6 +23,7 @@ import zstandard
 
 from megatrain_jax import config as config_lib
 from megatrain_jax import evaluate as evaluate_lib
+from megatrain_jax import fs
 from megatrain_jax import export as export_lib
 from megatrain_jax import locks
 from megatrain_jax import model as model_lib
@@ -28,9 +31,9 @@ from megatrain_jax import partition
 from megatrain_jax import train
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.data import ByteTokenizer
-from megatrain_jax.errors import ConfigError
+from megatrain_jax.errors import ConfigError, DiskFullError
 
-from helpers import small_config
+from helpers import AS_ROOT, fill, small_config, tmpfs
 
 DOCS = ['The first document.', 'A second one, a little longer than the first.',
         'Third: unicode é ü 東京.', 'and the last']
@@ -305,9 +308,55 @@ def test_sample_and_export_read_a_run_they_cannot_write_to(trained, tmp_path):
     assert train.sample(config, str(view))['sample/tokens'] >= 1
     files = train.export_hf(config, str(view), str(tmp_path / 'hf'))
     assert any(f.name.endswith('.safetensors') for f in files)
-    with pytest.raises(ConfigError, match=r'is not writable \(--eval writes eval.json there\)'):
+    with pytest.raises(ConfigError, match=r'is (not writable|on a read-only filesystem) \(--eval '
+                                          r'writes eval.json there\)\. To evaluate a run you '
+                                          r'cannot write to, export it \(--export_hf=<dir>\) and '
+                                          r'run --eval with --config.init.from_hf=<dir>'):
       train.evaluate(config, str(view))
     assert sorted(p.relative_to(view) for p in view.rglob('*')) == before
+
+
+def _eval_config(config, tmp_path):
+  config = config.copy_and_resolve_references()
+  (tmp_path / 'eval.txt').write_text('Some text to score. ' * 8)
+  config.eval.path, config.eval.max_len = str(tmp_path / 'eval.txt'), 32
+  return config
+
+
+@AS_ROOT
+def test_eval_checks_its_workdir_has_room_before_it_evaluates(trained, tmp_path, monkeypatch):
+  """--eval on a full disk computed the whole evaluation, then failed writing eval.json: it is
+  refused before anything is read, with the bytes and the way out."""
+  config, workdir = trained
+  config = _eval_config(config, tmp_path)
+  monkeypatch.setattr(evaluate_lib, 'perplexity', lambda *args, **kwargs: pytest.fail('ran'))
+  with tmpfs(16) as disk:
+    shutil.copytree(workdir, disk / 'run')
+    ballast = fill(disk, leave_bytes=256 << 10)
+    with pytest.raises(ConfigError, match=r"--workdir=.*: --eval's eval.json needs 1\.05 MB in "
+                                          r'.*/run, and 0\.\d+ MB are free there\. Free space '
+                                          r'there, or to evaluate a run you cannot write to'):
+      train.evaluate(config, str(disk / 'run'))
+    ballast.unlink()
+
+
+def test_an_eval_result_is_printed_before_a_full_disk_loses_it(trained, tmp_path, monkeypatch,
+                                                               capsys):
+  """The disk filling during the evaluation: the result is printed first (it was printed only
+  after eval.json was written, so a full disk lost it), then one line says what was not
+  written."""
+  config, workdir = trained
+  config = _eval_config(config, tmp_path)
+
+  def full(path, obj):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+
+  monkeypatch.setattr(fs, 'write_json_atomic', full)
+  with pytest.raises(DiskFullError, match=rf'--eval: the disk of {workdir} is full \(No space left '
+                                          r'on device\): eval.json and evals.jsonl were not '
+                                          r'written; the result printed above is the'):
+    train.evaluate(config, str(workdir))
+  assert re.search(r'eval/loss \d+\.\d{6} \| eval/perplexity', capsys.readouterr().out)
 
 
 def test_an_export_killed_midway_leaves_nothing_at_its_destination(trained, tmp_path, monkeypatch):
