@@ -31,12 +31,13 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
+from megatrain_jax import config as config_lib
 from megatrain_jax import fs
 from megatrain_jax import hf
 from megatrain_jax import data as data_lib
 from megatrain_jax.data import documents
 from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE
-from megatrain_jax.errors import ConfigError
+from megatrain_jax.errors import ConfigError, DiskFullError
 from megatrain_jax.hf.format import tensor_map
 from megatrain_jax.model import ModelConfig
 
@@ -60,8 +61,9 @@ class _Entry:
     return math.prod(self.shape) * itemsize
 
 
-def check_destination(out_dir: str) -> Path:
-  """The export directory, refused (before anything is written) if it holds anything."""
+def check_destination(out_dir: str, needed_bytes: int = 0) -> Path:
+  """The export directory, refused (before anything is written) if it holds anything, or if the
+  directory it is made in cannot be written or lacks `needed_bytes` (`export_bytes`)."""
   if not out_dir:
     raise ConfigError('--export_hf is empty: give the directory to write the checkpoint to.')
   path = Path(out_dir).expanduser().absolute()
@@ -70,7 +72,15 @@ def check_destination(out_dir: str) -> Path:
   if path.is_dir() and any(path.iterdir()):
     raise ConfigError(f'--export_hf={out_dir}: {path} is not empty; exporting there would mix '
                       'two checkpoints. Give a new or empty directory.')
-  return path
+  # Its files are written beside it first (`export`): the parent's disk holds them.
+  return config_lib.check_writable(path, f'--export_hf={out_dir}',
+                                   'Export to a directory on a disk you can write to.',
+                                   needed_bytes=needed_bytes, what='the export')
+
+
+def export_bytes(cfg: ModelConfig, dtype: str = 'float32') -> int:
+  """Bytes of an export's safetensors files (their headers aside: under 1 MB, counted as 1 MB)."""
+  return sum(e.nbytes(_DTYPES[dtype][0].itemsize) for e in _entries(cfg)) + (1 << 20)
 
 
 def _entries(cfg: ModelConfig) -> list[_Entry]:
@@ -127,7 +137,7 @@ def _pieces(reader, e: _Entry) -> Iterator[np.ndarray]:
 
 
 def _write_shard(reader, file: Path, entries: list[_Entry], dtype: np.dtype, tag: str) -> None:
-  with open(file, 'wb') as f:
+  with fs.naming(file), open(file, 'wb') as f:  # a full disk's error names the export's
     f.write(_header(entries, tag, dtype.itemsize))
     for e in entries:
       for piece in _pieces(reader, e):
@@ -161,11 +171,21 @@ def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
   staging = out_dir.parent / f'.{out_dir.name}.export-tmp'
   shutil.rmtree(staging, ignore_errors=True)
   staging.mkdir(parents=True)
-  names = _write_files(reader, cfg, staging, dtype, max_shard_bytes, tokenizer, chat_template,
-                       eos_token)
-  for name in names:
-    fs.fsync(staging / name)
-  fs.fsync(staging, directory=True)
+  try:
+    names = _write_files(reader, cfg, staging, dtype, max_shard_bytes, tokenizer, chat_template,
+                         eos_token)
+    for name in names:
+      fs.fsync(staging / name)
+    fs.fsync(staging, directory=True)
+  except Exception as error:  # a part-written export would only fill the disk (a kill's: the
+    # rerun's rmtree above)
+    shutil.rmtree(staging, ignore_errors=True)
+    if isinstance(error, OSError) and fs.is_disk_full(error):
+      raise DiskFullError(
+          f'--export_hf: the disk of {out_dir.parent} is full ({error.strerror or error}); the '
+          f'partial export was removed. It needs about {fs.human_bytes(export_bytes(cfg, dtype))}'
+          ': free space there, or export to a larger disk.') from error
+    raise
   if out_dir.is_dir():
     out_dir.rmdir()  # empty (check_destination)
   os.rename(staging, out_dir)

@@ -1282,6 +1282,7 @@ def export_hf(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> 
     raise ConfigError(f'--export_hf: {path} holds no checkpoint to export. Pass the --workdir of '
                       'a run that has saved one (checkpoints/<step>/).')
   model_cfg = model_lib.ModelConfig(**meta['model_config'])
+  export_lib.check_destination(out_dir, export_lib.export_bytes(model_cfg, config.export.dtype))
   tokenizer = runs.run_data_field(path, 'tokenizer') or 'byte'
   if tokenizer != 'byte' and not pathlib.Path(tokenizer).exists():
     raise ConfigError(f'--export_hf: the run\'s tokenizer {tokenizer} (data.tokenizer in '

@@ -33,7 +33,7 @@ from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.data import ByteTokenizer
 from megatrain_jax.errors import ConfigError, DiskFullError
 
-from helpers import AS_ROOT, fill, small_config, tmpfs
+from helpers import AS_ROOT, fill, read_only_directory, small_config, tmpfs
 
 DOCS = ['The first document.', 'A second one, a little longer than the first.',
         'Third: unicode é ü 東京.', 'and the last']
@@ -357,6 +357,36 @@ def test_an_eval_result_is_printed_before_a_full_disk_loses_it(trained, tmp_path
                                           r'written; the result printed above is the'):
     train.evaluate(config, str(workdir))
   assert re.search(r'eval/loss \d+\.\d{6} \| eval/perplexity', capsys.readouterr().out)
+
+
+@AS_ROOT
+def test_an_export_checks_its_destination_and_cleans_up_after_a_full_disk(trained, tmp_path,
+                                                                         monkeypatch):
+  """--export_hf to a full disk named the source run's disk and left its part-written staging
+  directory filling the destination's; to a read-only one it was an OSError's traceback. Both
+  are refused before anything is read, naming the destination; a disk that fills meanwhile is
+  one line naming it, with nothing left behind."""
+  config, workdir = trained
+  model_cfg = config_lib.validate(config)
+  needed = export_lib.export_bytes(model_cfg)
+  assert needed == 4 * model_cfg.num_params + (1 << 20)
+  with read_only_directory() as locked:
+    with pytest.raises(ConfigError, match=rf'--export_hf={locked}/hf: {locked} is (not writable|on '
+                                          r'a read-only filesystem)\. Export to a directory on a '
+                                          'disk you can write to'):
+      train.export_hf(config, str(workdir), str(locked / 'hf'))
+  with tmpfs(4) as disk:
+    ballast = fill(disk, leave_bytes=2 * model_cfg.num_params)  # half the weights
+    with pytest.raises(ConfigError, match=rf'--export_hf={disk}/hf: the export needs '
+                                          rf'{needed / 1e6:.2f} MB in {disk}, and 0\.\d+ MB are '
+                                          r'free there\. Free space there, or export to'):
+      train.export_hf(config, str(workdir), str(disk / 'hf'))
+    monkeypatch.setattr(export_lib, 'export_bytes', lambda *args: 0)  # past the check
+    with pytest.raises(DiskFullError, match=rf'--export_hf: the disk of {disk} is full \(No space '
+                                            r'left on device\); the partial export was removed'):
+      train.export_hf(config, str(workdir), str(disk / 'hf'))
+    assert os.listdir(disk) == ['ballast']
+    ballast.unlink()
 
 
 def test_an_export_killed_midway_leaves_nothing_at_its_destination(trained, tmp_path, monkeypatch):
