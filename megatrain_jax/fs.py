@@ -102,6 +102,11 @@ def write_text_atomic(path: pathlib.Path, text: str) -> None:
   """Writes `text` to a temp file beside `path`, fsyncs it and renames it over `path`: a reader
   sees the old file or the new one, never a torn one, even across a crash."""
   path = pathlib.Path(path)
+  with naming(path):  # a write's or fsync's error names none: then `path`
+    _write_text_atomic(path, text)
+
+
+def _write_text_atomic(path: pathlib.Path, text: str) -> None:
   tmp = new_temp(path.parent, path.name)
   try:
     with open(tmp, 'w', encoding='utf-8') as f:

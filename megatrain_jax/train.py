@@ -1215,6 +1215,10 @@ def _check_sample_settings(settings) -> None:
   if settings.prompts and not pathlib.Path(settings.out).expanduser().absolute().parent.is_dir():
     raise ConfigError(f'sample.out={settings.out!r}: its directory does not exist; create it or '
                       'write elsewhere.')
+  if settings.prompts:  # before the generation, whose output would be lost
+    config_lib.check_writable(pathlib.Path(settings.out).expanduser().absolute().parent,
+                              f'sample.out={settings.out!r}', 'Write it elsewhere.',
+                              needed_bytes=1 << 20, what='sample.out')
   for field in ('temperature', 'top_k'):
     if settings[field] < 0:
       raise ConfigError(f'sample.{field}={settings[field]} must be >= 0.')
@@ -1262,7 +1266,14 @@ def _write_samples(out: str, prompts: list, completions: list, source: str) -> d
   rows = [{'prompt': prompt, 'completion': text, 'tokens': tokens, 'stopped': stopped}
           for prompt, (text, tokens, stopped) in zip(prompts, completions)]
   path = pathlib.Path(out).expanduser()
-  fs.write_text_atomic(path, ''.join(json.dumps(row, ensure_ascii=False) + '\n' for row in rows))
+  text = ''.join(json.dumps(row, ensure_ascii=False) + '\n' for row in rows)
+  try:
+    fs.write_text_atomic(path, text)
+  except OSError as error:
+    print(text, end='', flush=True)  # the continuations, which took the whole generation
+    raise (DiskFullError if fs.is_disk_full(error) else ConfigError)(
+        f'sample.out={out!r}: {path} could not be written ({error.strerror or error}); its JSON '
+        'lines are printed above. Free space there, or write it elsewhere.') from error
   total = sum(row['tokens'] for row in rows)
   print(f'--sample: {len(rows)} prompts continued, {total:,} tokens written -> {path}', flush=True)
   return {'sample/prompts': len(rows), 'sample/tokens': total, 'sample/out': str(path),

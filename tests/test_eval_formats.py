@@ -389,6 +389,38 @@ def test_an_export_checks_its_destination_and_cleans_up_after_a_full_disk(traine
     ballast.unlink()
 
 
+def test_sample_checks_sample_out_before_it_generates(trained, tmp_path, monkeypatch, capsys):
+  """--sample with sample.prompts: a sample.out on a read-only or full disk failed once every
+  prompt was continued (the workdir's disk named, or a traceback), the continuations lost. It is
+  refused before generating; a write that fails still prints the JSON lines, naming sample.out."""
+  config, workdir = trained
+  config = config.copy_and_resolve_references()
+  (tmp_path / 'prompts.txt').write_text('The \nA \n')
+  config.sample.prompts, config.sample.max_new_tokens = str(tmp_path / 'prompts.txt'), 4
+  generate_all = train.sample_lib.generate_all
+  monkeypatch.setattr(train.sample_lib, 'generate_all', lambda *a, **k: pytest.fail('generated'))
+  with read_only_directory() as locked:
+    config.sample.out = str(locked / 'out.jsonl')
+    with pytest.raises(ConfigError, match=rf"sample.out='{locked}/out.jsonl': {locked} is (not "
+                                          r'writable|on a read-only filesystem)\. Write it '
+                                          'elsewhere'):
+      train.sample(config, str(workdir))
+  monkeypatch.setattr(train.sample_lib, 'generate_all', generate_all)
+
+  def full(path, text):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+
+  monkeypatch.setattr(fs, 'write_text_atomic', full)
+  config.sample.out = str(tmp_path / 'out.jsonl')
+  with pytest.raises(DiskFullError, match=rf"sample.out='{tmp_path}/out.jsonl': {tmp_path}/out"
+                                          r'.jsonl could not be written \(No space left on '
+                                          r'device\); its JSON lines are printed above'):
+    train.sample(config, str(workdir))
+  printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+             if line.startswith('{')]
+  assert [row['prompt'] for row in printed] == ['The ', 'A ']
+
+
 def test_an_export_killed_midway_leaves_nothing_at_its_destination(trained, tmp_path, monkeypatch):
   """--export_hf writes into a hidden directory beside the destination and renames it there at
   the end: an export that dies after its first shard leaves the destination absent (nothing for
