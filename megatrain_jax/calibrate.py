@@ -161,6 +161,10 @@ def _disk_gbps(directory: pathlib.Path, nbytes: int) -> tuple[float, float, floa
   return tuple(actual / s / _GB for s in (write_s, cold_s, cached_s, cached_write_s))
 
 
+# What the disk probe writes into offload.dir (removed afterwards): enough to outrun a disk cache.
+DISK_PROBE_BYTES = 256 << 20
+
+
 def _remove_probe(probe_dir: pathlib.Path, made: list) -> None:
   """Removes the disk probe's directory and the directories made for it (`made`, innermost
   first) while they are empty: a calibration leaves no <workdir>/offload behind."""
@@ -197,7 +201,7 @@ def calibrate(directory: str, log=print) -> HardwareProfile:
     device_adam = _adam_gparams('device', 32 << 20)
     host_adam = device_adam if cpu else _adam_gparams('pinned_host', 32 << 20)
     log(f'  AdamW: device {device_adam:.2f} Gparam/s, host {host_adam:.2f} Gparam/s')
-    write, cold, cached, cached_write = _disk_gbps(probe_dir, 256 << 20)
+    write, cold, cached, cached_write = _disk_gbps(probe_dir, DISK_PROBE_BYTES)
     log(f'  disk at {directory}: write + fsync {write:.2f} GB/s, read cold {cold:.2f} GB/s; '
         f'through the page cache: read {cached:.2f} GB/s, write {cached_write:.2f} GB/s')
     dispatch = _dispatch_s()

@@ -152,13 +152,31 @@ def prepare(config: ml_collections.ConfigDict, workdir: str,
   return info
 
 
+@_disk_full_is_an_error
 def calibrate(config: ml_collections.ConfigDict, workdir: str, out: str = '') -> pathlib.Path:
-  """Measures this machine, saves its hardware profile (default: hardware.PROFILE_CACHE)."""
+  """Measures this machine, saves its hardware profile (default: hardware.PROFILE_CACHE). Where
+  the probe writes (offload.dir) and where the profile goes are checked first: the measurement
+  takes a minute, and a profile that cannot be saved is printed instead of lost."""
   enable_compilation_cache(config.jax_cache_dir)
   probe_dir = config.offload.dir or str(pathlib.Path(workdir) / 'offload')
+  config_lib.check_writable(probe_dir, f'--calibrate: the disk probe in {probe_dir}',
+                            'Point offload.dir at the disk the NVMe tier will use.',
+                            needed_bytes=calibrate_lib.DISK_PROBE_BYTES + (16 << 20),
+                            what='the disk probe')
+  path = pathlib.Path(out or hardware.PROFILE_CACHE).expanduser()
+  config_lib.check_writable(path.parent, f'--profile_out={path}',
+                            'Pass --profile_out=<a file on a disk you can write to>.',
+                            needed_bytes=1 << 20, what='the profile')
   print(f'calibrating {layout_lib.device_kind()} (disk probe in {probe_dir}) ...')
   profile = calibrate_lib.calibrate(probe_dir)
-  path = hardware.save_profile(profile, pathlib.Path(out) if out else hardware.PROFILE_CACHE)
+  try:
+    hardware.save_profile(profile, path)
+  except OSError as error:
+    print(profile.to_json(), flush=True)  # the measurement, not lost: save it as a file by hand
+    raise (DiskFullError if fs.is_disk_full(error) else ConfigError)(
+        f'--calibrate: the profile could not be saved to {path} ({error.strerror or error}); '
+        'it is printed above: save it as a file and pass --config.hardware=<that file>, or '
+        'free space there and calibrate again.') from error
   print(f'{profile.source}; saved {path}')
   return path
 

@@ -2,6 +2,7 @@
 names the field and the fix, raised before anything is allocated or written."""
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -15,9 +16,9 @@ import pytest
 from megatrain_jax import config as config_lib
 from megatrain_jax import hardware
 from megatrain_jax import train
-from megatrain_jax.errors import ConfigError
+from megatrain_jax.errors import ConfigError, DiskFullError
 
-from helpers import REPO_ROOT, config_with, read_only_directory
+from helpers import AS_ROOT, REPO_ROOT, config_with, read_only_directory, tmpfs
 
 
 def run_launch(*args, timeout=300):
@@ -240,3 +241,39 @@ def test_workdir_not_writable(tmp_path):
   blocker.write_text('')
   with pytest.raises(ConfigError, match=r'--workdir=.*is a file'):
     train.train_and_evaluate(config_with(), str(blocker / 'run'))
+
+
+@AS_ROOT
+def test_calibrate_checks_where_it_writes_before_it_measures(tmp_path, monkeypatch, capsys):
+  """--calibrate into a full offload.dir failed after a minute of measuring with a
+  RESOURCE_EXHAUSTED traceback, a read-only one or --profile_out with an OSError's: each is
+  refused before anything is measured; a profile that cannot be saved is printed, not lost."""
+  measure = []
+  monkeypatch.setattr(train.calibrate_lib, 'calibrate', lambda directory: measure.append(
+      directory) or hardware.PRESETS['cpu'])
+  config = config_with()
+  with tmpfs(64) as disk:
+    config.offload.dir = str(disk / 'offload')
+    with pytest.raises(ConfigError, match=rf'--calibrate: the disk probe in {disk}/offload: the disk '
+                                          rf'probe needs 285\.21 MB in {disk}, and 67\.\d\d MB are '
+                                          r'free there\. Free space there, or point offload.dir'):
+      train.calibrate(config, str(tmp_path / 'run'), str(tmp_path / 'hw.json'))
+  config.offload.dir = ''
+  with read_only_directory() as locked:
+    with pytest.raises(ConfigError, match=rf'--profile_out={locked}/hw.json: {locked} is (not '
+                                          r'writable|on a read-only filesystem)'):
+      train.calibrate(config, str(tmp_path / 'run'), str(locked / 'hw.json'))
+    with pytest.raises(ConfigError, match=rf'--calibrate: the disk probe in {locked}/run/offload: '
+                                          rf'{locked} is (not writable|on a read-only filesystem)'):
+      train.calibrate(config, str(locked / 'run'), str(tmp_path / 'hw.json'))
+  assert measure == []
+
+  def full(*args):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+
+  monkeypatch.setattr(hardware, 'save_profile', full)
+  with pytest.raises(DiskFullError, match=r'--calibrate: the profile could not be saved to .*hw.json '
+                                          r'\(No space left on device\); it is printed above'):
+    train.calibrate(config, str(tmp_path / 'run'), str(tmp_path / 'hw.json'))
+  out = capsys.readouterr().out
+  assert json.loads(out[out.index('{'):])['name'] == hardware.PRESETS['cpu'].name
