@@ -15,14 +15,14 @@ import json
 import math
 import os
 import pathlib
-import shutil
 import sys
 
 import ml_collections
 
 from megatrain_jax import optim
 from megatrain_jax.errors import ConfigError
-from megatrain_jax.fs import human_bytes, nearest_existing
+from megatrain_jax import fs
+from megatrain_jax.fs import nearest_existing
 from megatrain_jax.model.config import ModelConfig
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -367,30 +367,7 @@ def check_workdir(workdir: str, writes: str = '', fix: str = '') -> pathlib.Path
   --export_hf) passes `check_run_readable` instead."""
   path, _ = _workdir_directory(workdir, 'Choose another workdir.')
   why = f' ({writes})' if writes else ''
-  check_writable(path, f'--workdir={workdir}', fix or 'Choose a workdir you can write to.', why)
-  return path
-
-
-def check_writable(path, field: str, fix: str, why: str = '', needed_bytes: int = 0,
-                   what: str = 'it') -> pathlib.Path:
-  """`path` absolute, once the directory it is in or will be created in (its nearest existing
-  one) is found writable, on a filesystem mounted read-write, with `needed_bytes` free (for
-  `what`); else a ConfigError that starts with `field` and ends with `fix`. Writes nothing: a
-  job checks where it will write before it computes what it writes there."""
-  path = pathlib.Path(path).expanduser().absolute()
-  existing = nearest_existing(path)
-  if not existing.is_dir():
-    raise ConfigError(f'{field}: {existing} is a file, not a directory. {fix}')
-  if os.statvfs(existing).f_flag & os.ST_RDONLY:  # EROFS: no permission fixes that
-    raise ConfigError(f'{field}: {existing} is on a read-only filesystem{why}. {fix}')
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise ConfigError(f'{field}: {existing} is not writable{why}. {fix[:-1]}, or fix its '
-                      'permissions.')
-  free = shutil.disk_usage(existing).free
-  if free < needed_bytes:
-    raise ConfigError(f'{field}: {what} needs {human_bytes(needed_bytes)} in {existing}, and '
-                      f'{human_bytes(free)} are free there. Free space there, or {fix[0].lower()}'
-                      f'{fix[1:]}')
+  fs.check_writable(path, f'--workdir={workdir}', fix or 'Choose a workdir you can write to.', why)
   return path
 
 

@@ -31,7 +31,6 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from megatrain_jax import config as config_lib
 from megatrain_jax import fs
 from megatrain_jax import hf
 from megatrain_jax import data as data_lib
@@ -73,9 +72,9 @@ def check_destination(out_dir: str, needed_bytes: int = 0) -> Path:
     raise ConfigError(f'--export_hf={out_dir}: {path} is not empty; exporting there would mix '
                       'two checkpoints. Give a new or empty directory.')
   # Its files are written beside it first (`export`): the parent's disk holds them.
-  return config_lib.check_writable(path, f'--export_hf={out_dir}',
-                                   'Export to a directory on a disk you can write to.',
-                                   needed_bytes=needed_bytes, what='the export')
+  return fs.check_writable(path, f'--export_hf={out_dir}',
+                           'Export to a directory on a disk you can write to.',
+                           needed_bytes=needed_bytes, what='the export')
 
 
 def export_bytes(cfg: ModelConfig, dtype: str = 'float32') -> int:

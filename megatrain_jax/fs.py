@@ -14,6 +14,8 @@ import subprocess
 import tempfile
 import zlib
 
+from megatrain_jax.errors import ConfigError
+
 
 def leaf_name(path: str) -> str:
   """Tree path -> file-system name: "['opt_state'][0].mu['layers']['w']" ->
@@ -29,6 +31,29 @@ def nearest_existing(path: pathlib.Path) -> pathlib.Path:
   """`path` or its closest existing ancestor: what a later mkdir would create inside."""
   while not path.exists():
     path = path.parent
+  return path
+
+
+def check_writable(path, field: str, fix: str, why: str = '', needed_bytes: int = 0,
+                   what: str = 'it') -> pathlib.Path:
+  """`path` absolute, once the directory it is in or will be created in (its nearest existing
+  one) is found writable, on a filesystem mounted read-write, with `needed_bytes` free (for
+  `what`); else a ConfigError that starts with `field` and ends with `fix`. Writes nothing: a
+  job checks where it will write before it computes what it writes there."""
+  path = pathlib.Path(path).expanduser().absolute()
+  existing = nearest_existing(path)
+  if not existing.is_dir():
+    raise ConfigError(f'{field}: {existing} is a file, not a directory. {fix}')
+  if os.statvfs(existing).f_flag & os.ST_RDONLY:  # EROFS: no permission fixes that
+    raise ConfigError(f'{field}: {existing} is on a read-only filesystem{why}. {fix}')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f'{field}: {existing} is not writable{why}. {fix[:-1]}, or fix its '
+                      'permissions.')
+  free = shutil.disk_usage(existing).free
+  if free < needed_bytes:
+    raise ConfigError(f'{field}: {what} needs {human_bytes(needed_bytes)} in {existing}, and '
+                      f'{human_bytes(free)} are free there. Free space there, or {fix[0].lower()}'
+                      f'{fix[1:]}')
   return path
 
 

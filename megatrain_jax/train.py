@@ -159,14 +159,13 @@ def calibrate(config: ml_collections.ConfigDict, workdir: str, out: str = '') ->
   takes a minute, and a profile that cannot be saved is printed instead of lost."""
   enable_compilation_cache(config.jax_cache_dir)
   probe_dir = config.offload.dir or str(pathlib.Path(workdir) / 'offload')
-  config_lib.check_writable(probe_dir, f'--calibrate: the disk probe in {probe_dir}',
-                            'Point offload.dir at the disk the NVMe tier will use.',
-                            needed_bytes=calibrate_lib.DISK_PROBE_BYTES + (16 << 20),
-                            what='the disk probe')
+  fs.check_writable(probe_dir, f'--calibrate: the disk probe in {probe_dir}',
+                    'Point offload.dir at the disk the NVMe tier will use.',
+                    needed_bytes=calibrate_lib.DISK_PROBE_BYTES + (16 << 20), what='the disk probe')
   path = pathlib.Path(out or hardware.PROFILE_CACHE).expanduser()
-  config_lib.check_writable(path.parent, f'--profile_out={path}',
-                            'Pass --profile_out=<a file on a disk you can write to>.',
-                            needed_bytes=1 << 20, what='the profile')
+  fs.check_writable(path.parent, f'--profile_out={path}',
+                    'Pass --profile_out=<a file on a disk you can write to>.',
+                    needed_bytes=1 << 20, what='the profile')
   print(f'calibrating {layout_lib.device_kind()} (disk probe in {probe_dir}) ...')
   profile = calibrate_lib.calibrate(probe_dir)
   try:
@@ -1050,8 +1049,8 @@ def _check_eval_workdir(workdir: str) -> pathlib.Path:
   checked before the evaluation (minutes to hours) computes what would be lost."""
   path = config_lib.check_workdir(workdir, writes='--eval writes eval.json there',
                                   fix=_EVAL_ELSEWHERE)
-  return config_lib.check_writable(path, f'--workdir={workdir}', _EVAL_ELSEWHERE,
-                                   needed_bytes=1 << 20, what='--eval\'s eval.json')
+  return fs.check_writable(path, f'--workdir={workdir}', _EVAL_ELSEWHERE, needed_bytes=1 << 20,
+                           what='--eval\'s eval.json')
 
 
 def _write_eval(path: pathlib.Path, result: dict) -> None:
@@ -1234,9 +1233,9 @@ def _check_sample_settings(settings) -> None:
     raise ConfigError(f'sample.out={settings.out!r}: its directory does not exist; create it or '
                       'write elsewhere.')
   if settings.prompts:  # before the generation, whose output would be lost
-    config_lib.check_writable(pathlib.Path(settings.out).expanduser().absolute().parent,
-                              f'sample.out={settings.out!r}', 'Write it elsewhere.',
-                              needed_bytes=1 << 20, what='sample.out')
+    fs.check_writable(pathlib.Path(settings.out).expanduser().absolute().parent,
+                      f'sample.out={settings.out!r}', 'Write it elsewhere.', needed_bytes=1 << 20,
+                      what='sample.out')
   for field in ('temperature', 'top_k'):
     if settings[field] < 0:
       raise ConfigError(f'sample.{field}={settings[field]} must be >= 0.')

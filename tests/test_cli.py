@@ -254,9 +254,10 @@ def test_calibrate_checks_where_it_writes_before_it_measures(tmp_path, monkeypat
   config = config_with()
   with tmpfs(64) as disk:
     config.offload.dir = str(disk / 'offload')
-    with pytest.raises(ConfigError, match=rf'--calibrate: the disk probe in {disk}/offload: the disk '
-                                          rf'probe needs 285\.21 MB in {disk}, and 67\.\d\d MB are '
-                                          r'free there\. Free space there, or point offload.dir'):
+    with pytest.raises(ConfigError, match=rf'--calibrate: the disk probe in {disk}/offload: the '
+                                          rf'disk probe needs 285\.21 MB in {disk}, and 67\.\d\d '
+                                          r'MB are free there\. Free space there, or point '
+                                          'offload.dir'):
       train.calibrate(config, str(tmp_path / 'run'), str(tmp_path / 'hw.json'))
   config.offload.dir = ''
   with read_only_directory() as locked:
