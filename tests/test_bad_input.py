@@ -30,7 +30,7 @@ from megatrain_jax import train
 from megatrain_jax.data import ByteTokenizer, prepare_dataset
 from megatrain_jax.errors import ConfigError
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, read_only_directory
 
 TEXT = ('First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n'
         * 60)  # ~4.6 KB of text: enough for the small shapes below
@@ -251,6 +251,19 @@ def test_config_value(tmp_path, overrides, fragments):
   if callable(overrides):
     overrides = overrides(inputs)
   assert_refused(tmp_path, config_with(**overrides), fragments)
+
+
+def test_a_read_only_data_cache_dir_is_refused_before_anything_is_written(tmp_path):
+  """data.cache_dir on a read-only mount (a shared dataset cache): training and --prepare ended
+  in an OSError's traceback from the data lock's mkdir; both are refused up front, naming it."""
+  with read_only_directory() as locked:
+    said = 'is on a read-only filesystem' if os.geteuid() == 0 else 'is not writable'
+    config = config_with(data__cache_dir=str(locked / 'cache'))
+    assert_refused(tmp_path, config, [f'data.cache_dir={locked}/cache: {locked} {said}',
+                                      "Point data.cache_dir at a directory you can write to, or "
+                                      "set it to '' for <workdir>/data"])
+    with pytest.raises(ConfigError, match=rf'data.cache_dir={locked}/cache: {locked} {said}'):
+      train.prepare(config, str(tmp_path / 'prep'))
 
 
 def test_warmup_longer_than_the_run_is_accepted():

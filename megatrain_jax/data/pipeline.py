@@ -31,6 +31,7 @@ from megatrain_jax.data.prepare import (DEFAULT_SHARD_TOKENS, META_FILE, Dataset
                                         needs_documents, prepare_dataset, read_dataset_info)
 from megatrain_jax.data.tokenizer import Tokenizer, check_tokenizer_spec, load_tokenizer
 from megatrain_jax.errors import ConfigError
+from megatrain_jax.fs import check_writable
 
 _STR_FIELDS = ('path', 'val_path', 'tokenizer', 'cache_dir')
 # Fields added with the record formats: a data section written before them gets these defaults.
@@ -54,7 +55,8 @@ def _is_prepared(path: Path) -> bool:
 
 
 def _check_cache_dir(cache_dir: Path, path: str) -> None:
-  """Rejects a cache_dir that is a file, or that is the raw-text directory being prepared."""
+  """Rejects a cache_dir that is a file, the raw-text directory being prepared, or one that
+  cannot be written (a read-only mount)."""
   cache_dir = cache_dir.expanduser().resolve()
   if cache_dir.exists() and not cache_dir.is_dir():
     raise ConfigError(f'data.cache_dir: {cache_dir} is a file; point data.cache_dir at a '
@@ -63,6 +65,9 @@ def _check_cache_dir(cache_dir: Path, path: str) -> None:
   if path and Path(path).expanduser().resolve() == cache_dir:
     raise ConfigError(f'data.cache_dir: {cache_dir} is also data.path (a directory of text '
                       "files); set data.cache_dir to another directory or to ''.")
+  # Prepared or not, the data is locked there (a lock file) before it is read.
+  check_writable(cache_dir, f'data.cache_dir={cache_dir}', 'Point data.cache_dir at a directory '
+                 "you can write to, or set it to '' for <workdir>/data.")
 
 
 def _check_fields(data_config: Any) -> None:
