@@ -33,6 +33,7 @@ import numpy as np
 
 from megatrain_jax import fs
 from megatrain_jax import hf
+from megatrain_jax import locks
 from megatrain_jax import data as data_lib
 from megatrain_jax.data import documents
 from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE
@@ -45,6 +46,7 @@ _DTYPES = {'float32': (np.dtype(np.float32), 'F32'),
            'bfloat16': (np.dtype(ml_dtypes.bfloat16), 'BF16')}
 _SINGLE_FILE = 'model.safetensors'
 _INDEX_FILE = 'model.safetensors.index.json'
+_STAGING = '.export-tmp'  # inside the destination: `export`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,20 +63,26 @@ class _Entry:
 
 
 def check_destination(out_dir: str, needed_bytes: int = 0) -> Path:
-  """The export directory, refused (before anything is written) if it holds anything, or if the
-  directory it is made in cannot be written or lacks `needed_bytes` (`export_bytes`)."""
+  """The export directory (a symlink's target), refused (before anything is written) if it holds
+  anything but hidden entries (a git clone's .git and .gitattributes), or if the directory it is
+  in or made in cannot be written or lacks `needed_bytes` (`export_bytes`)."""
   if not out_dir:
     raise ConfigError('--export_hf is empty: give the directory to write the checkpoint to.')
-  path = Path(out_dir).expanduser().absolute()
+  path = Path(out_dir).expanduser().absolute().resolve()
   if path.exists() and not path.is_dir():
     raise ConfigError(f'--export_hf={out_dir}: {path} is a file. Give a new or empty directory.')
-  if path.is_dir() and any(path.iterdir()):
-    raise ConfigError(f'--export_hf={out_dir}: {path} is not empty; exporting there would mix '
-                      'two checkpoints. Give a new or empty directory.')
-  # Its files are written beside it first (`export`): the parent's disk holds them.
+  _check_empty(path, out_dir)
   return fs.check_writable(path, f'--export_hf={out_dir}',
                            'Export to a directory on a disk you can write to.',
                            needed_bytes=needed_bytes, what='the export')
+
+
+def _check_empty(path: Path, out_dir: str) -> None:
+  """Refuses `path` if it holds anything an export writes or would mix with: any name but hidden
+  ones (an export writes none but its staging directory)."""
+  if path.is_dir() and any(not p.name.startswith('.') for p in path.iterdir()):
+    raise ConfigError(f'--export_hf={out_dir}: {path} is not empty; exporting there would mix '
+                      'two checkpoints. Give a new or empty directory.')
 
 
 def export_bytes(cfg: ModelConfig, dtype: str = 'float32') -> int:
@@ -150,8 +158,9 @@ def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
            max_shard_bytes: int = 5 * 10**9, tokenizer: str = 'byte',
            chat_template: str = '', eos_token: str = '') -> list[Path]:
   """Writes the params of `reader` (a checkpoint reader of a run of `cfg`) as a Hugging Face
-  checkpoint in `out_dir` (new or empty), all at once: the files are written and fsynced in a
-  hidden directory beside it, which is then renamed to `out_dir`; returns the files written.
+  checkpoint in `out_dir` (new, or empty but for hidden entries: check_destination), all at once:
+  the files are written and fsynced in a hidden directory inside it, then moved out into it,
+  config.json last; returns the files written.
 
   Args:
     reader: `read(full-state path, start, stop, axis=)`, e.g. checkpoint.CheckpointReader.
@@ -164,31 +173,38 @@ def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
       chat_template.jinja ('' = the tokenizer's own, copied with its files).
     eos_token: The run's data.eos_token ('' = the tokenizer's): config.json's eos_token_id.
   """
-  # Written into a hidden directory beside out_dir, then renamed to it: a killed export leaves no
-  # partial checkpoint that from_pretrained could half-load, and the rerun is not refused for a
-  # non-empty out_dir (it deletes the leftover instead).
-  staging = out_dir.parent / f'.{out_dir.name}.export-tmp'
-  shutil.rmtree(staging, ignore_errors=True)
-  staging.mkdir(parents=True)
-  try:
-    names = _write_files(reader, cfg, staging, dtype, max_shard_bytes, tokenizer, chat_template,
-                         eos_token)
-    for name in names:
-      fs.fsync(staging / name)
-    fs.fsync(staging, directory=True)
-  except Exception as error:  # a part-written export would only fill the disk (a kill's: the
-    # rerun's rmtree above)
+  # Staged inside out_dir, not beside it: out_dir may be a mount point (a container's volume,
+  # which a rename cannot replace) or a directory whose owner and mode must stay. A killed export
+  # leaves only the hidden staging directory, which the rerun deletes: from_pretrained finds no
+  # config.json there until every shard is in place. The lock on out_dir refuses a second export
+  # into it meanwhile.
+  created = not out_dir.exists()
+  out_dir.mkdir(parents=True, exist_ok=True)
+  with locks.hold_export(out_dir):
+    _check_empty(out_dir, str(out_dir))  # held now: no other export wrote there since the check
+    staging = out_dir / _STAGING
     shutil.rmtree(staging, ignore_errors=True)
-    if isinstance(error, OSError) and fs.is_disk_full(error):
-      raise DiskFullError(
-          f'--export_hf: the disk of {out_dir.parent} is full ({error.strerror or error}); the '
-          f'partial export was removed. It needs about {fs.human_bytes(export_bytes(cfg, dtype))}'
-          ': free space there, or export to a larger disk.') from error
-    raise
-  if out_dir.is_dir():
-    out_dir.rmdir()  # empty (check_destination)
-  os.rename(staging, out_dir)
-  fs.fsync(out_dir.parent, directory=True)
+    staging.mkdir()
+    try:
+      names = _write_files(reader, cfg, staging, dtype, max_shard_bytes, tokenizer,
+                           chat_template, eos_token)
+      for name in names:
+        fs.fsync(staging / name)
+    except Exception as error:  # a part-written export would only fill the disk (a kill's: the
+      # rerun's rmtree above)
+      shutil.rmtree(staging, ignore_errors=True)
+      if created:
+        out_dir.rmdir()
+      if isinstance(error, OSError) and fs.is_disk_full(error):
+        raise DiskFullError(
+            f'--export_hf: the disk of {out_dir} is full ({error.strerror or error}); the partial '
+            f'export was removed. It needs about {fs.human_bytes(export_bytes(cfg, dtype))}: '
+            'free space there, or export to a larger disk.') from error
+      raise
+    for name in sorted(names, key=lambda name: name == 'config.json'):
+      os.rename(staging / name, out_dir / name)
+    staging.rmdir()
+    fs.fsync(out_dir, directory=True)
   return [out_dir / name for name in names]
 
 

@@ -237,6 +237,27 @@ def read_hold(directory):
 
 
 @contextlib.contextmanager
+def hold_export(directory):
+  """Holds an exclusive lock on an export's destination `directory` (the directory itself: no
+  lock file is left in the export) for the `with` block; DirectoryInUseError if another export
+  holds it. Two exports to one directory at once published a mix of their shards, each file
+  whole, which transformers loads without a word."""
+  directory = pathlib.Path(directory)
+  fd = _lock_directory(directory, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  if fd == 'busy':
+    raise DirectoryInUseError(f'--export_hf: {directory} is being written by another export: '
+                              'wait for it to finish, or export to another directory.')
+  if fd == 'unsupported':
+    print(f'warning: cannot lock {directory} (the filesystem does not support flock); a second '
+          'export into it at the same time would not be refused.', file=sys.stderr, flush=True)
+  try:
+    yield
+  finally:
+    if isinstance(fd, int):
+      os.close(fd)
+
+
+@contextlib.contextmanager
 def unless_read(directory):
   """Yields True, holding an exclusive lock on checkpoint `directory` (for its deletion), unless
   a reader holds it (`read_hold`) or it is gone: then False. True where the filesystem has no
