@@ -39,7 +39,9 @@ what the stages of schedule.py declare they hold, each row naming its stage):
   nvme:              params W, Adam A (layer leaves), embedding/head (embed_head = nvme),
                      parked gradients W (clipping, params on
                      nvme), and checkpoint.keep more copies of them: each kept checkpoint
-                     hard-links the stores, and the next write-back unshares every file.
+                     hard-links the stores, and the next write-back unshares every file (with
+                     the workdir on another filesystem one copy: the snapshot a checkpoint
+                     copies there from; the workdir's disk is checked apart, train.py).
   process (host rows):  the runtime baseline, measured as this process's RSS when it plans for
                      this machine (the profile's runtime_host_gb when it plans another's), and
                      what a run adds to it besides these rows: compiled programs, the data
@@ -363,19 +365,20 @@ class Plan:
 
 def _memory_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int,
                  seq: int, clipping: bool, checkpoint_copies: int = 0,
-                 devices: Devices = Devices()) -> list:
+                 devices: Devices = Devices(), snapshots_copied: bool = False) -> list:
   """[Row]: the resident step's state and activations, or what each streamed stage holds; on N
   devices per device (device rows) and per process (host, nvme rows), the module docstring's N
   DEVICES. `batch` is the global batch."""
   n = devices.count
-  rows = _one_device_rows(cfg, sizes, p, micro, batch // n, seq, clipping, checkpoint_copies)
+  rows = _one_device_rows(cfg, sizes, p, micro, batch // n, seq, clipping, checkpoint_copies,
+                          snapshots_copied)
   if n == 1:
     return _init_beyond_step(rows)
   # A row whose bytes change with the batch holds activations (of the per-device batch, as
   # computed); any other holds pieces of the state, their copies in flight, gradients or update
   # inputs, of which each device keeps its 1/N shard.
   twice = _one_device_rows(cfg, sizes, p, micro, 2 * (batch // n), seq, clipping,
-                           checkpoint_copies)
+                           checkpoint_copies, snapshots_copied)
   out = []
   for row, other in zip(rows, twice, strict=True):
     if row.item == STAGING_ROW:  # the process's NVMe staging, offload.host_buffer_gb
@@ -426,11 +429,12 @@ def _gathered_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int
 
 
 def _one_device_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: int, batch: int,
-                     seq: int, clipping: bool, checkpoint_copies: int = 0) -> list:
+                     seq: int, clipping: bool, checkpoint_copies: int = 0,
+                     snapshots_copied: bool = False) -> list:
   """[Row] of one device computing `batch` sequences per microbatch with the whole state."""
   if p.streamed:
     schedule = StepSchedule(p, cfg, micro, clipping)
-    rows = schedule.held(cfg, sizes, batch, seq, checkpoint_copies)
+    rows = schedule.held(cfg, sizes, batch, seq, checkpoint_copies, snapshots_copied)
     return _kept_layer_input_rows(cfg, p, rows, micro, batch, seq) if p.keeps_layer_inputs else rows
   L, E = cfg.num_layers, sizes.outer_params
   W = sizes.group_params(L)
@@ -683,7 +687,7 @@ class StepShape:
 
 def step_shape(cfg: ModelConfig, sizes: StateSizes, p: Placement, *, micro: int, batch: int,
                seq: int, clipping: bool, checkpoint_copies: int = 0,
-               devices: Devices = Devices()) -> StepShape:
+               devices: Devices = Devices(), snapshots_copied: bool = False) -> StepShape:
   """The StepShape of placement `p` (make_plan's arguments; the batch is global)."""
   n = devices.count
   executed, model_flops = step_flops(cfg, p, micro, batch // n, seq)  # per device
@@ -692,7 +696,7 @@ def step_shape(cfg: ModelConfig, sizes: StateSizes, p: Placement, *, micro: int,
   deferred = schedule is not None and schedule.deferred_updates
   return StepShape(
       rows=tuple(_memory_rows(cfg, sizes, p, micro, batch, seq, clipping, checkpoint_copies,
-                              devices)),
+                              devices, snapshots_copied)),
       moved=_sum_stages(stages),
       forward_moved=_sum_stages(stages, FORWARD_PHASE) if deferred else None,
       executed_flops=executed, model_flops=model_flops * n,
@@ -707,16 +711,19 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
               micro: int, batch: int, seq: int, clipping: bool, budgets: dict,
               checkpoint_copies: int = 0, devices: Devices = Devices(),
               baseline_bytes: float | None = None, shapes: dict | None = None,
-              fresh_init: bool = True) -> Plan:
+              fresh_init: bool = True, snapshots_copied: bool = False) -> Plan:
   """The plan of placement `p` for M = `micro` microbatches of the global `batch` x `seq` tokens
   on `devices` (per device and per process, the module docstring's N DEVICES). `baseline_bytes`:
   the runtime baseline measured in this process (`measured_baseline_bytes`); None: the
   profile's figure. `shapes`: a dict that keeps each StepShape for the next make_plan of the
   same arguments (a search over several hardware profiles computes each once). `fresh_init`
   False: the state is read into place (a resume, init.from_hf, init.from_run), leaf by leaf, so
-  the jitted init's temporaries (INIT_ROW) never exist."""
+  the jitted init's temporaries (INIT_ROW) never exist. `snapshots_copied`: the checkpoints are
+  on another filesystem than offload.dir, so `checkpoint_copies` (one) is the snapshot being
+  copied there, not checkpoints hard-linking the stores."""
   args = dict(micro=micro, batch=batch, seq=seq, clipping=clipping,
-              checkpoint_copies=checkpoint_copies, devices=devices)
+              checkpoint_copies=checkpoint_copies, devices=devices,
+              snapshots_copied=snapshots_copied)
   key = (cfg, sizes, p, *args.values())
   shape = None if shapes is None else shapes.get(key)
   if shape is None:
@@ -948,10 +955,12 @@ def checkpoint_copies(ckpt, steps: int) -> int:
 
 def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
              devices: Devices | None = None, suggest_presets: bool = True,
-             fresh_init: bool | None = None) -> Plan:
+             fresh_init: bool | None = None, snapshots_copied: bool = False) -> Plan:
   """The plan for `config`: its placement if fully specified, else the best `auto` choice, on
   `devices` (default: parallel.devices, `devices_for`). `fresh_init`: whether the state starts
   from a jitted init (make_plan); None: unless config.init names a checkpoint to start from.
+  `snapshots_copied`: the workdir's checkpoints are on another filesystem than offload.dir, which
+  then holds one snapshot of the NVMe stores, not one per kept checkpoint (make_plan).
 
   Raises NoPlacementFits (a ConfigError) when nothing fits, naming needed vs available per tier,
   what to change, and (`suggest_presets`: one more search per preset) the hardware presets it
@@ -962,13 +971,14 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
   if fresh_init is None:
     init = config.get('init') or {}
     fresh_init = not (init.get('from_hf') or init.get('from_run'))
-  plans, rejected, invalid = _search(config, hw, disk_free_gb, devices, shapes, fresh_init)
+  plans, rejected, invalid = _search(config, hw, disk_free_gb, devices, shapes, fresh_init,
+                                     snapshots_copied)
   if not plans:
     if not rejected:
       raise invalid[0]
     cfg = model_lib.ModelConfig.from_config_dict(config.model)
     closest = min(rejected, key=_overshoot)
-    more = (_devices_that_fit(config, hw, disk_free_gb, devices, fresh_init)
+    more = (_devices_that_fit(config, hw, disk_free_gb, devices, fresh_init, snapshots_copied)
             if 'device' in closest.over_budget() and not closest.budgets.get('_unified') else None)
     message = refusal_message(cfg, closest, more)
     pinned_only = [p for p in rejected if list(p.over_budget()) == [PINNED_ROW]]
@@ -984,9 +994,10 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
 
 
 def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: Devices,
-            shapes: dict | None = None, fresh_init: bool = True) -> tuple:
+            shapes: dict | None = None, fresh_init: bool = True,
+            snapshots_copied: bool = False) -> tuple:
   """(plans that fit, plans that don't, ConfigErrors of invalid candidates) of every candidate
-  (`shapes`: make_plan's)."""
+  (`shapes`, `snapshots_copied`: make_plan's)."""
   cfg = model_lib.ModelConfig.from_config_dict(config.model)
   train, offload = config.train, config.offload
   sizes = state_sizes(cfg, train_key(train))
@@ -995,6 +1006,7 @@ def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: De
   ckpt = config.get('checkpoint')
   # train.epochs: the steps are counted once the data is prepared; plan for keep copies.
   copies = checkpoint_copies(ckpt, 1 << 62 if train.get('epochs') else train.steps)
+  copies = min(copies, 1) if snapshots_copied else copies
   micro_options = ([1, 2, 4, 8, 16, 32, 64] if train.microbatches == 0
                    else [train.microbatches])
   # Once the shapes are traced (state_sizes): what this process holds now, for every candidate.
@@ -1010,7 +1022,7 @@ def _search(config, hw: HardwareProfile, disk_free_gb: float | None, devices: De
       plan = make_plan(cfg, sizes, placement, hw, micro=micro, batch=train.batch_size,
                        seq=train.seq_len, clipping=clipping, budgets=budgets,
                        checkpoint_copies=copies, devices=devices, baseline_bytes=baseline,
-                       shapes=shapes, fresh_init=fresh_init)
+                       shapes=shapes, fresh_init=fresh_init, snapshots_copied=snapshots_copied)
       (plans if plan.fits else rejected).append(plan)
   return plans, rejected, invalid
 
@@ -1081,7 +1093,8 @@ def _overshoot(plan: Plan) -> float:
 
 
 def _devices_that_fit(config, hw: HardwareProfile, disk_free_gb: float | None,
-                      devices: Devices, fresh_init: bool) -> int | None:
+                      devices: Devices, fresh_init: bool,
+                      snapshots_copied: bool = False) -> int | None:
   """The fewest devices of 2N, 4N and 8N (those that split train.batch_size) on which some
   placement's device rows fit; None where none does: what the device holds whole (a gathered
   layer group, a vocabulary chunk, a microbatch of one sequence per device) does not shrink."""
@@ -1090,7 +1103,8 @@ def _devices_that_fit(config, hw: HardwareProfile, disk_free_gb: float | None,
     if config.train.batch_size % count:
       break
     more = dataclasses.replace(devices, count=count)
-    plans, rejected, _ = _search(config, hw, disk_free_gb, more, fresh_init=fresh_init)
+    plans, rejected, _ = _search(config, hw, disk_free_gb, more, fresh_init=fresh_init,
+                                 snapshots_copied=snapshots_copied)
     if plans or any('device' not in p.over_budget() for p in rejected):
       return count
   return None
@@ -1138,9 +1152,11 @@ def refusal_message(cfg: ModelConfig, closest: Plan, devices_that_fit: int | Non
   if 'host' in tiers:
     hints.append(_host_hint(closest, *tiers['host']))
   if 'nvme' in tiers:
-    hints.append('point offload.dir at a disk with more free space, lower checkpoint.keep (each '
-                 'kept checkpoint pins a copy of the NVMe stores), or keep offload.opt_state '
-                 '(2/3 of them) on host')
+    snapshots = [r.item for r in closest.rows if r.item.startswith('checkpoint snapshots (keep=')]
+    keep = (', lower checkpoint.keep (each kept checkpoint pins a copy of the NVMe stores)'
+            if snapshots and not snapshots[0].endswith('(keep=1)') else '')
+    hints.append(f'point offload.dir at a disk with more free space{keep}, or keep '
+                 'offload.opt_state (2/3 of them) on host')
   hints.append('or choose hardware with more memory (--config.hardware, '
                '--config.offload.device_memory_gb / host_memory_gb)')
   lines.append('Fix: ' + '; '.join(hints) + '.')

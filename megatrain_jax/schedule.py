@@ -265,9 +265,11 @@ class StepSchedule:
 
   # --- what each stage holds (the planner's memory rows) -----------------------------------------
 
-  def held(self, cfg, sizes: StateSizes, batch: int, seq: int, checkpoint_copies: int = 0) -> list:
+  def held(self, cfg, sizes: StateSizes, batch: int, seq: int, checkpoint_copies: int = 0,
+           snapshots_copied: bool = False) -> list:
     """[Row] of every byte the streamed step keeps, per tier, each attributed to the stage that
-    holds it (STATE: held between steps). `cfg` is the model.ModelConfig."""
+    holds it (STATE: held between steps). `cfg` is the model.ModelConfig; `checkpoint_copies`,
+    `snapshots_copied`: _nvme_rows."""
     p, k, M, G = self.placement, self.placement.layers_per_group, self.microbatches, self.num_groups
     gw, go = sizes.group_params(k), sizes.group_opt(k)
     hidden, internals = hidden_bytes(cfg, batch, seq), layer_internal_bytes(cfg, batch, seq)
@@ -306,7 +308,7 @@ class StepSchedule:
         add('update', 'host', "host optimizer: the group in AdamW (gradient, outputs, NVMe "
             "inputs' copies)", host_adamw_bytes(gw, go, p.params, p.opt_state, parked=False),
             'K·P_l·4 grads + K·P_l·12 outputs + NVMe inputs')
-    return rows + self._nvme_rows(rows, checkpoint_copies)
+    return rows + self._nvme_rows(rows, checkpoint_copies, snapshots_copied)
 
   def _state_rows(self, sizes: StateSizes) -> list:
     """Layer params and Adam state in their tiers, and their parked gradients."""
@@ -327,12 +329,18 @@ class StepSchedule:
       add(STATE, 'nvme', 'layer Adam m, v', L * sizes.layer_opt, '8·L·P_l')
     return rows
 
-  def _nvme_rows(self, rows: list, checkpoint_copies: int) -> list:
-    """The checkpoints that hard-link the NVMe stores in `rows`, and the NVMe staging buffer."""
+  def _nvme_rows(self, rows: list, checkpoint_copies: int, snapshots_copied: bool) -> list:
+    """The checkpoints that hard-link the NVMe stores in `rows` (`checkpoint_copies` of them), or
+    with the checkpoints on another filesystem (`snapshots_copied`) the one snapshot of the stores
+    a checkpoint copies from, on offload.dir's; and the NVMe staging buffer."""
     if not self.placement.uses_nvme:
       return []
     extra = []
-    if checkpoint_copies:
+    if checkpoint_copies and snapshots_copied:
+      live = sum(r.bytes for r in rows if r.tier == 'nvme')
+      extra.append(Row('nvme', "checkpoint snapshot (copied to the workdir's filesystem)", live,
+                       'the stores above, once'))
+    elif checkpoint_copies:
       # Each kept checkpoint hard-links the stores; the next write-back unshares them.
       live = sum(r.bytes for r in rows if r.tier == 'nvme')
       extra.append(Row('nvme', f'checkpoint snapshots (keep={checkpoint_copies})',

@@ -235,7 +235,9 @@ def plan_for(config, workdir: pathlib.Path | None, dry_run: bool):
       config, hw, disk_free_gb=_disk_free_gb(offload_dir, hw, dry_run, checkpoints,
                                              planner.kept_checkpoints(config.checkpoint),
                                              _deleted_at_resume(config, checkpoints)),
-      fresh_init=not (resumes or config.init.from_hf or config.init.from_run))
+      fresh_init=not (resumes or config.init.from_hf or config.init.from_run),
+      snapshots_copied=(checkpoints is not None
+                        and not nvme.same_filesystem(offload_dir, checkpoints)))
   if plan.placement.uses_nvme:
     plan.placement = dataclasses.replace(plan.placement, dir=offload_dir)
   return hw, plan

@@ -673,6 +673,35 @@ def test_free_space_check_counts_kept_checkpoints(tmp_path):
 
 
 @AS_ROOT
+def test_the_planner_counts_one_snapshot_where_checkpoints_are_on_another_disk(tmp_path, data):
+  """offload.dir on a disk of its own (the layout placement.md advises: a local NVMe drive),
+  the workdir elsewhere: the checkpoints copy the stores from one snapshot there, not a
+  hard-linked copy each. The planner counted checkpoint.keep copies on offload.dir all the same
+  and refused (or, under auto, left NVMe) what fits; on one disk it still counts them, and names
+  checkpoint.keep in its fix where lowering it would help."""
+  nvme_only = dict(NVME, offload__activations='device', offload__embed_head='device',
+                   offload__optimizer_on='device', checkpoint__keep=3, checkpoint__every=2)
+  _, plan = train.plan_for(config(data, **nvme_only), tmp_path / 'sized', dry_run=True)
+  live = sum(r.bytes for r in plan.rows if r.tier == 'nvme' and 'snapshot' not in r.item)
+  with tmpfs(2.6 * live / 2**20) as disk:  # two copies of the stores, not four
+    offload = dict(nvme_only, offload__dir=str(disk / 'offload'))
+    _, plan = train.plan_for(config(data, **offload), tmp_path / 'run', dry_run=False)
+    snapshot = [r for r in plan.rows if r.tier == 'nvme' and 'snapshot' in r.item]
+    assert [(r.item, r.bytes) for r in snapshot] == [
+        ("checkpoint snapshot (copied to the workdir's filesystem)", live)]
+    with pytest.raises(ConfigError, match=r'nvme: .* needed(.|\n)*lower checkpoint\.keep \(each '
+                                          r'kept checkpoint pins a copy'):
+      train.plan_for(config(data, **offload), disk / 'run', dry_run=False)
+    train.plan_for(config(data, **dict(offload, checkpoint__keep=1)), disk / 'run',
+                   dry_run=False)  # the stores and one checkpoint's copy of them
+  with tmpfs(1.6 * live / 2**20) as disk:  # keep=1 does not fit either: no advice to lower it
+    offload = dict(nvme_only, offload__dir=str(disk / 'offload'), checkpoint__keep=1)
+    with pytest.raises(ConfigError, match=r'nvme: .* needed') as refused:
+      train.plan_for(config(data, **offload), disk / 'run', dry_run=False)
+    assert 'checkpoint.keep' not in str(refused.value)
+
+
+@AS_ROOT
 def test_the_disk_a_run_holds_counts_as_free_for_it(tmp_path, monkeypatch):
   """A resume (a rerun after a kill) plans with the disk its own stores and the snapshots of the
   checkpoints it keeps hold: they are rebuilt or kept, not added. Before, a 1B run killed

@@ -553,12 +553,18 @@ def held_by_run(directory, checkpoint_dir=None, keep: int = 0, deleted=()) -> in
   The planner and `check_offload_dir` count them as free for the run: a resume plans with the
   disk it started with (and a rerun with a lower keep with what the deletion frees)."""
   roots = store_dirs(directory)
-  if checkpoint_dir is not None and keep > 0:
-    existing = nearest_existing(pathlib.Path(directory).expanduser().absolute())
-    checkpoints = nearest_existing(pathlib.Path(checkpoint_dir).absolute())
-    if os.stat(checkpoints).st_dev == os.stat(existing).st_dev:
-      roots += snapshots(checkpoint_dir, keep, deleted)
+  if checkpoint_dir is not None and keep > 0 and same_filesystem(directory, checkpoint_dir):
+    roots += snapshots(checkpoint_dir, keep, deleted)
   return bytes_held(roots)
+
+
+def same_filesystem(directory, checkpoint_dir) -> bool:
+  """Whether offload.dir `directory` and the workdir's `checkpoint_dir` are (or will be made) on
+  one filesystem: there the checkpoints hard-link the stores; elsewhere they copy them from one
+  snapshot on offload.dir's (checkpoint.py)."""
+  existing = nearest_existing(pathlib.Path(directory).expanduser().absolute())
+  checkpoints = nearest_existing(pathlib.Path(checkpoint_dir).expanduser().absolute())
+  return os.stat(checkpoints).st_dev == os.stat(existing).st_dev
 
 
 def snapshots(checkpoint_dir, keep: int, deleted=()) -> list:
@@ -591,7 +597,7 @@ def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
          'on host')
   checkpoints = (nearest_existing(pathlib.Path(checkpoint_dir).absolute())
                  if checkpoint_dir is not None and keep > 0 else None)
-  same_disk = checkpoints is not None and os.stat(checkpoints).st_dev == os.stat(existing).st_dev
+  same_disk = checkpoints is not None and same_filesystem(directory, checkpoint_dir)
   if same_disk:
     needed = needed_bytes * (1 + keep)
     what = (f'the NVMe stores and their checkpoints need {human_bytes(needed)} (uncompressed '
