@@ -20,7 +20,9 @@ import zstandard
 
 from megatrain_jax.data import (ByteTokenizer, TokenStream, check_data_config, document_format,
                                 load_data, load_tokenizer, prepare_dataset, read_prompts)
+from megatrain_jax.data import formats
 from megatrain_jax.data import prepare as prepare_module
+from megatrain_jax.data import shards as shards_module
 from megatrain_jax.errors import ConfigError
 
 from helpers import QWEN3_TEMPLATE_HEAD
@@ -420,3 +422,57 @@ def test_a_template_that_drops_earlier_turns_thinking_learns_what_transformers_m
   assert tok.decode(tokens[mask == 1]) == (
       'Paris.<|im_end|>\nRome.<|im_end|>\n<think>\nSpain: Madrid.\n</think>\n\nMadrid 😀'
       '<|im_end|>\n' + EOS)
+
+
+# --- untrusted files: memory bounded whatever a file holds --------------------------------------
+
+
+def test_a_large_parquet_row_group_is_cut_into_tasks_of_bounded_size(tmp_path, monkeypatch):
+  """pandas and pyarrow write up to a million rows in one row group, and a row group was one
+  task, its rows all held as documents (1M rows of 1 KB: >8 GB). A row group is read a batch at
+  a time and cut into tasks of about CHUNK_BYTES, which give the tokens row groups of 100 rows
+  give, in a worker process too."""
+  monkeypatch.setattr(formats, 'CHUNK_BYTES', 16 << 10)
+  monkeypatch.setattr(prepare_module, '_POOL_MIN_BYTES', 0)
+  rows = [f'row {i} ' + 'x' * (100 + i % 200) for i in range(3000)]  # ~600 KB
+  one, many = tmp_path / 'one.parquet', tmp_path / 'many.parquet'
+  pq.write_table(pa.table({'text': rows, 'id': list(range(3000))}), one, row_group_size=3000)
+  pq.write_table(pa.table({'text': rows}), many, row_group_size=100)
+  assert pq.ParquetFile(one).metadata.num_row_groups == 1
+  tasks = list(formats.record_tasks(one, document_format(ByteTokenizer()), 'data.path'))
+  assert len(tasks) >= 20
+  first, done = 0, 0
+  for task, position in tasks:
+    assert sum(batch.nbytes for batch in task.batches) < 2 * formats.CHUNK_BYTES
+    assert task.first_row == first and position >= done
+    first += sum(batch.num_rows for batch in task.batches)
+    done = position
+  assert first == len(rows) and done <= one.stat().st_size
+  expected = _stream(prepare_dataset(tmp_path / 'many', ByteTokenizer(), train_sources=[many]))
+  assert expected.size > len(''.join(rows))
+  for workers in (1, 2):
+    info = prepare_dataset(tmp_path / f'one{workers}', ByteTokenizer(), train_sources=[one],
+                           num_workers=workers)
+    np.testing.assert_array_equal(_stream(info), expected)
+  # An interrupted prepare of an earlier version counted one task per row group: its resume
+  # point is not taken (the shards it recorded are written again); this version's is.
+  commit = shards_module.ShardWriter._commit  # pylint: disable=protected-access
+
+  def dying_commit(self, *args):
+    commit(self, *args)
+    if len(self.shards) == 3:
+      raise KeyboardInterrupt
+
+  for version, rewritten in ((prepare_module._TASKS_VERSION, False), (None, True)):  # pylint: disable=protected-access
+    out = tmp_path / f'killed{version}'
+    monkeypatch.setattr(shards_module.ShardWriter, '_commit', dying_commit)
+    with pytest.raises(KeyboardInterrupt):
+      prepare_dataset(out, ByteTokenizer(), train_sources=[one], shard_tokens=20000)
+    monkeypatch.setattr(shards_module.ShardWriter, '_commit', commit)
+    progress = json.loads((out / 'prepare.json').read_text())
+    progress['tasks'] = version
+    (out / 'prepare.json').write_text(json.dumps(progress))
+    before = (out / 'train-00000.bin').stat().st_mtime_ns
+    np.testing.assert_array_equal(_stream(prepare_dataset(
+        out, ByteTokenizer(), train_sources=[one], shard_tokens=20000)), expected)
+    assert ((out / 'train-00000.bin').stat().st_mtime_ns != before) == rewritten, version

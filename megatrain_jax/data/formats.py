@@ -6,7 +6,7 @@ A source is a file, a directory (its non-hidden files, sorted) or a glob pattern
   *.jsonl, *.jsonl.zst, *.jsonl.gz   one JSON record per line (zstd / gzip streams decompressed
                                      on the fly; a truncated stream is an error)
   *.json (.zst, .gz)                 records: one JSON array of them, or one per line
-  *.parquet                          one record per row, read a row group at a time (pyarrow)
+  *.parquet                          one record per row, read a few batches at a time (pyarrow)
   *.arrow                            one record per row: Arrow IPC files as Hugging Face
                                      `datasets` writes them (`save_to_disk`: the stream format;
                                      the file format too), memory-mapped, a few batches at a time
@@ -17,7 +17,7 @@ A directory that `datasets.Dataset.save_to_disk` wrote (state.json beside .arrow
 .arrow files, in state.json's order; a DatasetDict's (dataset_dict.json) is refused naming its
 splits, one of which to point at.
 
-Reading is cut into *tasks* (about `CHUNK_BYTES` of lines, or one Parquet row group), in a fixed
+Reading is cut into *tasks* (about `CHUNK_BYTES` of lines, rows or record batches), in a fixed
 order that depends only on the files: the prepare step tokenizes tasks in parallel and resumes
 from a task index. `run_task` (the worker side) turns a task into tokens and a loss mask.
 """
@@ -680,50 +680,70 @@ def _record_columns(names: list[str], path: Path, fmt: DocumentFormat, field: st
 
 @dataclasses.dataclass(frozen=True)
 class ParquetTask:
-  """One row group of a Parquet file; `first_row` is its first row's index in the file; `field`
-  the config field that names the file (for an error)."""
+  """Rows of one Parquet row group, read by `parquet_tasks`: `batches`, pyarrow record batches
+  of the record columns; `first_row` is their first row's index in the file."""
   file: str
   row_group: int
   first_row: int
   columns: tuple[str, ...]
-  field: str = 'data.path'
+  batches: tuple = ()
 
 
 def parquet_tasks(path: Path, fmt: DocumentFormat,
                   field: str) -> Iterator[tuple[ParquetTask, int]]:
-  """(task, compressed bytes of the row groups so far), one task per row group."""
+  """(task, bytes of the file read so far): the rows of each row group, read here a batch at a
+  time and cut into tasks of about CHUNK_BYTES. A row group is not one task: pandas and pyarrow
+  write up to a million rows in one (1M rows of 1 KB held as documents took >8 GB).
+
+  Raises:
+    ConfigError: (naming `field`, the file and the row group) where a row group cannot be read:
+      a damaged page (its footer, read up front, may be intact), or a file cut short.
+  """
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   columns = tuple(parquet_columns(path, fmt, field))
-  metadata = pq.ParquetFile(path).metadata
-  row, done = 0, 0
-  for group in range(metadata.num_row_groups):
-    info = metadata.row_group(group)
-    done += info.total_byte_size
-    yield ParquetTask(str(path), group, row, columns, field), done
-    row += info.num_rows
+  # buffer_size: a column chunk is read a page at a time, not whole.
+  file = pq.ParquetFile(path, buffer_size=1 << 20)
+  metadata = file.metadata
+  groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
+  scale = path.stat().st_size / max(sum(g.total_byte_size for g in groups), 1)
+  row, done = 0, 0.0
+  for group, info in enumerate(groups):
+    first, held, size = row, [], 0
+    for batch in _row_group_batches(file, path, group, columns, row, field):
+      held.append(batch)
+      size += batch.nbytes
+      row += batch.num_rows
+      if size >= CHUNK_BYTES:
+        done += scale * info.total_byte_size * (row - first) / max(info.num_rows, 1)
+        yield ParquetTask(str(path), group, first, columns, tuple(held)), int(done)
+        first, held, size = row, [], 0
+    if held:
+      done += scale * info.total_byte_size * (row - first) / max(info.num_rows, 1)
+      yield ParquetTask(str(path), group, first, columns, tuple(held)), int(done)
+
+
+def _row_group_batches(file, path: Path, group: int, columns: tuple[str, ...], first_row: int,
+                       field: str):
+  """The record batches of one row group of `file` (a pq.ParquetFile of `path`), of about
+  CHUNK_BYTES at most (fewer rows than _PARQUET_BATCH_ROWS where the rows are long); a read error a
+  ConfigError naming the row group."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  info = file.metadata.row_group(group)
+  rows = CHUNK_BYTES * info.num_rows // max(info.total_byte_size, 1)
+  try:
+    yield from file.iter_batches(batch_size=max(1, min(_PARQUET_BATCH_ROWS, rows)),
+                                 row_groups=[group], columns=list(columns))
+  except (pa.ArrowException, OSError) as e:  # pyarrow's OSError: 'Corrupt snappy compressed data.'
+    raise ConfigError(f'{field}: {path}: row group {group} (rows from {first_row}) cannot be '
+                      f'read ({type(e).__name__}: {e}); the file is damaged: download or write it '
+                      f'again, or remove it from {field}.') from e
 
 
 def _parquet_documents(task: ParquetTask, fmt: DocumentFormat, bad: list) -> list:
-  """The documents of a task's row group.
-
-  Raises:
-    ConfigError: (naming the file and the row group) where the row group cannot be read: a
-      damaged page (its footer, read up front, may be intact), or a file cut short.
-  """
-  import pyarrow as pa  # pylint: disable=g-import-not-at-top
-  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-  docs = []
-  row = task.first_row
-  try:
-    batches = pq.ParquetFile(task.file).iter_batches(
-        batch_size=_PARQUET_BATCH_ROWS, row_groups=[task.row_group], columns=list(task.columns))
-    for batch in batches:
-      row = _batch_documents(batch, task.columns, task.file, row, fmt, docs, bad)
-  except (pa.ArrowException, OSError) as e:  # pyarrow's OSError: 'Corrupt snappy compressed data.'
-    raise ConfigError(f'{task.field}: {task.file}: row group {task.row_group} (rows from '
-                      f'{task.first_row}) cannot be read ({type(e).__name__}: {e}); the file is '
-                      f'damaged: download or write it again, or remove it from {task.field}.'
-                      ) from e
+  """The documents of a task's rows."""
+  docs, row = [], task.first_row
+  for batch in task.batches:
+    row = _batch_documents(batch, task.columns, task.file, row, fmt, docs, bad)
   return docs
 
 

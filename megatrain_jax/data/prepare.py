@@ -55,6 +55,9 @@ _FORMAT_VERSION = 2
 # Text files are tokenized in chunks of about this many characters, cut where the tokenizer's ids
 # do not change (formats.text_tasks), each encoded a piece at a time (tokenizer.encode_text).
 _CHUNK_CHARS = formats.TEXT_CHUNK_CHARS
+# How sources are cut into tasks (formats.py), which an interrupted prepare's resume point counts:
+# progress recorded under another cut starts over. 2: a Parquet row group is several tasks.
+_TASKS_VERSION = 2
 DEFAULT_SHARD_TOKENS = 1 << 27
 # Inputs below this many bytes are tokenized in this process: starting workers costs more.
 _POOL_MIN_BYTES = 32 << 20
@@ -357,6 +360,8 @@ def _remove_ours(out_dir: Path, keep_progress: bool) -> None:
 def _run(job: _Job, identity: dict[str, Any]) -> dict[str, Any]:
   """Tokenizes every stream (resuming recorded shards), then commits meta.json."""
   progress = shards.read_progress(job.out_dir, identity['fingerprint'])
+  if progress.get('tasks') != _TASKS_VERSION:  # its task indices count other tasks: start over
+    progress = {}
   kept = {s['file'] for st in progress.get('streams', {}).values() for s in st['shards']}
   kept |= {s.get(kind) for st in progress.get('streams', {}).values() for s in st['shards']
            for kind in ('mask', 'ends')}
@@ -366,7 +371,7 @@ def _run(job: _Job, identity: dict[str, Any]) -> dict[str, Any]:
       if path.name not in kept and path.name != shards.PROGRESS_FILE:
         path.unlink(missing_ok=True)
   progress = {'fingerprint': identity['fingerprint'], 'dtype': job.dtype,
-              'streams': progress.get('streams', {})}
+              'tasks': _TASKS_VERSION, 'streams': progress.get('streams', {})}
   try:
     stats = _tokenize_streams(job, progress)
   except ConfigError:
@@ -479,7 +484,7 @@ def _stream_tasks(job: _Job, name: str, files: Sequence[Path]) -> Iterator[tuple
     kind, done = formats.source_format(path), 0
     if kind == formats.TEXT:
       tasks = formats.text_tasks(path, field, _CHUNK_CHARS, job.tokenizer)
-    elif kind in (formats.JSONL, formats.JSON):  # read as they go: not listed ahead
+    elif kind != formats.ARROW:  # read as they go (a Parquet task holds its rows): not listed
       tasks = formats.record_tasks(path, job.fmt, field)
     else:
       tasks = _scaled_progress(path, job.fmt, field)
@@ -490,7 +495,7 @@ def _stream_tasks(job: _Job, name: str, files: Sequence[Path]) -> Iterator[tuple
 
 
 def _scaled_progress(path: Path, fmt, field: str) -> Iterator[tuple[Any, int]]:
-  """Parquet or Arrow tasks with progress scaled to the file's size on disk."""
+  """Arrow tasks with progress scaled to the file's size on disk."""
   size = path.stat().st_size
   tasks = list(formats.record_tasks(path, fmt, field))
   uncompressed = max(tasks[-1][1], 1) if tasks else 1
