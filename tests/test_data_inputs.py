@@ -476,3 +476,34 @@ def test_a_large_parquet_row_group_is_cut_into_tasks_of_bounded_size(tmp_path, m
     np.testing.assert_array_equal(_stream(prepare_dataset(
         out, ByteTokenizer(), train_sources=[one], shard_tokens=20000)), expected)
     assert ((out / 'train-00000.bin').stat().st_mtime_ns != before) == rewritten, version
+
+
+def test_a_zstd_stream_is_decompressed_a_bounded_piece_at_a_time(tmp_path):
+  """A few KB of zstd may hold gigabytes: each 1 MB of input was decompressed whole and the rest
+  copied on every read (a 131 KB .jsonl.zst of 4 GiB: >6 GB, in the up-front check too). The
+  decompressor is fed a block at a time: the check and a whole read hold a few MB, and give the
+  same bytes, multi-frame streams and checksums included."""
+  import tracemalloc  # pylint: disable=import-outside-toplevel
+  line = json.dumps({'text': 'a' * 1000}).encode() + b'\n'
+  compressor = zstandard.ZstdCompressor(level=3, write_checksum=True).compressobj()
+  parts = [compressor.compress(line * 1024) for _ in range(64)]  # 64 MB
+  path = tmp_path / 'bomb.jsonl.zst'
+  path.write_bytes(b''.join(parts) + compressor.flush() + zstandard.ZstdCompressor().compress(
+      b'{"text": "last"}\n'))
+  assert path.stat().st_size < (1 << 20)
+  tracemalloc.start()
+  try:
+    assert formats.check_head(path, document_format(ByteTokenizer()), 'data.path') == -1
+    head_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.reset_peak()
+    total, tail = 0, b''
+    with open(path, 'rb') as raw:
+      stream = formats.open_decompressed(path, raw)
+      while block := stream.read1(1 << 20):
+        total += len(block)
+        tail = (tail + block)[-2000:]
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert total == 64 * 1024 * len(line) + 17 and tail.endswith(line + b'{"text": "last"}\n')
+  assert head_peak < (8 << 20) and peak < (8 << 20), (head_peak, peak)

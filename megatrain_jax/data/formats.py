@@ -373,44 +373,100 @@ class TruncatedError(ValueError):
   """A compressed stream ended before its end marker."""
 
 
+# What one feed of the zstd decompressor gathers (a block's at most more) before a read takes it.
+_ZSTD_FEED_OUTPUT = 1 << 20
+
+
 class _ZstdReader(io.RawIOBase):
   """A zstd stream decompressed on the fly (multi-frame files included); unlike
-  zstandard's stream_reader it raises TruncatedError when the input ends inside a frame."""
+  zstandard's stream_reader it raises TruncatedError when the input ends inside a frame.
+
+  The decompressor is fed one part of the stream at a time (a frame header, a block, found from
+  their headers here), so a feed's output is bounded: a block decompresses to 128 KB at most,
+  and a few KB of input may hold gigabytes (a 131 KB file of 4 GiB was decompressed whole)."""
 
   def __init__(self, raw):
     super().__init__()
     self._raw = raw
     self._dobj = zstandard.ZstdDecompressor().decompressobj()
-    self._pending = b''
+    self._input, self._at = b'', 0  # input not fed yet: self._input[self._at:]
+    self._pending, self._done = b'', 0  # output not read yet: self._pending[self._done:]
     self._in_frame = False
+    # The stream part at self._at ('frame', 'block' or 'checksum'), the bytes left of the part
+    # being fed, and whether the frame ends with a checksum.
+    self._part, self._left, self._checksum = 'frame', 0, False
 
   def readable(self) -> bool:
     return True
 
   def readinto(self, buffer) -> int:
-    while not self._pending:
-      block = self._raw.read(1 << 20)
-      if not block:
+    while self._done == len(self._pending):
+      if not self._feed():
         if self._in_frame:
           raise TruncatedError('the zstd stream ends inside a frame (truncated file)')
         return 0
-      self._feed(block)
-    n = min(len(buffer), len(self._pending))
-    buffer[:n] = self._pending[:n]
-    self._pending = self._pending[n:]
+    n = min(len(buffer), len(self._pending) - self._done)
+    buffer[:n] = memoryview(self._pending)[self._done:self._done + n]
+    self._done += n
     return n
 
-  def _feed(self, block: bytes) -> None:
-    out = []
-    while block:
-      self._in_frame = True
-      out.append(self._dobj.decompress(block))
-      if not self._dobj.eof:
+  def _read_input(self) -> bool:
+    block = self._raw.read(1 << 20)
+    self._input, self._at = self._input[self._at:] + block, 0
+    return bool(block)
+
+  def _feed(self) -> bool:
+    """Decompresses the next parts into _pending, about _ZSTD_FEED_OUTPUT at most; False at
+    the end of the input."""
+    out, size = [], 0
+    while size < _ZSTD_FEED_OUTPUT:
+      if self._at == len(self._input) and not self._read_input():
         break
-      self._in_frame = False
-      block = self._dobj.unused_data
-      self._dobj = zstandard.ZstdDecompressor().decompressobj()
-    self._pending += b''.join(out)
+      if self._left == 0:
+        self._left = self._part_size()
+        if self._left == 0:  # its header is not all read yet
+          if not self._read_input():  # a header cut short: fed as it is (a truncated frame)
+            self._left = len(self._input) - self._at
+          continue
+      chunk = self._input[self._at:self._at + self._left]
+      self._at += len(chunk)
+      self._left -= len(chunk)
+      while chunk:
+        self._in_frame = True
+        out.append(self._dobj.decompress(chunk))
+        size += len(out[-1])
+        if not self._dobj.eof:
+          break
+        self._in_frame = False
+        chunk = self._dobj.unused_data
+        self._dobj = zstandard.ZstdDecompressor().decompressobj()
+    self._pending, self._done = b''.join(out), 0
+    return size > 0
+
+  def _part_size(self) -> int:
+    """Bytes of the stream part at _at (RFC 8878: a frame's magic and header, a block with its
+    header, a checksum, a skippable frame), noting the part after it; 0 while its header is not
+    all read. Bytes that are no zstd frame are the decompressor's to refuse."""
+    data, at = self._input, self._at
+    if self._part == 'checksum':
+      self._part = 'frame'
+      return 4
+    if self._part == 'block':
+      if len(data) - at < 3:
+        return 0
+      header = int.from_bytes(data[at:at + 3], 'little')
+      if header & 1:  # the frame's last block
+        self._part = 'checksum' if self._checksum else 'frame'
+      return 3 + (1 if header >> 1 & 3 == 1 else header >> 3)  # an RLE block holds one byte
+    if len(data) - at < 8:
+      return 0
+    if int.from_bytes(data[at:at + 4], 'little') >> 4 == 0x184D2A5:  # a skippable frame
+      return 8 + int.from_bytes(data[at + 4:at + 8], 'little')
+    descriptor = data[at + 4]
+    single = descriptor >> 5 & 1
+    self._part, self._checksum = 'block', bool(descriptor >> 2 & 1)
+    return (5 + (not single) + (0, 1, 2, 4)[descriptor & 3] +
+            (single, 2, 4, 8)[descriptor >> 6])
 
 
 class _Read1(io.RawIOBase):
