@@ -10,6 +10,7 @@ The fixtures and writers are test_data_formats.py's.
 
 import dataclasses
 import gzip
+import hashlib
 import json
 
 import numpy as np
@@ -507,3 +508,63 @@ def test_a_zstd_stream_is_decompressed_a_bounded_piece_at_a_time(tmp_path):
     tracemalloc.stop()
   assert total == 64 * 1024 * len(line) + 17 and tail.endswith(line + b'{"text": "last"}\n')
   assert head_peak < (8 << 20) and peak < (8 << 20), (head_peak, peak)
+
+
+def test_a_text_line_longer_than_a_chunk_is_read_in_pieces(tmp_path, tokenizer_dir):
+  """f.readlines(chunk) read a line whole: a text without newlines (text8: 100 MB on one line)
+  was held whole (2.76 GB; 600 MB: >8 GB). A line longer than a chunk comes in pieces of one,
+  cut where the ids do not change; a file of shorter lines is chunked as readlines chunked it."""
+  import tracemalloc  # pylint: disable=import-outside-toplevel
+  tok = load_tokenizer(str(tokenizer_dir))
+  line = ' '.join(f'word{i % 97} é' for i in range(40000))  # one line, ~400K characters
+  flat = tmp_path / 'text8.txt'
+  flat.write_text(line, encoding='utf-8')
+  tracemalloc.start()
+  try:  # the chunks are hashed as they come: a list of them would hold the file
+    whole, sizes = hashlib.sha256(), []
+    for task, _ in formats.text_tasks(flat, 'data.path', 16 << 10, tok):
+      whole.update(task.text.encode('utf-8'))
+      sizes.append(len(task.text))
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert whole.digest() == hashlib.sha256(line.encode('utf-8')).digest() and len(sizes) > 8
+  assert max(sizes) <= 2 * (16 << 10) and peak < len(line), peak
+  chunks = [task.text for task, _ in formats.text_tasks(flat, 'data.path', 16 << 10, tok)]
+  pieces = np.concatenate([tok.encode(c) for c in chunks])
+  np.testing.assert_array_equal(pieces, tok.encode(line))
+  lines = tmp_path / 'lines.txt'
+  lines.write_text(''.join(f'line {i} ' + 'x' * (i % 3000) + '\n' for i in range(300)))
+  with open(lines, encoding='utf-8', newline='') as f:
+    expected = [''.join(part) for part in iter(lambda: f.readlines(16 << 10), [])]
+  assert [task.text for task, _ in formats.text_tasks(lines, 'data.path', 16 << 10)] == expected
+
+
+def test_a_jsonl_line_longer_than_a_record_may_be_is_a_bad_record(tmp_path, monkeypatch):
+  """readline() read a JSONL line whole: 4 GiB without a newline (a 4 MB .jsonl.gz) took >6 GB
+  in the worker. A line longer than a record may be is a bad record naming its line, passed over
+  a piece at a time, and skipped with skip_bad_records."""
+  monkeypatch.setattr(formats, '_MAX_RECORD_CHARS', 4000)
+  body = (b'{"text": "one"}\n' + b'{"text": "' + b'y' * 70000 + b'"}\n' +  # past the sniff
+          b'{"text": "three"}\n' + b'z' * 9000)
+  for name, data in (('long.jsonl', body), ('long.jsonl.gz', gzip.compress(body))):
+    path = tmp_path / name
+    path.write_bytes(data)
+    tasks = [task for task, _ in formats.jsonl_tasks(path, 'data.path')]
+    assert sum(len(task.data) for task in tasks) < 100
+    fmt = document_format(ByteTokenizer())
+    result = formats.run_task(tasks[0], ByteTokenizer(), fmt, np.dtype(np.uint16))
+    assert result.documents == 2 and result.skipped == 2
+    assert result.bad == [f'{path}:2: a line of more than 0 MB, longer than a record may be '
+                          '(is the file one JSON record per line?)',
+                          f'{path}:4: a line of more than 0 MB, longer than a record may be '
+                          '(is the file one JSON record per line?)']
+    run = tmp_path / f'run-{name}'
+    config = _data_config(path=str(path), cache_dir=str(run / 'data'))
+    with pytest.raises(ConfigError, match=rf'data.path: bad record {path}:2: a line of more '
+                       r'than 0 MB.* \(and 1 more\)\. Fix the data, or set '
+                       r'data.skip_bad_records=True'):
+      load_data(config, run)
+    config.skip_bad_records = True
+    info, _ = load_data(config, run)
+    assert info.stats['documents'] == 2 and info.stats['skipped_records'] == 2

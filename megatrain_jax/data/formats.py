@@ -58,6 +58,9 @@ TEXT_CHUNK_CHARS = 8 << 20
 SNIFF_BYTES = 64 << 10
 # Rows per Arrow batch inside a Parquet row group.
 _PARQUET_BATCH_ROWS = 4096
+# The longest record read (a JSONL line in bytes, a JSON array's record in characters): the
+# readers hold one whole.
+_MAX_RECORD_CHARS = 256 << 20
 # Bad records quoted in an error or a skip report.
 MAX_BAD_QUOTED = 3
 
@@ -344,7 +347,7 @@ def _text_chunks(path: Path, field: str, chunk_chars: int, tokenizer: Tokenizer 
   with open(path, encoding='utf-8', newline='') as f:
     while True:
       try:
-        lines = f.readlines(chunk_chars)
+        lines = _read_lines(f, chunk_chars)
       except UnicodeDecodeError as e:
         raise not_utf8_error(path, field, e) from e
       new = ''.join(lines)
@@ -364,6 +367,20 @@ def _text_chunks(path: Path, field: str, chunk_chars: int, tokenizer: Tokenizer 
         break
       yield text, f.buffer.tell()
       offset += len(text)
+
+
+def _read_lines(f, hint: int) -> list[str]:
+  """f.readlines(hint): lines until they hold more than `hint` characters, except that a line
+  longer than `hint` comes in pieces of `hint`, each a chunk (readlines read a line whole: a
+  600 MB text without a newline took >8 GB). Shorter lines are the chunks readlines gave."""
+  lines, length = [], 0
+  while line := f.readline(hint):
+    lines.append(line)
+    piece = len(line) == hint and line[-1] not in '\r\n'  # of a line longer than `hint`
+    if len(line) > hint - length or piece:
+      break
+    length += len(line)
+  return lines
 
 
 # --- JSONL -------------------------------------------------------------------------------------
@@ -513,6 +530,7 @@ class JsonlTask:
   first_line: int
   data: bytes
   lines: tuple[int, ...] = ()
+  too_long: tuple[int, ...] = ()  # lines longer than _MAX_RECORD_CHARS, not read (blank here)
 
 
 def jsonl_tasks(path: Path, field: str,
@@ -524,16 +542,21 @@ def jsonl_tasks(path: Path, field: str,
   with open(path, 'rb') as raw:
     stream = open_decompressed(path, raw)
     while True:
-      lines, size = [], 0
+      lines, size, too_long = [], 0, []
       try:  # line by line, so a truncated stream is reported after the last whole line read
-        while size < chunk_bytes and (text := stream.readline()):
+        while size < chunk_bytes and (text := stream.readline(_MAX_RECORD_CHARS + 1)):
+          if len(text) > _MAX_RECORD_CHARS:  # a bad record, passed over a piece at a time
+            while not text.endswith(b'\n') and (text := stream.readline(1 << 20)):
+              pass
+            too_long.append(line + len(lines))
+            text = b'\n'
           lines.append(text)
           size += len(text)
       except _STREAM_ERRORS as e:
         raise stream_error(path, field, line - 1 + len(lines), e) from e
       if not lines:
         return
-      yield JsonlTask(str(path), line, b''.join(lines)), raw.tell()
+      yield JsonlTask(str(path), line, b''.join(lines), too_long=tuple(too_long)), raw.tell()
       line += len(lines)
 
 
@@ -541,6 +564,10 @@ def _jsonl_documents(task: JsonlTask, fmt: DocumentFormat, bad: list) -> list:
   docs = []
   for index, raw_line in enumerate(task.data.splitlines()):
     number = task.lines[index] if task.lines else task.first_line + index
+    if number in task.too_long:
+      bad.append(f'{task.file}:{number}: a line of more than {_MAX_RECORD_CHARS >> 20} MB, '
+                 'longer than a record may be (is the file one JSON record per line?)')
+      continue
     if not raw_line.strip():
       continue
     try:
@@ -596,8 +623,6 @@ def json_is_array(path: Path) -> bool:
   return head.removeprefix(codecs.BOM_UTF8).lstrip().startswith(b'[')
 
 
-# The longest record of a JSON array read (the reader holds one whole).
-_MAX_RECORD_CHARS = 256 << 20
 _DECODER = json.JSONDecoder()
 _BLANK = re.compile(r'[ \t\r\n]*')  # JSON's whitespace
 
