@@ -18,7 +18,7 @@ from megatrain_jax import data as data_lib
 from megatrain_jax import distributed
 from megatrain_jax import fs
 from megatrain_jax import hf
-from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE
+from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE, read_chat_template
 from megatrain_jax.errors import ConfigError
 
 
@@ -103,6 +103,11 @@ def run_data_field(workdir: pathlib.Path, name: str) -> str | None:
   for copy in (pathlib.Path(HF_TOKENIZER_DIR, recorded.name), pathlib.Path(CHAT_TEMPLATE_FILE)):
     if recorded.parts[-len(copy.parts):] == copy.parts and (workdir / copy).is_file():
       return str(workdir / copy)
+  if name == 'chat_template':  # a run keeps its own copy: another file would go into exports
+    raise ConfigError(f'the run in {workdir} records data.chat_template={value}, which is not '
+                      f'its own copy ({workdir / CHAT_TEMPLATE_FILE}, which a run writes), so it '
+                      'is not read: set data.chat_template to the template to use, or copy '
+                      f'the run\'s template to {workdir / CHAT_TEMPLATE_FILE}.')
   return value
 
 
@@ -269,7 +274,7 @@ def adopt_chat_template(config, workdir: pathlib.Path):
   copy = workdir / CHAT_TEMPLATE_FILE  # the name transformers gives a tokenizer's template
   if not template or pathlib.Path(template) == copy:
     return config
-  fs.write_text_atomic(copy, pathlib.Path(template).read_text(encoding='utf-8'))
+  fs.write_text_atomic(copy, read_chat_template(template))
   config = ml_collections.ConfigDict(config.to_dict())
   config_lib.set_field(config, 'data.chat_template', str(copy))
   return config

@@ -497,3 +497,36 @@ def test_launch_workdir_is_a_file(tmp_path):
   assert result.returncode == 1 and 'Traceback' not in result.stderr
   assert f'error: --workdir={blocker}: {blocker} is a file, not a directory' in result.stderr
   assert blocker.read_text() == 'x'
+
+
+def test_a_chat_template_that_is_no_regular_file_or_another_runs_path_is_refused(tmp_path):
+  """data.chat_template was read whole wherever it pointed: /dev/zero (from another run's
+  config.json too, by --sample or init.from_run) grew until killed. It must be a regular file
+  of at most MAX_TEMPLATE_CHARS. A run's recorded template is read only where it is the run's
+  own copy (<workdir>/chat_template.jinja): any text file parses as jinja, and another path's
+  file went into the new run and its --export_hf output."""
+  from megatrain_jax import runs  # pylint: disable=g-import-not-at-top
+  from megatrain_jax.data import documents  # pylint: disable=g-import-not-at-top
+  big = tmp_path / 'big.jinja'
+  big.write_text('{{ messages }}' * (documents.MAX_TEMPLATE_CHARS // 10))
+  for path, why in (('/dev/zero', 'is not a regular file'), (tmp_path, 'is not a regular file'),
+                    (big, f'more than {documents.MAX_TEMPLATE_CHARS:,} characters')):
+    with pytest.raises(ConfigError, match=f'data.chat_template: cannot read {path} as a UTF-8 '
+                       f'jinja file .*{why}'):
+      documents.read_chat_template(path)
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  private = tmp_path / 'notes.txt'
+  private.write_text('private notes, valid jinja')
+  for recorded in ('/dev/zero', str(private)):
+    (workdir / 'config.json').write_text(json.dumps({'data': {'chat_template': recorded}}))
+    with pytest.raises(ConfigError, match=rf'the run in {workdir} records data.chat_template='
+                       rf'{recorded}, which is not its own copy .*set data.chat_template'):
+      runs.run_data_field(workdir, 'chat_template')
+  (workdir / 'chat_template.jinja').write_text('{{ messages }}')
+  (workdir / 'config.json').write_text(json.dumps(
+      {'data': {'chat_template': '/elsewhere/run/chat_template.jinja'}}))  # the run, moved
+  assert runs.run_data_field(workdir, 'chat_template') == str(workdir / 'chat_template.jinja')
+  config = ml_collections.ConfigDict({'data': {'chat_template': '/dev/zero'}})
+  with pytest.raises(ConfigError, match='is not a regular file'):
+    runs.adopt_chat_template(config, tmp_path / 'new')

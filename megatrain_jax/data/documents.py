@@ -163,6 +163,10 @@ def read_tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
   return config if isinstance(config, dict) else {}
 
 
+# The longest chat template read (the longest known are tens of KB).
+MAX_TEMPLATE_CHARS = 1 << 20
+
+
 def read_chat_template(path: str | Path, field: str = 'data.chat_template') -> str:
   """The chat template (jinja2 source) in file `path`: data.chat_template's, or (`field`
   'data.tokenizer') a tokenizer's chat_template.jinja.
@@ -174,7 +178,12 @@ def read_chat_template(path: str | Path, field: str = 'data.chat_template') -> s
   fix = ("point it at a chat template file, or set it to '' for the tokenizer's own"
          if field == 'data.chat_template' else 'fix or remove it, or set data.chat_template')
   try:
-    template = Path(path).read_text(encoding='utf-8')
+    if not Path(path).is_file():  # /dev/zero, a FIFO: read whole, it would never end
+      raise OSError(f'{path} is not a regular file')
+    with open(path, encoding='utf-8') as f:  # as read_text reads it (newlines translated)
+      template = f.read(MAX_TEMPLATE_CHARS + 1)
+    if len(template) > MAX_TEMPLATE_CHARS:
+      raise OSError(f'more than {MAX_TEMPLATE_CHARS:,} characters; chat templates are a few KB')
   except (OSError, UnicodeDecodeError) as e:
     raise ConfigError(f'{field}: cannot read {path} as a UTF-8 jinja file ({e}); {fix}.') from e
   if not template.strip():
