@@ -92,6 +92,7 @@ import math
 import os
 import pathlib
 import shutil
+import stat
 import sys
 import threading
 from typing import Any, Iterable, NamedTuple
@@ -402,6 +403,11 @@ class CheckpointReader:
       else:
         self._memory = {p: (e['dir'], tuple(e['shape']))
                         for p, e in self.meta.get('arrays', {}).items()}
+      names = list(self._disk_names.values())
+      if self.format != 2:  # format 2's names are inside orbax's database
+        names += [name for name, _ in self._memory.values()]
+      for name in names:  # an entry naming another run's arrays: a ValueError
+        fs.inside(directory, name)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
       raise DamagedCheckpoint(meta_file,
                               f'not a readable checkpoint meta.json ({error})') from error
@@ -436,14 +442,24 @@ class CheckpointReader:
     manifest_file = self.directory / 'manifest.json'
     try:
       manifest = json.loads(manifest_file.read_text())
+      if not isinstance(manifest, dict) or not all(
+          isinstance(e, dict) and isinstance(e.get('size'), int) for e in manifest.values()):
+        raise ValueError('not an object of files to their sizes and checksums')
     except (OSError, ValueError) as error:
       raise DamagedCheckpoint(manifest_file, f'unreadable ({error})') from error
     for relative, entry in sorted(manifest.items()):
-      path = self.directory / relative
       try:
-        size = path.stat().st_size
+        path = fs.inside(self.directory, relative)
+      except ValueError as error:  # read, /dev/zero's crc32 would never end
+        raise DamagedCheckpoint(manifest_file, f'lists a file outside the checkpoint ({error})'
+                                ) from error
+      try:
+        info = path.stat()
       except OSError:
         raise DamagedCheckpoint(path, 'missing') from None
+      if not stat.S_ISREG(info.st_mode):
+        raise DamagedCheckpoint(path, 'not a regular file')
+      size = info.st_size
       if size != entry['size']:
         raise DamagedCheckpoint(path, f'{size} bytes, {entry["size"]} when written (truncated?)')
       if 'crc32' in entry and fs.crc32(path) != entry['crc32']:

@@ -70,6 +70,28 @@ def is_disk_full(error: BaseException) -> bool:
   return False
 
 
+def inside(directory: pathlib.Path, name: str) -> pathlib.Path:
+  """`directory / name`, for a name another file gives (an index's shard, a manifest's entry, a
+  saved dataset's file): relative, without '..', and, its symlinks followed, inside `directory`,
+  or inside the blobs/ of the Hugging Face cache repository `directory` is a snapshot of
+  (snapshots/<rev>/x -> ../../blobs/<hash>). The file need not exist.
+
+  Raises:
+    ValueError: saying why not (the caller names the file that gave `name`, and the fix).
+  """
+  if not isinstance(name, str) or not name:
+    raise ValueError(f'{name!r} is not a file name')
+  parts = pathlib.PurePath(name).parts
+  if pathlib.PurePath(name).is_absolute() or '..' in parts:
+    raise ValueError(f'{name!r} is not a name inside the directory (absolute, or with "..")')
+  path = pathlib.Path(directory) / name
+  real, root = path.resolve(), pathlib.Path(directory).resolve()
+  roots = [root] + ([root.parent.parent / 'blobs'] if root.parent.name == 'snapshots' else [])
+  if not any(real.is_relative_to(r) for r in roots):
+    raise ValueError(f'{name} is a link to {real}, outside {directory}')
+  return path
+
+
 def fsync(path: pathlib.Path, directory: bool = False) -> None:
   """Makes a file's data (or, for a directory, its renames and unlinks) durable."""
   fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))

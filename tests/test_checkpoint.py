@@ -1142,6 +1142,50 @@ def test_a_checkpoint_of_a_newer_format_is_refused_by_name(tmp_path):
   checkpointer.close()
 
 
+def test_manifest_and_meta_entries_naming_files_elsewhere_are_damage(tmp_path, monkeypatch):
+  """A tampered manifest.json or meta.json named files outside the checkpoint: an entry
+  '../../dev/zero' of size 0 passed the size check and its crc32 read forever (so would a
+  FIFO's), an entry that is not an object raised a TypeError, and meta.json's array `dir` read
+  another run's arrays. Each is damage naming the file (the previous checkpoint is tried)."""
+  import json  # pylint: disable=g-import-not-at-top
+  from megatrain_jax.checkpoint import CheckpointReader, DamagedCheckpoint  # pylint: disable=g-import-not-at-top
+  checkpointer = Checkpointer(tmp_path, keep=3)
+  state = {'step': np.int32(1), 'params': {'w': np.ones((4, 4), np.float32)}}
+  checkpointer.save(1, state, data_position=0, model_cfg=CFG)
+  checkpointer.close()
+  step_dir = tmp_path / 'checkpoints' / '1'
+  crc32 = checkpoint.fs.crc32
+
+  def checked_crc32(path):  # the hang, as an error
+    assert path.resolve().is_relative_to(step_dir) and path.is_file(), path
+    return crc32(path)
+
+  monkeypatch.setattr(checkpoint.fs, 'crc32', checked_crc32)
+  os.mkfifo(step_dir / 'fifo')
+  (step_dir / 'zero').symlink_to('/dev/zero')
+  manifest = json.loads((step_dir / 'manifest.json').read_text())
+  CheckpointReader(step_dir).verify_files()
+  zero = {'size': 0, 'crc32': 1}
+  for name, entry, match in (('../' * 8 + 'dev/zero', zero, r'manifest.json: lists a file '
+                              r'outside the checkpoint \(.*absolute, or with "\.\."\)'),
+                             ('/dev/zero', zero, 'lists a file outside the checkpoint'),
+                             ('zero', zero, r'zero is a link to /dev/zero, outside'),
+                             ('fifo', zero, 'fifo: not a regular file'),
+                             ('params.w', [], r'manifest.json: unreadable \(not an object'),
+                             ('params.w', {'crc32': 1}, 'manifest.json: unreadable')):
+    (step_dir / 'manifest.json').write_text(json.dumps({**manifest, name: entry}))
+    with pytest.raises(DamagedCheckpoint, match=match):
+      CheckpointReader(step_dir).verify_files()
+  (step_dir / 'manifest.json').write_text(json.dumps(manifest))
+  meta = json.loads((step_dir / 'meta.json').read_text())
+  leaf = next(iter(meta['arrays']))
+  for elsewhere in ('../../../other/arrays/params.w', str(tmp_path / 'other')):
+    arrays = {**meta['arrays'], leaf: {**meta['arrays'][leaf], 'dir': elsewhere}}
+    (step_dir / 'meta.json').write_text(json.dumps({**meta, 'arrays': arrays}))
+    with pytest.raises(DamagedCheckpoint, match='not a readable checkpoint meta.json'):
+      CheckpointReader(step_dir)
+
+
 # ------------------------------------------------------------------------------------------------
 # Format 2 (orbax state/ of the in-memory leaves) still resumes.
 # ------------------------------------------------------------------------------------------------

@@ -568,3 +568,26 @@ def test_a_jsonl_line_longer_than_a_record_may_be_is_a_bad_record(tmp_path, monk
     config.skip_bad_records = True
     info, _ = load_data(config, run)
     assert info.stats['documents'] == 2 and info.stats['skipped_records'] == 2
+
+
+def test_a_saved_datasets_state_json_naming_files_elsewhere_is_refused(tmp_path):
+  """A saved dataset's state.json (save_to_disk) naming ../private.txt, an absolute path, or a
+  file linked out of its directory had that file read as training data; it is refused, naming
+  state.json and the fix. Its own files read as before."""
+  saved = tmp_path / 'saved'
+  saved.mkdir()
+  table = pa.table({'text': ['a record']})
+  with pa.ipc.new_stream(saved / 'data-00000-of-00001.arrow', table.schema) as writer:
+    writer.write_table(table)
+  private = tmp_path / 'private.txt'
+  private.write_text('not data\n')
+  (saved / 'link.arrow').symlink_to(private)
+  state = saved / 'state.json'
+  state.write_text(json.dumps({'_data_files': [{'filename': 'data-00000-of-00001.arrow'}]}))
+  assert formats.expand_sources([saved], 'data.path') == [saved / 'data-00000-of-00001.arrow']
+  for name in ('../private.txt', str(private), 'link.arrow'):
+    state.write_text(json.dumps({'_data_files': [{'filename': name}]}))
+    with pytest.raises(ConfigError, match=r'data.path: .*saved/state.json lists a file outside '
+                       r'.*saved \(.*\), and a saved dataset holds its own files only; save the '
+                       r'dataset again'):
+      formats.expand_sources([saved], 'data.path')

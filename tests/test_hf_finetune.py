@@ -598,6 +598,54 @@ def test_a_model_without_tokenizer_json_reads_the_tokenizer_the_config_names(che
       'eos_token_id': 7}
 
 
+def _as_hub_cache(checkpoint, root):
+  """`checkpoint` laid out as the Hugging Face cache holds a download: each file a link from
+  snapshots/<rev>/ to ../../blobs/<hash>. Returns the snapshot."""
+  snapshot = root / 'models--org--tiny' / 'snapshots' / 'abc123'
+  blobs = root / 'models--org--tiny' / 'blobs'
+  snapshot.mkdir(parents=True)
+  blobs.mkdir()
+  for index, file in enumerate(sorted(checkpoint.iterdir())):
+    shutil.copy(file, blobs / f'{index:040x}')
+    (snapshot / file.name).symlink_to(f'../../blobs/{index:040x}')
+  return snapshot
+
+
+def test_files_a_model_directory_names_or_links_outside_it_are_refused(checkpoints, tmp_path):
+  """A model directory's files were read wherever they led: a weight_map naming
+  ../../outside/x.safetensors or an absolute path, or a shard linked out of the directory, was
+  loaded; a special_tokens_map.json linked to ~/private.txt was copied into the run's
+  hf_tokenizer/ and from there into its export. Each is refused naming the file; the Hugging
+  Face cache's layout (links into the repository's blobs/) reads as before."""
+  snapshot = _as_hub_cache(checkpoints['llama'], tmp_path / 'hub')
+  assert len(hf.inspect_checkpoint(snapshot).files) > 1
+  copies = hf.copy_tokenizer(snapshot, tmp_path / 'copy')
+  assert [p.name for p in copies] == ['tokenizer.json', 'generation_config.json']
+  private = tmp_path / 'private.txt'
+  private.write_text('{"secret": "the user\'s"}')
+  (snapshot / 'special_tokens_map.json').symlink_to(private)
+  with pytest.raises(ConfigError, match=r'special_tokens_map.json: special_tokens_map.json is a '
+                     r'link to .*private.txt, outside .*; tokenizer files are copied into the '
+                     r'run and its exports'):
+    hf.copy_tokenizer(snapshot, tmp_path / 'copy2')
+  assert not (tmp_path / 'copy2').exists()
+  index = 'model.safetensors.index.json'
+  shard = json.loads((checkpoints['llama'] / index).read_text())['weight_map']['lm_head.weight']
+  outside = tmp_path / 'outside'
+  outside.mkdir()
+  shutil.copy(checkpoints['llama'] / shard, outside / shard)
+  for name, edit in (
+      ('relative', _edit_json(index, lambda i: i['weight_map'].update(
+          {'lm_head.weight': f'../../outside/{shard}'}))),
+      ('absolute', _edit_json(index, lambda i: i['weight_map'].update(
+          {'lm_head.weight': str(outside / shard)}))),
+      ('linked', lambda p: ((p / shard).unlink(), (p / shard).symlink_to(outside / shard)))):
+    directory = _broken(checkpoints, tmp_path / name, edit)
+    with pytest.raises(ConfigError, match=r'model.safetensors.index.json names a weights file '
+                       r'outside .* a checkpoint reads its own files only'):
+      hf.inspect_checkpoint(directory)
+
+
 @pytest.mark.parametrize('case', list(BAD_DIRECTORIES))
 def test_bad_checkpoint_directory(case, checkpoints, tmp_path):
   edit, error, match = BAD_DIRECTORIES[case]

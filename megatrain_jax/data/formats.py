@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import numpy as np
 import zstandard
 
+from megatrain_jax import fs
 from megatrain_jax.data import documents
 from megatrain_jax.data.documents import BadRecord, DocumentFormat
 from megatrain_jax.data.tokenizer import Tokenizer, cut_point, encode_text
@@ -237,6 +238,13 @@ def _saved_dataset_files(path: Path, field: str) -> list[Path] | None:
     names = [f['filename'] for f in json.loads((path / 'state.json').read_text())['_data_files']]
   except (OSError, ValueError, KeyError, TypeError):
     names = sorted(p.name for p in path.glob('*.arrow'))
+  for name in names:
+    try:
+      fs.inside(path, name)
+    except ValueError as e:
+      raise ConfigError(f'{field}: {path}/state.json lists a file outside {path} ({e}), and a '
+                        'saved dataset holds its own files only; save the dataset again '
+                        '(save_to_disk) or copy it whole.') from e
   missing = [n for n in names if not (path / n).is_file()]
   if missing:
     raise ConfigError(f'{field}: {path}/state.json lists {", ".join(missing)}, which is not '

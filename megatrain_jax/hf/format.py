@@ -36,6 +36,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from megatrain_jax import fs
 from megatrain_jax.errors import ConfigError, UnsupportedModelError
 from megatrain_jax.model.config import HF_ARCHITECTURES, ModelConfig, yarn_mscale
 
@@ -475,15 +476,20 @@ def _weight_files(directory: Path) -> dict[str, Path]:
   """Tensor name -> the safetensors file holding it (single file or sharded index)."""
   single, index = directory / _SINGLE_FILE, directory / _INDEX_FILE
   if single.is_file():
+    single = _inside(directory, _SINGLE_FILE, single)
     with _open_safetensors(single) as f:
       return {name: single for name in f.keys()}
   if index.is_file():
     try:
       weight_map = json.loads(index.read_text())['weight_map']
+      if not isinstance(weight_map, dict) or not all(
+          isinstance(v, str) for v in weight_map.values()):
+        raise TypeError('not an object of tensor names to file names')
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
       raise ConfigError(f'cannot read the weight_map of {index}: {e!r}. Re-export the model with '
                         'save_pretrained.') from e
-    files = {name: directory / shard for name, shard in weight_map.items()}
+    shards = {shard: _inside(directory, shard, index) for shard in set(weight_map.values())}
+    files = {name: shards[shard] for name, shard in weight_map.items()}
     absent = sorted({str(p) for p in files.values() if not p.is_file()})
     if absent:
       raise ConfigError(f'{index} lists shard(s) missing from the directory: {_listing(absent)}. '
@@ -492,6 +498,16 @@ def _weight_files(directory: Path) -> dict[str, Path]:
   raise ConfigError(
       f'{directory} has neither {_SINGLE_FILE} nor {_INDEX_FILE}: only safetensors weights are '
       'read. Convert with model.save_pretrained(directory) (transformers writes safetensors).')
+
+
+def _inside(directory: Path, name: str, source: Path) -> Path:
+  """`directory / name` (fs.inside), a name `source` gives; a file elsewhere is refused."""
+  try:
+    return fs.inside(directory, name)
+  except ValueError as e:
+    raise ConfigError(f'{source} names a weights file outside {directory} ({e}): a checkpoint '
+                      'reads its own files only. Copy the file into the directory, or copy the '
+                      'complete checkpoint again.') from e
 
 
 def _listing(names: Iterable[str]) -> str:

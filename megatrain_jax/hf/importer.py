@@ -32,6 +32,7 @@ import ml_collections
 import numpy as np
 
 from megatrain_jax import config as config_lib
+from megatrain_jax import fs
 from megatrain_jax.data import ByteTokenizer
 from megatrain_jax.data.documents import CHAT_TEMPLATE_FILE
 from megatrain_jax.errors import ConfigError
@@ -160,17 +161,31 @@ def config_from_checkpoint(config: ml_collections.ConfigDict, checkpoint: HfChec
 
 def copy_tokenizer(source: Path, dest: Path) -> list[Path]:
   """Copies the tokenizer files (TOKENIZER_FILES) found beside `source` (a tokenizer.json or a
-  directory holding one) into directory `dest`; returns the copies."""
+  directory holding one) into directory `dest`; returns the copies.
+
+  Raises:
+    ConfigError: if one found beside `source` is a link out of its directory (other than into
+      the Hugging Face cache's blobs/): its content would go into the run and its exports.
+  """
   source = Path(source)
   directory = source if source.is_dir() else source.parent
-  dest.mkdir(parents=True, exist_ok=True)
-  copied = []
+  files = []
   for name in TOKENIZER_FILES:
-    file = source if name == TOKENIZER_FILES[0] and source.is_file() else directory / name
+    named = name == TOKENIZER_FILES[0] and source.is_file()  # the file the user chose
+    file = source if named else directory / name
+    if file.is_file() and not named:
+      try:
+        fs.inside(directory, name)
+      except ValueError as e:
+        raise ConfigError(f'{file}: {e}; tokenizer files are copied into the run and its '
+                          'exports, so a link out of the directory is not followed: replace it '
+                          'with the file itself, or remove it.') from e
     if file.is_file():
-      shutil.copyfile(file, dest / name)
-      copied.append(dest / name)
-  return copied
+      files.append((file, dest / name))
+  dest.mkdir(parents=True, exist_ok=True)
+  for file, copy in files:
+    shutil.copyfile(file, copy)
+  return [copy for _, copy in files]
 
 
 # ----------------------------------------------------------------------------------------------
