@@ -21,6 +21,7 @@ import zstandard
 
 from megatrain_jax.data import (ByteTokenizer, TokenStream, check_data_config, document_format,
                                 load_data, load_tokenizer, prepare_dataset, read_prompts)
+from megatrain_jax.data import documents as documents_module
 from megatrain_jax.data import formats
 from megatrain_jax.data import prepare as prepare_module
 from megatrain_jax.data import shards as shards_module
@@ -591,3 +592,37 @@ def test_a_saved_datasets_state_json_naming_files_elsewhere_is_refused(tmp_path)
                        r'.*saved \(.*\), and a saved dataset holds its own files only; save the '
                        r'dataset again'):
       formats.expand_sources([saved], 'data.path')
+
+
+@pytest.mark.parametrize('template, why', [
+    ("{{ 'a' * 10**9 }}", r'\* would make a value of 1,000,000,000 characters'),
+    ('{% set ns = namespace(s="ab") %}{% for i in range(26) %}{% set ns.s = ns.s + ns.s %}'
+     '{% endfor %}{{ ns.s|length }}', r'\+ would make a value of'),
+    ('{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}',
+     r'its ranges hold more than 1,[0-9,]+ items in all'),
+    ('{% for i in range(100) %}{{ messages }}{% endfor %}', r'renders more than 1,[0-9,]+ '
+     'characters of this record')],
+                         ids=['multiply', 'doubling', 'nested-loops', 'output'])
+def test_a_chat_template_makes_nothing_much_larger_than_its_record(tmp_path, template, why):
+  """A chat template comes with a downloaded checkpoint, and jinja2's sandbox bounds neither
+  memory nor time: '{{ "a" * 10**10 }}' took 13.5 GB, nested range loops ran until killed (in
+  the check before anything is written). Values, output and ranges are bounded by the record's
+  size: such a record is a bad record, named, and a real conversation renders as before."""
+  import signal  # pylint: disable=import-outside-toplevel
+  path = tmp_path / 'chat_template.jinja'
+  path.write_text(template)
+  fmt = document_format(ByteTokenizer(), chat_template=str(path))
+  record = {'messages': [{'role': 'user', 'content': 'x' * 20000},
+                         {'role': 'assistant', 'content': 'ok'}]}
+
+  def too_slow(*_):
+    raise TimeoutError('the template ran on')
+
+  previous = signal.signal(signal.SIGALRM, too_slow)
+  signal.alarm(20)  # without the bounds: a failure, not a hang
+  try:
+    with pytest.raises(documents_module.BadRecord, match='chat template: ' + why):
+      documents_module.record_parts(record, fmt)
+  finally:
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

@@ -38,10 +38,12 @@ The loss mask stored beside the tokens says, for each token, whether it is learn
 (1) or not (0).
 """
 
+import contextvars
 import dataclasses
 import functools
 import hashlib
 import json
+import operator
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -497,20 +499,84 @@ def _environment():
                                               extensions=[Generation, ext.loopcontrols])
   env.filters['tojson'] = tojson
   env.globals.update(raise_exception=raise_exception, namespace=Namespace,
-                     dict=lambda *args, **kwargs: dict(*args, **kwargs))
+                     dict=lambda *args, **kwargs: dict(*args, **kwargs), range=_counted_range)
+  env.intercepted_binops, env.call_binop = frozenset(_BINOPS), _sized_binop
   return env
+
+
+# What a chat template may make of a record: values (characters, list items, bytes of a number)
+# and output of at most _RENDER_SLACK plus _RENDER_FACTOR times the record's own size, and ranges
+# of that many items in all. jinja2's sandbox bounds none of them ('{{ "a" * 10**10 }}' took
+# 13.5 GB; nested range loops ran until killed).
+_RENDER_SLACK = 1 << 20
+_RENDER_FACTOR = 4
+_BUDGET = contextvars.ContextVar('render_budget', default=None)  # [limit, range items left]
+_BINOPS = {'+': operator.add, '*': operator.mul, '**': operator.pow}
+
+
+def _budget() -> list[int]:
+  return _BUDGET.get() or [_RENDER_SLACK, _RENDER_SLACK]
+
+
+def _sized_binop(context, op: str, left, right):
+  """A template's +, * and ** (the sandbox's intercepted binops), refused where the value would
+  be larger than the render's budget allows."""
+  del context
+  size = _binop_size(op, left, right)
+  if size > _budget()[0]:
+    raise BadRecord(f'chat template: {op} would make a value of {size:,} characters (or items), '
+                    f'more than this record may render to ({_budget()[0]:,})')
+  return _BINOPS[op](left, right)
+
+
+def _binop_size(op: str, left, right) -> int:
+  """About the size of `left op right` (characters, items, bytes of an int), from its operands."""
+  def size(value):
+    if isinstance(value, (str, bytes, list, tuple)):
+      return len(value)
+    return value.bit_length() // 8 if isinstance(value, int) else 0
+  if op == '*':
+    for sequence, times in ((left, right), (right, left)):
+      if isinstance(sequence, (str, bytes, list, tuple)) and isinstance(times, int):
+        return len(sequence) * max(times, 0)
+  if op == '**':
+    return left.bit_length() * right // 8 if (isinstance(left, int) and isinstance(right, int)
+                                              and right > 0) else 0
+  return size(left) + size(right)
+
+
+def _counted_range(*args):
+  """jinja2's sandboxed range, its items counted against the render's budget."""
+  from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
+  items, budget = sandbox.safe_range(*args), _budget()
+  budget[1] -= len(items)
+  if budget[1] < 0:
+    raise BadRecord(f'chat template: its ranges hold more than {budget[0]:,} items in all, more '
+                    'than this record may need')
+  return items
 
 
 def _render(messages: list, fmt: DocumentFormat, generation_prompt: bool,
             tools: list | None = None) -> str:
+  """The rendered conversation, within the budget of a record its size (_RENDER_SLACK)."""
+  limit = _RENDER_SLACK + _RENDER_FACTOR * (len(str(messages)) + len(str(tools)))
+  token = _BUDGET.set([limit, limit])
   try:
-    return _compiled(fmt.chat_template).render(
+    pieces, size = [], 0
+    for piece in _compiled(fmt.chat_template).generate(
         messages=messages, add_generation_prompt=generation_prompt, bos_token=fmt.bos_text,
-        eos_token=fmt.eos_text, tools=tools)
+        eos_token=fmt.eos_text, tools=tools):
+      size += len(piece)
+      if size > limit:
+        raise BadRecord(f'chat template: renders more than {limit:,} characters of this record')
+      pieces.append(piece)
+    return ''.join(pieces)
   except BadRecord:
     raise
   except Exception as e:  # jinja2 raises many kinds (UndefinedError, SecurityError, ...)
     raise BadRecord(f'chat template failed on this record: {type(e).__name__}: {e}') from e
+  finally:
+    _BUDGET.reset(token)
 
 
 def chat_parts(messages: list, fmt: DocumentFormat, learn_from: int = 0,
