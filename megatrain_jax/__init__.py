@@ -15,9 +15,11 @@ _runtime.configure_from_env()
 _os.environ.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.9')
 
 # XLA:GPU caps its pinned host memory pool (where offload.params / opt_state = 'host' live) at
-# XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, 64 unless set. The pool grows on demand, so raising the cap
-# to this machine's RAM costs nothing until it is used. A value the user set is kept, and the
-# planner then budgets pinned memory against it (planner.budgets_for).
+# XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, 64 unless set; raised here to this machine's RAM. The pool
+# grows on demand, in regions that double and are never given back, up to the cap: the planner
+# counts that growth (planner.pinned_pool_rows) and names a cap near the pinned rows where it is
+# what stands in the way. A value the user set is kept, and the planner then budgets pinned memory
+# against it (planner.budgets_for).
 PINNED_LIMIT_ENV = 'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'
 _PINNED_LIMIT_OURS = 'MEGATRAIN_JAX_PINNED_LIMIT_AUTO'  # marks our value, which child processes inherit
 PINNED_LIMIT_FROM_USER = (PINNED_LIMIT_ENV in _os.environ

@@ -181,6 +181,8 @@ _GB = 1e9
 DEVICE_USABLE_FRACTION = 0.9
 HOST_USABLE_FRACTION = 0.85  # the OS, Python, the data pipeline and the page cache
 PINNED_ROW = 'host (pinned, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)'
+POOL_ROW = "pinned pool growth (XLA's allocator)"
+BFC_FIRST_REGION = 2 << 20  # tsl::BFCAllocator's first region under allow_growth
 
 
 # -------------------------------------------------------------------------------------------------
@@ -351,7 +353,7 @@ class Plan:
         over['host (shared with device)'] = (shared, b['host'])
     elif host > b['host']:
       over['host'] = (host, b['host'])
-    pinned = host - sum(r.bytes for r in self.rows if r.item == STAGING_ROW)
+    pinned = pinned_bytes(self.rows) + sum(r.bytes for r in self.rows if r.item == POOL_ROW)
     if '_pinned' in b and pinned > b['_pinned']:
       over[PINNED_ROW] = (pinned, b['_pinned'])
     if nvme > b['nvme']:
@@ -719,8 +721,7 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
   same arguments (a search over several hardware profiles computes each once). `fresh_init`
   False: the state is read into place (a resume, init.from_hf, init.from_run), leaf by leaf, so
   the jitted init's temporaries (INIT_ROW) never exist. `snapshots_copied`: the checkpoints are
-  on another filesystem than offload.dir, so `checkpoint_copies` (one) is the snapshot being
-  copied there, not checkpoints hard-linking the stores."""
+  on another filesystem than offload.dir: `checkpoint_copies` (one) is a snapshot copied there."""
   args = dict(micro=micro, batch=batch, seq=seq, clipping=clipping,
               checkpoint_copies=checkpoint_copies, devices=devices,
               snapshots_copied=snapshots_copied)
@@ -731,8 +732,7 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
     if shapes is not None:
       shapes[key] = shape
   n, local = devices.count, devices.local
-  rows = [r for r in shape.rows if fresh_init or r.item != INIT_ROW]
-  rows += runtime_rows(hw, baseline_bytes, shape.init_programs)
+  rows = _process_rows(shape, hw, fresh_init, baseline_bytes)
   moved = dict(shape.moved)
   # On the CPU backend the process's devices are the same cores: their work adds up.
   shared = 1 if hw.overlap else local
@@ -823,6 +823,51 @@ def runtime_rows(hw: HardwareProfile, baseline_bytes: float | None = None,
       if programs else '')
   return [baseline, Row('host', PROGRAMS_ROW, hw.programs_host_gb * _GB
                         + programs * PROGRAM_HOST_BYTES, formula)]
+
+
+def _process_rows(shape: StepShape, hw: HardwareProfile, fresh_init: bool,
+                  baseline_bytes: float | None) -> list:
+  """The step's rows (the jitted init's only for a `fresh_init`), the process's own
+  (runtime_rows) and the pinned pool's growth beyond them (pinned_pool_rows)."""
+  rows = [r for r in shape.rows if fresh_init or r.item != INIT_ROW]
+  rows += runtime_rows(hw, baseline_bytes, shape.init_programs)
+  return rows + pinned_pool_rows(rows, hw)
+
+
+def pinned_pool_bytes(need: float, cap: float) -> float:
+  """Bytes XLA:GPU's pinned host pool holds once `need` bytes live in it: the pool is a BFC
+  allocator with allow_growth (xla_gpu_host_bfc), which takes regions of 2 MiB, 4, 8, ...
+  (each twice the last, a larger request rounding up to its power of two) and never gives one
+  back, the last cut at `cap` (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB): up to about 2 x `need`."""
+  region, total = BFC_FIRST_REGION, 0.0
+  while total < need and total < cap:
+    total += min(region, cap - total)
+    region *= 2
+  return total
+
+
+def pinned_bytes(rows: list) -> float:
+  """Bytes of the host rows that live in pinned memory: all but the NVMe staging buffer (numpy),
+  the process's own (runtime, programs) and the pool's growth beyond them."""
+  return sum(r.bytes for r in rows if r.tier == 'host'
+             and r.item not in (STAGING_ROW, RUNTIME_ROW, PROGRAMS_ROW, POOL_ROW))
+
+
+def pinned_pool_rows(rows: list, hw: HardwareProfile) -> list:
+  """On an accelerator, the [Row] of what XLA's pinned pool holds beyond the pinned rows (the host
+  rows but the NVMe staging buffer, numpy, and the process's own), `pinned_pool_bytes` against
+  the cap in force: the user's, else this machine's RAM (megatrain_jax/__init__.py). Its regions
+  grow to 125 GiB for 7b's 72 GiB of layer weights and Adam state under a 128 GiB cap."""
+  if hw.unified_memory:
+    return []
+  need = pinned_bytes(rows)
+  cap = pinned_limit_bytes() or hw.host_memory_gb * 2**30
+  growth = pinned_pool_bytes(need, cap) - need
+  if growth <= 0:
+    return []
+  return [Row('host', POOL_ROW, growth,
+              f'doubling regions, kept: {PINNED_LIMIT_ENV}=N (GiB) near the pinned rows stops '
+              'them there')]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1151,6 +1196,12 @@ def refusal_message(cfg: ModelConfig, closest: Plan, devices_that_fit: int | Non
                  'you have')
   if 'host' in tiers:
     hints.append(_host_hint(closest, *tiers['host']))
+    pool = sum(r.bytes for r in closest.rows if r.item == POOL_ROW)
+    if pool:
+      pinned = pinned_bytes(closest.rows)
+      hints.append(f'set {PINNED_LIMIT_ENV}={math.ceil(pinned * 1.05 / 2**30) + 1} before '
+                   f'starting: XLA\'s pinned pool then stops near the {_gb(pinned)} pinned '
+                   f'rows instead of growing {_gb(pool)} beyond them')
   if 'nvme' in tiers:
     snapshots = [r.item for r in closest.rows if r.item.startswith('checkpoint snapshots (keep=')]
     keep = (', lower checkpoint.keep (each kept checkpoint pins a copy of the NVMe stores)'

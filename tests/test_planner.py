@@ -364,10 +364,10 @@ def test_explicit_placement_is_kept():
 
 def test_pinned_host_limit_the_user_set_is_budgeted_and_named(monkeypatch):
   """On a GPU, pinned host memory must fit XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB when the user set
-  it: 2 GiB cannot hold even the all-NVMe plan's pinned working set (the host optimizer's bands
-  and the runtime; 6 GiB can since updates run band by band: bands read ahead, the one in AdamW
-  with its outputs and its NVMe inputs' pinned copies), and the refusal says which limit would
-  fit."""
+  it: 1 GiB cannot hold even the all-NVMe plan's pinned working set (the host optimizer's bands;
+  2 GiB can since updates run band by band: bands read ahead, the one in AdamW with its outputs
+  and its NVMe inputs' pinned copies; the runtime and the NVMe staging buffer are not pinned),
+  and the refusal says which limit would fit."""
   config = config_lib.load_config('101b', hardware='h200')
   hw = hardware.load_profile('h200')
   unlimited = planner.plan_run(config, hw)  # the cap raised to RAM: RAM is the budget
@@ -375,7 +375,7 @@ def test_pinned_host_limit_the_user_set_is_budgeted_and_named(monkeypatch):
   monkeypatch.setattr(megatrain_jax, 'PINNED_LIMIT_FROM_USER', True)
   monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '6')
   assert planner.plan_run(config, hw).placement.params == 'nvme'
-  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '2')
+  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '1')
   with pytest.raises(ConfigError) as e:
     planner.plan_run(config, hw)
   message = str(e.value)
@@ -388,6 +388,38 @@ def test_pinned_host_limit_the_user_set_is_budgeted_and_named(monkeypatch):
   monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '6x4')
   with pytest.raises(ConfigError, match=r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='6x4' is not a whole"):
     planner.plan_run(config, hw)
+
+
+def test_the_pinned_pool_is_counted_as_xla_grows_it(monkeypatch):
+  """XLA:GPU's pinned pool grows in regions that double and are never given back, up to
+  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, which the package raises to the RAM: 7b's 72.4 GiB of layer
+  weights and Adam state in pinned memory take 2 + 4 + ... + 32 GiB, then the rest of a 128 GiB
+  cap (an OOM kill on the GPU benchmark's machine). The plan counts that growth in its host rows;
+  with the cap near the pinned rows it stops there, and the refusal names that cap."""
+  gib = 2**30
+  assert planner.pinned_pool_bytes(72.4 * gib, 128 * gib) == 128 * gib - 2**21  # 2 MiB ... 64 GiB
+  assert planner.pinned_pool_bytes(72.4 * gib, 76 * gib) == 76 * gib  # ... 32 GiB, then the rest
+  assert planner.pinned_pool_bytes(60 * gib, 512 * gib) == 64 * gib - 2**21
+  config = config_lib.load_config('7b', hardware='h100')
+  for field, value in dict(params='host', opt_state='host', activations='host',
+                           embed_head='device', optimizer_on='device', layers_per_group=1,
+                           park_grads='device').items():
+    setattr(config.offload, field, value)
+  hw = dataclasses.replace(hardware.load_profile('h100'), host_memory_gb=128.0)
+  with pytest.raises(planner.NoPlacementFits) as refused:  # the RAM as the cap: 128 GiB pinned
+    planner.plan_run(config, hw, suggest_presets=False)
+  closest = refused.value.closest
+  pinned = planner.pinned_bytes(closest.rows)
+  pool = [r.bytes for r in closest.rows if r.item == planner.POOL_ROW]
+  assert pool == [pytest.approx(128 * gib - pinned, rel=1e-3)] and pinned > 72 * gib
+  cap = int(re.search(r'set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=(\d+) before starting',
+                      str(refused.value))[1])
+  assert pinned / gib < cap < 1.1 * pinned / gib + 2
+  monkeypatch.setattr(megatrain_jax, 'PINNED_LIMIT_FROM_USER', True)
+  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', str(cap))
+  plan = planner.plan_run(config, hw, suggest_presets=False)
+  assert plan.fits and sum(r.bytes for r in plan.rows if r.item == planner.POOL_ROW) <= (
+      cap * gib - pinned)
 
 
 def test_device_budget_follows_the_jax_memory_fraction(monkeypatch):

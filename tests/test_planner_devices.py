@@ -100,6 +100,13 @@ def test_host_and_nvme_rows_are_the_process_shares():
       if item in (planner.STAGING_ROW, planner.RUNTIME_ROW, planner.PROGRAMS_ROW):  # own
         assert _rows(own_machine, tier)[item] == nbytes
         continue
+      if item == planner.POOL_ROW:  # each process's pool grows from its own pinned rows
+        for plan in (one, same_machine, own_machine):
+          pinned = planner.pinned_bytes(plan.rows)
+          cap = H100.host_memory_gb * 2**30
+          assert _rows(plan, tier)[item] == pytest.approx(
+              planner.pinned_pool_bytes(pinned, cap) - pinned)
+        continue
       assert _rows(same_machine, tier)[item] == pytest.approx(nbytes), item
       assert _rows(own_machine, tier)[item] == pytest.approx(nbytes / 4), item
   assert own_machine.used('nvme') == pytest.approx(one.used('nvme') / 4)
