@@ -10,14 +10,17 @@ precision 'highest' (true FP32) and 'default' (TF32 on Hopper; --precisions pick
 time, tokens/s, TFLOP/s, MFU (against the datasheet peak for the precision) and the
 streamed engine's I/O and time split; writes gpu_host_tier.json to --out (default $OUT or .).
 
-XLA caps pinned host memory at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default); this script
-sets it from the host tier's size before JAX starts.
+XLA caps pinned host memory at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default; the package
+raises it to the RAM); this script sets it from the streamed runs' pinned state (pinned_limit_gib)
+before JAX and the package are imported, unless it is set. gpu_host_tier.json is rewritten after
+each run, and --deadline stops starting runs after that many seconds: a lent GPU's time is
+short.
 
 It imports the engines only (jax, flax, optax, tensorstore, numpy; not ml_collections, which the
 lent GPU machines' image lacks: distributed.py names it for annotations only), so on such a
 machine it runs from the repository root as it is:
 
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 bench/gpu_host_tier.py --out $OUT
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 bench/gpu_host_tier.py --deadline 420 --out $OUT
 
 `--models tiny` runs a small shape that a CPU finishes in seconds: tests/test_packaging.py runs it
 so with ml_collections and zstandard made unimportable, which keeps this script working in that
@@ -46,26 +49,53 @@ SEQ, BATCH, MICRO = 2048, 1, 4  # tokens per step: MICRO microbatches of BATCH x
 SHAPES = {'tiny': (64, 1, 2)}  # (SEQ, BATCH, MICRO) where a model needs other than the above
 
 
-def host_tier_gb(model_kwargs) -> int:
-  """Pinned host RAM the streamed run needs: params + Adam m, v (12 B per parameter), + 25%."""
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
-  from megatrain_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  n = ModelConfig(**model_kwargs).num_params
-  return int(12 * n * 1.25 / 1e9) + 8
+def layer_params(m: dict) -> int:
+  """Parameters of a model's decoder layers (q, k, v, o, gate, up, down, two norms), computed here:
+  importing the package first would set XLA's environment before this script does."""
+  d, heads, kv = m['d_model'], m['num_heads'], m['num_kv_heads']
+  head_dim = d // heads
+  per_layer = 2 * d * heads * head_dim + 2 * d * kv * head_dim + 3 * d * m['d_ff'] + 2 * d
+  return m['num_layers'] * per_layer
+
+
+def pinned_limit_gib(names) -> int:
+  """XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB for the streamed runs: their layers' params and Adam m, v
+  in pinned host memory (12 B a parameter; the embedding, head and parked gradients stay on the
+  device), + 10% + 2 GiB. XLA grows its pinned pool in regions that double (a BFC allocator that
+  never gives one back): capped at the machine's RAM, as the package sets it, 7b's 72 GiB would
+  take about 125 GiB of a 128 GiB machine; capped here, the pool stops at what the runs use."""
+  need = max(12 * layer_params(MODELS[n]) for n in names) / 2**30
+  return int(need * 1.1) + 2
+
+
+def _write(rows: list, out: str) -> None:
+  """The rows so far, rewritten after each run: a crash or the time limit keeps the others."""
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, 'gpu_host_tier.json')
+  with open(path + '.tmp', 'w') as f:
+    json.dump(rows, f, indent=2)
+  os.replace(path + '.tmp', path)
 
 
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument('--models', default='1b,7b')
   parser.add_argument('--steps', type=int, default=3)
+  parser.add_argument('--warmup', type=int, default=2,
+                      help='untimed steps first: compilation, and a deferred update\'s first '
+                           'program, which compiles in the second step')
   parser.add_argument('--precisions', default='highest,default',
                       help="matmul precisions to run, comma-separated ('highest': true FP32)")
+  parser.add_argument('--deadline', type=float, default=0.0,
+                      help='seconds after which no further run starts (0: none)')
   parser.add_argument('--out', default=os.environ.get('OUT', '.'))
   args = parser.parse_args()
+  started_at = time.perf_counter()
   names = args.models.split(',')
-  limit = max(host_tier_gb(MODELS[n]) for n in names)
-  os.environ.setdefault('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', str(limit))
-  os.environ.setdefault('XLA_FLAGS', '--xla_gpu_enable_latency_hiding_scheduler=true')
+  # Before the package (which sets the cap to the RAM unless it is set) and JAX are imported.
+  os.environ.setdefault('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', str(pinned_limit_gib(names)))
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
+                             + ' --xla_gpu_enable_latency_hiding_scheduler=true').strip()
 
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -99,12 +129,16 @@ def main():
       batch = np.random.default_rng(0).integers(0, cfg.vocab_size, (micro, batch_size, seq + 1),
                                                 dtype=np.int32)
       for engine_name, placement in runs:
+        if args.deadline and time.perf_counter() - started_at > args.deadline:
+          print(f'skipped {name} {precision} {engine_name}: past --deadline', flush=True)
+          continue
         started = time.perf_counter()
         if placement is None:
           engine = resident.ResidentEngine(cfg, tx, schedule, 1.0, seed=0)
         else:
           engine = StreamedEngine(cfg, tx, schedule, 1.0, placement, seed=0)
-        float(engine.train_step(batch)['learning/loss'])  # compile + first step
+        for _ in range(max(1, args.warmup)):  # compilation and the first steps
+          float(engine.train_step(batch)['learning/loss'])
         warmup = time.perf_counter() - started
         times, last = [], {}
         for _ in range(args.steps):
@@ -124,10 +158,8 @@ def main():
                **{k: float(v) for k, v in last.items() if k.startswith(('io/', 'perf/'))}}
         rows.append(row)
         print(json.dumps(row), flush=True)
+        _write(rows, args.out)
         del engine
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, 'gpu_host_tier.json'), 'w') as f:
-    json.dump(rows, f, indent=2)
   print('| model | precision | engine | step (s) | tokens/s | TFLOP/s | MFU |')
   print('|---|---|---|---|---|---|---|')
   for r in rows:
