@@ -53,7 +53,7 @@ class Placement:
   # With exact clipping every group's gradient waits for the global norm before its update: in the
   # weights' tier ('weights': device memory stays bounded by a few groups) or, for an update on the
   # device, in device memory ('device': 4·L·P_l more of it, and no round trip of each gradient
-  # through the host: 8 group-sized transfers per group and step instead of 10). 'auto': the
+  # through the host: 7 group-sized transfers per group and step instead of 9). 'auto': the
   # planner parks them on the device when that fits and is faster (planner._option_variants).
   park_grads: str = 'weights'
 

@@ -875,10 +875,13 @@ def pinned_pool_rows(rows: list, hw: HardwareProfile) -> list:
 # -------------------------------------------------------------------------------------------------
 
 def pinned_limit_bytes() -> float | None:
-  """XLA:GPU's cap on pinned host memory when the user set it (GiB); None when megatrain_jax
-  raised it to the machine's RAM (megatrain_jax/__init__.py), which the host budget covers."""
+  """XLA:GPU's cap on pinned host memory when the user set it (GiB), or XLA's 64 GiB where JAX
+  made its GPU client before the package was imported; None when megatrain_jax raised it to the
+  machine's RAM (megatrain_jax/__init__.py), which the host budget covers."""
   if not megatrain_jax.PINNED_LIMIT_FROM_USER:
-    return None
+    # JAX made its client before the package could raise the cap: XLA's default is in force.
+    return (megatrain_jax.XLA_DEFAULT_PINNED_LIMIT_GB * 2**30
+            if megatrain_jax.XLA_DEFAULTS_IN_FORCE else None)
   value = os.environ.get(PINNED_LIMIT_ENV, '')
   try:
     return float(value) * 2 ** 30
@@ -892,7 +895,9 @@ def device_fraction(hw: HardwareProfile) -> float:
   """Share of device memory JAX may use: XLA_PYTHON_CLIENT_MEM_FRACTION on accelerators."""
   if hw.unified_memory:
     return DEVICE_USABLE_FRACTION
-  value = os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', str(DEVICE_USABLE_FRACTION))
+  default = (megatrain_jax.XLA_DEFAULT_MEM_FRACTION if megatrain_jax.XLA_DEFAULTS_IN_FORCE
+             else DEVICE_USABLE_FRACTION)  # JAX's client made before the package could set it
+  value = os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', str(default))
   try:
     fraction = float(value)
   except ValueError:

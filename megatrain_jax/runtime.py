@@ -266,11 +266,25 @@ def multi_output_fusion() -> bool:
   return 'xla_cpu_use_multi_output_fusion' in os.environ.get('XLA_FLAGS', '') and not _mof_too_late
 
 
-def _jax_backends_exist() -> bool:
-  """Whether JAX has created its backends already (it reads XLA_FLAGS then), without creating
-  them."""
+def jax_backends_exist() -> bool:
+  """Whether JAX has created its backends already (it reads XLA_FLAGS and its GPU client's
+  settings then), without creating them."""
   bridge = sys.modules.get('jax._src.xla_bridge')
   return bool(bridge is not None and getattr(bridge, 'backends_are_initialized', lambda: False)())
+
+
+def warn_if_gpu_started_first() -> bool:
+  """Whether JAX's client, which exists already, is an accelerator's: then XLA took its own memory
+  settings, which this process plans with, and it says so, naming the import order as the fix."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() == 'cpu':
+    return False
+  print('warning: JAX started before megatrain_jax was imported, so XLA runs with its own '
+        'defaults: 75% of GPU memory and a 64 GiB cap on pinned host memory (the planner budgets '
+        'those). Import megatrain_jax before anything runs on the GPU (in a notebook: restart, '
+        'import it first) to plan with 90% and the RAM, or set XLA_PYTHON_CLIENT_MEM_FRACTION '
+        'and XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB before starting.', file=sys.stderr, flush=True)
+  return True
 
 
 def configure_from_env() -> None:
@@ -284,7 +298,7 @@ def configure_from_env() -> None:
   configure_allocator(choice if choice in ALLOCATORS else 'tuned')
   flags = os.environ.get('XLA_FLAGS', '')
   if os.environ.get(MOF_ENV, '1') != '0' and 'xla_backend_extra_options' not in flags:
-    if _jax_backends_exist():
+    if jax_backends_exist():
       _mof_too_late = True
       logging.info('JAX was initialized before megatrain_jax was imported: XLA:CPU multi-output '
                    'fusion stays off (import megatrain_jax first for the one-pass host AdamW)')

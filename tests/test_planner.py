@@ -449,6 +449,31 @@ def test_importing_megatrain_jax_raises_the_pinned_limit_unless_set(preset):
   assert out.split() == ([preset, 'True'] if preset else [str(ram_gib), 'False'])
 
 
+def test_a_gpu_client_made_before_the_import_is_planned_with_xlas_defaults(monkeypatch, capsys):
+  """A notebook that ran JAX on the GPU before importing megatrain_jax: XLA made its client with
+  75% of GPU memory and a 64 GiB pinned cap, but the planner budgeted 90% and the RAM (a plan
+  that then ran out of memory). The package notes that JAX came first (and leaves the variables
+  alone, too late to matter), a GPU process says so, and the planner budgets XLA's defaults."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', 'MEGATRAIN_JAX_PINNED_LIMIT_AUTO',
+                      'XLA_PYTHON_CLIENT_MEM_FRACTION')}
+  out = subprocess.run([sys.executable, '-c', 'import os, jax; jax.devices(); import megatrain_jax;'
+                        ' print(megatrain_jax.JAX_STARTED_FIRST, megatrain_jax.XLA_DEFAULTS_IN_'
+                        'FORCE, os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"))'],
+                       env=env, capture_output=True, text=True, check=True, cwd=REPO_ROOT).stdout
+  assert out.split() == ['True', 'False', 'None']  # on CPU: nothing XLA:GPU reads was in force
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  assert runtime.warn_if_gpu_started_first()
+  assert '75% of GPU memory and a 64 GiB cap' in capsys.readouterr().err
+  monkeypatch.setattr(megatrain_jax, 'XLA_DEFAULTS_IN_FORCE', True)
+  monkeypatch.setattr(megatrain_jax, 'PINNED_LIMIT_FROM_USER', False)
+  monkeypatch.delenv('XLA_PYTHON_CLIENT_MEM_FRACTION', raising=False)
+  hw = hardware.load_profile('h100')
+  budgets = planner.budgets_for(hw, config_lib.load_config('tiny').offload, 100.0)
+  assert budgets['device'] == pytest.approx(0.75 * hw.device_memory_gb * _GB)
+  assert budgets['_pinned'] == 64 * 2**30
+
+
 @pytest.mark.parametrize('overrides, message', [
     (dict(hardware='tpu9000'), "hardware='tpu9000' is neither a preset"),
     (dict(hardware='/no/such/profile.json'), 'no such profile file'),
