@@ -67,16 +67,24 @@ def _layer_tflops(d_model: int, tokens: int) -> float:
 
 
 def _adam_gparams(memory_kind: str, n: int) -> float:
-  """AdamW as the engines' host path runs it (optim.apply_adamw: one pass over p, g, m, v where
-  XLA fuses it), jitted with donated state, on `n` float32 params in `memory_kind` memory."""
+  """AdamW as the engines run it, jitted with donated state, on `n` float32 params: on the device
+  (optim.apply_adamw: one pass over p, g, m, v where XLA fuses it), or of pinned-host trees on the
+  host CPU (`memory_kind` 'pinned_host': optim.host_adamw, the engine's host update, its outputs
+  pinned). The state is made on the device and moved: optax's init of pinned-host params made
+  device buffers under a pinned-host sharding, which JAX refuses."""
   tx = optim.make_optimizer(types.SimpleNamespace(lr=1e-3, warmup_steps=1, steps=1000,
                                                   min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
                                                   weight_decay=0.1))
+  params = {'kernel': jnp.ones((n,), jnp.float32)}  # a decayed leaf
+  grads = {'kernel': jnp.full((n,), 1e-3, jnp.float32)}
   sharding = layout_lib.Layout.single_device().sharding(memory_kind)
-  params = {'kernel': jax.device_put(jnp.ones((n,), jnp.float32), sharding)}  # a decayed leaf
-  grads = {'kernel': jax.device_put(jnp.full((n,), 1e-3, jnp.float32), sharding)}
-  state = [params, tx.init(params)]
-  update = jax.jit(lambda p, s, g: optim.apply_adamw(tx, g, s, p), donate_argnums=(0, 1))
+  state = jax.device_put([params, tx.init(params)], sharding)
+  grads = jax.device_put(grads, sharding)
+  if memory_kind == 'device':
+    update = jax.jit(lambda p, s, g: optim.apply_adamw(tx, g, s, p), donate_argnums=(0, 1))
+  else:
+    update = jax.jit(lambda p, s, g: optim.host_adamw(tx, g, s, p), donate_argnums=(0, 1),
+                     out_shardings=jax.tree.map(lambda _: sharding, tuple(state)))
 
   def run():
     state[0], state[1] = update(state[0], state[1], grads)

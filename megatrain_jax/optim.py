@@ -8,6 +8,7 @@ hence identical numbers), then `tx.update` on whatever slice of the tree they ho
 """
 
 import functools
+import inspect
 import math
 import weakref
 from typing import NamedTuple
@@ -15,6 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental import compute_on as compute_on_lib
 
 from megatrain_jax import runtime
 
@@ -137,6 +139,30 @@ def initial_state_is_zero(tx: optax.GradientTransformation) -> bool:
   """Whether `tx.init` gives all zeros (step counts, m and v): a `make_optimizer` AdamW. What a
   store may register instead of writing (tiers/nvme.py); other transformations are not assumed."""
   return tx.update in _HYPERPARAMS
+
+
+def on_host(fn):
+  """`fn` run on the host CPU, its outputs in host memory (jax.experimental.compute_on).
+
+  jax 0.10 has a context manager (also a decorator) that takes the compute type positionally;
+  0.11.2 (the lent GPU machines' image) has only a decorator, with keyword-only `compute_type`
+  and a required `out_memory_spaces` (one value for every output here)."""
+  parameters = inspect.signature(compute_on_lib.compute_on).parameters
+  if 'compute_type' not in parameters:
+    return compute_on_lib.compute_on('device_host')(fn)
+  kwargs = {'compute_type': 'device_host'}
+  if 'out_memory_spaces' in parameters:
+    kwargs['out_memory_spaces'] = jax.memory.Space.Host
+  return compute_on_lib.compute_on(**kwargs)(fn)
+
+
+def host_adamw(tx: optax.GradientTransformation, grads, opt_state, params, num_micro: int = 1,
+               scale=None):
+  """`apply_adamw` on the host (`on_host`), of trees in pinned host memory: what the engines'
+  host optimizer runs (engine/functions.StageFunctions.host_update) and --calibrate times,
+  jitted with pinned-host out_shardings."""
+  update = lambda g, s, p, c: apply_adamw(tx, g, s, p, num_micro, c)
+  return on_host(update)(grads, opt_state, params, scale)
 
 
 def apply_adamw(tx: optax.GradientTransformation, grads, opt_state, params, num_micro: int = 1,

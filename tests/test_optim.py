@@ -177,11 +177,10 @@ def test_apply_adamw_matches_optax_under_multi_output_fusion():
 @pytest.mark.parametrize('release', ['0.10', '0.11.2'])
 def test_host_update_asks_compute_on_for_the_host_as_each_jax_release_spells_it(monkeypatch,
                                                                                release):
-  """engine/functions._on_host: jax 0.10's compute_on takes the compute type positionally (a
+  """optim.on_host (the engines' host update, --calibrate's probe): jax 0.10's compute_on takes the compute type positionally (a
   context manager, also a decorator); 0.11.2's, the lent GPU image's, is a decorator with
   keyword-only compute_type and a required out_memory_spaces. CI runs 0.10 only, so 0.11.2's
   signature is stood in for here (the engine tests passed under the real 0.11.2, 2026-12-05)."""
-  from megatrain_jax.engine import functions  # pylint: disable=import-outside-toplevel
   calls = []
   if release == '0.10':
     def compute_on(compute_type):
@@ -192,8 +191,8 @@ def test_host_update_asks_compute_on_for_the_host_as_each_jax_release_spells_it(
       del f, compiler_options
       calls.append((compute_type, out_memory_spaces))
       return lambda fn: fn
-  monkeypatch.setattr(functions.compute_on_lib, 'compute_on', compute_on)
-  assert functions._on_host(lambda x: x + 1)(1) == 2  # pylint: disable=protected-access
+  monkeypatch.setattr(optim.compute_on_lib, 'compute_on', compute_on)
+  assert optim.on_host(lambda x: x + 1)(1) == 2
   want = ('device_host',) if release == '0.10' else ('device_host', jax.memory.Space.Host)
   assert calls == [want]
 
@@ -257,3 +256,12 @@ def test_a_run_that_ends_inside_its_warmup_is_told():
                                                       warmup_ratio=0.1),
                 dict(warmup_steps=50, steps=1)):
     assert optim.warmup_note(_train(lr=3e-3, **quiet)) is None
+
+
+def test_calibrate_times_the_host_adamw_the_engines_run():
+  """--calibrate's host AdamW probe (run on accelerators only) made optax's state of pinned-host
+  params, device buffers under a pinned-host sharding: a ValueError before anything was measured
+  (the CPU backend has the same memory kinds, so it shows here). It now times optim.host_adamw on
+  pinned-host trees, as the engines run it."""
+  from megatrain_jax import calibrate  # pylint: disable=import-outside-toplevel
+  assert calibrate._adam_gparams('pinned_host', 1 << 16) > 0  # pylint: disable=protected-access

@@ -19,13 +19,11 @@ whole step), so the same mean over microbatches gives the full batch's masked me
 """
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import compute_on as compute_on_lib
 
 from megatrain_jax import model as model_lib
 from megatrain_jax import optim
@@ -33,21 +31,6 @@ from megatrain_jax.layout import Layout
 from megatrain_jax.model import ModelConfig
 from megatrain_jax.model import decoder
 from megatrain_jax.model import head_chunks
-
-
-def _on_host(fn):
-  """`fn` run on the host CPU, its outputs in host memory (jax.experimental.compute_on).
-
-  jax 0.10 has a context manager (also a decorator) that takes the compute type positionally;
-  0.11.2 (the lent GPU machines' image) has only a decorator, with keyword-only `compute_type`
-  and a required `out_memory_spaces` (one value for every output here)."""
-  parameters = inspect.signature(compute_on_lib.compute_on).parameters
-  if 'compute_type' not in parameters:
-    return compute_on_lib.compute_on('device_host')(fn)
-  kwargs = {'compute_type': 'device_host'}
-  if 'out_memory_spaces' in parameters:
-    kwargs['out_memory_spaces'] = jax.memory.Space.Host
-  return compute_on_lib.compute_on(**kwargs)(fn)
 
 
 def step_inputs(batch) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
@@ -290,5 +273,4 @@ def _group_backward_from_inputs(cfg, shard_layer, group_params, inputs, dy, posi
 
 def _host_update(tx, grad_sum, opt_state, params, scale, num_micro):
   # adamw_update's arithmetic in one pass over each leaf (optim.apply_adamw), on the host.
-  update = lambda g, s, p, c: optim.apply_adamw(tx, g, s, p, num_micro, c)
-  return _on_host(update)(grad_sum, opt_state, params, scale)
+  return optim.host_adamw(tx, grad_sum, opt_state, params, num_micro, scale)
