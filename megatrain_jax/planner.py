@@ -797,12 +797,13 @@ def measured_baseline_bytes(hw: HardwareProfile) -> float | None:
 
 
 def init_programs(cfg: ModelConfig, p: Placement) -> int:
-  """Programs a fresh init compiles one per piece: the streamed engine's vocabulary chunks (of
-  the embedding, and of the head when untied) and the final norm; none for the resident init
-  (one program for the whole state)."""
+  """Programs a fresh init compiles for its pieces: the streamed engine's vocabulary chunks (of
+  the embedding, and of the head when untied), one per chunk size (their start is traced), and
+  the final norm; none for the resident init (one program for the whole state)."""
   if not p.streamed:
     return 0
-  return len(p.vocab_slices(cfg)) * (1 if cfg.tie_embeddings else 2) + 1
+  sizes = {stop - start for start, stop in p.vocab_slices(cfg)}
+  return len(sizes) * (1 if cfg.tie_embeddings else 2) + 1
 
 
 def runtime_rows(hw: HardwareProfile, baseline_bytes: float | None = None,
@@ -819,7 +820,8 @@ def runtime_rows(hw: HardwareProfile, baseline_bytes: float | None = None,
   else:
     baseline = Row('host', RUNTIME_ROW, baseline_bytes, "measured: this process's RSS at plan time")
   formula = 'hardware profile: programs_host_gb' + (
-      f' + {programs} init programs (one per vocabulary chunk) × {PROGRAM_HOST_BYTES / 1e6:g} MB'
+      f' + {programs} init programs (one per vocabulary chunk size) × '
+      f'{PROGRAM_HOST_BYTES / 1e6:g} MB'
       if programs else '')
   return [baseline, Row('host', PROGRAMS_ROW, hw.programs_host_gb * _GB
                         + programs * PROGRAM_HOST_BYTES, formula)]

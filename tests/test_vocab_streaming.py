@@ -82,6 +82,32 @@ def test_head_logits_never_exist_whole():
   engine.close()
 
 
+def test_a_fresh_init_compiles_one_program_per_vocabulary_chunk_size(monkeypatch):
+  """The streamed engine draws its vocabulary chunks with one program per chunk size, the start
+  traced: a 128k vocabulary in 16 chunks of the embedding and 16 of the head compiled 32 programs
+  (a second each on a GPU, and 5 MB of host memory each: planner.init_programs counts them)."""
+  from megatrain_jax import model as model_lib  # pylint: disable=import-outside-toplevel
+  from megatrain_jax import planner  # pylint: disable=import-outside-toplevel
+  traced = []
+  init_outer_piece = model_lib.init_outer_piece
+
+  def counting(cfg, key, kind, start=0, count=0):
+    traced.append((kind, count))  # once per trace: once per compiled program
+    return init_outer_piece(cfg, key, kind, start, count)
+
+  monkeypatch.setattr(model_lib, 'init_outer_piece', counting)
+  tx, schedule, clip = make_tx(1.0)
+  cfg = dataclasses.replace(CFG, vocab_size=4000)  # 8 chunks of 512 rows, the last of 416
+  placement = Placement(params='host', opt_state='host', embed_head='host', shard_mb=0.0625)
+  engine = StreamedEngine(cfg, tx, schedule, clip, placement, seed=0)
+  assert len(engine.vocab) == 8
+  assert sorted(set(traced)) == sorted(traced)  # no program compiled twice
+  assert sorted(traced) == [('embed', 416), ('embed', 512), ('final_norm', 0), ('head', 416),
+                            ('head', 512)]
+  assert planner.init_programs(cfg, placement) == len(traced)
+  engine.close()
+
+
 def test_embedding_on_nvme_needs_a_writable_offload_dir(tmp_path):
   """offload.embed_head=nvme alone (layers in memory) checks offload.dir like the layer tiers do,
   before anything is written."""
@@ -128,13 +154,20 @@ def test_outer_pieces_drawn_alone_equal_the_whole_init(monkeypatch, tied, block)
                               d_ff=16, max_seq_len=16, tie_embeddings=tied)
   key = jax.random.key(3)
   whole = decoder.init_outer(cfg, key)
+  jitted_whole = jax.jit(decoder.init_outer, static_argnums=0)(cfg, key)
   kinds = ['embed', 'final_norm'] + ([] if tied else ['head'])
   for kind in kinds:
     ranges = [(0, 0)] if kind == 'final_norm' else [(0, 7), (7, 30), (30, 50)]
     for start, stop in ranges:
-      got = decoder.init_outer_piece(cfg, key, kind, start, stop)
+      got = decoder.init_outer_piece(cfg, key, kind, start, stop - start)
       want = partition.piece_of(whole, kind, start, stop)
       jax.tree.map(np.testing.assert_array_equal, got, want)
+      # a traced start (the streamed engine's one program per chunk size) draws the rows of the
+      # jitted whole init (the resident engine's; eager arithmetic may round the last bit apart)
+      traced = jax.jit(decoder.init_outer_piece, static_argnums=(0, 2, 4))(
+          cfg, key, kind, start, stop - start)
+      jax.tree.map(np.testing.assert_array_equal, traced,
+                   partition.piece_of(jitted_whole, kind, start, stop))
   assert float(np.std(whole['embed']['embedding'])) == pytest.approx(cfg.init_std, rel=0.2)
 
 

@@ -237,10 +237,11 @@ class StreamedEngine:
     layers_key = model_lib.param_keys(init_key)[1]
     init_opt = jax.jit(self.tx.init)
     # Vocabulary chunks drawn one at a time (never the whole embedding): see layers.vocab_normal.
-    init_piece = jax.jit(model_lib.init_outer_piece, static_argnums=(0, 2, 3, 4))
+    # The start is traced: one program per chunk size (two at most), not one per chunk.
+    init_piece = jax.jit(model_lib.init_outer_piece, static_argnums=(0, 2, 4))
     for kind in self.kinds[1:]:
       for key, (start, stop) in enumerate(self.kind_slices[kind]):
-        piece = self.layout.conform(init_piece(self.cfg, init_key, kind, start, stop))
+        piece = self.layout.conform(init_piece(self.cfg, init_key, kind, start, stop - start))
         self.stores[kind].params.put(key, piece)
         self._put_initial_opt_state(self.stores[kind].opt_state, key, piece, init_opt)
     init_layers = jax.jit(model_lib.init_layers, static_argnums=(0, 3))

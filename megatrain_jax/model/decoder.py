@@ -101,18 +101,19 @@ def init_outer(cfg: ModelConfig, key) -> dict:
           'head': _pure(layers_lib.Head(cfg, nnx.Rngs(k_head)))}
 
 
-def init_outer_piece(cfg: ModelConfig, key, kind: str, start: int = 0, stop: int = 0) -> dict:
-  """partition.piece_of(init_outer(cfg, key), kind, start, stop) computing only that piece: the
-  vocabulary rows [start, stop) of the embedding ('embed') or of the untied head ('head'), drawn
-  alone (layers.vocab_normal), or the final norm ('final_norm'). Same keys as init_outer."""
+def init_outer_piece(cfg: ModelConfig, key, kind: str, start=0, count: int = 0) -> dict:
+  """partition.piece_of(init_outer(cfg, key), kind, start, start + count) computing only that
+  piece: `count` vocabulary rows from `start` (which may be traced: one program per chunk size)
+  of the embedding ('embed') or of the untied head ('head'), drawn alone (layers.vocab_normal),
+  or the final norm ('final_norm'). Same keys as init_outer."""
   k_embed, _, k_head = param_keys(key)
   if kind == 'embed':
     rows = layers_lib.vocab_normal(nnx.Rngs(k_embed).params(), cfg.init_std, cfg.d_model, start,
-                                   stop, cfg.vocab_size)
+                                   count, cfg.vocab_size)
     return {'embed': {'embedding': rows}}
   if kind == 'head':
     columns = layers_lib.vocab_normal(nnx.Rngs(k_head).params(), cfg.init_std, cfg.d_model,
-                                      start, stop, cfg.vocab_size, head=True)
+                                      start, count, cfg.vocab_size, head=True)
     return {'head': {'lm_head': {'kernel': columns}}}
   if kind == 'final_norm':
     norm = layers_lib.RMSNorm(cfg.d_model, cfg.norm_eps, layers_lib.compute_dtype(cfg))

@@ -347,21 +347,23 @@ class DecoderLayer(nnx.Module):
 VOCAB_INIT_BLOCK = 8192
 
 
-def vocab_normal(key, std: float, d: int, start: int, stop: int, vocab: int, head: bool = False):
-  """Vocabulary rows [start, stop) of a float32 normal(0, std) embedding [vocab, d] ([d, vocab]
-  columns of a head kernel with `head`). A vocabulary of at most VOCAB_INIT_BLOCK rows is drawn
-  at once, exactly as nnx's normal initializer draws the whole matrix; a larger one in blocks of
-  VOCAB_INIT_BLOCK rows, block b from fold_in(key, b). Either way a slice equals the whole
-  matrix's slice, for any split."""
+def vocab_normal(key, std: float, d: int, start, count: int, vocab: int, head: bool = False):
+  """`count` vocabulary rows from `start` of a float32 normal(0, std) embedding [vocab, d] ([d,
+  vocab] columns of a head kernel with `head`). A vocabulary of at most VOCAB_INIT_BLOCK rows is
+  drawn at once, exactly as nnx's normal initializer draws the whole matrix; a larger one in
+  blocks of VOCAB_INIT_BLOCK rows, block b from fold_in(key, b). Either way a slice equals the
+  whole matrix's slice, for any split. `start` may be traced (`count` is static): one program
+  draws every chunk of a size, wherever it starts."""
   block = VOCAB_INIT_BLOCK
   if vocab <= block:
     full = jax.random.normal(key, (d, vocab) if head else (vocab, d), jnp.float32)
     full = full * jnp.float32(std)
-    return full[:, start:stop] if head else full[start:stop]
-  first, last = start // block, -(-stop // block)
-  rows = jnp.concatenate([jax.random.normal(jax.random.fold_in(key, b), (block, d), jnp.float32)
-                          for b in range(first, last)])
-  rows = rows[start - first * block:stop - first * block] * jnp.float32(std)
+    return jax.lax.dynamic_slice_in_dim(full, start, count, axis=1 if head else 0)
+  spanned = -(-count // block) + 1  # the most blocks `count` rows from any start reach
+  first = start // block
+  draw = lambda b: jax.random.normal(jax.random.fold_in(key, b), (block, d), jnp.float32)
+  rows = jax.vmap(draw)(first + jnp.arange(spanned)).reshape(spanned * block, d)
+  rows = jax.lax.dynamic_slice_in_dim(rows, start - first * block, count) * jnp.float32(std)
   return rows.T if head else rows
 
 
@@ -370,7 +372,7 @@ class Embedder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.embedding = nnx.Param(vocab_normal(rngs.params(), cfg.init_std, cfg.d_model, 0,
-                                            cfg.vocab_size, cfg.vocab_size))
+                                            cfg.vocab_size, cfg.vocab_size))  # all rows
     self.dtype = compute_dtype(cfg)
 
   def __call__(self, tokens):  # [B, S] int -> [B, S, D]
