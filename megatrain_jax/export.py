@@ -201,19 +201,21 @@ def export(reader, cfg: ModelConfig, out_dir: Path, *, dtype: str = 'float32',
             f'export was removed. It needs about {fs.human_bytes(export_bytes(cfg, dtype))}: '
             'free space there, or export to a larger disk.') from error
       raise
-    for name in sorted(names, key=lambda name: name == 'config.json'):
+    # Top-level entries (a file, or a directory of tokenizer files), config.json last.
+    for name in sorted({n.split('/')[0] for n in names}, key=lambda n: n == 'config.json'):
       os.rename(staging / name, out_dir / name)
     staging.rmdir()
     fs.fsync(out_dir, directory=True)
   return [out_dir / name for name in names]
 
 
-def special_token_ids(tokenizer: str, eos_token: str = '') -> dict[str, int]:
+def special_token_ids(tokenizer: str, eos_token: str = '') -> dict:
   """config.json's bos_token_id, eos_token_id and pad_token_id: the ids of the tokens the
   tokenizer's tokenizer_config.json names, where it names them, the EOS the run's `eos_token`
-  (data.eos_token: what ended its documents) where set. transformers' generate stops at
-  config.json's eos_token_id where no generation_config.json says otherwise (a source without
-  one exported without them would never stop)."""
+  (data.eos_token: what ended its documents) where set, else those the init.from_hf checkpoint's
+  config.json gave (hf.MODEL_TOKEN_IDS_FILE beside the run's tokenizer copy). transformers'
+  generate stops at config.json's eos_token_id where no generation_config.json says otherwise (a
+  source without one exported without them would never stop)."""
   loaded = data_lib.load_tokenizer(tokenizer)
   names = {**documents.read_tokenizer_config(loaded), **({'eos_token': eos_token} if eos_token
                                                          else {})}
@@ -223,6 +225,9 @@ def special_token_ids(tokenizer: str, eos_token: str = '') -> dict[str, int]:
     token = loaded.token_id(text) if text else None
     if token is not None:
       ids[f'{field}_id'] = int(token)
+  recorded = Path(tokenizer).parent / hf.MODEL_TOKEN_IDS_FILE
+  if recorded.is_file():
+    ids = hf.model_token_ids(json.loads(recorded.read_text())) | ids
   return ids
 
 
@@ -250,7 +255,8 @@ def _write_files(reader, cfg: ModelConfig, out_dir: Path, dtype: str, max_shard_
   (out_dir / 'config.json').write_text(json.dumps(config, indent=2) + '\n')
   written.append('config.json')
   if tokenizer != 'byte':
-    written += [p.name for p in hf.copy_tokenizer(Path(tokenizer), out_dir)]
+    copies = hf.copy_tokenizer(Path(tokenizer), out_dir)
+    written += [str(p.relative_to(out_dir)) for p in copies]
     if chat_template:  # the run's data.chat_template, which transformers prefers to the config's
       shutil.copyfile(chat_template, out_dir / CHAT_TEMPLATE_FILE)
       written += [] if CHAT_TEMPLATE_FILE in written else [CHAT_TEMPLATE_FILE]

@@ -260,7 +260,11 @@ def adopt_tokenizer(config, source, workdir: pathlib.Path):
     config = ml_collections.ConfigDict(config.to_dict())
     config_lib.set_field(config, 'data.tokenizer', str(pathlib.Path(given).expanduser().absolute()))
     return config
-  copies = hf.copy_tokenizer(found, workdir / HF_TOKENIZER_DIR)
+  copies = hf.copy_tokenizer(found, workdir / HF_TOKENIZER_DIR,
+                             run_files=isinstance(source, RunSource))
+  if not isinstance(source, RunSource):  # the ids the checkpoint's config.json gives
+    fs.write_json_atomic(workdir / HF_TOKENIZER_DIR / hf.MODEL_TOKEN_IDS_FILE,
+                         hf.model_token_ids(source.hf_config))
   config = ml_collections.ConfigDict(config.to_dict())
   config_lib.set_field(config, 'data.tokenizer', str(copies[0]))
   return config

@@ -269,6 +269,37 @@ def test_eval_equals_transformers(arch, stride, placement, checkpoints, eval_tex
     assert 'eval/finished' not in history[0] and 'eval/finished' in history[1]
 
 
+def test_an_export_keeps_the_sources_token_ids_and_tokenizer_files(checkpoints, tmp_path):
+  """A checkpoint whose config.json gives the special ids (bos, an EOS list, pad) and whose
+  tokenizer files name none (tokenizer.json alone, as many Llama 3 repositories): its export had
+  no ids, so transformers took Llama's 1 and 2 and generate never stopped at the real EOS. The
+  export falls back to the ids the source gave. The files a slow tokenizer and named chat
+  templates need (tokenizer.model, additional_chat_templates/) come along too, from a run that
+  started from this one as well (init.from_run)."""
+  source = tmp_path / 'llama'
+  shutil.copytree(checkpoints['llama'], source)
+  config_json = json.loads((source / 'config.json').read_text())
+  config_json.update(bos_token_id=5, eos_token_id=[6, 7], pad_token_id=8)
+  (source / 'config.json').write_text(json.dumps(config_json))
+  (source / 'tokenizer.model').write_bytes(b'\x0a\x05sp-model')  # only copied, not read
+  (source / 'additional_chat_templates').mkdir()
+  (source / 'additional_chat_templates' / 'tool_use.jinja').write_text('TOOLS{{ messages }}')
+  workdir, again = tmp_path / 'run', tmp_path / 'again'
+  train.train_and_evaluate(_config(init__from_hf=str(source)), str(workdir))
+  train.train_and_evaluate(_config(init__from_run=str(workdir), train__steps=1,
+                                   checkpoint__every=1), str(again))
+  for run in (workdir, again):
+    out = tmp_path / f'export-{run.name}'
+    train.export_hf(_config(), str(run), str(out))
+    exported = json.loads((out / 'config.json').read_text())
+    assert (exported['bos_token_id'], exported['eos_token_id'], exported['pad_token_id']) == (
+        5, [6, 7], 8)
+    assert transformers.AutoConfig.from_pretrained(out).eos_token_id == [6, 7]
+    for name in ('tokenizer.model', 'additional_chat_templates/tool_use.jinja'):
+      assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    assert not (out / 'model_token_ids.json').exists()  # the run's record, not a model file
+
+
 def test_a_chat_template_of_the_run_trains_and_is_exported(checkpoints, tmp_path):
   """data.chat_template on a base model whose tokenizer has none: its chat records train with it,
   the run keeps a copy (config.json names it; --eval and --sample of the run adopt it), and

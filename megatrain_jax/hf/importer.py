@@ -67,7 +67,32 @@ BYTE_VOCAB = ByteTokenizer().vocab_size  # data.tokenizer='byte', the default
 # Tokenizer files copied with a checkpoint (into a run, and by export); tokenizer.json is the one
 # the data pipeline reads, the others let transformers' AutoTokenizer load the export.
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
-                   'added_tokens.json', 'generation_config.json', CHAT_TEMPLATE_FILE)
+                   'added_tokens.json', 'generation_config.json', CHAT_TEMPLATE_FILE,
+                   # a slow tokenizer's own files (SentencePiece's model, a BPE's vocabulary and
+                   # merges: what llama.cpp's converter and 4.x slow tokenizers read), and the chat
+                   # template as transformers 4.4x saved it
+                   'tokenizer.model', 'vocab.json', 'merges.txt', 'chat_template.json')
+# Directories of tokenizer files copied with them: transformers 5 saves a tokenizer's named chat
+# templates ({'default': ..., 'tool_use': ...}) as additional_chat_templates/<name>.jinja; without
+# them apply_chat_template(chat_template='tool_use') renders the name as a template.
+TOKENIZER_DIRS = ('additional_chat_templates',)
+# A run's record of the special token ids its init.from_hf checkpoint's config.json gave
+# (bos_token_id, eos_token_id: an id or a list, pad_token_id), kept with its tokenizer copy: an
+# export falls back to them where the tokenizer's files name no such token (a Llama 3 repository
+# with tokenizer.json alone), which transformers would otherwise fill with Llama's 1 and 2.
+MODEL_TOKEN_IDS_FILE = 'model_token_ids.json'
+
+
+def model_token_ids(config_json: dict) -> dict:
+  """The bos/eos/pad ids a Hugging Face config.json gives, where they are ids (an eos list of
+  them kept as a list)."""
+  ids = {}
+  for field in ('bos_token_id', 'eos_token_id', 'pad_token_id'):
+    value = config_json.get(field)
+    is_id = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if is_id(value) or (isinstance(value, list) and value and all(map(is_id, value))):
+      ids[field] = value
+  return ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,9 +184,10 @@ def config_from_checkpoint(config: ml_collections.ConfigDict, checkpoint: HfChec
                       str(found) if found else None)
 
 
-def copy_tokenizer(source: Path, dest: Path) -> list[Path]:
-  """Copies the tokenizer files (TOKENIZER_FILES) found beside `source` (a tokenizer.json or a
-  directory holding one) into directory `dest`; returns the copies.
+def copy_tokenizer(source: Path, dest: Path, run_files: bool = False) -> list[Path]:
+  """Copies the tokenizer files (TOKENIZER_FILES, and those in TOKENIZER_DIRS) found beside
+  `source` (a tokenizer.json or a directory holding one) into directory `dest`, with
+  `run_files` a run's own record (MODEL_TOKEN_IDS_FILE) too; returns the copies.
 
   Raises:
     ConfigError: if one found beside `source` is a link out of its directory (other than into
@@ -169,8 +195,12 @@ def copy_tokenizer(source: Path, dest: Path) -> list[Path]:
   """
   source = Path(source)
   directory = source if source.is_dir() else source.parent
+  names = list(TOKENIZER_FILES) + [f'{d}/{f.name}' for d in TOKENIZER_DIRS
+                                   if (directory / d).is_dir()
+                                   for f in sorted((directory / d).iterdir())]
+  names += [MODEL_TOKEN_IDS_FILE] if run_files else []  # another run's record, into this run
   files = []
-  for name in TOKENIZER_FILES:
+  for name in names:
     named = name == TOKENIZER_FILES[0] and source.is_file()  # the file the user chose
     file = source if named else directory / name
     if file.is_file() and not named:
@@ -182,9 +212,10 @@ def copy_tokenizer(source: Path, dest: Path) -> list[Path]:
                           'with the file itself, or remove it.') from e
     if file.is_file():
       files.append((file, dest / name))
-  dest.mkdir(parents=True, exist_ok=True)
   for file, copy in files:
+    copy.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(file, copy)
+  dest.mkdir(parents=True, exist_ok=True)
   return [copy for _, copy in files]
 
 
