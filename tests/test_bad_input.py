@@ -149,6 +149,8 @@ CONFIG_CASES = [
      ['model.sliding_window=-1', 'must be >= 0']),
     ('model.attention_chunk<0', dict(model__attention_chunk=-1),
      ['model.attention_chunk=-1', 'must be >= 0']),
+    ('vocab_size>=2^31', dict(model__vocab_size=10**12),
+     ['model.vocab_size=1,000,000,000,000 is not a vocabulary', 'token ids are int32']),
     # train.*
     ('train.steps<1', dict(train__steps=-1), ['train.steps', 'must be >= 1, got -1']),
     ('train.batch_size=0', dict(train__batch_size=0), ['train.batch_size', 'must be >= 1']),

@@ -588,6 +588,18 @@ BAD_DIRECTORIES = {
     # The byte tokenizer's ids would name other tokens to the model's 320 embedding rows.
     'no tokenizer.json': (lambda p: (p / 'tokenizer.json').unlink(), ConfigError,
                           "has no tokenizer.json, and the model's 320 ids need its own"),
+    # Refused before anything is built per layer (10^9 layers took minutes and gigabytes).
+    'more layers than the weights': (_edit_json('config.json', lambda c: c.update(
+        num_hidden_layers=10**9)), ConfigError, r'num_hidden_layers=1000000000, but the weights '
+                                               r'hold 2 layer\(s\) \(model.layers.0 to 1\)'),
+    # Values of the wrong type are named, not a ValueError's or TypeError's traceback.
+    'a string for a number': (_edit_json('config.json', lambda c: c.update(rms_norm_eps='abc')),
+                              ConfigError, "rms_norm_eps='abc' is not a number"),
+    'a string for rope_theta': (_edit_json('config.json', lambda c: c.update(rope_parameters={
+        **c.get('rope_parameters', {}), 'rope_theta': 'x'}, rope_theta='x')), ConfigError,
+                                'a rope or sliding_window value is not a number'),
+    'architectures not names': (_edit_json('config.json', lambda c: c.update(architectures=[1])),
+                                ConfigError, r'architectures=\[1\] is not a list of names'),
 }
 
 

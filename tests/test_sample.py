@@ -251,6 +251,13 @@ def test_sample_command_samples_as_generation_config_asks(checkpoints, tmp_path,
   config.data.tokenizer = _word_tokenizer(tmp_path / 'bad', {**asks, 'top_p': 1.5})
   with pytest.raises(ConfigError, match=r'generation_config.json has top_p=1.5.*sample.top_p'):
     train.sample(config, str(tmp_path / 'w'))
+  for field, value in (('repetition_penalty', float('nan')), ('top_k', float('inf'))):  # JSON's
+    # NaN and Infinity: a NaN temperature sampled <s><s>... with no error, Infinity was an
+    # OverflowError (the temperature is the command line's here)
+    config.data.tokenizer = _word_tokenizer(tmp_path / field, {**asks, field: value})
+    with pytest.raises(ConfigError, match=rf'generation_config.json has {field}=(nan|inf)'):
+      train.sample(config, str(tmp_path / 'w'))
+  config.data.tokenizer = str(tmp_path / 'bad')  # top_p=1.5, replaced below
   config.sample.top_p = 0.9  # set by the user: the file's value is not read
   train.sample(config, str(tmp_path / 'w'), overrides=['sample.top_p'])
 

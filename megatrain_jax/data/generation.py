@@ -12,6 +12,7 @@ things from it that `--sample` follows too:
 """
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,8 @@ def sampling_defaults(tokenizer: Tokenizer, chosen=()) -> tuple[dict[str, float]
     values['temperature'] = 0.0
   values = {k: v for k, v in values.items() if k not in chosen}
   for field, value in values.items():
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+        value) or value < 0 or (
         field in ('top_p', 'repetition_penalty') and value == 0) or (
             field == 'top_p' and value > 1):
       raise ConfigError(f'--sample: {path} has {field}={value!r}, which transformers would not '

@@ -24,6 +24,7 @@ of the same function.
 import contextlib
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -210,9 +211,16 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
   return hf_config
 
 
+_LAYER_NAME = re.compile(r'model\.layers\.(\d+)\.')  # every family's layer tensors
+
+
 def _architecture(hf_config: dict[str, Any]) -> str:
   """The supported architecture named by config.json; UnsupportedModelError otherwise."""
   archs = hf_config.get('architectures') or []
+  archs = [archs] if isinstance(archs, str) else archs  # one name, not a list of them
+  if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+    raise ConfigError(f'config.json: architectures={archs!r} is not a list of names, e.g. '
+                      '["LlamaForCausalLM"]. Fix config.json (save_pretrained writes a list).')
   if not archs and hf_config.get('model_type') in _MODEL_TYPES:
     archs = [_MODEL_TYPES[hf_config['model_type']]]
   for arch in archs:
@@ -351,8 +359,12 @@ def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
                                 'bias to o_proj too, and only q/k/v biases exist here.')
   shapes = {key: _required(hf_config, key) for key in _REQUIRED_KEYS}
   num_heads = shapes['num_attention_heads']
-  rope = _rope_fields(hf_config)
-  window = _sliding_window(arch, hf_config)
+  try:
+    rope = _rope_fields(hf_config)
+    window = _sliding_window(arch, hf_config)
+  except (TypeError, ValueError, OverflowError) as e:  # a string where a number belongs
+    raise ConfigError(f'config.json does not describe a valid {arch}: a rope or sliding_window '
+                      f'value is not a number ({e}). Fix config.json.') from e
   try:
     return ModelConfig(
         vocab_size=shapes['vocab_size'], d_model=shapes['hidden_size'],
@@ -360,14 +372,24 @@ def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
         num_kv_heads=hf_config.get('num_key_value_heads') or num_heads,
         d_ff=shapes['intermediate_size'], head_dim=hf_config.get('head_dim') or 0,
         max_seq_len=_max_seq_len(shapes['max_position_embeddings'], rope),
-        norm_eps=float(hf_config.get('rms_norm_eps', _DEFAULT_RMS_NORM_EPS)),
+        norm_eps=_number(hf_config, 'rms_norm_eps', _DEFAULT_RMS_NORM_EPS),
         tie_embeddings=bool(hf_config.get('tie_word_embeddings', False)),
-        init_std=float(hf_config.get('initializer_range', _DEFAULT_INIT_STD)),
+        init_std=_number(hf_config, 'initializer_range', _DEFAULT_INIT_STD),
         qkv_bias=arch == 'Qwen2ForCausalLM', qk_norm=arch == 'Qwen3ForCausalLM',
         sliding_window=window, hf_architecture=arch, **rope)
   except ConfigError as e:
     # ModelConfig names its own fields (model.*); say where the bad values came from.
     raise ConfigError(f'config.json does not describe a valid {arch}: {e}') from e
+
+
+def _number(hf_config: dict[str, Any], key: str, default: float) -> float:
+  """config.json's `key` as a float (`default` where absent); a ConfigError naming it where it is
+  no number ("abc", a list: a ValueError's traceback before)."""
+  value = hf_config.get(key, default)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ConfigError(f'config.json: {key}={value!r} is not a number. Fix config.json '
+                      f'(transformers writes it as one, e.g. {default}).')
+  return float(value)
 
 
 def _max_seq_len(max_position_embeddings: int, rope: dict[str, Any]) -> int:
@@ -517,6 +539,19 @@ def _listing(names: Iterable[str]) -> str:
   return f'{shown} ... ({more} more)' if more > 0 else shown
 
 
+def _check_layer_count(directory: Path, hf_config: dict, files: dict[str, Path]) -> None:
+  """config.json's num_hidden_layers against the layers the weight files name (model.layers.<i>.),
+  before anything is built per layer: a config.json claiming 10^9 layers took minutes and
+  gigabytes to refuse (the per-layer tensor map, Qwen2's layer_types)."""
+  layers = hf_config.get('num_hidden_layers')
+  held = {int(m[1]) for m in map(_LAYER_NAME.match, files) if m}
+  if isinstance(layers, int) and not isinstance(layers, bool) and layers > len(held):
+    raise ConfigError(
+        f'{directory}: config.json says num_hidden_layers={layers}, but the weights hold '
+        f'{len(held)} layer(s){f" (model.layers.{min(held)} to {max(held)})" if held else ""}. '
+        'The weights are incomplete or config.json does not belong to them.')
+
+
 def _check_names(directory: Path, cfg: ModelConfig, tensors: list[_Tensor],
                  files: dict[str, Path]) -> None:
   expected = {t.hf_name for t in tensors}
@@ -627,8 +662,9 @@ def inspect_checkpoint(path: str | Path) -> HfCheckpoint:
   """
   directory = Path(path)
   hf_config = read_hf_config(directory)
-  cfg = model_config_from_hf(hf_config)
   files = _weight_files(directory)
+  _check_layer_count(directory, hf_config, files)
+  cfg = model_config_from_hf(hf_config)
   if 'lm_head.weight' not in files and not cfg.tie_embeddings:
     # Some exporters drop a head that equals the embedding without setting tie_word_embeddings.
     cfg = cfg.replace(tie_embeddings=True)

@@ -70,6 +70,10 @@ class ModelConfig:
   def __post_init__(self):
     _check_positive(self, ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads',
                            'd_ff', 'max_seq_len'))
+    if self.vocab_size >= 2**31:  # a config.json's 10^12 ran minutes into the planner first
+      raise ConfigError(f'model.vocab_size={self.vocab_size:,} is not a vocabulary: token ids are '
+                        'int32 (at most 2^31 - 1 of them). Fix the vocab_size you set or that '
+                        "config.json gives.")
     if self.head_dim == 0:
       if self.d_model % self.num_heads:
         raise ConfigError(
