@@ -70,10 +70,7 @@ class ModelConfig:
   def __post_init__(self):
     _check_positive(self, ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads',
                            'd_ff', 'max_seq_len'))
-    if self.vocab_size >= 2**31:  # a config.json's 10^12 ran minutes into the planner first
-      raise ConfigError(f'model.vocab_size={self.vocab_size:,} is not a vocabulary: token ids are '
-                        'int32 (at most 2^31 - 1 of them). Fix the vocab_size you set or that '
-                        "config.json gives.")
+    _check_vocab_size(self.vocab_size)
     if self.head_dim == 0:
       if self.d_model % self.num_heads:
         raise ConfigError(
@@ -278,6 +275,13 @@ def _check_positive(cfg, names):
     value = getattr(cfg, name)
     if not isinstance(value, int) or value <= 0:
       raise ConfigError(f'model.{name}={value!r} must be a positive integer.')
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+  if vocab_size >= 2**31:  # a config.json's 10^12 ran minutes into the planner first
+    raise ConfigError(f'model.vocab_size={vocab_size:,} is not a vocabulary: token ids are int32 '
+                      '(at most 2^31 - 1 of them). Fix the vocab_size you set or that config.json '
+                      'gives.')
 
 
 def _check_vocab_chunk(chunk, vocab_size):
