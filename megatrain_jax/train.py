@@ -202,12 +202,35 @@ def _param_bytes(model_cfg) -> tuple[int, int]:
   return layers, 4 * model_cfg.num_params - layers
 
 
+def _nvme_store_bytes(model_cfg, placement) -> int:
+  """Bytes of the NVMe stores of `placement` (raw FP32)."""
+  layer_bytes, outer_bytes = _param_bytes(model_cfg)
+  return (nvme.nvme_bytes(layer_bytes, placement.params, placement.opt_state)
+          + nvme.nvme_bytes(outer_bytes, placement.embed_head, placement.embed_head))
+
+
+def _nvme_on_checkpoint_disk(config, model_cfg, placement, checkpoints: pathlib.Path) -> int:
+  """Bytes the NVMe stores and the snapshots the kept checkpoints pin will add to the workdir's
+  disk when offload.dir is on it (what check_offload_dir counts there, less what the run holds
+  already), plus the write-behind's files being replaced: the start-up checks each compared their
+  own need with the whole free space, so both passed a disk that held one or the other, and the run
+  died at a later save."""
+  if not placement.uses_nvme:
+    return 0
+  offload_dir = placement.dir or str(checkpoints.parent / 'offload')
+  if not nvme.same_filesystem(offload_dir, checkpoints):
+    return 0
+  keep = planner.kept_checkpoints(config.checkpoint)
+  deleted = _deleted_at_resume(config, checkpoints)
+  held = nvme.held_by_run(offload_dir, checkpoints, keep, deleted)
+  return max(0, int(_nvme_store_bytes(model_cfg, placement) * (1 + keep)
+                    + placement.write_budget_bytes(model_cfg)) - held)
+
+
 def _check_offload_dir(config, model_cfg, workdir: pathlib.Path, placement) -> None:
   """offload.dir is writable and holds the NVMe stores plus what kept checkpoints pin."""
-  layer_bytes, outer_bytes = _param_bytes(model_cfg)
   offload_dir = placement.dir or str(workdir / 'offload')
-  needed = (nvme.nvme_bytes(layer_bytes, placement.params, placement.opt_state)
-            + nvme.nvme_bytes(outer_bytes, placement.embed_head, placement.embed_head))
+  needed = _nvme_store_bytes(model_cfg, placement)
   nvme.check_offload_dir(offload_dir, needed,
                          checkpoint_dir=workdir / 'checkpoints',
                          keep=planner.kept_checkpoints(config.checkpoint),
@@ -320,7 +343,9 @@ def _check_checkpoint_room(config, model_cfg, placement, checkpointer: Checkpoin
     steps = step + 1 if config.train.epochs else config.train.steps
   one, keep = _checkpoint_bytes(model_cfg, placement), config.checkpoint.keep
   count, needed, freed = _checkpoints_peak(config, one, checkpointer, step, steps, keep)
-  disk_free = shutil.disk_usage(fs.nearest_existing(checkpointer.directory)).free
+  stores = _nvme_on_checkpoint_disk(config, model_cfg, placement,
+                                    pathlib.Path(checkpointer.directory))
+  disk_free = shutil.disk_usage(fs.nearest_existing(checkpointer.directory)).free - stores
   if disk_free + freed >= needed:
     return
   _, needed_1, freed_1 = _checkpoints_peak(config, one, checkpointer, step, steps, 1)
@@ -329,6 +354,8 @@ def _check_checkpoint_room(config, model_cfg, placement, checkpointer: Checkpoin
            else '')
   also = ' with the older checkpoints deleted' if freed else ''
   also += ', the prepared data written' if prepared else ''
+  also += (f', the NVMe stores and their snapshots ({fs.human_bytes(stores)} more) on the same '
+           'disk' if stores else '')
   many = (f'{count} at once, {fs.human_bytes(one)} each: checkpoint.keep={keep} kept, and the '
           'next written before the oldest is deleted' if count > 1 else
           f'one checkpoint of {fs.human_bytes(one)}')

@@ -620,6 +620,33 @@ def test_the_start_up_check_counts_every_checkpoint_kept_and_the_data(tmp_path, 
 
 
 @AS_ROOT
+def test_the_stores_and_the_checkpoints_on_one_disk_are_counted_together(tmp_path, data):
+  """offload.dir on the workdir's disk: the NVMe stores with their checkpoint snapshots, and the
+  checkpoints' own arrays, were each checked against the whole free space, so a disk that held
+  either passed both checks (a 135 MB disk for the tiny config with keep=3 died at its step-7
+  save, 157 MB used at the peak). The sum is checked at the start now, naming the stores' share:
+  here the stores twice and one checkpoint's arrays are free, where keep=1 needs two of those."""
+  nvme_only = dict(NVME, offload__activations='device', offload__embed_head='device',
+                   offload__optimizer_on='device', checkpoint__keep=1, checkpoint__every=2,
+                   data__cache_dir=str(tmp_path / 'data'))
+  hw, plan = train.plan_for(config(data, **nvme_only), tmp_path / 'sized', dry_run=True)
+  model_cfg = config_lib.validate(config(data))
+  stores = train._nvme_store_bytes(model_cfg, plan.placement)
+  one = train._checkpoint_bytes(model_cfg, plan.placement)
+  assert 2 * stores + one >= 2 * one  # the checkpoints' room alone passes (keep + the next)
+  with tmpfs((3 * stores + 4 * one) / 2**20) as disk:
+    ballast = fill(disk, leave_bytes=2 * stores + one)  # the stores twice, one checkpoint's arrays
+    nvme.check_offload_dir(str(disk / 'run' / 'offload'), stores, disk / 'run' / 'checkpoints',
+                           keep=1)  # passes alone, as the checkpoints' room alone would
+    with pytest.raises(ConfigError, match=r'checkpoint: the checkpoints of this run need .* the '
+                                          r'NVMe stores and their snapshots \(.* more\) on the '
+                                          'same disk'):
+      train.train_and_evaluate(config(data, **nvme_only), str(disk / 'run'))
+    assert not (disk / 'run' / 'checkpoints').exists()
+    ballast.unlink()
+
+
+@AS_ROOT
 def test_a_full_disk_outside_checkpoints_is_one_error(tmp_path, data):
   """The workdir's disk full as a run resumes (its lock's holder line), or data.cache_dir's as
   the data is prepared: DiskFullError naming the directory and the rerun, not an OSError's
