@@ -92,6 +92,15 @@ def inside(directory: pathlib.Path, name: str) -> pathlib.Path:
   return path
 
 
+def inside_or_refuse(directory: pathlib.Path, name: str, message: str) -> pathlib.Path:
+  """`inside`, a name outside refused with a ConfigError: `message`, its '{reason}' the why (a
+  replace, not str.format: the paths in the message may hold braces)."""
+  try:
+    return inside(directory, name)
+  except ValueError as e:
+    raise ConfigError(message.replace('{reason}', str(e))) from e
+
+
 def fsync(path: pathlib.Path, directory: bool = False) -> None:
   """Makes a file's data (or, for a directory, its renames and unlinks) durable."""
   fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))

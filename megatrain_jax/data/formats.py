@@ -239,12 +239,9 @@ def _saved_dataset_files(path: Path, field: str) -> list[Path] | None:
   except (OSError, ValueError, KeyError, TypeError):
     names = sorted(p.name for p in path.glob('*.arrow'))
   for name in names:
-    try:
-      fs.inside(path, name)
-    except ValueError as e:
-      raise ConfigError(f'{field}: {path}/state.json lists a file outside {path} ({e}), and a '
-                        'saved dataset holds its own files only; save the dataset again '
-                        '(save_to_disk) or copy it whole.') from e
+    fs.inside_or_refuse(path, name, f'{field}: {path}/state.json lists a file outside {path} '
+                        '({reason}), and a saved dataset holds its own files only; save the '
+                        'dataset again (save_to_disk) or copy it whole.')
   missing = [n for n in names if not (path / n).is_file()]
   if missing:
     raise ConfigError(f'{field}: {path}/state.json lists {", ".join(missing)}, which is not '

@@ -524,12 +524,9 @@ def _weight_files(directory: Path) -> dict[str, Path]:
 
 def _inside(directory: Path, name: str, source: Path) -> Path:
   """`directory / name` (fs.inside), a name `source` gives; a file elsewhere is refused."""
-  try:
-    return fs.inside(directory, name)
-  except ValueError as e:
-    raise ConfigError(f'{source} names a weights file outside {directory} ({e}): a checkpoint '
-                      'reads its own files only. Copy the file into the directory, or copy the '
-                      'complete checkpoint again.') from e
+  return fs.inside_or_refuse(directory, name, f'{source} names a weights file outside {directory} '
+                             '({reason}): a checkpoint reads its own files only. Copy the file '
+                             'into the directory, or copy the complete checkpoint again.')
 
 
 def _listing(names: Iterable[str]) -> str:

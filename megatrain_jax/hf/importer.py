@@ -204,12 +204,9 @@ def copy_tokenizer(source: Path, dest: Path, run_files: bool = False) -> list[Pa
     named = name == TOKENIZER_FILES[0] and source.is_file()  # the file the user chose
     file = source if named else directory / name
     if file.is_file() and not named:
-      try:
-        fs.inside(directory, name)
-      except ValueError as e:
-        raise ConfigError(f'{file}: {e}; tokenizer files are copied into the run and its '
-                          'exports, so a link out of the directory is not followed: replace it '
-                          'with the file itself, or remove it.') from e
+      fs.inside_or_refuse(directory, name, f'{file}: {{reason}}; tokenizer files are copied into '
+                          'the run and its exports, so a link out of the directory is not '
+                          'followed: replace it with the file itself, or remove it.')
     if file.is_file():
       files.append((file, dest / name))
   for file, copy in files:
