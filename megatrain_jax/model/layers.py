@@ -359,8 +359,11 @@ def vocab_normal(key, std: float, d: int, start, count: int, vocab: int, head: b
     full = jax.random.normal(key, (d, vocab) if head else (vocab, d), jnp.float32)
     full = full * jnp.float32(std)
     return jax.lax.dynamic_slice_in_dim(full, start, count, axis=1 if head else 0)
-  spanned = -(-count // block) + 1  # the most blocks `count` rows from any start reach
   first = start // block
+  if isinstance(start, int):  # the blocks these rows reach
+    spanned = -(-(start + count) // block) - first
+  else:  # traced: the most blocks `count` rows from any start reach
+    spanned = -(-count // block) + 1
   draw = lambda b: jax.random.normal(jax.random.fold_in(key, b), (block, d), jnp.float32)
   rows = jax.vmap(draw)(first + jnp.arange(spanned)).reshape(spanned * block, d)
   rows = jax.lax.dynamic_slice_in_dim(rows, start - first * block, count) * jnp.float32(std)
