@@ -123,6 +123,8 @@ def test_kept_inputs_rows(k, activations):
   assert kept.pop('group backward working set').bytes == (
       internals + k * hidden * (activations == 'host'))
   assert not_kept.pop('group backward working set').bytes == k * hidden + internals
+  for rows in (kept, not_kept):  # XLA's pinned pool grows from each plan's own pinned rows
+    rows.pop(planner.POOL_ROW, None)
   assert {i: r.bytes for i, r in kept.items()} == {i: r.bytes for i, r in not_kept.items()}
 
 
