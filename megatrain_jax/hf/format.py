@@ -362,6 +362,8 @@ def model_config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
   try:
     rope = _rope_fields(hf_config)
     window = _sliding_window(arch, hf_config)
+  except ConfigError:  # their own refusals (UnsupportedModelError too), as they are
+    raise
   except (TypeError, ValueError, OverflowError) as e:  # a string where a number belongs
     raise ConfigError(f'config.json does not describe a valid {arch}: a rope or sliding_window '
                       f'value is not a number ({e}). Fix config.json.') from e
@@ -659,6 +661,7 @@ def inspect_checkpoint(path: str | Path) -> HfCheckpoint:
   """
   directory = Path(path)
   hf_config = read_hf_config(directory)
+  _architecture(hf_config)  # an unsupported model is named before its files are looked for
   files = _weight_files(directory)
   _check_layer_count(directory, hf_config, files)
   cfg = model_config_from_hf(hf_config)
