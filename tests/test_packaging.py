@@ -127,3 +127,19 @@ def test_gpu_benchmark_runs_without_packages_the_gpu_image_lacks(tmp_path):
   resident_row, streamed_row = rows
   assert abs(streamed_row['loss'] - resident_row['loss']) <= 1e-5 * abs(resident_row['loss'])
   assert streamed_row['io/h2d_gb'] > 0 and streamed_row['step_s'] > 0
+
+
+def test_gpu_benchmark_counts_the_layers_as_the_model_does():
+  """bench/gpu_host_tier.py counts the layer parameters itself (importing the package first would
+  set XLA's environment before the script could) for its pinned cap: the same count as
+  ModelConfig for every shape it runs."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  from megatrain_jax.model import ModelConfig  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location('gpu_host_tier',
+                                                REPO_ROOT / 'bench' / 'gpu_host_tier.py')
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  for name, shape in bench.MODELS.items():
+    cfg = ModelConfig(**shape)
+    assert bench.layer_params(shape) == cfg.num_layers * cfg.params_per_layer, name
+  assert bench.pinned_limit_gib(['7b']) == 81  # 72.4 GiB of layer params and Adam m, v + 10%
