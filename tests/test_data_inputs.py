@@ -28,7 +28,7 @@ from megatrain_jax.data import shards as shards_module
 from megatrain_jax.errors import ConfigError
 
 from helpers import QWEN3_TEMPLATE_HEAD
-from test_data_formats import (EOS, _data_config, _prepared_chat, _stream, _tokenizer_with,
+from test_data_formats import (CONVERSATION, EOS, _data_config, _prepared_chat, _stream, _tokenizer_with,
                                _tool_chat_tokenizer, _write_jsonl, documents,
                                tokenizer_dir)  # noqa: F401  (fixtures)
 
@@ -424,6 +424,56 @@ def test_a_template_that_drops_earlier_turns_thinking_learns_what_transformers_m
   assert tok.decode(tokens[mask == 1]) == (
       'Paris.<|im_end|>\nRome.<|im_end|>\n<think>\nSpain: Madrid.\n</think>\n\nMadrid 😀'
       '<|im_end|>\n' + EOS)
+
+
+# Mistral-7B-Instruct-v0.3's chat template as its tokenizer_config.json has it, without the tool
+# branches: the system message goes into the last user turn only (GEN_* mark the reply for
+# transformers' return_assistant_tokens_mask).
+MISTRAL_V03_THINKING = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}"
+    "{%- endif %}{{- bos_token }}{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}{%- if loop.last and system_message is defined %}"
+    "{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "GEN_OPEN{{- ' ' + message['content']|trim + eos_token }}GEN_CLOSE"
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported!') }}"
+    "{%- endif %}{%- endfor %}")
+
+
+def test_a_template_that_writes_the_system_message_into_the_last_turn_only(tmp_path,
+                                                                         tokenizer_dir, caplog):
+  """Mistral v0.3's template writes the system message into the last user turn only, so a
+  conversation cut before a reply renders otherwise than the whole (which ends with a reply, and
+  so holds no system message): such records were refused, any with a system message. Each
+  reply is found after the message before it, token for token the mask transformers'
+  apply_chat_template(return_assistant_tokens_mask=True) gives with the `{% generation %}`
+  version, and prepare warns that the system message is left out."""
+  import transformers  # pylint: disable=import-outside-toplevel  (a dev dependency)
+  template = MISTRAL_V03_THINKING.replace('GEN_OPEN', '').replace('GEN_CLOSE', '')
+  marked = MISTRAL_V03_THINKING.replace('GEN_OPEN', '{% generation %}').replace(
+      'GEN_CLOSE', '{% endgeneration %}')
+  tok = _tokenizer_with(tmp_path / 'v03', tokenizer_dir, {
+      'eos_token': EOS, 'bos_token': '<s>', 'add_bos_token': True, 'chat_template': template})
+  hf_tok = transformers.PreTrainedTokenizerFast(
+      tokenizer_file=str(tokenizer_dir / 'tokenizer.json'), eos_token=EOS, bos_token='<s>',
+      chat_template=marked)
+  conversations = [CONVERSATION, CONVERSATION[:3], CONVERSATION[1:]]
+  for n, messages in enumerate(conversations):
+    caplog.clear()
+    with caplog.at_level('WARNING'):
+      tokens, mask = _prepared_chat(tmp_path, tok, {'messages': messages}, name=f'c{n}')
+    assert any('Mistral v0.3' in r.getMessage() for r in caplog.records)
+    theirs = hf_tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    assert tokens.tolist() == theirs['input_ids'], n
+    assert mask.tolist() == theirs['assistant_masks'], n
+  assert tok.decode(tokens[mask == 1]) == f' Paris.{EOS} Rome.{EOS}'
+  # A template that keeps the system message in a whole conversation gives no warning.
+  assert not documents_module.drops_system_message(document_format(
+      _tokenizer_with(tmp_path / 'kept', tokenizer_dir, {'eos_token': EOS, 'chat_template':
+                                                         marked.replace('loop.last and ', '')})))
 
 
 # --- untrusted files: memory bounded whatever a file holds --------------------------------------

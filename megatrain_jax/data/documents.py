@@ -591,20 +591,35 @@ def chat_parts(messages: list, fmt: DocumentFormat, learn_from: int = 0,
   for i, message in enumerate(messages):
     if message['role'] != 'assistant' or i < learn_from:
       continue
-    prompt = render(messages[:i], generation_prompt=True)
-    start = len(prompt)
-    end = _turn_end(full, messages, i, start, render, fmt.eos_text)
-    if not (full.startswith(prompt) and done <= start <= end <= len(full)):
+    start = _turn_start(full, messages, i, render)
+    end = _turn_end(full, messages, i, start, render, fmt.eos_text) if start >= done else -1
+    if not done <= start <= end <= len(full):
       raise BadRecord('the chat template does not render conversations prefix by prefix, so '
-                      'the assistant turns cannot be located (Mistral v0.3\'s, for one, writes '
-                      'the system message into the last user turn only): set data.chat_template '
-                      'to a template that renders each turn alike whatever follows it')
+                      'the assistant turns cannot be located: set data.chat_template to a '
+                      'template that renders each turn alike whatever follows it')
     parts += [(full[done:start], False), (full[start:end], True)]
     done = end
   parts.append((full[done:], False))
   if fmt.refuse_nul and '\0' in full:
     raise BadRecord('the conversation holds a NUL character, which the byte tokenizer uses as EOS')
   return _without_template_eos([(text, learned) for text, learned in parts if text], fmt)
+
+
+def drops_system_message(fmt: DocumentFormat) -> bool:
+  """Whether `fmt`'s chat template leaves a system message out of a conversation it renders
+  whole but writes it into a prompt (Mistral v0.3's writes it into the last user turn only, so
+  never into a conversation that ends with a reply): such conversations are learned without
+  it, as transformers' apply_chat_template renders them (prepare warns)."""
+  if fmt.chat_template is None:
+    return False
+  system = {'role': 'system', 'content': '\ue000megatrain:system\ue000'}
+  probe = [system, {'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'}]
+  try:
+    whole = _render(probe, fmt, generation_prompt=False)
+    prompt = _render(probe[:2], fmt, generation_prompt=True)
+  except BadRecord:  # a template without a system role (it raises on one)
+    return False
+  return system['content'] in prompt and system['content'] not in whole
 
 
 def _without_template_eos(parts: Parts, fmt: DocumentFormat) -> Parts:
@@ -633,6 +648,41 @@ def _adds_bos(ids: Sequence[int], fmt: DocumentFormat) -> bool:
   whole: a Metaspace tokenizer gives the text after a BOS no '▁' of its own, as transformers
   does; the rendering without its BOS, tokenized alone, got one)."""
   return fmt.bos is not None and not (len(ids) and ids[0] == fmt.bos)
+
+
+def _turn_start(full: str, messages: list, i: int, render) -> int:
+  """Where assistant turn `i` starts in `full`, the whole conversation's rendering: the end of
+  the conversation before it rendered with the generation prompt. Usually that rendering is a
+  prefix of `full`; but a template may render the turns before a reply otherwise once later
+  ones follow (Mistral v0.3's writes the system message into the last user turn only), and then
+  the turn starts where the message before it ends in `full` (found by a mark after its
+  content), after what the generation prompt writes after that message ('[/INST]'): the reply
+  is learned in the context `full` gives it, the tokens transformers' apply_chat_template gives
+  the conversation. -1 where neither locates it (chat_parts refuses the record)."""
+  prompt = render(messages[:i], generation_prompt=True)
+  if full.startswith(prompt):
+    return len(prompt)
+  if i == 0:
+    return -1
+  marked = _with_mark(messages, i - 1)
+  if marked is None:
+    return -1
+  whole = render(marked + list(messages[i:]), generation_prompt=False)
+  cut = render(marked, generation_prompt=True)
+  if whole.count(_CONTENT_END) != 1 or whole.replace(_CONTENT_END, '') != full:
+    return -1
+  at = whole.index(_CONTENT_END)  # in `full` too: the mark is the only difference
+  opener = cut[cut.rfind(_CONTENT_END) + len(_CONTENT_END):]  # what opens the reply
+  return at + len(opener) if _CONTENT_END in cut and full.startswith(opener, at) else -1
+
+
+def _with_mark(messages: list, i: int) -> list | None:
+  """`messages` up to and with message `i`, its content ended with _CONTENT_END; None where it
+  has no text content (tool calls)."""
+  content = messages[i].get('content')
+  if not isinstance(content, str):
+    return None
+  return [*messages[:i], {**messages[i], 'content': content + _CONTENT_END}]
 
 
 def _turn_end(full: str, messages: list, i: int, start: int, render, eos_text: str) -> int:
@@ -677,10 +727,9 @@ def _marked_turn_end(full: str, messages: list, i: int, start: int, render) -> i
   ends after the end marker the template writes after the content when the turn is the last.
   None where the mark changes the rendering otherwise (a template that trims the content) or
   the turn has no text content (tool calls)."""
-  content = messages[i].get('content')
-  if not isinstance(content, str):
+  marked = _with_mark(messages, i)
+  if marked is None:
     return None
-  marked = [*messages[:i], {**messages[i], 'content': content + _CONTENT_END}]
   whole = render(marked + list(messages[i + 1:]), generation_prompt=False)
   last = render(marked, generation_prompt=False)
   if (whole.count(_CONTENT_END) != 1 or whole.replace(_CONTENT_END, '') != full or

@@ -41,7 +41,8 @@ from megatrain_jax import fs
 from megatrain_jax import locks
 from megatrain_jax.data import formats, shards
 from megatrain_jax.data.corpus import DEFAULT_CORPUS_NAME, default_corpus_text
-from megatrain_jax.data.documents import LEARNED_RULES_FIELD, DocumentFormat, document_format
+from megatrain_jax.data.documents import (LEARNED_RULES_FIELD, DocumentFormat, document_format,
+                                          drops_system_message)
 from megatrain_jax.data.tokenizer import Tokenizer
 from megatrain_jax.errors import ConfigError
 
@@ -252,6 +253,12 @@ def _plan(out_dir, tokenizer, train_sources, val_sources, val_fraction, doc_form
   if doc_format is None and needs_documents(train_files + val_files):
     doc_format = document_format(tokenizer)
   text_documents = doc_format is not None and doc_format.text_documents
+  if doc_format is not None and drops_system_message(doc_format):
+    _LOG.warning('prepare: the chat template writes a system message into a prompt but leaves '
+                 'it out of a whole conversation (it writes it into the last user turn only, '
+                 'as Mistral v0.3\'s does), so conversations with one are learned without it, '
+                 'as transformers\' apply_chat_template renders them; set data.chat_template '
+                 'to a template that keeps it to learn with it')
   formats.check_directories(train_sources, text_documents, 'data.path')
   formats.check_directories(val_sources, text_documents, 'data.val_path')
   check_sources(train_files, doc_format, 'data.path')
