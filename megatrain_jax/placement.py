@@ -86,6 +86,16 @@ class Placement:
     """Weights per band of a host-optimizer update (engine/updates.py)."""
     return int(min(self.shard_mb, UPDATE_BAND_MB) * 2**20)
 
+  def staged_reads_bytes(self, model_cfg: ModelConfig) -> int:
+    """NVMe reads on their way to the device at once, each a `device_put` of numpy that XLA's GPU
+    client copies into its pinned pool first (planner.pinned_pool_rows): prefetch_depth + 1
+    groups of the disk-resident weights and, with the optimizer on the device, of their Adam
+    state (the host optimizer reads that into pinned host memory: a row of its own)."""
+    per_param = 4 * (self.params == 'nvme') + 8 * (self.opt_state == 'nvme' and
+                                                    self.optimizer_on == 'device')
+    return ((self.prefetch_depth + 1) * per_param * self.layers_per_group *
+            model_cfg.params_per_layer if self.streamed else 0)
+
   def staging_bytes(self, model_cfg: ModelConfig, groups_in_flight: int) -> int:
     """Host staging of the NVMe pipeline: `groups_in_flight` groups of the disk-resident leaves."""
     return groups_in_flight * self.group_bytes(model_cfg, 'nvme')

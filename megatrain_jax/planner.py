@@ -293,6 +293,7 @@ class Plan:
   flops_per_step: float
   peak_tflops: float  # of all N devices together (CPU devices of one process: of its cores)
   write_behind_bytes: float = 0.0  # NVMe writes queued at most (placement.write_budget_bytes)
+  staged_bytes: float = 0.0  # NVMe reads staged in XLA's pinned pool at once (pinned_pool_rows)
   devices: Devices = Devices()
   collectives: dict = dataclasses.field(default_factory=dict)  # all_gather, reduce_scatter (whole)
 
@@ -685,6 +686,7 @@ class StepShape:
   collectives: dict  # {all-gather, reduce-scatter: bytes per step} (N > 1 devices)
   init_programs: int  # `init_programs`
   write_behind_bytes: float  # Placement.write_budget_bytes (NVMe placements)
+  staged_bytes: float  # per process: NVMe reads staged in the pinned pool (pinned_pool_rows)
 
 
 def step_shape(cfg: ModelConfig, sizes: StateSizes, p: Placement, *, micro: int, batch: int,
@@ -706,7 +708,8 @@ def step_shape(cfg: ModelConfig, sizes: StateSizes, p: Placement, *, micro: int,
       calls=1 if schedule is None else sum(schedule.jitted_calls().values()),
       collectives=collective_bytes(cfg, sizes, p, micro) if n > 1 else {},
       init_programs=init_programs(cfg, p),
-      write_behind_bytes=p.write_budget_bytes(cfg) if p.uses_nvme else 0.0)
+      write_behind_bytes=p.write_budget_bytes(cfg) if p.uses_nvme else 0.0,
+      staged_bytes=p.staged_reads_bytes(cfg) * devices.local / n)  # the local devices' shards
 
 
 def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwareProfile, *,
@@ -768,7 +771,7 @@ def make_plan(cfg: ModelConfig, sizes: StateSizes, p: Placement, hw: HardwarePro
               budgets=budgets, traffic=moved, times=times, step_time_s=step,
               bottleneck=bottleneck, flops_per_step=shape.model_flops, peak_tflops=peak,
               write_behind_bytes=shape.write_behind_bytes, devices=devices,
-              collectives=dict(shape.collectives))
+              collectives=dict(shape.collectives), staged_bytes=shape.staged_bytes)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -833,7 +836,7 @@ def _process_rows(shape: StepShape, hw: HardwareProfile, fresh_init: bool,
   (runtime_rows) and the pinned pool's growth beyond them (pinned_pool_rows)."""
   rows = [r for r in shape.rows if fresh_init or r.item != INIT_ROW]
   rows += runtime_rows(hw, baseline_bytes, shape.init_programs)
-  return rows + pinned_pool_rows(rows, hw)
+  return rows + pinned_pool_rows(rows, hw, shape.staged_bytes)
 
 
 def pinned_pool_bytes(need: float, cap: float) -> float:
@@ -855,21 +858,28 @@ def pinned_bytes(rows: list) -> float:
              and r.item not in (STAGING_ROW, RUNTIME_ROW, PROGRAMS_ROW, POOL_ROW))
 
 
-def pinned_pool_rows(rows: list, hw: HardwareProfile) -> list:
+def pinned_pool_rows(rows: list, hw: HardwareProfile, staged: float = 0.0) -> list:
   """On an accelerator, the [Row] of what XLA's pinned pool holds beyond the pinned rows (the host
   rows but the NVMe staging buffer, numpy, and the process's own), `pinned_pool_bytes` against
   the cap in force: the user's, else this machine's RAM (megatrain_jax/__init__.py). Its regions
-  grow to 125 GiB for 7b's 72 GiB of layer weights and Adam state under a 128 GiB cap."""
+  grow to 125 GiB for 7b's 72 GiB of layer weights and Adam state under a 128 GiB cap.
+
+  The NVMe tier's reads reach the device as `device_put` of numpy (pageable) arrays, which XLA's
+  GPU client copies into a buffer of that pool first (its should_stage_host_to_device_transfers:
+  a DMA needs pinned memory): `staged` bytes (Placement.staged_reads_bytes) are in flight there
+  at once, and the regions they take stay in the pool."""
   if hw.unified_memory:
     return []
   need = pinned_bytes(rows)
   cap = pinned_limit_bytes() or hw.host_memory_gb * 2**30
-  growth = pinned_pool_bytes(need, cap) - need
+  # A cap under the pinned rows and the reads in flight leaves no room: the pinned check refuses.
+  growth = max(pinned_pool_bytes(need + staged, cap), need + staged) - need
   if growth <= 0:
     return []
+  what = 'NVMe reads staged for the device, ' if staged else ''
   return [Row('host', POOL_ROW, growth,
-              f'doubling regions, kept: {PINNED_LIMIT_ENV}=N (GiB) near the pinned rows stops '
-              'them there')]
+              f'{what}doubling regions, kept: {PINNED_LIMIT_ENV}=N (GiB) near the pinned rows '
+              'stops them there')]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1205,10 +1215,13 @@ def refusal_message(cfg: ModelConfig, closest: Plan, devices_that_fit: int | Non
     hints.append(_host_hint(closest, *tiers['host']))
     pool = sum(r.bytes for r in closest.rows if r.item == POOL_ROW)
     if pool:
+      # The NVMe reads staged in the pool need their room under the cap too.
       pinned = pinned_bytes(closest.rows)
-      hints.append(f'set {PINNED_LIMIT_ENV}={math.ceil(pinned * 1.05 / 2**30) + 1} before '
-                   f'starting: XLA\'s pinned pool then stops near the {_gb(pinned)} pinned '
-                   f'rows instead of growing {_gb(pool)} beyond them')
+      staged = closest.staged_bytes
+      hints.append(f'set {PINNED_LIMIT_ENV}={math.ceil((pinned + staged) * 1.05 / 2**30) + 1} '
+                   f'before starting: XLA\'s pinned pool then stops near the {_gb(pinned)} '
+                   f'pinned rows{" and staged NVMe reads" if staged else ""} instead of growing '
+                   f'{_gb(pool)} beyond them')
   if 'nvme' in tiers:
     snapshots = [r.item for r in closest.rows if r.item.startswith('checkpoint snapshots (keep=')]
     keep = (', lower checkpoint.keep (each kept checkpoint pins a copy of the NVMe stores)'

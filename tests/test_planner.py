@@ -4,6 +4,7 @@ and predicted vs measured step time (a loose bound that catches gross errors).""
 
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -364,16 +365,17 @@ def test_explicit_placement_is_kept():
 
 def test_pinned_host_limit_the_user_set_is_budgeted_and_named(monkeypatch):
   """On a GPU, pinned host memory must fit XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB when the user set
-  it: 1 GiB cannot hold even the all-NVMe plan's pinned working set (the host optimizer's bands;
-  2 GiB can since updates run band by band: bands read ahead, the one in AdamW with its outputs
-  and its NVMe inputs' pinned copies; the runtime and the NVMe staging buffer are not pinned),
-  and the refusal says which limit would fit."""
+  it: 1 GiB cannot hold even the all-NVMe plan's pinned working set (the host optimizer's bands,
+  read ahead, the one in AdamW with its outputs and its NVMe inputs' pinned copies, and the
+  weights read from NVMe on their way to the device, which XLA stages in its pinned pool: two
+  4-layer groups, 25.5 GiB; the runtime and the NVMe staging buffer are not pinned); 32 GiB
+  can, and the refusal says which limit would fit."""
   config = config_lib.load_config('101b', hardware='h200')
   hw = hardware.load_profile('h200')
   unlimited = planner.plan_run(config, hw)  # the cap raised to RAM: RAM is the budget
   assert unlimited.fits
   monkeypatch.setattr(megatrain_jax, 'PINNED_LIMIT_FROM_USER', True)
-  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '6')
+  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '32')
   assert planner.plan_run(config, hw).placement.params == 'nvme'
   monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '1')
   with pytest.raises(ConfigError) as e:
@@ -420,6 +422,37 @@ def test_the_pinned_pool_is_counted_as_xla_grows_it(monkeypatch):
   plan = planner.plan_run(config, hw, suggest_presets=False)
   assert plan.fits and sum(r.bytes for r in plan.rows if r.item == planner.POOL_ROW) <= (
       cap * gib - pinned)
+
+
+def test_nvme_reads_staged_in_the_pinned_pool_are_counted(monkeypatch):
+  """The NVMe tier's reads reach the device as device_put of numpy arrays, which XLA's GPU client
+  copies into its pinned pool first (should_stage_host_to_device_transfers): up to the staging
+  buffer's bytes in flight there, never given back. The pool row counts them (it counted the
+  pinned rows only: none for 7b all on NVMe), a cap below the pinned rows and the reads is
+  refused, and the refusal's suggested cap leaves them room."""
+  config = config_lib.load_config('7b', hardware='h100')
+  for field, value in dict(params='nvme', opt_state='nvme', activations='host',
+                           embed_head='device', optimizer_on='device', layers_per_group=1,
+                           park_grads='device').items():
+    setattr(config.offload, field, value)
+  hw = dataclasses.replace(hardware.load_profile('h100'), host_memory_gb=128.0)
+  plan = planner.plan_run(config, hw, suggest_presets=False)
+  pinned = planner.pinned_bytes(plan.rows)
+  staged = plan.staged_bytes  # two one-layer groups of weights and Adam state on their way
+  assert staged == 2 * 12 * ModelConfig.from_config_dict(config.model).params_per_layer
+  pool = sum(r.bytes for r in plan.rows if r.item == planner.POOL_ROW)
+  assert plan.fits and staged > 2**30
+  assert pool == pytest.approx(planner.pinned_pool_bytes(pinned + staged, 128 * 2**30) - pinned)
+  assert pool >= staged
+  gib = 2**30
+  monkeypatch.setattr(megatrain_jax, 'PINNED_LIMIT_FROM_USER', True)
+  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', str(int((pinned + staged / 2) / gib)))
+  with pytest.raises(planner.NoPlacementFits) as refused:
+    planner.plan_run(config, hw, suggest_presets=False)
+  assert planner.PINNED_ROW in refused.value.closest.over_budget()
+  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB',
+                     str(math.ceil((pinned + staged) * 1.05 / gib) + 1))  # the refusal's hint
+  assert planner.plan_run(config, hw, suggest_presets=False).fits
 
 
 def test_device_budget_follows_the_jax_memory_fraction(monkeypatch):
