@@ -30,6 +30,7 @@ image between the rare sessions that get a GPU.
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -101,6 +102,7 @@ def main():
   import numpy as np  # pylint: disable=g-import-not-at-top
   from megatrain_jax import hardware  # pylint: disable=g-import-not-at-top
   from megatrain_jax import optim  # pylint: disable=g-import-not-at-top
+  from megatrain_jax import runtime  # pylint: disable=g-import-not-at-top
   from megatrain_jax.engine import resident  # pylint: disable=g-import-not-at-top
   from megatrain_jax.engine.streamed import StreamedEngine  # pylint: disable=g-import-not-at-top
   from megatrain_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
@@ -155,6 +157,11 @@ def main():
                'steps_s': times, 'warmup_s': warmup,
                'tokens_per_s': tokens / step, 'tflops': tflops,
                'mfu': tflops / peak if peak else None,
+               # Host memory, XLA's pinned pool included (its pages are resident once touched):
+               # what the planner's pool row (planner.pinned_pool_rows) predicts from XLA's source.
+               # The peak is the process's so far (runs go from the smaller model up).
+               'host_rss_gb': (runtime.process_rss_bytes() or 0) / 1e9,
+               'host_peak_gb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
                **{k: float(v) for k, v in last.items() if k.startswith(('io/', 'perf/'))}}
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -127,6 +127,8 @@ def test_gpu_benchmark_runs_without_packages_the_gpu_image_lacks(tmp_path):
   resident_row, streamed_row = rows
   assert abs(streamed_row['loss'] - resident_row['loss']) <= 1e-5 * abs(resident_row['loss'])
   assert streamed_row['io/h2d_gb'] > 0 and streamed_row['step_s'] > 0
+  # The process's host memory (what the plan's pinned pool row predicts on a GPU), measured.
+  assert 0.1 < resident_row['host_rss_gb'] <= streamed_row['host_peak_gb'] < 16
 
 
 def test_gpu_benchmark_counts_the_layers_as_the_model_does():
