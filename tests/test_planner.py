@@ -392,6 +392,17 @@ def test_pinned_host_limit_the_user_set_is_budgeted_and_named(monkeypatch):
     planner.plan_run(config, hw)
 
 
+def _7b_on_128_gib(tier: str):
+  """(config, profile): 7b on an H100 box with 128 GiB of RAM, its layers' weights and Adam state
+  in `tier`, streamed one layer at a time with the optimizer on the device."""
+  config = config_lib.load_config('7b', hardware='h100')
+  for field, value in dict(params=tier, opt_state=tier, activations='host',
+                           embed_head='device', optimizer_on='device', layers_per_group=1,
+                           park_grads='device').items():
+    setattr(config.offload, field, value)
+  return config, dataclasses.replace(hardware.load_profile('h100'), host_memory_gb=128.0)
+
+
 def test_the_pinned_pool_is_counted_as_xla_grows_it(monkeypatch):
   """XLA:GPU's pinned pool grows in regions that double and are never given back, up to
   XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, which the package raises to the RAM: 7b's 72.4 GiB of layer
@@ -402,12 +413,7 @@ def test_the_pinned_pool_is_counted_as_xla_grows_it(monkeypatch):
   assert planner.pinned_pool_bytes(72.4 * gib, 128 * gib) == 128 * gib - 2**21  # 2 MiB ... 64 GiB
   assert planner.pinned_pool_bytes(72.4 * gib, 76 * gib) == 76 * gib  # ... 32 GiB, then the rest
   assert planner.pinned_pool_bytes(60 * gib, 512 * gib) == 64 * gib - 2**21
-  config = config_lib.load_config('7b', hardware='h100')
-  for field, value in dict(params='host', opt_state='host', activations='host',
-                           embed_head='device', optimizer_on='device', layers_per_group=1,
-                           park_grads='device').items():
-    setattr(config.offload, field, value)
-  hw = dataclasses.replace(hardware.load_profile('h100'), host_memory_gb=128.0)
+  config, hw = _7b_on_128_gib(tier='host')
   with pytest.raises(planner.NoPlacementFits) as refused:  # the RAM as the cap: 128 GiB pinned
     planner.plan_run(config, hw, suggest_presets=False)
   closest = refused.value.closest
@@ -426,16 +432,11 @@ def test_the_pinned_pool_is_counted_as_xla_grows_it(monkeypatch):
 
 def test_nvme_reads_staged_in_the_pinned_pool_are_counted(monkeypatch):
   """The NVMe tier's reads reach the device as device_put of numpy arrays, which XLA's GPU client
-  copies into its pinned pool first (should_stage_host_to_device_transfers): up to the staging
-  buffer's bytes in flight there, never given back. The pool row counts them (it counted the
-  pinned rows only: none for 7b all on NVMe), a cap below the pinned rows and the reads is
+  copies into its pinned pool first (should_stage_host_to_device_transfers): the groups in
+  flight there, their regions never given back. The pool row counts them (it counted the pinned
+  rows only: none for 7b's layers all on NVMe), a cap below the pinned rows and the reads is
   refused, and the refusal's suggested cap leaves them room."""
-  config = config_lib.load_config('7b', hardware='h100')
-  for field, value in dict(params='nvme', opt_state='nvme', activations='host',
-                           embed_head='device', optimizer_on='device', layers_per_group=1,
-                           park_grads='device').items():
-    setattr(config.offload, field, value)
-  hw = dataclasses.replace(hardware.load_profile('h100'), host_memory_gb=128.0)
+  config, hw = _7b_on_128_gib(tier='nvme')
   plan = planner.plan_run(config, hw, suggest_presets=False)
   pinned = planner.pinned_bytes(plan.rows)
   staged = plan.staged_bytes  # two one-layer groups of weights and Adam state on their way
