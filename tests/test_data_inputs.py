@@ -676,3 +676,54 @@ def test_a_chat_template_makes_nothing_much_larger_than_its_record(tmp_path, tem
   finally:
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize('template, why', [
+    ("{{ ' '|center(10**8) }}", r"the filter 'center' would make a value of 100,000,000 "),
+    ("{% set big = 'x' * 1000000 %}{{ ([big] * 100)|join }}", r"the filter 'join' would make"),
+    ("{{ ('a\n' * 100000)|indent(1000) }}", r"the filter 'indent' would make"),
+    ("{{ '%100000000s'|format('a') }}", r"the filter 'format' would make"),
+    ("{{ '%100000000s' % 'a' }}", r'% would make'),
+    ("{{ ('a ' * 100000)|wordwrap(1, wrapstring='y' * 1000) }}", r"the filter 'wordwrap' would"),
+    ("{{ ('a' * 100000)|replace('a', 'b' * 1000) }}", r"the filter 'replace' would make"),
+    ("{{ 'a'.center(10**8) }}", r'\.center\(\) would make'),
+    ("{{ '{:>100000000}'.format('a') }}", r'\.format\(\) would make'),
+    ("{% set big = 'x' * 1000000 %}{{ [big] * 100 }}", r'\{\{ \.\.\. \}\} would make'),
+    ("{% set big = 'x' * 1000000 %}{{ (big ~ big)|length }}", r'~ would make'),
+    ("{% macro m() %}{% for i in range(1000) %}{{ messages[0]['content'] }}{% endfor %}"
+     '{% endmacro %}{{ m()|length }}', r'a macro or block would make')],
+                         ids=['center', 'join', 'indent', 'format', 'percent', 'wordwrap',
+                              'replace', 'str-method', 'str-format', 'output', 'tilde', 'macro'])
+def test_a_chat_templates_filters_methods_and_joins_make_nothing_much_larger(tmp_path, template,
+                                                                              why):
+  """Filters, str methods, `%`, `~` and macro bodies are bounded as +, * and ranges are: each
+  of these made its value whole (10**10 characters: 10 GB and more) before the output's check
+  saw it. Now the value's size is known from the arguments first, and the record is a bad
+  record, named, with nothing made."""
+  path = tmp_path / 'chat_template.jinja'
+  path.write_text(template)
+  fmt = document_format(ByteTokenizer(), chat_template=str(path))
+  record = {'messages': [{'role': 'user', 'content': 'x' * 20000},
+                         {'role': 'assistant', 'content': 'ok'}]}
+  with pytest.raises(documents_module.BadRecord, match='chat template: ' + why):
+    documents_module.record_parts(record, fmt)
+
+
+def test_a_chat_templates_bounded_filters_render_as_jinja2_renders_them(tmp_path):
+  """Within the bounds the filters, methods and joins give what jinja2's own sandbox gives."""
+  import jinja2.sandbox  # pylint: disable=import-outside-toplevel
+  template = ("{% for m in messages %}{{ m['role']|center(12) }}{{ m['content']|indent(2) }}"
+              "{{ '%s:%5d' % (m['role'], loop.index) }}{{ [m['role'], m.content]|join(', ') }}"
+              "{{ m|tojson(indent=2) }}{{ m.content|replace('o', '0')|wordwrap(3) }}"
+              "{{ '{:>8}'.format(m.role) ~ m.role.ljust(10) }}{{ m.content|format }}"
+              '{% endfor %}')
+  path = tmp_path / 'chat_template.jinja'
+  path.write_text(template)
+  fmt = document_format(ByteTokenizer(), chat_template=str(path))
+  messages = [{'role': 'user', 'content': 'hello there\nhow are you'},
+              {'role': 'assistant', 'content': 'fine, thanks'}]
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+  env.filters['tojson'] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+  expected = env.from_string(template).render(messages=messages)  # transformers' tojson
+  parts = documents_module.record_parts({'messages': messages}, fmt)
+  assert ''.join(text for text, _ in parts) == expected
