@@ -27,6 +27,23 @@ def human_bytes(n: float) -> str:
   return f'{n / 1e9:,.2f} GB' if n >= 1e9 else f'{n / 1e6:,.2f} MB'
 
 
+def read_at_most(path, limit: int, field: str, fix: str, stream=None) -> bytes:
+  """The bytes of file `path` (or of `stream`: its decompressed bytes), refused where there are
+  more than `limit` (ConfigError naming `field`, the file, its size, the limit and `fix`), with
+  no more than `limit` read: a file another party gave is not read whole into memory."""
+  path = pathlib.Path(path)
+  if stream is None:
+    with open(path, 'rb') as f:
+      return read_at_most(path, limit, field, fix, f)
+  data = stream.read(limit + 1)
+  if len(data) > limit:
+    size = path.stat().st_size
+    grown = ' (more decompressed)' if size <= limit else ''
+    raise ConfigError(f'{field}: {path} is {size:,} bytes{grown}, more than the {limit:,} '
+                      f'read at most; {fix}.')
+  return data
+
+
 def nearest_existing(path: pathlib.Path) -> pathlib.Path:
   """`path` or its closest existing ancestor: what a later mkdir would create inside."""
   while not path.exists():

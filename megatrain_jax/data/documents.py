@@ -52,6 +52,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from megatrain_jax import fs
 from megatrain_jax.data.tokenizer import ByteTokenizer, Tokenizer, encode_batch
 from megatrain_jax.errors import ConfigError
 
@@ -152,6 +153,10 @@ def token_text(value: Any) -> str | None:
   return value if isinstance(value, str) and value else None
 
 
+# The largest tokenizer_config.json read (read whole; the largest known are a few MB).
+MAX_TOKENIZER_CONFIG_BYTES = 64 << 20
+
+
 def read_tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
   """The tokenizer_config.json beside the tokenizer's tokenizer.json ({} if none)."""
   path = getattr(tokenizer, 'path', None)
@@ -161,7 +166,12 @@ def read_tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
   if not config_path.is_file():
     return {}
   try:
-    config = json.loads(config_path.read_text(encoding='utf-8'))
+    config = json.loads(fs.read_at_most(
+        config_path, MAX_TOKENIZER_CONFIG_BYTES, 'data.tokenizer',
+        f'a {_TOKENIZER_CONFIG} is KB to a few MB: replace it with the model\'s own'
+    ).decode('utf-8'))
+  except ConfigError:
+    raise
   except (OSError, ValueError) as e:
     raise ConfigError(f'data.tokenizer: {config_path} is not valid JSON ({e}); fix or remove '
                       'it.') from e

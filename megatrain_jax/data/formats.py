@@ -64,6 +64,8 @@ _PARQUET_BATCH_ROWS = 4096
 _MAX_RECORD_CHARS = 256 << 20
 # Bad records quoted in an error or a skip report.
 MAX_BAD_QUOTED = 3
+# The most a sample.prompts file holds (decompressed), read whole: a few prompts are KB.
+MAX_PROMPTS_BYTES = 64 << 20
 
 
 def source_format(path: Path) -> str:
@@ -1073,7 +1075,9 @@ def read_prompts(path: str | Path, prompt_field: str = 'prompt') -> list:
   try:
     with open(path, 'rb') as raw:
       # utf-8-sig: a BOM that starts the file is not part of the first prompt (as in training).
-      lines = open_decompressed(path, raw).read().decode('utf-8-sig').splitlines()
+      lines = fs.read_at_most(path, MAX_PROMPTS_BYTES, field, 'prompts are read whole: give '
+                              'fewer (split the file)', open_decompressed(path, raw)
+                              ).decode('utf-8-sig').splitlines()
   except UnicodeDecodeError as e:
     raise not_utf8_error(path, field, e) from e
   except _STREAM_ERRORS as e:
