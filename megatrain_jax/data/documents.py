@@ -53,7 +53,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from megatrain_jax import fs
-from megatrain_jax.data.tokenizer import ByteTokenizer, Tokenizer, encode_batch
+from megatrain_jax.data.tokenizer import (ByteTokenizer, Tokenizer, encode_batch, encode_text,
+                                          ids_array, is_long, text_cuts)
 from megatrain_jax.errors import ConfigError
 
 MESSAGES_FIELD = 'messages'
@@ -1014,17 +1015,23 @@ def encode_documents(documents: Sequence[Parts], tokenizer: Tokenizer, fmt: Docu
   SentencePiece '▁' before each part, 'Ġ' + 'Paris' for ' Paris')."""
   encoded = _document_ids(documents, tokenizer)
   flat: list[int] = []
+  done: list[np.ndarray] = []  # the tokens before `flat`, where a long document's array cut it
+  before = 0  # how many tokens `done` holds
   ends: list[int] = []
   masks = []
   for ids, learned in encoded:
     bos = _adds_bos(ids, fmt)  # a template's own BOS first is the document's
     if bos:
       flat.append(fmt.bos)
-    flat.extend(ids)
+    if isinstance(ids, np.ndarray):  # a long document's: kept an array (a list is ~10x)
+      done += [np.array(flat, dtype=dtype), ids.astype(dtype)]
+      before, flat = before + len(flat) + len(ids), []
+    else:
+      flat.extend(ids)
     flat.append(fmt.eos)
-    ends.append(len(flat))
+    ends.append(before + len(flat))
     masks.append((int(bos), len(ids), learned))
-  tokens = np.array(flat, dtype=dtype)
+  tokens = np.concatenate([*done, np.array(flat, dtype=dtype)]) if done else np.array(flat, dtype)
   ends = np.array(ends, dtype=np.int64)
   if all(learned is None for _, _, learned in masks):
     return tokens, None, ends
@@ -1038,48 +1045,76 @@ def _document_ids(documents: Sequence[Parts],
                   tokenizer: Tokenizer) -> list[tuple[Sequence[int], np.ndarray | None]]:
   """(ids, learned: uint8 per id, None = all) of each document: a document of one part (text)
   or any document of a tokenizer without offsets (the byte tokenizer: its ids are the bytes,
-  the same whole or in parts) part by part; one of several parts whole (`_joint_ids`)."""
+  the same whole or in parts) part by part; one of several parts whole (`_joint_ids`). A long
+  part (tokenizer.is_long) is encoded in pieces (a 256 MB text whole took ~50 GB), its ids an
+  array."""
   joint = [i for i, parts in enumerate(documents)
            if len(parts) > 1 and hasattr(tokenizer, 'encodings')]
   alone = sorted(set(range(len(documents))) - set(joint))
   out: list = [None] * len(documents)
-  texts = [text for i in alone for text, _ in documents[i]]
-  ids, k = encode_batch(tokenizer, texts), 0
+  short = iter(encode_batch(tokenizer, [text for i in alone for text, _ in documents[i]
+                                        if not is_long(text)]))
   for i in alone:
-    pieces = [(ids[k + j], learned) for j, (_, learned) in enumerate(documents[i])]
-    k += len(documents[i])
+    pieces = [(encode_text(tokenizer, text) if is_long(text) else next(short), learned)
+              for text, learned in documents[i]]
+    ids = _joined([piece for piece, _ in pieces])
     if all(learned for _, learned in pieces):  # text: as the tokenizer gave it, all learned
-      out[i] = (pieces[0][0] if len(pieces) == 1 else
-                [t for piece, _ in pieces for t in piece], None)
+      out[i] = (ids, None)
       continue
-    learned = np.repeat(np.array([int(l) for _, l in pieces], np.uint8),
-                        [len(piece) for piece, _ in pieces])
-    out[i] = ([t for piece, _ in pieces for t in piece], learned)
+    out[i] = (ids, np.repeat(np.array([int(l) for _, l in pieces], np.uint8),
+                             [len(piece) for piece, _ in pieces]))
   if joint:
     for i, encoded in zip(joint, _joint_ids([documents[i] for i in joint], tokenizer)):
       out[i] = encoded
   return out
 
 
-def _joint_ids(documents: Sequence[Parts], tokenizer) -> list[tuple[list[int], np.ndarray]]:
-  """Each document's parts joined and tokenized whole; the tokens that hold characters of a
-  learned part are learned (a token across the join, 'ĠParis' of 'Answer: ' + 'Paris', is the
-  completion's), found from the part's first and last characters (Encoding.char_to_token: a
-  few lookups a part, not every token's offsets, which took ~85 us a document)."""
+def _joined(pieces: list) -> Sequence[int]:
+  """The ids of a document's parts, one after another: an array where one is (a long part's),
+  else as the tokenizer gave them (one part) or a list."""
+  if any(isinstance(piece, np.ndarray) for piece in pieces):
+    return np.concatenate([ids_array(piece) for piece in pieces])
+  return pieces[0] if len(pieces) == 1 else [t for piece in pieces for t in piece]
+
+
+def _joint_ids(documents: Sequence[Parts], tokenizer) -> list[tuple[Sequence[int], np.ndarray]]:
+  """Each document's parts joined and tokenized whole (a long one in the pieces
+  tokenizer.text_cuts gives, whose ids are those of the whole); the tokens that hold characters
+  of a learned part are learned (a token across the join, 'ĠParis' of 'Answer: ' + 'Paris', is
+  the completion's)."""
+  texts = [''.join(text for text, _ in parts) for parts in documents]
+  short = iter(tokenizer.encodings([text for text in texts if not is_long(text)]))
   out = []
-  for parts, encoding in zip(documents, tokenizer.encodings(
-      [''.join(text for text, _ in parts) for parts in documents])):
-    learned = np.zeros(len(encoding.ids), np.uint8)
-    at = 0
-    for text, is_learned in parts:
-      if is_learned and text:
-        first = _token_of(encoding, range(at, at + len(text)))
-        last = _last_token_of(encoding, at, at + len(text))
-        if first is not None and last is not None:
-          learned[first:last + 1] = 1
-      at += len(text)
-    out.append((encoding.ids, learned))
+  for parts, text in zip(documents, texts):
+    if not is_long(text):
+      encoding = next(short)
+      out.append((encoding.ids, _learned_tokens(encoding, parts, 0, len(text))))
+      continue
+    bounds, ids, learned = [*text_cuts(tokenizer, text), len(text)], [], []
+    for start, end in zip(bounds, bounds[1:]):  # one piece's Encoding at a time (~80 B a token)
+      encoding = tokenizer.encodings([text[start:end]])[0]
+      ids.append(ids_array(encoding.ids))
+      learned.append(_learned_tokens(encoding, parts, start, end))
+    out.append((np.concatenate(ids), np.concatenate(learned)))
   return out
+
+
+def _learned_tokens(encoding, parts: Parts, start: int, end: int) -> np.ndarray:
+  """Which tokens of `encoding` (of the parts' joined text[start:end]) hold characters of a
+  learned part, found from each part's first and last characters there
+  (Encoding.char_to_token: a few lookups a part, not every token's offsets, which took ~85 us a
+  document)."""
+  learned = np.zeros(len(encoding.ids), np.uint8)
+  at = 0
+  for text, is_learned in parts:
+    lo, hi = max(at, start) - start, min(at + len(text), end) - start
+    if is_learned and lo < hi:
+      first = _token_of(encoding, range(lo, hi))
+      last = _last_token_of(encoding, lo, hi)
+      if first is not None and last is not None:
+        learned[first:last + 1] = 1
+    at += len(text)
+  return learned
 
 
 def _last_token_of(encoding, start: int, end: int) -> int | None:

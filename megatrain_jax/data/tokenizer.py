@@ -88,24 +88,35 @@ def cut_point(tokenizer: Tokenizer, text: str, start: int) -> int:
   return -1
 
 
-def encode_text(tokenizer: Tokenizer, text: str, piece_chars: int | None = None) -> np.ndarray:
-  """The ids of `text` ([N] int32), those of `tokenizer.encode(text)`, in bounded memory: encoded
-  in pieces of about `piece_chars` (default PIECE_CHARS) cut where `cut_point` finds the ids
-  unchanged (no cut found: the rest whole)."""
+def text_cuts(tokenizer: Tokenizer, text: str, piece_chars: int | None = None) -> list[int]:
+  """Where the pieces of `text` begin ([0, ...]): every `piece_chars` (default PIECE_CHARS)
+  or so, at a cut `cut_point` finds the ids unchanged by (no cut found: the rest one piece)."""
   piece_chars = piece_chars or PIECE_CHARS
-  ids, start = [], 0
-  while len(text) - start > 2 * piece_chars:  # no cut leaves a piece of a few characters
-    at = cut_point(tokenizer, text, start + piece_chars)
+  starts = [0]
+  while len(text) - starts[-1] > 2 * piece_chars:  # no cut leaves a piece of a few characters
+    at = cut_point(tokenizer, text, starts[-1] + piece_chars)
     if at < 0:
       break
-    ids.append(_piece_ids(tokenizer, text[start:at]))
-    start = at
-  ids.append(_piece_ids(tokenizer, text[start:]))
+    starts.append(at)
+  return starts
+
+
+def is_long(text: str) -> bool:
+  """Whether `text` is encoded in pieces (`encode_text`) rather than whole."""
+  return len(text) > 2 * PIECE_CHARS
+
+
+def encode_text(tokenizer: Tokenizer, text: str, piece_chars: int | None = None) -> np.ndarray:
+  """The ids of `text` ([N] int32), those of `tokenizer.encode(text)`, in bounded memory: encoded
+  in the pieces `text_cuts` gives."""
+  bounds = [*text_cuts(tokenizer, text, piece_chars), len(text)]
+  ids = [ids_array(encode_batch(tokenizer, [text[start:end]])[0])
+         for start, end in zip(bounds, bounds[1:])]
   return ids[0] if len(ids) == 1 else np.concatenate(ids)
 
 
-def _piece_ids(tokenizer: Tokenizer, text: str) -> np.ndarray:
-  ids = encode_batch(tokenizer, [text])[0]
+def ids_array(ids: Sequence[int] | bytes) -> np.ndarray:
+  """`encode_batch`'s ids of one text as an int32 array."""
   if isinstance(ids, bytes):  # the byte tokenizer's
     return np.frombuffer(ids, np.uint8).astype(_ID_DTYPE)
   return np.asarray(ids, _ID_DTYPE)
