@@ -11,6 +11,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import zlib
 
@@ -25,6 +26,17 @@ def leaf_name(path: str) -> str:
 
 def human_bytes(n: float) -> str:
   return f'{n / 1e9:,.2f} GB' if n >= 1e9 else f'{n / 1e6:,.2f} MB'
+
+
+def json_loads(text: str | bytes):
+  """json.loads, where JSON nested deeper than Python's parser goes (200,000 '[' in a line: a
+  RecursionError, which no caller's `except ValueError` caught) a JSONDecodeError as other
+  malformed JSON is."""
+  try:
+    return json.loads(text)
+  except RecursionError:
+    raise json.JSONDecodeError('nested deeper than Python reads JSON (its recursion limit, '
+                               f'{sys.getrecursionlimit():,} levels)', '', 0) from None
 
 
 def read_at_most(path, limit: int, field: str, fix: str, stream=None) -> bytes:

@@ -2,15 +2,18 @@
 file) are read in bounded memory and refused with a named error, not a traceback."""
 
 import json
+import random
 
 import numpy as np
 import pytest
 import zstandard
 
 from megatrain_jax.data import documents as documents_module
-from megatrain_jax.data import document_format, formats, load_tokenizer
+from megatrain_jax.data import (ByteTokenizer, document_format, formats, load_tokenizer,
+                                 prepare_dataset)
 from megatrain_jax.data import tokenizer as tokenizer_module
 from megatrain_jax.errors import ConfigError
+from megatrain_jax.hf import format as hf_format
 from test_data_formats import _Recording, documents, tokenizer_dir  # noqa: F401  (fixtures)
 
 
@@ -75,3 +78,73 @@ def test_a_long_record_is_tokenized_in_pieces_to_the_ids_of_the_whole(tokenizer_
   assert recording.longest < 3 * tokenizer_module.PIECE_CHARS  # pieces, not the whole record
   for got, want in zip(pieces, whole):
     assert np.array_equal(got, want)
+
+
+def test_a_tokenizer_whose_regex_makes_the_library_panic_is_named(tmp_path, tokenizer_dir):
+  """A Split pattern that backtracks past Oniguruma's retry limit makes the tokenizers library
+  panic on some texts: pyo3's PanicException, a BaseException, went past every `except
+  Exception` as a Rust traceback. It is a ConfigError naming the tokenizer file and why."""
+  spec = json.loads((tokenizer_dir / 'tokenizer.json').read_text())
+  spec['pre_tokenizer'] = {'type': 'Split', 'pattern': {'Regex': r'(\w+\s?)*$'},
+                           'behavior': 'Isolated', 'invert': False}
+  directory = tmp_path / 'tok'
+  directory.mkdir()
+  (directory / 'tokenizer.json').write_text(json.dumps(spec))
+  (directory / 'tokenizer_config.json').write_bytes(
+      (tokenizer_dir / 'tokenizer_config.json').read_bytes())
+  tok = load_tokenizer(str(directory))
+  assert tok.encode('fine text').size  # texts that do not backtrack are encoded
+  source = tmp_path / 'panic.jsonl'
+  source.write_text(json.dumps({'text': 'aaaa ' * 20 + '!'}) + '\n')
+  with pytest.raises(ConfigError, match=rf'data\.tokenizer: {directory}/tokenizer\.json failed on '
+                     r'a text: the tokenizers library panicked \(.*retry-limit'):
+    prepare_dataset(tmp_path / 'out', tok, train_sources=[source], doc_format=document_format(tok))
+
+
+def test_random_or_damaged_bytes_named_arrow_are_refused_naming_the_file(tmp_path):
+  """Random bytes named .arrow raised pyarrow's OSError ('Invalid IPC stream: negative
+  continuation token') as a traceback, and a damaged string (not UTF-8) a UnicodeDecodeError:
+  both are ConfigErrors naming the file (and the rows)."""
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  noise = tmp_path / 'noise.arrow'
+  noise.write_bytes(random.Random(0).randbytes(4096))
+  with pytest.raises(ConfigError, match=rf'data\.path: {noise} is not a readable Arrow IPC file'):
+    prepare_dataset(tmp_path / 'o1', ByteTokenizer(), train_sources=[noise])
+  table = pa.table({'text': [f'record {i} ' * 5 for i in range(100)]})
+  good = tmp_path / 'good.arrow'
+  with pa.ipc.new_stream(str(good), table.schema) as writer:
+    for batch in table.to_batches(max_chunksize=50):
+      writer.write_batch(batch)
+  damaged = tmp_path / 'damaged.arrow'
+  data = good.read_bytes()
+  damaged.write_bytes(data.replace(b'record 60 ', b'\xffecord 60 ', 1))
+  with pytest.raises(ConfigError, match=rf'data\.path: {damaged}: rows 50 to 99 cannot be read '
+                     r'\(.*UTF8.*\); the file is damaged'):
+    prepare_dataset(tmp_path / 'o2', ByteTokenizer(), train_sources=[damaged])
+
+
+def test_json_nested_deeper_than_python_reads_is_named(tmp_path, tokenizer_dir):
+  """200,000 nested '[' raised RecursionError (a traceback) from json.loads in a JSONL record,
+  a tokenizer_config.json or a config.json; a record nested a little less deep, from reading
+  it. Each is malformed JSON or a bad record, named."""
+  deep = '[' * 200_000 + ']' * 200_000
+  source = tmp_path / 'deep.jsonl'
+  source.write_text(f'{{"text": "ok"}}\n{{"text": {deep}}}\n')
+  with pytest.raises(ConfigError, match=rf'bad record {source}:2: malformed JSON \(nested deeper '
+                     r'than Python reads JSON'):
+    prepare_dataset(tmp_path / 'o1', ByteTokenizer(), train_sources=[source])
+  nested = []
+  for _ in range(5000):  # parsed where the stack was shallower, read deeper
+    nested = [nested]
+  with pytest.raises(documents_module.BadRecord, match='nested too deep to read'):
+    documents_module.record_parts({'text': 'a', 'm': nested}, document_format(ByteTokenizer()))
+  directory = tmp_path / 'model'
+  directory.mkdir()
+  (directory / 'tokenizer.json').write_bytes((tokenizer_dir / 'tokenizer.json').read_bytes())
+  (directory / 'tokenizer_config.json').write_text(f'{{"eos_token": "<|endoftext|>", "x": {deep}}}')
+  with pytest.raises(ConfigError, match=r'data\.tokenizer: .*tokenizer_config\.json is not valid '
+                     r'JSON \(nested deeper than Python reads JSON'):
+    document_format(load_tokenizer(str(directory)))
+  (directory / 'config.json').write_text(deep)
+  with pytest.raises(ConfigError, match=r'cannot parse .*config\.json: nested deeper than Python'):
+    hf_format.read_hf_config(directory)

@@ -167,7 +167,7 @@ def read_tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
   if not config_path.is_file():
     return {}
   try:
-    config = json.loads(fs.read_at_most(
+    config = fs.json_loads(fs.read_at_most(
         config_path, MAX_TOKENIZER_CONFIG_BYTES, 'data.tokenizer',
         f'a {_TOKENIZER_CONFIG} is KB to a few MB: replace it with the model\'s own'
     ).decode('utf-8'))
@@ -309,7 +309,10 @@ def record_parts(record: Any, fmt: DocumentFormat) -> Parts:
   BadRecord."""
   if not isinstance(record, dict):
     raise BadRecord(f'a record must be a JSON object, got {type(record).__name__}')
-  parts = _rule_parts(without_nulls(record), fmt)
+  try:
+    parts = _rule_parts(without_nulls(record), fmt)
+  except RecursionError as e:  # a JSON line nested nearly as deep as Python parses
+    raise BadRecord(f'nested too deep to read ({e})') from None
   if parts is not None:
     return parts
   nulls = [k for k in (fmt.prompt_field, fmt.completion_field, fmt.text_field, MESSAGES_FIELD,
@@ -420,7 +423,7 @@ def _tools(record: dict) -> list | None:
   tools = record.get(TOOLS_FIELD)
   if isinstance(tools, str):
     try:
-      tools = json.loads(tools)
+      tools = fs.json_loads(tools)
     except json.JSONDecodeError as e:
       raise BadRecord(f'{TOOLS_FIELD!r} is a string but not JSON ({e})') from e
   if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict)

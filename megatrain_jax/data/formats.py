@@ -581,7 +581,7 @@ def _jsonl_documents(task: JsonlTask, fmt: DocumentFormat, bad: list) -> list:
       try:
         # Decoded strictly here: json.loads(bytes) decodes with 'surrogatepass', so invalid
         # UTF-8 that encodes a surrogate (bytes ED A0 80) became a lone '\ud800' in the text.
-        record = json.loads(raw_line.decode('utf-8-sig'))
+        record = fs.json_loads(raw_line.decode('utf-8-sig'))
       except UnicodeDecodeError as e:
         raise BadRecord(f'not UTF-8 text (byte 0x{e.object[e.start]:02x} at byte {e.start} of '
                         f'the line: {e.reason}); convert the file to UTF-8') from e
@@ -680,6 +680,8 @@ class _JsonArray:
         _, end = _DECODER.raw_decode(self.buf, self.pos)
         if end < len(self.buf) or self.eof:  # else a number might go on in the next block
           return self.buf[self.pos:end]
+      except RecursionError as e:  # fs.json_loads' case: deeper than Python parses
+        raise self.error(f'malformed JSON (nested deeper than Python reads JSON: {e})') from e
       except ValueError as e:
         if self.eof or len(self.buf) - self.pos > _MAX_RECORD_CHARS:
           raise self.error(f'malformed JSON ({e})') from e
@@ -838,7 +840,19 @@ def _parquet_documents(task: ParquetTask, fmt: DocumentFormat, bad: list) -> lis
 def _batch_documents(batch, columns, file: str, row: int, fmt: DocumentFormat, docs: list,
                      bad: list) -> int:
   """Appends the documents of an Arrow record batch's rows (their `columns`) to `docs`, a bad
-  record's 'file: row N: why' to `bad`; returns the next row's index."""
+  record's 'file: row N: why' to `bad`; returns the next row's index.
+
+  Raises:
+    ConfigError: (naming the file and rows) a batch whose strings are not UTF-8 or whose
+      offsets run outside its buffers (a damaged file: reading checks neither).
+  """
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  try:
+    batch.validate(full=True)
+  except pa.ArrowInvalid as e:
+    raise ConfigError(f'data.path: {file}: rows {row} to {row + batch.num_rows - 1} cannot be '
+                      f'read ({e}); the file is damaged: download or write it again, or remove '
+                      'it from data.path.') from e
   values = [batch.column(name).to_pylist() for name in columns]
   for record_values in zip(*values):
     try:
@@ -865,7 +879,7 @@ def _arrow_batches(path: Path, field: str):
   try:
     reader = pa.ipc.open_stream(source)
     return reader.schema, _checked_batches(path, field, iter(reader))
-  except pa.ArrowInvalid:
+  except (pa.ArrowException, OSError):  # random bytes: 'negative continuation token', an OSError
     pass
   try:
     reader = pa.ipc.open_file(source)
@@ -1086,7 +1100,7 @@ def read_prompts(path: str | Path, prompt_field: str = 'prompt') -> list:
     prompts = [line for line in lines if line.strip()]
   elif kind == JSON and json_is_array(path):  # a JSON array of records: each one is a prompt
     try:
-      records = json.loads('\n'.join(lines))
+      records = fs.json_loads('\n'.join(lines))
     except ValueError as e:
       raise ConfigError(f'sample.prompts: {path} is not a JSON array of records ({e}).') from e
     prompts = [_prompt_of_record(record, f'record {number}', path, prompt_field)
@@ -1105,7 +1119,7 @@ def _prompt_of_record(record: Any, where: str, path: Path, prompt_field: str):
   record (`instruction`)."""
   if isinstance(record, str):
     try:
-      record = json.loads(record)
+      record = fs.json_loads(record)
     except ValueError as e:
       raise ConfigError(f'sample.prompts: {path} {where} is not JSON ({e}).') from e
   value = record.get(prompt_field, record.get('messages')) if isinstance(record, dict) else None

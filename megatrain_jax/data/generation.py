@@ -11,11 +11,11 @@ things from it that `--sample` follows too:
              `do_sample` means greedy, as transformers' GenerationConfig has it.
 """
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from megatrain_jax import fs
 from megatrain_jax.data.documents import DocumentFormat, document_format
 from megatrain_jax.data.tokenizer import Tokenizer
 from megatrain_jax.errors import ConfigError
@@ -37,7 +37,7 @@ def read_generation_config(tokenizer: Tokenizer) -> tuple[dict[str, Any], Path |
   if config_path is None or not config_path.is_file():
     return {}, None
   try:
-    config = json.loads(config_path.read_text(encoding='utf-8'))
+    config = fs.json_loads(config_path.read_text(encoding='utf-8'))
   except (OSError, ValueError) as e:
     raise ConfigError(f'--sample: {config_path} is not JSON ({e}); fix or remove it.') from e
   if not isinstance(config, dict):

@@ -150,6 +150,25 @@ class ByteTokenizer:
     return ids.astype(np.uint8).tobytes().decode('utf-8', errors='replace')
 
 
+def _panics_named(method):
+  """`method` of an HFTokenizer, a panic of the Rust library (pyo3's PanicException, a
+  BaseException that no `except Exception` catches: a pre-tokenizer regex that backtracks past
+  Oniguruma's retry limit panics on some texts) a ConfigError naming the tokenizer file."""
+  @functools.wraps(method)
+  def named(self, *args, **kwargs):
+    try:
+      return method(self, *args, **kwargs)
+    except BaseException as e:  # pylint: disable=broad-exception-caught
+      if type(e).__name__ != 'PanicException':
+        raise
+      raise ConfigError(
+          f'data.tokenizer: {self.path} failed on a text: the tokenizers library panicked '
+          f'({str(e).strip()}), as a pre-tokenizer or normalizer regex that backtracks without '
+          'end makes it; fix its tokenizer.json (the Split or Replace pattern) or use another '
+          'tokenizer.') from None
+  return named
+
+
 class HFTokenizer:
   """A Hugging Face `tokenizers` tokenizer loaded from a local `tokenizer.json`.
 
@@ -168,7 +187,10 @@ class HFTokenizer:
     """
     self.path = _resolve_tokenizer_file(path)
     try:
-      self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
+      self._tokenizer = _panics_named(lambda self: tokenizers.Tokenizer.from_file(
+          str(self.path)))(self)
+    except ConfigError:
+      raise
     except Exception as e:  # The Rust binding raises a bare Exception for any parse error.
       raise ConfigError(
           f'data.tokenizer: could not load {self.path} as a Hugging Face tokenizer.json ({e}); '
@@ -186,15 +208,18 @@ class HFTokenizer:
   def vocab_size(self) -> int:
     return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+  @_panics_named
   def encode(self, text: str) -> np.ndarray:
     # Pretraining streams are concatenations of chunks; a BOS/EOS per chunk would be noise.
     ids = self._tokenizer.encode(text, add_special_tokens=False).ids
     return np.asarray(ids, dtype=_ID_DTYPE)
 
+  @_panics_named
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     # encode_batch_fast skips the character offsets, which the prepare step never uses.
     return [e.ids for e in self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
 
+  @_panics_named
   def encodings(self, texts: Sequence[str]) -> list[tokenizers.Encoding]:
     """Each text's `tokenizers.Encoding` (ids, and where each character went: char_to_token),
     without special tokens added."""
@@ -204,6 +229,7 @@ class HFTokenizer:
     """The id of `token` (a vocabulary entry or added token such as '</s>'), or None."""
     return self._tokenizer.token_to_id(token)
 
+  @_panics_named
   def added_prefix(self) -> list[int]:
     """The ids the tokenizer's post-processor puts before a text when special tokens are added
     (Llama 3's <|begin_of_text|>); [] if none."""
@@ -214,6 +240,7 @@ class HFTokenizer:
         return full[:i]
     return []
 
+  @_panics_named
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     ids = [int(i) for i in np.asarray(ids).reshape(-1)]
     return self._tokenizer.decode(ids, skip_special_tokens=False)
