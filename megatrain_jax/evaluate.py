@@ -50,7 +50,7 @@ from megatrain_jax import schedule
 from megatrain_jax.data import added_bos, data_format, document_format, unlearn_starts
 from megatrain_jax.data import formats
 from megatrain_jax.data.tokenizer import encode_text
-from megatrain_jax.errors import ConfigError
+from megatrain_jax.errors import ConfigError, TrainingDivergedError
 from megatrain_jax.model import head_chunks
 from megatrain_jax.prefetch import Prefetcher
 
@@ -342,6 +342,32 @@ class Evaluator:
       return self._io.submit(read)
     return fetch
 
+  def check_finite(self) -> None:
+    """Raises TrainingDivergedError naming the tensors of the weights that hold NaN or inf
+    (each piece read once more, on the host): called where a loss came out non-finite, so an
+    evaluation of finite weights pays nothing, and NaN weights are named, not printed as a
+    perplexity of nan."""
+    head = 'embed' if self.cfg.tie_embeddings else 'head'
+    pieces = [(kind, start, stop) for kind, slices in (
+        ('embed', self.vocab), ('layers', self.groups), ('final_norm', [(0, 0)]),
+        (head, self.vocab)) for start, stop in slices]
+    found = []
+    for kind, start, stop in dict.fromkeys(pieces):  # tied: the embedding chunks once
+      where = '' if kind == 'final_norm' else f' ({kind} {start}:{stop})'
+      piece = _read_piece(self.reader, self.abstract, kind, start, stop)
+      for path, leaf in jax.tree_util.tree_leaves_with_path(piece):
+        bad = leaf.size - int(np.count_nonzero(np.isfinite(leaf)))
+        if bad:
+          found.append(f"['params']{jax.tree_util.keystr(path)}{where}: {bad:,} of "
+                       f'{leaf.size:,} values')
+    if found:
+      shown = '; '.join(found[:8]) + (f'; and {len(found) - 8} more' if len(found) > 8 else '')
+      raise TrainingDivergedError(
+          f'the weights evaluated hold NaN or infinite values, so their perplexity is nan: '
+          f'{shown}. The run diverged before this checkpoint was saved, or its files are '
+          'damaged: evaluate an earlier checkpoint (--config.checkpoint.read=STEP) or another '
+          "run's.")
+
   def _pieces(self, kind: str, count: int) -> Prefetcher:
     return Prefetcher(self._fetch(kind), range(count), self.depth)
 
@@ -463,6 +489,8 @@ def perplexity(evaluator: Evaluator, tokens: np.ndarray, max_len: int, stride: i
       # piece, rather than sitting at 0% until the pass ends.
       advance = None if bar.disable else _bar_advance(bar, first, len(part))
       total += sum(evaluator.nll_sums(batches, advance))
+      if not math.isfinite(total):
+        evaluator.check_finite()  # NaN weights named, not a perplexity of nan
       count += int(sum(m.sum() for _, m, _ in batches))
       bar.update(first + len(part) - bar.n)
   seconds = time.perf_counter() - started

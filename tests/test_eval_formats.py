@@ -551,3 +551,41 @@ def test_an_eval_the_device_cannot_hold_is_refused_before_it_reads(trained, tmp_
   with pytest.raises(ConfigError, match=r'eval.max_len=32 .* Lower eval.max_len'):
     train.evaluate(config, str(workdir))
   assert not reads and not (workdir / 'eval.json').exists()
+
+
+class _NanReader:
+  """A checkpoint reader whose leaf `key` holds NaN (a diverged run's last save)."""
+
+  def __init__(self, reader, key):
+    self.reader, self.key = reader, key
+
+  def __getattr__(self, name):
+    return getattr(self.reader, name)
+
+  def read(self, path, *args, **kwargs):
+    out = np.array(self.reader.read(path, *args, **kwargs))
+    if path == self.key:
+      out.reshape(-1)[::7] = np.nan
+    return out
+
+
+def test_eval_of_weights_holding_nan_names_the_tensors(trained):
+  """--eval of a checkpoint whose params hold NaN printed 'perplexity nan' as a result, with no
+  word of why: where a pass's loss is not finite, the weights are read once more and the
+  tensors holding NaN or inf are named in a TrainingDivergedError (finite weights pay
+  nothing)."""
+  from megatrain_jax.errors import TrainingDivergedError  # pylint: disable=import-outside-toplevel
+  config, workdir = trained
+  model_cfg = config_lib.validate(config)
+  key = "['params']['layers']['mlp']['down_proj']['kernel']"
+  reader = Checkpointer(workdir, keep=2).restore(model_cfg)
+  evaluator = evaluate_lib.Evaluator(
+      _NanReader(reader, key), model_cfg, [(0, 1), (1, model_cfg.num_layers)],
+      partition.vocab_slices(model_cfg.vocab_size, model_cfg.d_model, config.offload.shard_mb))
+  try:
+    with pytest.raises(TrainingDivergedError, match=re.escape(key) + r' \(layers 0:1\): [\d,]+ of '
+                       r'[\d,]+ values; .*\(layers 1:\d+\).*evaluate an earlier checkpoint'):
+      evaluate_lib.perplexity(evaluator, _stream(DOCS), 16, 8, 3, progress=False)
+  finally:
+    evaluator.close()
+  assert _direct_perplexity(config, workdir, _stream(DOCS))['eval/loss'] > 0  # finite: no error
