@@ -574,7 +574,7 @@ def _budget() -> list[int]:
 
 def _refuse_over(what: str, size: int) -> None:
   """Raises BadRecord where `what` would make a value of `size` beyond the render's budget."""
-  if size > _budget()[0]:
+  if size > _RENDER_SLACK and size > _budget()[0]:  # every budget holds _RENDER_SLACK
     raise BadRecord(f'chat template: {what} would make a value of {size:,} characters (or '
                     f'items), more than this record may render to ({_budget()[0]:,})')
 
@@ -620,6 +620,8 @@ def _shown_size(value, indent: int = 0, sep: int = 0) -> int:
   """About len(str(value)) (json.dumps's with `indent` and separators of `sep` characters),
   counted without making it, and no further than the render's budget: a list of one string
   repeated ([s] * 1000) is small as items but shows as a thousand copies."""
+  if type(value) is str:  # pylint: disable=unidiomatic-typecheck  (most values: at once)
+    return len(value)
   from jinja2.utils import Namespace  # pylint: disable=g-import-not-at-top
   limit, size, stack = _budget()[0], 0, [(value, 0)]
   while stack and size <= limit:
