@@ -14,6 +14,8 @@ import json
 import math
 import pathlib
 import resource
+import socket
+import struct
 import sys
 import time
 
@@ -178,6 +180,48 @@ class EarlyStopping:
             f'(train.early_stopping_patience={self.patience})')
 
 
+class EventFile:
+  """TensorBoard's event file of one attempt (`<directory>/events.out.tfevents.<time>.<host>`,
+  tensorboardX's name and records), written and flushed in the caller's thread. Not
+  tensorboardX's SummaryWriter: it writes from a thread of its own and flushes again at exit
+  (atexit), so a disk that filled during a run printed their two tracebacks after the run's one
+  error line, and a write that failed in that thread went unseen.
+
+  The attempt's first events mark `purge_step`: TensorBoard's reader hides the events of earlier
+  files from that step on (a SessionLog START there), which a resumed run redoes."""
+
+  def __init__(self, directory: pathlib.Path, purge_step: int):
+    directory.mkdir(parents=True, exist_ok=True)
+    self.path = directory / f'events.out.tfevents.{int(time.time())}.{socket.gethostname()}'
+    self._file = open(self.path, 'wb')
+    event_pb2 = tensorboardX.proto.event_pb2
+    with fs.naming(self.path):
+      self._add(event_pb2.Event(wall_time=time.time(), step=purge_step,
+                                file_version='brain.Event:2'))
+      self._add(event_pb2.Event(wall_time=time.time(), step=purge_step, session_log=(
+          event_pb2.SessionLog(status=event_pb2.SessionLog.START))))
+      self._file.flush()
+
+  def write(self, step: int, scalars: dict) -> None:
+    """A row of scalars at `step`, flushed (as far on disk as metrics.jsonl)."""
+    with fs.naming(self.path):  # a full disk: say where
+      for name, value in scalars.items():
+        self._add(tensorboardX.proto.event_pb2.Event(
+            wall_time=time.time(), step=step, summary=tensorboardX.summary.scalar(name, value)))
+      self._file.flush()
+
+  def _add(self, event) -> None:
+    """One TFRecord: length, its masked CRC-32C, the event, its masked CRC-32C."""
+    data = event.SerializeToString()
+    header = struct.pack('<Q', len(data))
+    crc = tensorboardX.record_writer.masked_crc32c
+    self._file.write(header + struct.pack('<I', crc(header)) + data + struct.pack('<I', crc(data)))
+
+  def close(self) -> None:
+    """Closes the file, which io does even when the flush of what it buffered fails (raised)."""
+    self._file.close()
+
+
 class MetricsWriter:
   """Writes metric rows; owns the progress bar. Use as a context manager. `writes=False`: a
   process other than process 0 of a multi-process run, which shares the workdir and the numbers
@@ -199,10 +243,9 @@ class MetricsWriter:
     # (and, on a fresh start, all of them: a killed first attempt's step-0 eval) are redone.
     self._drop_rows_after(start_step if start_step else -1)
     self._jsonl = open(self.jsonl_path, 'a', encoding='utf-8')
-    # The same rows for TensorBoard: its reader hides the events of earlier files from
-    # `purge_step` on (a SessionLog START at that step), which the dropped rows are.
-    self._tensorboard = tensorboardX.SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'),
-                                                   purge_step=start_step + 1 if start_step else 0)
+    # The same rows for TensorBoard, hiding the dropped rows of earlier files.
+    self._tensorboard = EventFile(pathlib.Path(workdir) / 'tensorboard',
+                                  purge_step=start_step + 1 if start_step else 0)
     self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True,
                           disable=not bar_visible(progress_bar), leave=True)
 
@@ -222,10 +265,8 @@ class MetricsWriter:
     with fs.naming(self.jsonl_path):  # a full disk: say where
       self._jsonl.write(json.dumps(row) + '\n')
       self._jsonl.flush()
-      for name, value in row.items():
-        if name != 'step' and math.isfinite(value):
-          self._tensorboard.add_scalar(name, value, step)
-      self._tensorboard.flush()  # as far on disk as metrics.jsonl (else up to 2 minutes behind)
+    self._tensorboard.write(step, {name: value for name, value in row.items()
+                                   if name != 'step' and math.isfinite(value)})
     if console:
       self.print(format_console_line(step, self.total_steps, scalars, self.eta_s(step)))
 
@@ -250,17 +291,29 @@ class MetricsWriter:
     if self.writes:
       tqdm.tqdm.write(line)
 
-  def close(self) -> None:
+  def close(self, quiet: bool = False) -> None:
+    """Closes the files, each even when another's close fails (a full disk: the rows still
+    buffered cannot be written). `quiet`: the run is already ending with an error, which a failed
+    close must not replace (a full disk's, then an unnamed second one over it): its own is
+    dropped; the rows it held are lost either way."""
     self._bar.close()
-    if self.writes:
-      self._jsonl.close()
-      self._tensorboard.close()
+    if not self.writes:
+      return
+    errors = []
+    for file, path in ((self._jsonl, self.jsonl_path), (self._tensorboard, self._tensorboard.path)):
+      try:
+        with fs.naming(path):
+          file.close()
+      except OSError as error:
+        errors.append(error)
+    if errors and not quiet:
+      raise errors[0]
 
   def __enter__(self):
     return self
 
-  def __exit__(self, *exc):
-    self.close()
+  def __exit__(self, exc_type, exc, traceback):
+    self.close(quiet=exc is not None)
 
 
 def append_row(path: pathlib.Path, row: dict) -> None:

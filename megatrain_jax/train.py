@@ -84,7 +84,7 @@ def _disk_full_is_an_error(job):
   """`job` (a command's entry point) with a disk that runs full outside the checkpoint and store
   writes (which name theirs): the metrics, the prepared data, a lock's holder line, an export, an
   eval.json. It ends with DiskFullError naming the file's directory and what to do, not a
-  traceback (a chained one when the metrics' close failed too)."""
+  traceback (the metrics' close, failing too, keeps quiet: metrics.MetricsWriter.close)."""
   @functools.wraps(job)
   def wrapped(config, workdir, *args, **kwargs):
     try:

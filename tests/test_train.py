@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -27,7 +28,7 @@ from megatrain_jax.errors import ConfigError, StoreCorruptionError, TrainingDive
 from megatrain_jax.layout import Layout
 from megatrain_jax.model import ModelConfig
 
-from helpers import REPO_ROOT, read_rows, run_until_crash, small_config
+from helpers import AS_ROOT, REPO_ROOT, read_rows, run_until_crash, small_config, tmpfs
 
 
 def test_training_on_shakespeare_lowers_validation_loss(tmp_path, shared_data):
@@ -137,6 +138,50 @@ def test_metrics_rows_past_the_restart_step_are_dropped(tmp_path, start_step, ke
   assert [(e.step, e.value) for e in events.Scalars('learning/loss')] == [
       (r['step'], pytest.approx(r['learning/loss'], rel=1e-7)) for r in expected]  # float32
   assert oct((tmp_path / 'metrics.jsonl').stat().st_mode & 0o777) == oct(0o644)
+
+
+# A run's metrics as its disk fills: rows until an event file's write fails, then the run's own
+# error (the checkpoint's DiskFullError, as the trainer raises it) while rows are still buffered.
+_FILLED_METRICS = """
+import pathlib, sys
+from megatrain_jax import metrics, reliability
+from megatrain_jax.errors import DiskFullError
+workdir, disk = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+try:
+  with metrics.MetricsWriter(workdir, total_steps=9999, start_step=0, progress_bar=False) as log:
+    log.write(1, {'learning/loss': 1.0}, console=False)
+    reliability.fill(disk, 0)
+    try:
+      for step in range(2, 9999):
+        log.write(step, {'learning/loss': 1.0}, console=False)
+    except OSError as error:
+      print(f'{error.filename}: {error.strerror}')
+    raise DiskFullError('checkpoint step 8: the disk is full')
+except DiskFullError as error:
+  sys.exit(f'error: {error}')
+"""
+
+
+@AS_ROOT
+def test_a_full_disk_under_the_metrics_is_one_error(tmp_path):
+  """The disk filled during a run: after its one error line came tensorboardX's tracebacks (its
+  writer thread's, and its exit-time flush of the rows it could not write), and the metrics'
+  close raised an unnamed OSError over the run's own error. Now the write's error names the
+  event file, the run's error is the one that ends it, and nothing else reaches stderr. The
+  event file is on a disk of its own (metrics.jsonl's has room), so its write is the one that
+  fails."""
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  with tmpfs(1) as disk:
+    (disk / 'tensorboard').mkdir()
+    (workdir / 'tensorboard').symlink_to(disk / 'tensorboard')
+    ran = subprocess.run([sys.executable, '-c', _FILLED_METRICS, str(workdir), str(disk)],
+                         env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True,
+                         text=True, timeout=60)
+  assert ran.stderr == 'error: checkpoint step 8: the disk is full\n', ran.stderr
+  assert ran.returncode == 1
+  assert re.fullmatch(rf'{workdir}/tensorboard/events\.out\.tfevents\.\d+\.\S+: No space left '
+                      r'on device\n', ran.stdout), ran.stdout
 
 
 def test_a_close_that_fails_does_not_hide_the_error_the_run_ends_with(capsys):
