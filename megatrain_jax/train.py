@@ -266,6 +266,34 @@ def plan_for(config, workdir: pathlib.Path | None, dry_run: bool):
   return hw, plan
 
 
+def _note_gone_offload_dir(config, workdir: pathlib.Path) -> None:
+  """Says so when the offload.dir this run kept its NVMe stores in (config.json's) is gone as it
+  resumes (an unmounted drive, a cleaned /tmp): a rerun without --config then takes this
+  machine's offload.dir instead (runs.recorded_config: <workdir>/offload by default), one with
+  it makes the directory anew wherever its path now lands (an empty mount point's disk), and
+  the stores were rebuilt there without a word, on a disk the user may not have meant to fill.
+  Rebuilding loses nothing (a resume always rebuilds its stores from its checkpoint, which holds
+  them whole), and the new place's room is checked before anything is written there (`plan_for`,
+  `_check_offload_dir`): the note names the place, its disk and its free space."""
+  recorded = runs.recorded_offload_dir(workdir)
+  meta = runs.newest_checkpoint_meta(workdir)
+  tiers = (config.offload.params, config.offload.opt_state, config.offload.embed_head)
+  if (recorded is None or recorded.exists() or not (meta or {}).get('disk')
+      or not {'nvme', 'auto'} & set(tiers) or not distributed.is_main()):
+    return
+  directory = pathlib.Path(config.offload.dir or workdir / 'offload').expanduser().absolute()
+  disk = fs.nearest_existing(directory)
+  where = 'there' if directory == recorded else f'in {directory}'
+  back = (f'If it was a drive\'s mount point, stop, mount the drive and rerun.'
+          if directory == recorded else f'To keep them where they were, stop, make {recorded} '
+          f'available again (mount its drive) and rerun with --config.offload.dir={recorded}.')
+  print(f'note: offload.dir={recorded}, where this run kept its NVMe stores (its config.json), '
+        f'is gone (an unmounted drive? a cleaned /tmp?). Its checkpoint (step {meta["step"]}) '
+        f'holds them whole: those this resume keeps on NVMe are rebuilt from it {where}, on the '
+        f'disk of {disk} ({fs.human_bytes(shutil.disk_usage(disk).free)} free, checked against '
+        f'their need before anything is written there). {back}', flush=True)
+
+
 def resolve_plan(config, model_cfg, workdir: pathlib.Path, checkpointer: Checkpointer):
   """(config, hardware profile, plan, restored checkpoint or None) of a real run in `workdir`, its
   `auto` fields resolved. A config that fits nowhere is refused before any checkpoint is read.
@@ -464,6 +492,7 @@ def _validate(config, workdir: str) -> tuple[model_lib.ModelConfig, pathlib.Path
   distributed.device_count(config)  # parallel.devices exist, train.batch_size splits over them
   data_lib.check_data_config(config.data, config.train)
   workdir = config_lib.check_run_workdir(workdir)
+  _note_gone_offload_dir(config, workdir)  # before a refusal of the new place's room
   if requested.uses_nvme:
     _check_offload_dir(config, model_cfg, workdir, requested)  # named tiers: say what's wrong
   model_cfg, _ = _model_and_tokenizer(config, model_cfg)

@@ -6,6 +6,7 @@ import os
 import pathlib
 import re
 import shutil
+import subprocess
 import threading
 import time
 import types
@@ -671,6 +672,47 @@ def test_a_full_disk_outside_checkpoints_is_one_error(tmp_path, data):
     train.train_and_evaluate(config(data, steps=2, data__cache_dir=str(tmp_path / 'data')),
                              str(workdir))
     assert [row['step'] for row in read_rows(workdir) if 'learning/loss' in row] == [1, 2]
+
+
+@AS_ROOT
+def test_a_gone_offload_dir_is_rebuilt_with_a_note(tmp_path, data, capsys):
+  """A run's offload.dir on a drive that is gone as it resumes (unmounted; a cleaned /tmp): a
+  rerun without --config took <workdir>/offload instead (runs.recorded_config), and one with it
+  made the directory anew on the disk of the empty mount point, both without a word. The
+  checkpoint holds the stores whole, so they are rebuilt, with a note naming the old place, the
+  new one and its disk's free space; and a new place without room for them is refused before
+  anything is written there."""
+  workdir = tmp_path / 'run'
+  nvme_run = dict(NVME, checkpoint__every=2, data__cache_dir=str(tmp_path / 'data'))
+  with tmpfs(1) as root:  # a small disk with the drive's mount point
+    mount_point = root / 'nvme'
+    mount_point.mkdir()
+    subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=16m', 'tmpfs', str(mount_point)],
+                   check=True)
+    on_drive = config(data, steps=2, offload__dir=str(mount_point / 'offload'), **nvme_run)
+    try:
+      train.train_and_evaluate(on_drive, str(workdir))
+    finally:
+      subprocess.run(['umount', str(mount_point)], check=True)
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match=r'offload.dir=.*free') as error:  # same: no room
+      train.train_and_evaluate(config(data, steps=3, offload__dir=str(mount_point / 'offload'),
+                                      **nvme_run), str(workdir))
+    assert (f'note: offload.dir={mount_point / "offload"}, where this run kept its NVMe stores '
+            '(its config.json), is gone (an unmounted drive? a cleaned /tmp?). Its checkpoint '
+            '(step 2) holds them whole: those this resume keeps on NVMe are rebuilt from it '
+            f'there, on the disk of {mount_point} (' in capsys.readouterr().out), error.value
+    assert not (mount_point / 'offload').exists(), error.value
+  # Without --config (launch.py): this machine's offload.dir, <workdir>/offload
+  resumed = runs.recorded_config(workdir, config(data, steps=3), ['train.steps'])
+  assert resumed.offload.dir == ''
+  train.train_and_evaluate(resumed, str(workdir))
+  out = capsys.readouterr().out
+  assert re.search(rf'rebuilt from it in {workdir / "offload"}, on the disk of {workdir} '
+                   r'\([\d.,]+ [GM]B free, checked against their need before anything is written '
+                   rf'there\)\. To keep them where they were, .* --config.offload.dir='
+                   rf'{root / "nvme" / "offload"}\.\n', out), out
+  assert [row['step'] for row in read_rows(workdir) if 'learning/loss' in row] == [1, 2, 3]
 
 
 # ------------------------------------------------------------------------------------------------
