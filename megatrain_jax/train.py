@@ -181,15 +181,16 @@ def calibrate(config: ml_collections.ConfigDict, workdir: str, out: str = '') ->
 
 
 def _disk_free_gb(offload_dir: str, hw: hardware.HardwareProfile, dry_run: bool,
-                  checkpoint_dir: pathlib.Path | None, keep: int = 0, deleted=()) -> float:
+                  checkpoint_dir: pathlib.Path | None, keep: int = 0, deleted=(),
+                  best: int | None = None) -> float:
   """Disk the NVMe tier may use: a profile that states it (a preset) is believed for a dry run;
   a real run never plans for more than offload.dir's filesystem has free, counting what the run
   in the workdir holds there already (its stores and checkpoints: a resume plans as it started,
-  and the checkpoints `deleted` beyond a lowered keep are freed first)."""
+  and the checkpoints `deleted` beyond a lowered keep are freed first; the `best` is kept)."""
   existing = fs.nearest_existing(pathlib.Path(offload_dir).expanduser().absolute())
   if not dry_run and not os.access(existing, os.W_OK | os.X_OK):
     return 0.0  # nothing can be stored there
-  held = nvme.held_by_run(offload_dir, checkpoint_dir, keep, deleted)
+  held = nvme.held_by_run(offload_dir, checkpoint_dir, keep, deleted, best)
   free = hardware.free_disk_gb(offload_dir) + held / 1e9
   if hw.disk_gb and dry_run:
     return hw.disk_gb
@@ -222,7 +223,7 @@ def _nvme_on_checkpoint_disk(config, model_cfg, placement, checkpoints: pathlib.
     return 0
   keep = planner.kept_checkpoints(config.checkpoint)
   deleted = _deleted_at_resume(config, checkpoints)
-  held = nvme.held_by_run(offload_dir, checkpoints, keep, deleted)
+  held = nvme.held_by_run(offload_dir, checkpoints, keep, deleted, _best_kept(config, checkpoints))
   return max(0, int(_nvme_store_bytes(model_cfg, placement) * (1 + keep)
                     + placement.write_budget_bytes(model_cfg)) - held)
 
@@ -234,7 +235,8 @@ def _check_offload_dir(config, model_cfg, workdir: pathlib.Path, placement) -> N
   nvme.check_offload_dir(offload_dir, needed,
                          checkpoint_dir=workdir / 'checkpoints',
                          keep=planner.kept_checkpoints(config.checkpoint),
-                         deleted=_deleted_at_resume(config, workdir / 'checkpoints'))
+                         deleted=_deleted_at_resume(config, workdir / 'checkpoints'),
+                         best=_best_kept(config, workdir / 'checkpoints'))
 
 
 def _deleted_at_resume(config, checkpoints: pathlib.Path | None) -> list[int]:
@@ -244,6 +246,15 @@ def _deleted_at_resume(config, checkpoints: pathlib.Path | None) -> list[int]:
     return []
   return checkpoint_lib.beyond_keep(checkpoints, None, config.checkpoint.keep,
                                     config.checkpoint.keep_best)
+
+
+def _best_kept(config, checkpoints: pathlib.Path | None) -> int | None:
+  """The checkpoint in `checkpoints` that checkpoint.keep_best keeps beyond checkpoint.keep (None
+  without one): its NVMe snapshot is one of the copies the run's checks count (the `keep` + 1 of
+  planner.kept_checkpoints), however old it is, not disk taken by something else."""
+  if checkpoints is None or config.checkpoint.every < 0 or not config.checkpoint.keep_best:
+    return None
+  return checkpoint_lib.best_step(checkpoints)
 
 
 def plan_for(config, workdir: pathlib.Path | None, dry_run: bool):
@@ -257,7 +268,8 @@ def plan_for(config, workdir: pathlib.Path | None, dry_run: bool):
   plan = planner.plan_run(
       config, hw, disk_free_gb=_disk_free_gb(offload_dir, hw, dry_run, checkpoints,
                                              planner.kept_checkpoints(config.checkpoint),
-                                             _deleted_at_resume(config, checkpoints)),
+                                             _deleted_at_resume(config, checkpoints),
+                                             _best_kept(config, checkpoints)),
       fresh_init=not (resumes or config.init.from_hf or config.init.from_run),
       snapshots_copied=(checkpoints is not None
                         and not nvme.same_filesystem(offload_dir, checkpoints)))

@@ -2,6 +2,7 @@
 consistency of the live NVMe state, damaged checkpoints, and full disks."""
 
 import dataclasses
+import json
 import os
 import pathlib
 import re
@@ -859,6 +860,36 @@ def test_a_rerun_with_a_lower_keep_counts_the_nvme_checkpoints_it_deletes(tmp_pa
                                           r'on host\.$'):  # keep=1: none lower
       check(keep=1)
     ballast.unlink()
+
+
+@AS_ROOT
+def test_the_best_checkpoint_kept_is_the_runs_own_disk(tmp_path, data):
+  """checkpoint.keep_best keeps the best checkpoint however old: an NVMe run with keep=2 and its
+  best at step 2 (of 2, 4 and 6), rerun with keep=1 after a full disk, deletes 4 and keeps 2 and
+  6. The checks counted the snapshots of the newest keep + 1 (4, 6) and of those deleted (4) as
+  the run's, and the best's as disk taken by something else, while counting its copy as needed
+  too: a disk with room was refused, where the checkpoints hard-link the stores and where they
+  copy them. The best's snapshot is the run's now."""
+  model_cfg = config_lib.validate(config(data, **NVME))
+  layers, _ = train._param_bytes(model_cfg)
+  stores = nvme.nvme_bytes(layers, 'nvme', 'nvme')  # 1.09 MB
+  for same_disk in (True, False):
+    with tmpfs(16) as disk:
+      workdir = disk / 'run'
+      offload = disk / 'offload' if same_disk else tmp_path / 'offload'
+      for step, loss in ((2, 1.0), (4, 3.0), (6, 2.0)):  # each pins a copy of the stores
+        snapshot = workdir / 'checkpoints' / str(step) / 'nvme'
+        snapshot.mkdir(parents=True)
+        (snapshot / 'own').write_bytes(b'\1' * stores)
+        (snapshot.parent / 'meta.json').write_text(json.dumps({'step': step, 'eval_loss': loss}))
+      ballast = fill(disk, leave_bytes=stores // 2)
+      run_config = config(data, **NVME, checkpoint__keep=1, checkpoint__keep_best=True,
+                          offload__dir=str(offload))
+      assert train._deleted_at_resume(run_config, workdir / 'checkpoints') == [4]
+      # 3 copies needed (the stores, or the next copy, and 2 and 6), 3 held, half of one free
+      train._check_offload_dir(run_config, model_cfg, workdir, Placement(
+          params='nvme', opt_state='nvme', dir=str(offload)))
+      ballast.unlink()
 
 
 def test_the_offload_dir_lock_outlives_the_last_commit(tmp_path, data, monkeypatch):

@@ -545,16 +545,17 @@ def _delete_store(directory: pathlib.Path) -> None:
   shutil.rmtree(doomed, ignore_errors=True)
 
 
-def held_by_run(directory, checkpoint_dir=None, keep: int = 0, deleted=()) -> int:
+def held_by_run(directory, checkpoint_dir=None, keep: int = 0, deleted=(),
+                best: int | None = None) -> int:
   """Bytes of a run's NVMe data on offload.dir's filesystem (`bytes_held`): its stores in
-  `directory` (`store_dirs`) and, on the same filesystem, the snapshots of the newest `keep`
-  checkpoints in `checkpoint_dir`, which the run keeps and its plan counts, and of the steps
-  `deleted` (checkpoint.beyond_keep: those a resume deletes before it writes, train._resumed).
-  The planner and `check_offload_dir` count them as free for the run: a resume plans with the
-  disk it started with (and a rerun with a lower keep with what the deletion frees)."""
+  `directory` (`store_dirs`) and, on the same filesystem, the snapshots of the checkpoints in
+  `checkpoint_dir` its plan counts (`snapshots`: the newest `keep`, the `best` kept beyond them,
+  and the steps `deleted`, which a resume deletes before it writes). The planner and
+  `check_offload_dir` count them as free for the run: a resume plans with the disk it started
+  with (and a rerun with a lower keep with what the deletion frees)."""
   roots = store_dirs(directory)
   if checkpoint_dir is not None and keep > 0 and same_filesystem(directory, checkpoint_dir):
-    roots += snapshots(checkpoint_dir, keep, deleted)
+    roots += snapshots(checkpoint_dir, keep, deleted, best)
   return bytes_held(roots)
 
 
@@ -567,26 +568,32 @@ def same_filesystem(directory, checkpoint_dir) -> bool:
   return os.stat(checkpoints).st_dev == os.stat(existing).st_dev
 
 
-def snapshots(checkpoint_dir, keep: int, deleted=()) -> list:
-  """The `nvme/` snapshots of the newest `keep` committed checkpoints in `checkpoint_dir`, and of
-  the steps `deleted`."""
+def snapshots(checkpoint_dir, keep: int, deleted=(), best: int | None = None) -> list:
+  """The `nvme/` snapshots of the newest `keep` committed checkpoints in `checkpoint_dir`, of the
+  steps `deleted` (checkpoint.beyond_keep), and of the `best` (checkpoint.keep_best), which the
+  run keeps however old it is: one of the copies its `keep` counts (the caller's keep + 1), not
+  another program's. Left out, a best older than the newest `keep` was counted as taken as well
+  as needed, and a disk with room for the run was refused."""
   if checkpoint_dir is None or not pathlib.Path(checkpoint_dir).is_dir():
     return []
   steps = sorted((d for d in pathlib.Path(checkpoint_dir).iterdir() if d.name.isdigit()),
                  key=lambda d: int(d.name))
-  chosen = (steps[-keep:] if keep > 0 else []) + [d for d in steps if int(d.name) in deleted]
+  newest = steps[-keep:] if keep > 0 else []
+  chosen = newest + [d for d in steps if d not in newest and (int(d.name) in deleted
+                                                               or int(d.name) == best)]
   return [d / 'nvme' for d in chosen if (d / 'nvme').is_dir()]
 
 
 def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
-                      keep: int = 0, deleted=()) -> None:
+                      keep: int = 0, deleted=(), best: int | None = None) -> None:
   """offload.dir must be writable and hold `needed_bytes` (the live stores) plus what `keep`
   checkpoints in `checkpoint_dir` pin (checkpoint.py). Same filesystem: one full copy of the
   stores each (hard links share the live files only until the next write-back). Another
   filesystem: the checkpoints are copies, so that one needs keep + 1 copies (the new one is written
   before the oldest is deleted), and offload.dir one more copy for the staging snapshot being
   copied. The checkpoints `deleted` (steps beyond keep, which a resume deletes first) count as
-  free. Checked before anything is written."""
+  free, and the `best` kept beyond the newest (checkpoint.keep_best) as one of the `keep`.
+  Checked before anything is written."""
   existing = nearest_existing(pathlib.Path(directory).expanduser().absolute())
   if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
     raise ConfigError(f'offload.dir={directory}: {existing} is not a writable directory. Point '
@@ -613,7 +620,7 @@ def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
   else:
     needed = needed_bytes
     what = f'the NVMe stores need {human_bytes(needed)} (uncompressed FP32)'
-  held = held_by_run(directory, checkpoint_dir if same_disk else None, keep, deleted)
+  held = held_by_run(directory, checkpoint_dir if same_disk else None, keep, deleted, best)
   free = shutil.disk_usage(existing).free + held
   if free < needed:
     raise ConfigError(f'offload.dir={directory}: {what} but only {human_bytes(free)} are free '
@@ -622,7 +629,7 @@ def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
   if checkpoints is not None and not same_disk:
     needed = needed_bytes * (keep + 1)
     free = (shutil.disk_usage(checkpoints).free
-            + bytes_held(snapshots(checkpoint_dir, keep, deleted)))
+            + bytes_held(snapshots(checkpoint_dir, keep, deleted, best)))
     if free < needed:
       raise ConfigError(
           f'checkpoint.keep={keep}: the checkpoints in {checkpoint_dir} hold copies of the NVMe '
