@@ -236,7 +236,8 @@ def _check_offload_dir(config, model_cfg, workdir: pathlib.Path, placement) -> N
                          checkpoint_dir=workdir / 'checkpoints',
                          keep=planner.kept_checkpoints(config.checkpoint),
                          deleted=_deleted_at_resume(config, workdir / 'checkpoints'),
-                         best=_best_kept(config, workdir / 'checkpoints'))
+                         best=_best_kept(config, workdir / 'checkpoints'),
+                         keep_best=config.checkpoint.keep_best)
 
 
 def _deleted_at_resume(config, checkpoints: pathlib.Path | None) -> list[int]:

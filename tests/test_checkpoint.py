@@ -2,6 +2,7 @@
 consistency of the live NVMe state, damaged checkpoints, and full disks."""
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -869,7 +870,8 @@ def test_the_best_checkpoint_kept_is_the_runs_own_disk(tmp_path, data):
   6. The checks counted the snapshots of the newest keep + 1 (4, 6) and of those deleted (4) as
   the run's, and the best's as disk taken by something else, while counting its copy as needed
   too: a disk with room was refused, where the checkpoints hard-link the stores and where they
-  copy them. The best's snapshot is the run's now."""
+  copy them. The best's snapshot is the run's now; and a refusal names checkpoint.keep as set,
+  not with the best added, and offers no lower keep than 1."""
   model_cfg = config_lib.validate(config(data, **NVME))
   layers, _ = train._param_bytes(model_cfg)
   stores = nvme.nvme_bytes(layers, 'nvme', 'nvme')  # 1.09 MB
@@ -885,10 +887,19 @@ def test_the_best_checkpoint_kept_is_the_runs_own_disk(tmp_path, data):
       ballast = fill(disk, leave_bytes=stores // 2)
       run_config = config(data, **NVME, checkpoint__keep=1, checkpoint__keep_best=True,
                           offload__dir=str(offload))
+      check = functools.partial(train._check_offload_dir, run_config, model_cfg, workdir,
+                                Placement(params='nvme', opt_state='nvme', dir=str(offload)))
       assert train._deleted_at_resume(run_config, workdir / 'checkpoints') == [4]
-      # 3 copies needed (the stores, or the next copy, and 2 and 6), 3 held, half of one free
-      train._check_offload_dir(run_config, model_cfg, workdir, Placement(
-          params='nvme', opt_state='nvme', dir=str(offload)))
+      check()  # 3 copies needed (the stores, or the next copy, and 2 and 6), 3 held, 0.5 free
+      # The best alone, refused: named as set (it read checkpoint.keep=2), no lower keep offered
+      shutil.rmtree(workdir / 'checkpoints' / '4')
+      shutil.rmtree(workdir / 'checkpoints' / '6')
+      ballast.unlink()
+      ballast = fill(disk, leave_bytes=stores // 2)
+      with pytest.raises(ConfigError, match='checkpoint.keep=1 and the best') as refused:
+        check()
+      assert 'lower checkpoint.keep' not in str(refused.value) and 'keep=2' not in str(
+          refused.value)
       ballast.unlink()
 
 

@@ -584,16 +584,17 @@ def snapshots(checkpoint_dir, keep: int, deleted=(), best: int | None = None) ->
   return [d / 'nvme' for d in chosen if (d / 'nvme').is_dir()]
 
 
-def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
-                      keep: int = 0, deleted=(), best: int | None = None) -> None:
+def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None, keep: int = 0,
+                      deleted=(), best: int | None = None, keep_best: bool = False) -> None:
   """offload.dir must be writable and hold `needed_bytes` (the live stores) plus what `keep`
   checkpoints in `checkpoint_dir` pin (checkpoint.py). Same filesystem: one full copy of the
   stores each (hard links share the live files only until the next write-back). Another
   filesystem: the checkpoints are copies, so that one needs keep + 1 copies (the new one is written
   before the oldest is deleted), and offload.dir one more copy for the staging snapshot being
   copied. The checkpoints `deleted` (steps beyond keep, which a resume deletes first) count as
-  free, and the `best` kept beyond the newest (checkpoint.keep_best) as one of the `keep`.
-  Checked before anything is written."""
+  free, and the `best` kept beyond the newest (checkpoint.keep_best) as one of the `keep`
+  (`keep_best`: `keep` counts it, and the messages name checkpoint.keep without it). Checked
+  before anything is written."""
   existing = nearest_existing(pathlib.Path(directory).expanduser().absolute())
   if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
     raise ConfigError(f'offload.dir={directory}: {existing} is not a writable directory. Point '
@@ -605,12 +606,14 @@ def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
   checkpoints = (nearest_existing(pathlib.Path(checkpoint_dir).absolute())
                  if checkpoint_dir is not None and keep > 0 else None)
   same_disk = checkpoints is not None and same_filesystem(directory, checkpoint_dir)
+  keep_best = bool(keep_best and keep)  # no checkpoints: none kept
+  kept = f'checkpoint.keep={keep - keep_best}' + ' and the best (keep_best)' * keep_best
+  lower = keep - keep_best > 1  # keep=1 is the least
   if same_disk:
     needed = needed_bytes * (1 + keep)
     what = (f'the NVMe stores and their checkpoints need {human_bytes(needed)} (uncompressed '
-            f'FP32: {human_bytes(needed_bytes)} live, and each of checkpoint.keep={keep} pins one '
-            'more copy)')
-    fix += ', or lower checkpoint.keep' * (keep > 1)  # keep=1 is the least
+            f'FP32: {human_bytes(needed_bytes)} live, and each of {kept} pins one more copy)')
+    fix += ', or lower checkpoint.keep' * lower
   elif checkpoints is not None:
     needed = 2 * needed_bytes
     what = (f'the NVMe stores need {human_bytes(needed)} (uncompressed FP32: '
@@ -632,9 +635,9 @@ def check_offload_dir(directory: str, needed_bytes: int, checkpoint_dir=None,
             + bytes_held(snapshots(checkpoint_dir, keep, deleted, best)))
     if free < needed:
       raise ConfigError(
-          f'checkpoint.keep={keep}: the checkpoints in {checkpoint_dir} hold copies of the NVMe '
-          f'state (offload.dir is on another filesystem, so they cannot be hard links): they need '
+          f'{kept}: the checkpoints in {checkpoint_dir} hold copies of the NVMe state '
+          '(offload.dir is on another filesystem, so they cannot be hard links): they need '
           f'{human_bytes(needed)} ({keep} kept + 1 being written) but only {human_bytes(free)} '
           'are free there. Put offload.dir on the workdir\'s filesystem, '
-          f'{"lower checkpoint.keep, " * (keep > 1)}'
+          f'{"lower checkpoint.keep, " * lower}'
           'set checkpoint.every=-1 (no checkpoints), or free space.')
