@@ -228,17 +228,20 @@ PRESETS = {
     # CI VMs (BENCHMARKS.md); run --calibrate for a real machine. Sizes are read at plan time.
     'cpu': HardwareProfile(
         name='cpu', device_kind='cpu', device_memory_gb=0.0, host_memory_gb=0.0, disk_gb=0.0,
-        # The 2026-12-03 calibration (0.078, 0.107, 0.129) counted the causal half of the
-        # attention the layers execute whole: the same timings over the FLOPs executed.
-        compute_tflops={'float32@256': 0.0848, 'float32@512': 0.1117, 'float32@1024': 0.1319,
+        # `python bench/planner_accuracy.py`'s calibration, 2026-12-07, idle VM. The engines'
+        # layers run ~3x faster per FLOP than at the 2026-12-03 calibration (0.085, 0.112, 0.132
+        # TFLOP/s: token-major linears, RoPE tables once per step, head-major attention, keys
+        # skipped where masked), which the preset still held: the default job was predicted at
+        # 0.77 s/step and ran at 0.2.
+        compute_tflops={'float32@256': 0.328, 'float32@512': 0.351, 'float32@1024': 0.321,
                         'bfloat16': 0.02},
-        h2d_gbps=2.5, d2h_gbps=2.5, disk_read_gbps=1.0, disk_write_gbps=0.54, disks=1,
-        device_adam_gparams=1.47, host_adam_gparams=1.47, dispatch_s=8e-6, overlap=False,
-        # disk_write_cached_gbps: 1.19-1.26 in three runs of 2026-12-05 once the live stores
-        # stopped fsyncing each write (tiers/nvme.live_context); 0.59 with those fsyncs.
-        unified_memory=True, disk_read_cached_gbps=1.24, disk_write_cached_gbps=1.2,
+        h2d_gbps=15.7, d2h_gbps=15.7, disk_read_gbps=0.42, disk_write_gbps=0.48, disks=1,
+        device_adam_gparams=1.99, host_adam_gparams=1.99, dispatch_s=4e-6, overlap=False,
+        # disk_write_cached_gbps: into the page cache, the live stores not fsyncing each write
+        # (tiers/nvme.live_context).
+        unified_memory=True, disk_read_cached_gbps=3.39, disk_write_cached_gbps=1.52,
         runtime_host_gb=0.49, programs_host_gb=0.15,
-        source='`--calibrate` on a 2-core CI VM, 2026-12-03; run it on this machine'),
+        source='`--calibrate` on a 2-core CI VM, 2026-12-07; run it on this machine'),
 }
 ALIASES = {'h100-80gb': 'h100', 'h200-141gb': 'h200', 'a100-80gb': 'a100', '4090': 'rtx4090',
            'rtx-4090': 'rtx4090'}
