@@ -427,9 +427,11 @@ def _note_other_placement(restored, placement, offload) -> None:
   if not changed:
     return
   planned = [key for key in changed if offload.get(key) in ('auto', 0)]  # layers_per_group 0
-  why = (f'which the planner chose now (for the memory and disk free now, or as this version '
-         f'plans; set offload.{", offload.".join(planned)} to keep the earlier one)' if planned
-         else 'as offload.* now asks')
+  chose = (f'the planner chose now (for the memory and disk free now, or as this version plans; '
+           f'set offload.{", offload.".join(planned)} to keep the earlier one)')
+  # The fields set are the user's; `auto` ones the planner's, which may move with them.
+  why = ('as offload.* now asks' if not planned else f'which {chose}'
+         if len(planned) == len(changed) else f'as offload.* now asks and {chose}')
   print(f'note: checkpoint step {restored.step} was written under another placement '
         f'({"; ".join(f"{key} {was[key]} -> {now[key]}" for key in changed)}); the run resumes '
         f'under this one, {why}: the same arithmetic, possibly in another order, so its numbers '

@@ -358,8 +358,13 @@ def test_checkpoints_move_between_placements(tmp_path, tmp_path_factory, data, m
     assert ('which the planner chose now (for the memory and disk free now, or as this version '
             'plans; set offload.params, ') in notes[0]
   if first == NVME and second == HOST:  # the user's (the note blamed the planner)
-    assert len(notes) == 1 and 'under this one, as offload.* now asks: the same arithmetic, ' \
-        'possibly in another order' in notes[0] and 'not necessarily bit for bit' in notes[0], notes
+    assert len(notes) == 1 and 'under this one, as offload.* now asks' in notes[0], notes
+    assert 'the same arithmetic, possibly in another order' in notes[0], notes
+    assert 'not necessarily bit for bit' in notes[0], notes
+    # The planner's `auto` fields that moved with them are named as its choice.
+    auto = [key for key in ('optimizer_on', 'park_grads', 'keep_layer_inputs')
+            if f'{key} ' in notes[0].split('); the run resumes')[0]]
+    assert ('and the planner chose now' in notes[0]) == bool(auto), notes
   if 'offload__codec' in first:
     assert notes == []
   # The stores of the pieces that left NVMe are deleted (the full state, never read again).
@@ -964,9 +969,13 @@ def test_an_engine_that_fails_to_start_stops_its_store_threads(tmp_path, data, m
     original_put(self, *args)
 
   monkeypatch.setattr(StreamedEngine, '_put_initial_opt_state', out_of_memory_later)
+  # This run's threads: an earlier test's crashed run (run_until_crash) may still hold its own
+  # until garbage collection, later on a loaded machine (seen once in a full suite).
+  before = set(threading.enumerate())
   with pytest.raises(MemoryError):
     train.train_and_evaluate(config(data, **NVME), str(tmp_path / 'run'))
-  alive = [t.name for t in threading.enumerate() if t.name.startswith(('params-', 'opt_state-'))]
+  alive = [t.name for t in set(threading.enumerate()) - before
+           if t.name.startswith(('params-', 'opt_state-'))]
   assert alive == []
 
 
