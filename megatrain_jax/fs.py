@@ -56,6 +56,23 @@ def read_at_most(path, limit: int, field: str, fix: str, stream=None) -> bytes:
   return data
 
 
+# The largest JSON file of metadata another party gave that is read whole (config.json,
+# tokenizer_config.json, generation_config.json, a weight index): KB to a few MB.
+MAX_METADATA_BYTES = 64 << 20
+
+
+def read_json_at_most(path, field: str, fix: str, limit: int | None = None):
+  """The JSON in file `path`, read at most `limit` bytes (MAX_METADATA_BYTES; `read_at_most`:
+  more is a ConfigError naming `field`, the file, its size and `fix`), nested as deep as
+  `json_loads` allows.
+
+  Raises:
+    ConfigError: for a file over `limit`.
+    OSError, UnicodeDecodeError, json.JSONDecodeError: for the caller to name.
+  """
+  return json_loads(read_at_most(path, limit or MAX_METADATA_BYTES, field, fix).decode())
+
+
 def nearest_existing(path: pathlib.Path) -> pathlib.Path:
   """`path` or its closest existing ancestor: what a later mkdir would create inside."""
   while not path.exists():

@@ -51,6 +51,34 @@ def test_a_tokenizer_config_larger_than_it_may_be_is_refused_unread(tmp_path, to
     documents_module.read_tokenizer_config(tok)
 
 
+def test_metadata_json_larger_than_it_may_be_is_refused_unread(tmp_path, tokenizer_dir,
+                                                               monkeypatch):
+  """A checkpoint's config.json, its weight index and generation_config.json were read whole,
+  whatever their size: more than fs.MAX_METADATA_BYTES is refused naming the file, its size and
+  the limit (each is KB to a few MB)."""
+  from megatrain_jax import fs  # pylint: disable=import-outside-toplevel
+  from megatrain_jax.data import generation  # pylint: disable=import-outside-toplevel
+  limit = 4096
+  monkeypatch.setattr(fs, 'MAX_METADATA_BYTES', limit)
+  big = json.dumps({'architectures': ['LlamaForCausalLM'], 'pad': 'a' * limit})
+  model = tmp_path / 'model'
+  model.mkdir()
+  (model / 'config.json').write_text(big)
+  refused = rf'{{}} is {len(big):,} bytes, more than the {limit:,} read at most'
+  with pytest.raises(ConfigError, match=refused.format(r'.*config\.json')):
+    hf_format.read_hf_config(model)
+  (model / 'config.json').write_text('{}')
+  (model / 'model.safetensors.index.json').write_text(big)
+  with pytest.raises(ConfigError, match=refused.format(r'.*model\.safetensors\.index\.json')):
+    hf_format._weight_files(model)  # pylint: disable=protected-access
+  tok_dir = tmp_path / 'tok'
+  tok_dir.mkdir()
+  (tok_dir / 'tokenizer.json').write_bytes((tokenizer_dir / 'tokenizer.json').read_bytes())
+  (tok_dir / 'generation_config.json').write_text(big)
+  with pytest.raises(ConfigError, match=refused.format(r'--sample: .*generation_config\.json')):
+    generation.read_generation_config(load_tokenizer(str(tok_dir)))
+
+
 class _RecordingOffsets(_Recording):
   def encodings(self, texts):
     self.longest = max([self.longest] + [len(t) for t in texts])

@@ -151,7 +151,7 @@ def token_text(value: Any) -> str | None:
 
 
 # The largest tokenizer_config.json read (read whole; the largest known are a few MB).
-MAX_TOKENIZER_CONFIG_BYTES = 64 << 20
+MAX_TOKENIZER_CONFIG_BYTES = fs.MAX_METADATA_BYTES
 
 
 def read_tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
@@ -163,10 +163,10 @@ def read_tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
   if not config_path.is_file():
     return {}
   try:
-    config = fs.json_loads(fs.read_at_most(
-        config_path, MAX_TOKENIZER_CONFIG_BYTES, 'data.tokenizer',
-        f'a {_TOKENIZER_CONFIG} is KB to a few MB: replace it with the model\'s own'
-    ).decode('utf-8'))
+    config = fs.read_json_at_most(
+        config_path, 'data.tokenizer',
+        f'a {_TOKENIZER_CONFIG} is KB to a few MB: replace it with the model\'s own',
+        MAX_TOKENIZER_CONFIG_BYTES)
   except ConfigError:
     raise
   except (OSError, ValueError) as e:

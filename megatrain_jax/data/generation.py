@@ -37,7 +37,10 @@ def read_generation_config(tokenizer: Tokenizer) -> tuple[dict[str, Any], Path |
   if config_path is None or not config_path.is_file():
     return {}, None
   try:
-    config = fs.json_loads(config_path.read_text(encoding='utf-8'))
+    config = fs.read_json_at_most(config_path, '--sample', f'a {GENERATION_CONFIG} is a few '
+                                  'hundred bytes: fix or remove it')
+  except ConfigError:
+    raise
   except (OSError, ValueError) as e:
     raise ConfigError(f'--sample: {config_path} is not JSON ({e}); fix or remove it.') from e
   if not isinstance(config, dict):

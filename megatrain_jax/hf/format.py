@@ -203,7 +203,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     raise ConfigError(f'{directory} has no {_CONFIG_FILE}: it is not a Hugging Face model '
                       'directory. Pass the directory written by save_pretrained.')
   try:
-    hf_config = fs.json_loads(config_file.read_text())
+    hf_config = fs.read_json_at_most(config_file, 'the Hugging Face model',
+                                     'a config.json is a few KB: copy the model\'s own')
   except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
     raise ConfigError(f'cannot parse {config_file}: {e}. Re-export it with save_pretrained.') from e
   if not isinstance(hf_config, dict):
@@ -505,7 +506,8 @@ def _weight_files(directory: Path) -> dict[str, Path]:
       return {name: single for name in f.keys()}
   if index.is_file():
     try:
-      weight_map = fs.json_loads(index.read_text())['weight_map']
+      weight_map = fs.read_json_at_most(index, 'the Hugging Face model', 'an index is KB to a '
+                                        'few MB: copy the model\'s own')['weight_map']
       if not isinstance(weight_map, dict) or not all(
           isinstance(v, str) for v in weight_map.values()):
         raise TypeError('not an object of tensor names to file names')
