@@ -10,6 +10,7 @@ run that beats it would read as "mfu 100.4%".
 """
 
 import dataclasses
+import itertools
 import json
 import math
 import pathlib
@@ -192,8 +193,14 @@ class EventFile:
 
   def __init__(self, directory: pathlib.Path, purge_step: int):
     directory.mkdir(parents=True, exist_ok=True)
-    self.path = directory / f'events.out.tfevents.{int(time.time())}.{socket.gethostname()}'
-    self._file = open(self.path, 'wb')
+    name = f'events.out.tfevents.{int(time.time())}.{socket.gethostname()}'
+    self.path = directory / name
+    for attempt in itertools.count(1):  # an attempt started in the same second keeps its file
+      try:
+        self._file = open(self.path, 'xb')
+        break
+      except FileExistsError:
+        self.path = directory / f'{name}.{attempt}'
     event_pb2 = tensorboardX.proto.event_pb2
     with fs.naming(self.path):
       self._add(event_pb2.Event(wall_time=time.time(), step=purge_step,

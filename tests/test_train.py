@@ -140,6 +140,22 @@ def test_metrics_rows_past_the_restart_step_are_dropped(tmp_path, start_step, ke
   assert oct((tmp_path / 'metrics.jsonl').stat().st_mode & 0o777) == oct(0o644)
 
 
+def test_attempts_in_the_same_second_keep_their_own_event_files(tmp_path, monkeypatch):
+  """Event files are named by the second they are opened: a rerun within the same second (an
+  attempt that stopped at once, a scheduler's quick restart) truncated the earlier attempt's
+  file. Each now has its own, and TensorBoard reads both in order."""
+  from tensorboard.backend.event_processing import event_accumulator
+  monkeypatch.setattr(metrics.time, 'time', lambda: 1_800_000_000.0)
+  for start_step, step, loss in ((0, 1, 2.0), (1, 2, 1.0)):
+    with metrics.MetricsWriter(tmp_path, total_steps=4, start_step=start_step,
+                               progress_bar=False) as writer:
+      writer.write(step, {'learning/loss': loss}, console=False)
+  assert len(list((tmp_path / 'tensorboard').glob('events.out.tfevents.*'))) == 2
+  events = event_accumulator.EventAccumulator(str(tmp_path / 'tensorboard'))
+  events.Reload()
+  assert [(e.step, e.value) for e in events.Scalars('learning/loss')] == [(1, 2.0), (2, 1.0)]
+
+
 # A run's metrics as its disk fills: rows until an event file's write fails, then the run's own
 # error (the checkpoint's DiskFullError, as the trainer raises it) while rows are still buffered.
 _FILLED_METRICS = """
