@@ -28,8 +28,8 @@ from megatrain_jax.data import shards as shards_module
 from megatrain_jax.errors import ConfigError
 
 from helpers import QWEN3_TEMPLATE_HEAD
-from test_data_formats import (CONVERSATION, EOS, _data_config, _prepared_chat, _stream, _tokenizer_with,
-                               _tool_chat_tokenizer, _write_jsonl, documents,
+from test_data_formats import (CONVERSATION, EOS, _data_config, _prepared_chat, _stream,
+                               _tokenizer_with, _tool_chat_tokenizer, _write_jsonl, documents,
                                tokenizer_dir)  # noqa: F401  (fixtures)
 
 
@@ -651,13 +651,18 @@ def test_a_saved_datasets_state_json_naming_files_elsewhere_is_refused(tmp_path)
     ('{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}',
      r'its ranges hold more than 1,[0-9,]+ items in all'),
     ('{% for i in range(100) %}{{ messages }}{% endfor %}', r'renders more than 1,[0-9,]+ '
-     'characters of this record')],
-                         ids=['multiply', 'doubling', 'nested-loops', 'output'])
+     'characters of this record'),
+    ('{% set ns = namespace(x="") %}{% for i in range(1000) %}{% for j in range(1000) %}'
+     '{% set ns.x = ns.x + "a" %}{% endfor %}{% endfor %}{{ ns.x|length }}',
+     r'makes more than [0-9,]+ characters \(or items\) in all .* \(a loop that grows a value\?\)')],
+                         ids=['multiply', 'doubling', 'nested-loops', 'output', 'growing'])
 def test_a_chat_template_makes_nothing_much_larger_than_its_record(tmp_path, template, why):
   """A chat template comes with a downloaded checkpoint, and jinja2's sandbox bounds neither
   memory nor time: '{{ "a" * 10**10 }}' took 13.5 GB, nested range loops ran until killed (in
-  the check before anything is written). Values, output and ranges are bounded by the record's
-  size: such a record is a bad record, named, and a real conversation renders as before."""
+  the check before anything is written), a loop growing a string by `+` (each value within the
+  budget, their sum quadratic) took 15 s a rendering. Values, output, ranges and what a rendering
+  makes in all are bounded by the record's size: such a record is a bad record, named, and a
+  real conversation renders as before."""
   import signal  # pylint: disable=import-outside-toplevel
   path = tmp_path / 'chat_template.jinja'
   path.write_text(template)

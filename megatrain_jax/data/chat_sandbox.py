@@ -31,7 +31,12 @@ from typing import Any
 # 13.5 GB; nested range loops ran until killed).
 RENDER_SLACK = 1 << 20
 RENDER_FACTOR = 4
-_BUDGET = contextvars.ContextVar('render_budget', default=None)  # [limit, range items left]
+# What a rendering may make in all, its values summed, as a multiple of its budget: a loop that
+# grows a value by `+` makes each value within the budget but their sum quadratic (a million
+# iterations over a 1 MB string ran for hours); real templates make a few times the record.
+WORK_FACTOR = 64
+# [limit, range items left, characters (or items) it may still make]
+_BUDGET = contextvars.ContextVar('render_budget', default=None)
 _BINOPS = {'+': operator.add, '*': operator.mul, '**': operator.pow, '%': operator.mod}
 
 
@@ -51,7 +56,7 @@ def render(template: str, budget: int, **variables) -> str:
     TemplateRefused: for a value or an output beyond the budget, raise_exception, or any error
       jinja2 raises (UndefinedError, SecurityError, ...), named.
   """
-  token = _BUDGET.set([budget, budget])
+  token = _BUDGET.set([budget, budget, WORK_FACTOR * budget])
   try:
     pieces, size = [], 0
     for piece in compiled(template).generate(**variables):
@@ -175,14 +180,21 @@ def _sized_environment_class():
 
 
 def _budget() -> list[int]:
-  return _BUDGET.get() or [RENDER_SLACK, RENDER_SLACK]
+  return _BUDGET.get() or [RENDER_SLACK, RENDER_SLACK, WORK_FACTOR * RENDER_SLACK]
 
 
 def _refuse_over(what: str, size: int) -> None:
-  """Raises TemplateRefused where `what` would make a value of `size` beyond the render's budget."""
-  if size > RENDER_SLACK and size > _budget()[0]:  # every budget holds RENDER_SLACK
+  """Raises TemplateRefused where `what` would make a value of `size` beyond the render's budget,
+  or more than WORK_FACTOR times it with the values made so far."""
+  budget = _budget()
+  if size > RENDER_SLACK and size > budget[0]:  # every budget holds RENDER_SLACK
     raise TemplateRefused(f'chat template: {what} would make a value of {size:,} characters (or '
-                          f'items), more than this record may render to ({_budget()[0]:,})')
+                          f'items), more than this record may render to ({budget[0]:,})')
+  budget[2] -= size
+  if budget[2] < 0:
+    raise TemplateRefused(f'chat template: makes more than {WORK_FACTOR * budget[0]:,} '
+                          f'characters (or items) in all while rendering this record, '
+                          f'{WORK_FACTOR}x what it may render to (a loop that grows a value?)')
 
 
 def _sized_binop(context, op: str, left, right):
