@@ -186,7 +186,7 @@ def _budget() -> list[int]:
 def _refuse_over(what: str, size: int) -> None:
   """Raises TemplateRefused where `what` would make a value of `size` beyond the render's budget,
   or more than WORK_FACTOR times it with the values made so far."""
-  budget = _budget()
+  budget = _BUDGET.get() or _budget()
   if size > RENDER_SLACK and size > budget[0]:  # every budget holds RENDER_SLACK
     raise TemplateRefused(f'chat template: {what} would make a value of {size:,} characters (or '
                           f'items), more than this record may render to ({budget[0]:,})')
@@ -201,6 +201,9 @@ def _sized_binop(context, op: str, left, right):
   """A template's +, *, ** and % (the sandbox's intercepted binops), refused where the value
   would be larger than the render's budget allows."""
   del context
+  if op == '+' and type(left) is str and type(right) is str:  # most of them: sized inline
+    _refuse_over(op, len(left) + len(right))
+    return left + right
   _refuse_over(op, _binop_size(op, left, right))
   return _BINOPS[op](left, right)
 
@@ -338,6 +341,11 @@ def _width(width) -> int:
   return len(width) if isinstance(width, str) else _int(width)
 
 
+# The filters that show their input as text, sized as it is: a string's is its length.
+_TEXT_FILTERS = frozenset(('string', 'upper', 'lower', 'title', 'capitalize', 'trim',
+                           'striptags', 'escape', 'e', 'forceescape', 'truncate', 'wordcount',
+                           'urlencode', 'xmlattr'))
+
 # The filters whose value may be far larger than their input ('x'|center(10**10), a list of one
 # string repeated, joined), each with the size of the value it would make, from its arguments
 # (named as jinja2's filters name them); those that show their input as text (upper, escape,
@@ -365,9 +373,7 @@ _FILTER_SIZES = {
     'urlize': lambda value, trim_url_limit=None, nofollow=False, target=None, rel=None, **_: (
         3 * _shown_size(value) + (str(value).count(' ') + _lines(value)) * (
             64 + _width(target or '') + _width(rel or ''))),
-    **{name: lambda value, *_, **__: _shown_size(value) for name in (
-        'string', 'upper', 'lower', 'title', 'capitalize', 'trim', 'striptags', 'escape', 'e',
-        'forceescape', 'truncate', 'wordcount', 'urlencode', 'xmlattr')},
+    **{name: lambda value, *_, **__: _shown_size(value) for name in _TEXT_FILTERS},
 }
 
 
@@ -376,8 +382,13 @@ def _sized_filter(name: str, apply, size_of):
   from jinja2.utils import _PassArg  # pylint: disable=g-import-not-at-top
   skip = 0 if _PassArg.from_obj(apply) is None else 1  # the environment or context first
 
+  textual = name in _TEXT_FILTERS
+
   @functools.wraps(apply)  # keeps jinja2's pass_environment / pass_eval_context marks
   def sized(*args, **kwargs):
+    if textual and len(args) > skip and type(args[skip]) is str:  # most calls: sized inline
+      _refuse_over(f'the filter {name!r}', len(args[skip]))
+      return apply(*args, **kwargs)
     args = list(args)
     if len(args) > skip and isinstance(args[skip], Iterator):
       args[skip] = list(args[skip])  # a generator is counted, then filtered, once
@@ -392,7 +403,7 @@ def _sized_filter(name: str, apply, size_of):
 
 def _sized_output(value):
   """The value of a {{ ... }}, refused where it would show as more than the budget."""
-  _refuse_over('{{ ... }}', _shown_size(value))
+  _refuse_over('{{ ... }}', len(value) if type(value) is str else _shown_size(value))
   return value
 
 

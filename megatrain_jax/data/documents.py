@@ -451,14 +451,16 @@ def _sharegpt_messages(turns: Any) -> list:
 
 
 def _render(messages: list, fmt: DocumentFormat, generation_prompt: bool,
-            tools: list | None = None) -> str:
-  """The rendered conversation, in the sandbox's budget of a record its size (chat_sandbox):
-  anything the template refuses or fails on is a bad record."""
+            tools: list | None = None, budget: int | None = None) -> str:
+  """The rendered conversation, in the sandbox's budget of a record its size (chat_sandbox;
+  `budget`: the whole record's, computed once for its renderings): anything the template
+  refuses or fails on is a bad record."""
+  if budget is None:
+    budget = chat_sandbox.record_budget(messages, tools)
   try:
     return chat_sandbox.render(
-        fmt.chat_template, chat_sandbox.record_budget(messages, tools), messages=messages,
-        add_generation_prompt=generation_prompt, bos_token=fmt.bos_text,
-        eos_token=fmt.eos_text, tools=tools)
+        fmt.chat_template, budget, messages=messages, add_generation_prompt=generation_prompt,
+        bos_token=fmt.bos_text, eos_token=fmt.eos_text, tools=tools)
   except chat_sandbox.TemplateRefused as e:
     raise BadRecord(str(e)) from e
 
@@ -469,7 +471,9 @@ def chat_parts(messages: list, fmt: DocumentFormat, learn_from: int = 0,
   turn from message `learn_from` on, as the whole conversation renders it (from the end of the
   rendering of the turns before it with the generation prompt, through the turn's end marker),
   is learned, the rest is not."""
-  render = functools.partial(_render, fmt=fmt, tools=tools)
+  # Every rendering of a prefix within the whole record's budget (str() of it, once: ~7 us).
+  render = functools.partial(_render, fmt=fmt, tools=tools,
+                             budget=chat_sandbox.record_budget(messages, tools))
   full = render(messages, generation_prompt=False)
   parts, done = [], 0
   for i, message in enumerate(messages):
