@@ -134,6 +134,7 @@ def test_random_or_damaged_bytes_named_arrow_are_refused_naming_the_file(tmp_pat
   continuation token') as a traceback, and a damaged string (not UTF-8) a UnicodeDecodeError:
   both are ConfigErrors naming the file (and the rows)."""
   import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet  # pylint: disable=import-outside-toplevel,unused-import
   noise = tmp_path / 'noise.arrow'
   noise.write_bytes(random.Random(0).randbytes(4096))
   with pytest.raises(ConfigError, match=rf'data\.path: {noise} is not a readable Arrow IPC file'):
@@ -149,6 +150,18 @@ def test_random_or_damaged_bytes_named_arrow_are_refused_naming_the_file(tmp_pat
   with pytest.raises(ConfigError, match=rf'data\.path: {damaged}: rows 50 to 99 cannot be read '
                      r'\(.*UTF8.*\); the file is damaged'):
     prepare_dataset(tmp_path / 'o2', ByteTokenizer(), train_sources=[damaged])
+  # Given as the validation data, the option named is that one (it said data.path).
+  with pytest.raises(ConfigError, match=rf'data\.val_path: {damaged}: rows 50 to 99 cannot be '
+                     r'read .*remove it from data\.val_path\.'):
+    prepare_dataset(tmp_path / 'o3', ByteTokenizer(), train_sources=[good],
+                    val_sources=[damaged])
+  parquet = tmp_path / 'damaged.parquet'
+  pa.parquet.write_table(table, parquet, compression='none', row_group_size=50)
+  parquet.write_bytes(parquet.read_bytes().replace(b'record 60 ', b'\xffecord 60 ', 1))
+  with pytest.raises(ConfigError, match=rf'data\.val_path: {parquet}: rows 50 to 99 cannot be '
+                     r'read .*remove it from data\.val_path\.'):
+    prepare_dataset(tmp_path / 'o4', ByteTokenizer(), train_sources=[good],
+                    val_sources=[parquet])
 
 
 def test_json_nested_deeper_than_python_reads_is_named(tmp_path, tokenizer_dir):

@@ -777,6 +777,7 @@ class ParquetTask:
   first_row: int
   columns: tuple[str, ...]
   batches: tuple = ()
+  field: str = 'data.path'  # the option that named the file (an error names it)
 
 
 def parquet_tasks(path: Path, fmt: DocumentFormat,
@@ -805,11 +806,11 @@ def parquet_tasks(path: Path, fmt: DocumentFormat,
       row += batch.num_rows
       if size >= CHUNK_BYTES:
         done += scale * info.total_byte_size * (row - first) / max(info.num_rows, 1)
-        yield ParquetTask(str(path), group, first, columns, tuple(held)), int(done)
+        yield ParquetTask(str(path), group, first, columns, tuple(held), field), int(done)
         first, held, size = row, [], 0
     if held:
       done += scale * info.total_byte_size * (row - first) / max(info.num_rows, 1)
-      yield ParquetTask(str(path), group, first, columns, tuple(held)), int(done)
+      yield ParquetTask(str(path), group, first, columns, tuple(held), field), int(done)
 
 
 def _row_group_batches(file, path: Path, group: int, columns: tuple[str, ...], first_row: int,
@@ -833,26 +834,27 @@ def _parquet_documents(task: ParquetTask, fmt: DocumentFormat, bad: list) -> lis
   """The documents of a task's rows."""
   docs, row = [], task.first_row
   for batch in task.batches:
-    row = _batch_documents(batch, task.columns, task.file, row, fmt, docs, bad)
+    row = _batch_documents(batch, task, row, fmt, docs, bad)
   return docs
 
 
-def _batch_documents(batch, columns, file: str, row: int, fmt: DocumentFormat, docs: list,
-                     bad: list) -> int:
-  """Appends the documents of an Arrow record batch's rows (their `columns`) to `docs`, a bad
-  record's 'file: row N: why' to `bad`; returns the next row's index.
+def _batch_documents(batch, task, row: int, fmt: DocumentFormat, docs: list, bad: list) -> int:
+  """Appends the documents of an Arrow record batch's rows (the columns of `task`, a
+  ParquetTask or ArrowTask) to `docs`, a bad record's 'file: row N: why' to `bad`; returns the
+  next row's index.
 
   Raises:
-    ConfigError: (naming the file and rows) a batch whose strings are not UTF-8 or whose
-      offsets run outside its buffers (a damaged file: reading checks neither).
+    ConfigError: (naming the task's field, the file and rows) a batch whose strings are not
+      UTF-8 or whose offsets run outside its buffers (a damaged file: reading checks neither).
   """
+  columns, file, field = task.columns, task.file, task.field
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   try:
     batch.validate(full=True)
   except pa.ArrowInvalid as e:
-    raise ConfigError(f'data.path: {file}: rows {row} to {row + batch.num_rows - 1} cannot be '
+    raise ConfigError(f'{field}: {file}: rows {row} to {row + batch.num_rows - 1} cannot be '
                       f'read ({e}); the file is damaged: download or write it again, or remove '
-                      'it from data.path.') from e
+                      f'it from {field}.') from e
   values = [batch.column(name).to_pylist() for name in columns]
   for record_values in zip(*values):
     try:
@@ -913,6 +915,7 @@ class ArrowTask:
   batches: int
   first_row: int
   columns: tuple[str, ...]
+  field: str = 'data.path'  # the option that named the file (an error names it)
 
 
 def arrow_tasks(path: Path, fmt: DocumentFormat, field: str) -> Iterator[tuple[ArrowTask, int]]:
@@ -925,20 +928,20 @@ def arrow_tasks(path: Path, fmt: DocumentFormat, field: str) -> Iterator[tuple[A
     row += batch.num_rows
     if size >= CHUNK_BYTES:
       done += size
-      yield ArrowTask(str(path), first, count - first, first_row, columns), done
+      yield ArrowTask(str(path), first, count - first, first_row, columns, field), done
       first, first_row, size = count, row, 0
   if count > first:
-    yield ArrowTask(str(path), first, count - first, first_row, columns), done + size
+    yield ArrowTask(str(path), first, count - first, first_row, columns, field), done + size
 
 
 def _arrow_documents(task: ArrowTask, fmt: DocumentFormat, bad: list) -> list:
   docs, row = [], task.first_row
-  _, batches = _arrow_batches(Path(task.file), 'data.path')
+  _, batches = _arrow_batches(Path(task.file), task.field)
   for index, batch in enumerate(batches):
     if index >= task.first_batch + task.batches:
       break
     if index >= task.first_batch:
-      row = _batch_documents(batch, task.columns, task.file, row, fmt, docs, bad)
+      row = _batch_documents(batch, task, row, fmt, docs, bad)
   return docs
 
 
