@@ -397,8 +397,9 @@ def _check_checkpoint_room(config, model_cfg, placement, checkpointer: Checkpoin
   also += ', the prepared data written' if prepared else ''
   also += (f', the NVMe stores and their snapshots ({fs.human_bytes(stores)} more) on the same '
            'disk' if stores else '')
-  many = (f'{count} at once, {fs.human_bytes(one)} each: checkpoint.keep={keep} kept, and the '
-          'next written before the oldest is deleted' if count > 1 else
+  best = ' and the best (keep_best)' if config.checkpoint.keep_best else ''
+  many = (f'{count} at once, {fs.human_bytes(one)} each: checkpoint.keep={keep}{best} kept, and '
+          'the next written before the oldest is deleted' if count > 1 else
           f'one checkpoint of {fs.human_bytes(one)}')
   raise ConfigError(
       f'checkpoint: the checkpoints of this run need {fs.human_bytes(needed)} more in '

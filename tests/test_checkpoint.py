@@ -616,6 +616,12 @@ def test_the_start_up_check_counts_every_checkpoint_kept_and_the_data(tmp_path, 
             'before the oldest is deleted' in str(error.value)), error.value
     assert f'lower checkpoint.keep (keep=1 needs {one * 2 / 1e6:.2f} MB' in str(error.value)
     assert not (workdir / 'checkpoints').exists()
+    with pytest.raises(ConfigError) as error:  # the best kept too: one more, named (not keep=4)
+      train.train_and_evaluate(config(data, steps=10, checkpoint__every=2, train__eval_every=2,
+                                      checkpoint__keep_best=True, data__cache_dir=str(
+                                          tmp_path / 'data')), str(workdir))
+    assert ('(5 at once, ' in str(error.value) and 'checkpoint.keep=3 and the best (keep_best) '
+            'kept, and the next written' in str(error.value)), error.value
     ballast.unlink()
     # Room for the one checkpoint of keep=1, but not beside the data prepared into the workdir
     ballast = fill(disk, leave_bytes=one + (1 << 20))  # the data: 2.25 MB
