@@ -470,6 +470,11 @@ def test_a_template_that_writes_the_system_message_into_the_last_turn_only(tmp_p
     assert tokens.tolist() == theirs['input_ids'], n
     assert mask.tolist() == theirs['assistant_masks'], n
   assert tok.decode(tokens[mask == 1]) == f' Paris.{EOS} Rome.{EOS}'
+  caplog.clear()  # data prepared already: nothing read, nothing said
+  with caplog.at_level('WARNING'):
+    prepare_dataset(tmp_path / 'c2-out', tok, train_sources=[tmp_path / 'c2.jsonl'],
+                    val_fraction=0.5)
+  assert not any('Mistral v0.3' in r.getMessage() for r in caplog.records)
   # A template that keeps the system message in a whole conversation gives no warning.
   assert not documents_module.drops_system_message(document_format(
       _tokenizer_with(tmp_path / 'kept', tokenizer_dir, {'eos_token': EOS, 'chat_template':

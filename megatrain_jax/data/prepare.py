@@ -253,12 +253,6 @@ def _plan(out_dir, tokenizer, train_sources, val_sources, val_fraction, doc_form
   if doc_format is None and needs_documents(train_files + val_files):
     doc_format = document_format(tokenizer)
   text_documents = doc_format is not None and doc_format.text_documents
-  if doc_format is not None and drops_system_message(doc_format):
-    _LOG.warning('prepare: the chat template writes a system message into a prompt but leaves '
-                 'it out of a whole conversation (it writes it into the last user turn only, '
-                 'as Mistral v0.3\'s does), so conversations with one are learned without it, '
-                 'as transformers\' apply_chat_template renders them; set data.chat_template '
-                 'to a template that keeps it to learn with it')
   formats.check_directories(train_sources, text_documents, 'data.path')
   formats.check_directories(val_sources, text_documents, 'data.val_path')
   check_sources(train_files, doc_format, 'data.path')
@@ -379,6 +373,12 @@ def _run(job: _Job, identity: dict[str, Any]) -> dict[str, Any]:
         path.unlink(missing_ok=True)
   progress = {'fingerprint': identity['fingerprint'], 'dtype': job.dtype,
               'tasks': _TASKS_VERSION, 'streams': progress.get('streams', {})}
+  if job.fmt is not None and drops_system_message(job.fmt):  # said as the records are read
+    _LOG.warning('prepare: the chat template writes a system message into a prompt but leaves '
+                 'it out of a whole conversation (it writes it into the last user turn only, '
+                 'as Mistral v0.3\'s does), so conversations with one are learned without it, '
+                 'as transformers\' apply_chat_template renders them; set data.chat_template '
+                 'to a template that keeps it to learn with it')
   try:
     stats = _tokenize_streams(job, progress)
   except ConfigError:
