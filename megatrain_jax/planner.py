@@ -354,12 +354,17 @@ class Plan:
         over['host (shared with device)'] = (shared, b['host'])
     elif host > b['host']:
       over['host'] = (host, b['host'])
-    pinned = pinned_bytes(self.rows) + sum(r.bytes for r in self.rows if r.item == POOL_ROW)
+    pinned = self.pinned_used()
     if '_pinned' in b and pinned > b['_pinned']:
       over[PINNED_ROW] = (pinned, b['_pinned'])
     if nvme > b['nvme']:
       over['nvme'] = (nvme, b['nvme'])
     return over
+
+  def pinned_used(self) -> float:
+    """Bytes of XLA's pinned pool at its peak: the pinned rows and the pool's growth beyond them
+    (the NVMe reads staged there among it), against XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB."""
+    return pinned_bytes(self.rows) + sum(r.bytes for r in self.rows if r.item == POOL_ROW)
 
   @property
   def fits(self) -> bool:
@@ -1296,7 +1301,7 @@ def format_plan(plan: Plan, hw: HardwareProfile) -> str:
     out.append(f'{tier:<8}{"total / available" + note:<44}{used / _GB:>12,.3f}  of '
                f'{budget / _GB:,.1f} GB')
     if tier == 'host' and '_pinned' in plan.budgets:
-      pinned = used - sum(r.bytes for r in rows if r.item == STAGING_ROW)
+      pinned = plan.pinned_used()  # the process's own rows and the NVMe staging: unpinned
       out.append(f'{tier:<8}{"pinned / " + PINNED_LIMIT_ENV:<44}{pinned / _GB:>12,.3f}  of '
                  f'{plan.budgets["_pinned"] / _GB:,.1f} GB')
   t = plan.times

@@ -392,6 +392,27 @@ def test_pinned_host_limit_the_user_set_is_budgeted_and_named(monkeypatch):
     planner.plan_run(config, hw)
 
 
+def test_the_pinned_line_of_the_table_is_what_the_cap_is_checked_against(monkeypatch):
+  """The table's `pinned / XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` line counted the process's own
+  rows (runtime, programs: not pinned) that the check leaves out, so a plan that fits printed
+  more than its cap (1,048.9 of 1,046.9 GB). It prints what the check compares."""
+  monkeypatch.setattr(megatrain_jax, 'PINNED_LIMIT_FROM_USER', True)
+  monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '975')
+  config = config_lib.load_config('101b', hardware='h200')
+  for field, value in dict(params='nvme', opt_state='host', activations='host',
+                           optimizer_on='device').items():
+    setattr(config.offload, field, value)
+  hw = hardware.load_profile('h200')
+  plan = planner.plan_run(config, hw)
+  assert plan.fits
+  line = next(l for l in planner.format_plan(plan, hw).splitlines()
+              if l.startswith('host    pinned / XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'))
+  used, cap = (float(x.replace(',', '')) for x in re.findall(r'[\d,]+\.\d+', line))
+  pinned = planner.pinned_bytes(plan.rows) + sum(
+      r.bytes for r in plan.rows if r.item == planner.POOL_ROW)
+  assert used == pytest.approx(pinned / 1e9, abs=1e-3) and used <= cap, line
+
+
 def _7b_on_128_gib(tier: str):
   """(config, profile): 7b on an H100 box with 128 GiB of RAM, its layers' weights and Adam state
   in `tier`, streamed one layer at a time with the optimizer on the device."""
