@@ -90,9 +90,12 @@ class Placement:
     """NVMe reads on their way to the device at once, each a `device_put` of numpy that XLA's GPU
     client copies into its pinned pool first (planner.pinned_pool_rows): prefetch_depth + 1
     groups of the disk-resident weights and, with the optimizer on the device, of their Adam
-    state (the host optimizer reads that into pinned host memory: a row of its own)."""
-    per_param = 4 * (self.params == 'nvme') + 8 * (self.opt_state == 'nvme' and
-                                                    self.optimizer_on == 'device')
+    state and parked gradients (the host optimizer reads those into pinned host memory: a row
+    of its own). An embedding/head chunk on NVMe is no heavier than a group (vocab_slices) and
+    read in another stage: it adds nothing to the peak."""
+    on_device = self.optimizer_on == 'device'
+    per_param = (4 * (self.params == 'nvme') + 8 * (self.opt_state == 'nvme' and on_device)
+                 + 4 * (self.parked_grads_tier == 'nvme' and on_device))
     return ((self.prefetch_depth + 1) * per_param * self.layers_per_group *
             model_cfg.params_per_layer if self.streamed else 0)
 

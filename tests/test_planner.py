@@ -461,7 +461,11 @@ def test_nvme_reads_staged_in_the_pinned_pool_are_counted(monkeypatch):
   plan = planner.plan_run(config, hw, suggest_presets=False)
   pinned = planner.pinned_bytes(plan.rows)
   staged = plan.staged_bytes  # two one-layer groups of weights and Adam state on their way
-  assert staged == 2 * 12 * ModelConfig.from_config_dict(config.model).params_per_layer
+  per_layer = ModelConfig.from_config_dict(config.model).params_per_layer
+  assert staged == 2 * 12 * per_layer
+  config.offload.park_grads = 'weights'  # parked beside the weights, on NVMe: read back too
+  assert planner.plan_run(config, hw, suggest_presets=False).staged_bytes == 2 * 16 * per_layer
+  config.offload.park_grads = 'device'
   pool = sum(r.bytes for r in plan.rows if r.item == planner.POOL_ROW)
   assert plan.fits and staged > 2**30
   assert pool == pytest.approx(planner.pinned_pool_bytes(pinned + staged, 128 * 2**30) - pinned)
