@@ -181,16 +181,15 @@ def calibrate(config: ml_collections.ConfigDict, workdir: str, out: str = '') ->
 
 
 def _disk_free_gb(offload_dir: str, hw: hardware.HardwareProfile, dry_run: bool,
-                  checkpoint_dir: pathlib.Path | None, keep: int = 0, deleted=(),
-                  best: int | None = None) -> float:
+                  checkpoint_dir: pathlib.Path | None, **snapshots) -> float:
   """Disk the NVMe tier may use: a profile that states it (a preset) is believed for a dry run;
   a real run never plans for more than offload.dir's filesystem has free, counting what the run
   in the workdir holds there already (its stores and checkpoints: a resume plans as it started,
-  and the checkpoints `deleted` beyond a lowered keep are freed first; the `best` is kept)."""
+  and the checkpoints beyond a lowered keep are freed first: `snapshots`, _run_snapshots)."""
   existing = fs.nearest_existing(pathlib.Path(offload_dir).expanduser().absolute())
   if not dry_run and not os.access(existing, os.W_OK | os.X_OK):
     return 0.0  # nothing can be stored there
-  held = nvme.held_by_run(offload_dir, checkpoint_dir, keep, deleted, best)
+  held = nvme.held_by_run(offload_dir, checkpoint_dir, **snapshots)
   free = hardware.free_disk_gb(offload_dir) + held / 1e9
   if hw.disk_gb and dry_run:
     return hw.disk_gb
@@ -221,10 +220,9 @@ def _nvme_on_checkpoint_disk(config, model_cfg, placement, checkpoints: pathlib.
   offload_dir = placement.dir or str(checkpoints.parent / 'offload')
   if not nvme.same_filesystem(offload_dir, checkpoints):
     return 0
-  keep = planner.kept_checkpoints(config.checkpoint)
-  deleted = _deleted_at_resume(config, checkpoints)
-  held = nvme.held_by_run(offload_dir, checkpoints, keep, deleted, _best_kept(config, checkpoints))
-  return max(0, int(_nvme_store_bytes(model_cfg, placement) * (1 + keep)
+  snapshots = _run_snapshots(config, checkpoints)
+  held = nvme.held_by_run(offload_dir, checkpoints, **snapshots)
+  return max(0, int(_nvme_store_bytes(model_cfg, placement) * (1 + snapshots['keep'])
                     + placement.write_budget_bytes(model_cfg)) - held)
 
 
@@ -232,12 +230,17 @@ def _check_offload_dir(config, model_cfg, workdir: pathlib.Path, placement) -> N
   """offload.dir is writable and holds the NVMe stores plus what kept checkpoints pin."""
   offload_dir = placement.dir or str(workdir / 'offload')
   needed = _nvme_store_bytes(model_cfg, placement)
-  nvme.check_offload_dir(offload_dir, needed,
-                         checkpoint_dir=workdir / 'checkpoints',
-                         keep=planner.kept_checkpoints(config.checkpoint),
-                         deleted=_deleted_at_resume(config, workdir / 'checkpoints'),
-                         best=_best_kept(config, workdir / 'checkpoints'),
-                         keep_best=config.checkpoint.keep_best)
+  nvme.check_offload_dir(offload_dir, needed, checkpoint_dir=workdir / 'checkpoints',
+                         keep_best=config.checkpoint.keep_best,
+                         **_run_snapshots(config, workdir / 'checkpoints'))
+
+
+def _run_snapshots(config, checkpoints: pathlib.Path | None) -> dict:
+  """What of `checkpoints` the NVMe disk checks count as the run's own (nvme.held_by_run's
+  `keep`, `deleted` and `best`): the checkpoints kept, those a resume deletes first, the best."""
+  return dict(keep=planner.kept_checkpoints(config.checkpoint),
+              deleted=_deleted_at_resume(config, checkpoints),
+              best=_best_kept(config, checkpoints))
 
 
 def _deleted_at_resume(config, checkpoints: pathlib.Path | None) -> list[int]:
@@ -268,9 +271,7 @@ def plan_for(config, workdir: pathlib.Path | None, dry_run: bool):
   resumes = checkpoints is not None and any(p.name.isdigit() for p in checkpoints.glob('*'))
   plan = planner.plan_run(
       config, hw, disk_free_gb=_disk_free_gb(offload_dir, hw, dry_run, checkpoints,
-                                             planner.kept_checkpoints(config.checkpoint),
-                                             _deleted_at_resume(config, checkpoints),
-                                             _best_kept(config, checkpoints)),
+                                             **_run_snapshots(config, checkpoints)),
       fresh_init=not (resumes or config.init.from_hf or config.init.from_run),
       snapshots_copied=(checkpoints is not None
                         and not nvme.same_filesystem(offload_dir, checkpoints)))
