@@ -87,9 +87,9 @@ def model_token_ids(config_json: dict) -> dict:
   """The bos/eos/pad ids a Hugging Face config.json gives, where they are ids (an eos list of
   them kept as a list)."""
   ids = {}
+  is_id = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
   for field in ('bos_token_id', 'eos_token_id', 'pad_token_id'):
     value = config_json.get(field)
-    is_id = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
     if is_id(value) or (isinstance(value, list) and value and all(map(is_id, value))):
       ids[field] = value
   return ids
