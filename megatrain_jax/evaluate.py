@@ -132,12 +132,6 @@ class EvalData(NamedTuple):
   starts: np.ndarray | None  # [N] uint8: 1 where a document begins (with a document mask)
 
 
-def read_tokens(path: str, tokenizer, data_config=None) -> np.ndarray:
-  """The token stream of `path` (eval.path); see `read_eval_data`, of which it keeps only the
-  tokens."""
-  return read_eval_data(path, tokenizer, data_config).tokens
-
-
 def read_eval_data(path: str, tokenizer, data_config=None, document_eos: int = -1) -> EvalData:
   """The EvalData of eval.path: its files in order (module docstring) as one stream; mask[i] =
   1 when token i is scored as a target (None: all are).

@@ -40,7 +40,6 @@ from megatrain_jax.errors import ConfigError
 from megatrain_jax.partition import LazySlice, split_axis
 
 MESH_AXIS = 'data'
-TIER_MEMORY_KIND = {'device': 'device', 'host': 'pinned_host'}
 
 
 def default_devices() -> list:
@@ -117,10 +116,6 @@ class Layout:
     """The sharding of a leaf of `shape` at tree `path` kept in `memory_kind` ('device' or
     'pinned_host')."""
     return NamedSharding(self.mesh, self.leaf_spec(shape, path), memory_kind=memory_kind)
-
-  def tier_sharding(self, tier: str) -> NamedSharding:
-    """Where a memory tier ('device' or 'host') keeps its leaves."""
-    return self.sharding(TIER_MEMORY_KIND[tier])
 
   def shardings(self, tree, memory_kind: str = 'device'):
     """The sharding of every leaf of `tree` (arrays or ShapeDtypeStructs; a train-state-shaped

@@ -74,10 +74,6 @@ def piece_of(params, kind: str, start: int = 0, stop: int = 0) -> dict:
   return {'head': {'final_norm': params['head']['final_norm']}}
 
 
-def group_of(params, start: int, stop: int) -> dict:
-  return piece_of(params, 'layers', start, stop)
-
-
 def join_pieces(pieces) -> dict:
   """The union of piece trees (nested dicts at full-state paths) that share no leaf."""
   joined = {}
@@ -142,10 +138,6 @@ def piece_template(tx: optax.GradientTransformation, abstract_params, kind: str,
   return {'params': params, 'opt_state': jax.eval_shape(tx.init, params)}
 
 
-def group_template(tx: optax.GradientTransformation, abstract_params, start: int, stop: int):
-  return piece_template(tx, abstract_params, 'layers', start, stop)
-
-
 def read_piece(read, tx: optax.GradientTransformation, abstract_params, kind: str, start: int,
                stop: int, part: str, known_zero=None, read_box=None) -> dict:
   """`part` ('params' or 'opt_state') of piece [start, stop) of `kind`, leaf by leaf from a
@@ -191,9 +183,3 @@ class LazySlice:
 
   def whole(self) -> np.ndarray:
     return self.read_box(tuple((0, n) for n in self.shape))
-
-
-def read_group(read, tx: optax.GradientTransformation, abstract_params, start: int, stop: int,
-               part: str) -> dict:
-  """`part` ('params' or 'opt_state') of group [start, stop)'s piece from a checkpoint's `read`."""
-  return read_piece(read, tx, abstract_params, 'layers', start, stop, part)

@@ -178,7 +178,7 @@ def test_updates_waiting_for_the_next_forward_reach_every_reader(tmp_path, place
   want, got = res.train_step(steps[0]), streamed.train_step(steps[0])
   # Deferred: the stores still hold the initial weights until a forward (or a flush) runs them.
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, streamed.params.get(0)),
-               partition.group_of(initial_state()['params'], *streamed.slices[0]))
+               partition.piece_of(initial_state()['params'], 'layers', *streamed.slices[0]))
   np.testing.assert_allclose(streamed.eval_losses(evals), res.eval_losses(evals), rtol=1e-6)
   np.testing.assert_allclose(streamed.eval_losses(evals), res.eval_losses(evals), rtol=1e-6)
   want, got = res.train_step(steps[1]), streamed.train_step(steps[1])

@@ -161,11 +161,6 @@ def tensor_map(cfg: ModelConfig, architecture: str = 'LlamaForCausalLM') -> list
   return _tensor_map(cfg, architecture)
 
 
-def our_shape(t: _Tensor) -> tuple[int, ...]:
-  """The shape of tensor `t` in our layout (one layer's slice for stacked leaves)."""
-  return _our_shape(t)
-
-
 def _is_ignorable(name: str, cfg: ModelConfig) -> bool:
   """Tensors some checkpoints carry that the model does not need."""
   # Old transformers versions saved the (recomputable) RoPE frequencies as a buffer.
