@@ -37,7 +37,6 @@ piece keeps the tree paths it has in the full state, so checkpoints address it b
 import dataclasses
 import math
 
-from megatrain_jax import partition
 
 STAGES = ('embed', 'forward', 'head', 'backward', 'update', 'embed_backward', 'outer_update')
 STATE = 'state'  # what stays in its tiers between steps (not a stage)

@@ -47,7 +47,6 @@ from megatrain_jax import hardware
 from megatrain_jax import layout as layout_lib
 from megatrain_jax import locks
 from megatrain_jax import optim
-from megatrain_jax import partition
 from megatrain_jax import planner
 from megatrain_jax import preemption
 from megatrain_jax import profiling
