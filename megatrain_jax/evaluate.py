@@ -302,7 +302,6 @@ class Evaluator:
         ('embed', self.vocab), ('layers', self.groups), (head, self.vocab))]
     self.piece_sizes = [size for sizes in self.kind_sizes for size in sizes]
     self._io = concurrent.futures.ThreadPoolExecutor(1, 'eval-read')  # one reader: in order
-    self.read_s = 0.0
 
   def memory(self, max_len: int, batch_size: int, num_windows: int | None = None) -> EvalMemory:
     """How windows of `max_len` tokens, `batch_size` per call asked for, run (EvalMemory): as
@@ -328,12 +327,8 @@ class Evaluator:
     slices = self.groups if kind == 'layers' else self.vocab
 
     def fetch(key):
-      def read():
-        started = time.perf_counter()
-        piece = jax.device_put(_read_piece(self.reader, self.abstract, kind, *slices[key]))
-        self.read_s += time.perf_counter() - started
-        return piece
-      return self._io.submit(read)
+      return self._io.submit(
+          lambda: jax.device_put(_read_piece(self.reader, self.abstract, kind, *slices[key])))
     return fetch
 
   def check_finite(self) -> None:

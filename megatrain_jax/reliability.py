@@ -103,7 +103,6 @@ class Run:
   returncode: int
   output: str
   seconds: float
-  loop_seconds: float | None  # from the 'model:' line (training loop starts) to exit
   train_seconds: float | None  # from the 'model:' line to the console line of the last step
   startup_seconds: float | None  # from the start of the process to the 'model:' line
 
@@ -143,7 +142,6 @@ class _Output:
     ended = time.monotonic()
     loop, last = self.loop_start[:1], self.last_step[:1]
     return Run(self._process.returncode, ''.join(self.lines), ended - started,
-               ended - loop[0] if loop else None,
                last[0] - loop[0] if loop and last else None,
                loop[0] - started if loop else None)
 
