@@ -627,8 +627,7 @@ class CheckpointReader:
     return jax.tree_util.tree_map_with_path(
         lambda p, _: self.read(jax.tree_util.keystr(p)), abstract_state)
 
-  def device_state(self, abstract_state, layout: Layout | None = None,
-                   memory_kind: str = 'device'):
+  def device_state(self, abstract_state, layout: Layout | None = None):
     """The whole state on the device(s) of `layout` (default: the first device), shaped like
     `abstract_state`: each leaf is built in place on the device from file-sized pieces, one on
     the host at a time, so the host never holds more than one piece (plus, on CPU, the state
@@ -641,7 +640,7 @@ class CheckpointReader:
         raise ConfigError(f'the checkpoint at {self.directory} holds {path} of shape '
                           f'{self.shape(path)}, the model wants {tuple(abstract.shape)}. Use the '
                           'config it was trained with, or a new --workdir to start fresh.')
-      return self.device_leaf(path, abstract, layout.sharding(memory_kind, abstract.shape, path))
+      return self.device_leaf(path, abstract, layout.sharding('device', abstract.shape, path))
 
     return jax.tree_util.tree_map_with_path(leaf, abstract_state)
 
@@ -722,15 +721,14 @@ class WeightsOnly:
       return self.reader.read_box(path, box)
     return np.zeros(tuple(b - a for a, b in box), self._leaves[path].dtype)
 
-  def device_state(self, abstract_state, layout: Layout | None = None,
-                   memory_kind: str = 'device'):
+  def device_state(self, abstract_state, layout: Layout | None = None):
     """The whole state on the device(s) of `layout`: the params leaf by leaf as
     CheckpointReader.device_state builds them, the rest zeros (the rng a fresh run's)."""
     layout = layout or Layout.single_device()
 
     def leaf(key_path, abstract):
       path = jax.tree_util.keystr(key_path)
-      sharding = layout.sharding(memory_kind, tuple(abstract.shape), path)
+      sharding = layout.sharding('device', tuple(abstract.shape), path)
       if self._is_param(path):
         return self.reader.device_leaf(path, abstract, sharding)
       if path == "['rng']":

@@ -396,10 +396,9 @@ class StreamedEngine:
     starts = None if starts is None else [self.layout.put_batch(s) for s in starts]
     return model_lib.positions_of_batches(self.cfg, tokens, self.fn.token_positions, starts)
 
-  def _chunks(self, store, order=None) -> Prefetcher:
-    """The vocabulary chunks of `store` in `order`, read ahead like layer groups."""
-    return Prefetcher(store.fetch, order if order is not None else self._keys('embed'),
-                      self.placement.prefetch_depth)
+  def _chunks(self, store) -> Prefetcher:
+    """The vocabulary chunks of `store` in key order, read ahead like layer groups."""
+    return Prefetcher(store.fetch, self._keys('embed'), self.placement.prefetch_depth)
 
   def _embed(self, tokens, step: _Step | None = None) -> list:
     """Stage 'embed': [B, S] tokens -> [B, S, D] hidden, per microbatch. Each embedding chunk is

@@ -317,8 +317,7 @@ class HfReader:
       self.bytes_read += value.nbytes
     return value.T if t.transpose else value
 
-  def device_state(self, abstract_state, layout: Layout | None = None,
-                   memory_kind: str = 'device'):
+  def device_state(self, abstract_state, layout: Layout | None = None):
     """The whole state on the device(s) of `layout`, leaf by leaf (one host copy of one leaf at a
     time; with several processes, of this process's shards of it); optimizer state and step
     counts are made as zeros on the device."""
@@ -326,7 +325,7 @@ class HfReader:
 
     def leaf(key_path, abstract):
       path = jax.tree_util.keystr(key_path)
-      sharding = layout.sharding(memory_kind, tuple(abstract.shape), path)
+      sharding = layout.sharding('device', tuple(abstract.shape), path)
       if path == "['rng']":
         return place(self._rng, sharding)
       if path in self._tensors:
