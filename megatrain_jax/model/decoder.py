@@ -295,14 +295,14 @@ def logits(cfg: ModelConfig, params, normed):
   return layers_lib.untied_logits(cfg, normed, params['head']['lm_head']['kernel'])
 
 
-def logits_loss(cfg: ModelConfig, params, normed, targets, mask=None, weights=None):
+def logits_loss(cfg: ModelConfig, params, normed, targets, weights=None):
   """Mean cross-entropy of the LM head applied to the final norm's output [B, S, D].
 
   Computed over vocabulary blocks of `cfg.resolved_vocab_chunk` columns (model/vocab.py): equals
   `cross_entropy(logits(...), targets)` to float32 rounding without the [B, S, V] logits or their
-  gradient. Needs params['head']['lm_head'] or, with tied embeddings, params['embed']. `mask`
-  [B, S] (1 = the token counts) makes it the mean over the masked-in tokens; `weights` [B, S]
-  float32 (vocab.token_weights) makes it Σ weights·nll (the engines' masked loss).
+  gradient. Needs params['head']['lm_head'] or, with tied embeddings, params['embed']. `weights`
+  [B, S] float32 (vocab.token_weights of a loss mask) makes it Σ weights·nll (the engines' masked
+  loss).
   """
   if cfg.tie_embeddings:
     weight = params['embed']['embedding']
@@ -310,7 +310,7 @@ def logits_loss(cfg: ModelConfig, params, normed, targets, mask=None, weights=No
     weight = params['head']['lm_head']['kernel']
   return chunked_logits_loss(normed, weight, targets, tied=cfg.tie_embeddings,
                              chunk=cfg.resolved_vocab_chunk, precision=cfg.matmul_precision,
-                             mask=mask, weights=weights)
+                             weights=weights)
 
 
 def cross_entropy(logits, targets):
@@ -320,18 +320,15 @@ def cross_entropy(logits, targets):
   return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-def head_loss(cfg: ModelConfig, params, x, targets, mask=None, weights=None):
+def head_loss(cfg: ModelConfig, params, x, targets, weights=None):
   """Mean cross-entropy of `head` on hidden x [B, S, D]: final norm, then the chunked loss."""
-  return logits_loss(cfg, params, final_norm(cfg, params, x), targets, mask, weights)
+  return logits_loss(cfg, params, final_norm(cfg, params, x), targets, weights)
 
 
-def forward(cfg: ModelConfig, params, tokens, positions=None):
-  """tokens [B, S] int -> logits [B, S, V] float32, all layers in one scan. `positions` [B, S]:
-  instead of token_positions' (then without a document mask)."""
-  positions = (token_positions(cfg, tokens) if positions is None
-               else layers_lib.rope_positions(cfg, positions))
+def forward(cfg: ModelConfig, params, tokens):
+  """tokens [B, S] int -> logits [B, S, V] float32, all layers in one scan."""
   x = embed(cfg, params, tokens)
-  x = apply_group(cfg, params['layers'], x, positions)
+  x = apply_group(cfg, params['layers'], x, token_positions(cfg, tokens))
   return head(cfg, params, x)
 
 
