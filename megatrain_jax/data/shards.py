@@ -341,22 +341,21 @@ class TokenStream:
       at, k = end, k + 1
     return out
 
-  def __getitem__(self, index) -> np.ndarray:
+  def _at(self, parts, index, dtype, fill) -> np.ndarray:
+    """parts' values at `index` (an int array or slice; `fill` where a part is None)."""
     if isinstance(index, slice):
-      sliced = self._slice(self._parts, index, self.dtype, 0)
+      sliced = self._slice(parts, index, dtype, fill)
       if sliced is not None:
         return sliced
       index = np.arange(*index.indices(self._len))
-    return self._gather(self._parts, index, self.dtype, 0)
+    return self._gather(parts, index, dtype, fill)
+
+  def __getitem__(self, index) -> np.ndarray:
+    return self._at(self._parts, index, self.dtype, 0)
 
   def mask(self, index) -> np.ndarray:
     """The loss mask (uint8, 1 = learned) at `index` (an int array or slice)."""
-    if isinstance(index, slice):
-      sliced = self._slice(self._masks, index, np.uint8, 1)
-      if sliced is not None:
-        return sliced
-      index = np.arange(*index.indices(self._len))
-    return self._gather(self._masks, index, np.uint8, 1)
+    return self._at(self._masks, index, np.uint8, 1)
 
   def document_ends(self) -> np.ndarray:
     """The stream offsets just past each document's last token ([n] int64, increasing), read
