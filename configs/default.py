@@ -69,7 +69,8 @@ def get_config() -> ml_collections.ConfigDict:
   #                               with it unless set. docs/data.md: Packed rows.
   model.init_std = 0.02  # Std of the normal init of every matrix (HF initializer_range).
   model.dtype = 'float32'  # Compute dtype: 'float32' or 'bfloat16'. Params are always float32.
-  model.matmul_precision = 'highest'  # 'highest' = true FP32 matmuls on GPU (no TF32); 'default'.
+  model.matmul_precision = 'highest'  # 'highest' = true FP32 matmuls on GPU (no TF32); 'high' or
+  #                                     'default' let XLA use faster, less exact ones (TF32 there).
   model.remat = 'full'  # Per-layer rematerialisation: 'none', 'full', 'minimal' (keep matmul
   #                       outputs), 'offload' (keep them in pinned host memory).
   model.scan_layers = True  # Apply layers with lax.scan (fast compile) or an unrolled loop.
