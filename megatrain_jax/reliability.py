@@ -154,9 +154,10 @@ def launch(workdir, fields: dict, *, fault: str | None = None, kill_after_s: flo
   SIGKILLed at fault point `fault` ('phase:n', see megatrain_jax/faults.py), or from outside
   `kill_after_s` seconds after the training loop starts (with `kill_from_start`: after the process
   starts, or when its training loop starts if that comes first, so a startup kill always lands
-  before training even when this run starts faster than the one the delay was drawn from), or `kill_at_step` = (step, seconds) after it logs that step. `at_loop_start()`
-  is called once the training loop starts (to fill the disk, say). A run still going after
-  `timeout` seconds is killed.
+  before training even when this run starts faster than the one the delay was drawn from), or
+  `kill_at_step` = (step, seconds) after it logs that step. `at_loop_start()` is called once the
+  training loop starts (to fill the disk, say). A run still going after `timeout` seconds is
+  killed.
   """
   args = [f'--config.{k.replace("__", ".")}={v}' for k, v in fields.items()]
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
