@@ -15,6 +15,7 @@ which Perfetto (ui.perfetto.dev) opens as it is. Tracing adds its own overhead, 
 step of a process includes compilation: trace later steps (start_step 3 or more) for timings.
 """
 
+import collections
 import contextlib
 import pathlib
 
@@ -64,3 +65,40 @@ class StepProfiler:
     steps = (f'{self._traced[0]}-{self._traced[-1]}' if self._traced else 'none')
     self._say(f'profile: steps {steps} traced into {self.directory} '
               f'(tensorboard --logdir {self.directory}, Profile tab; docs/outputs.md)')
+
+
+@contextlib.contextmanager
+def programs_executed():
+  """Counts every XLA program run inside the block, by name (a Counter of e.g. 'group_forward',
+  'convert_element_type'): the engines' jitted stage functions, eager jax operations and
+  jax.numpy's own jitted helpers alike, which a trace shows only with its overhead.
+
+  JAX's C++ dispatch fast path runs a cached executable without entering Python, so it is off
+  inside the block and its caches are emptied on entry and exit: every call goes through
+  pxla.ExecuteReplicated, where it is counted. The compiled executables stay in JAX's Python
+  caches (nothing compiles again), but dispatch is slower: for counts (tests,
+  bench/dispatch_overhead.py), not timings. Relies on JAX internals of the pinned version."""
+  # pylint: disable=import-outside-toplevel,protected-access
+  from jax._src import pjit
+  from jax._src.interpreters import pxla
+  from jax._src.lib import _jax
+
+  counts = collections.Counter()
+  call, fastpath = pxla.ExecuteReplicated.__call__, pjit._get_fastpath_data
+
+  def counted(self, *args):
+    counts[self.name.removeprefix('jit(').removesuffix(')')] += 1
+    return call(self, *args)
+
+  def clear():
+    pjit._cpp_pjit_cache_fun_only.clear()
+    pjit._cpp_pjit_cache_explicit_attributes.clear()
+    _jax.PjitFunctionCache.clear_all()
+
+  pxla.ExecuteReplicated.__call__, pjit._get_fastpath_data = counted, lambda *a, **k: None
+  clear()
+  try:
+    yield counts
+  finally:
+    pxla.ExecuteReplicated.__call__, pjit._get_fastpath_data = call, fastpath
+    clear()
