@@ -3,6 +3,7 @@ in chunks of at most offload.shard_mb in any tier (device, host, nvme), runs the
 by chunk with an online logsumexp, and still trains to the resident engine's numbers; tied and
 untied heads, device and host optimizers."""
 
+import collections
 import dataclasses
 import os
 import pathlib
@@ -11,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from megatrain_jax import profiling
 from megatrain_jax import train
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.engine import resident
@@ -249,3 +251,38 @@ def test_peak_host_memory_of_a_152k_vocabulary_eval_is_planned(tmp_path):
   predicted = float(re.search(r'predicted_host_peak_gb: ([0-9.]+)', run.stdout).group(1)) * 1e9
   peak = int(re.search(r'PEAK (\d+)', run.stdout).group(1))
   assert 0.8 * predicted <= peak <= 1.25 * predicted, (peak / 1e9, predicted / 1e9)
+
+
+def _programs_per_step(shard_mb: float, num_micro: int):
+  """(vocabulary chunks, programs by name) of the second step of a streamed engine whose
+  vocabulary chunks are at most `shard_mb` (no clipping: every update runs in its own step)."""
+  tx, schedule, clip = make_tx(0.0)
+  cfg = dataclasses.replace(CFG, num_layers=1)
+  placement = Placement(params='host', opt_state='host', embed_head='host', shard_mb=shard_mb)
+  engine = StreamedEngine(cfg, tx, schedule, clip, placement, seed=0)
+  batch = np.random.default_rng(0).integers(0, 97, (num_micro, 2, 17)).astype(np.int32)
+  engine.train_step(batch)  # compiles
+  with profiling.programs_executed() as programs:
+    float(engine.train_step(batch)['learning/loss'])
+  engine.close()
+  return len(engine.vocab), programs
+
+
+def test_each_vocabulary_chunk_adds_only_its_own_programs():
+  """Each vocabulary chunk adds to a step the programs of its stages, one per microbatch each
+  (embedding, loss, head backward, embedding backward), and one update per piece: nothing else.
+  Python dispatches every program of a streamed step, and at a real vocabulary (Llama 3: 32
+  chunks of a small model) a step ran 224 more eager programs with M = 4 (each chunk's start
+  made a jnp.int32 per call), a sum of squares per chunk and an eager add per piece of the
+  global norm: 372 of its 1,137 programs."""
+  num_micro = 2
+  chunks, fewer = _programs_per_step(2 * SHARD_MB, num_micro)  # 64 and 33 rows
+  more_chunks, more = _programs_per_step(SHARD_MB, num_micro)  # 32, 32, 32 and 1 rows
+  assert (chunks, more_chunks) == (2, 4)
+  added = collections.Counter(more)
+  added.subtract(fewer)
+  per_chunk = {'embed_chunk_add': num_micro, '_lse_update': num_micro,
+               'head_chunk_backward': num_micro, 'embed_chunk_backward': num_micro,
+               'device_update': 2}  # the embedding's and the head's
+  assert {name: n for name, n in added.items() if n} == {
+      name: n * (more_chunks - chunks) for name, n in per_chunk.items()}

@@ -106,20 +106,7 @@ class StageFunctions:
     on = lambda name, fn, **where: functools.partial(_sharded_outputs(name, fn, **where), layout)
     # On N devices each layer gathers its weights whole and keeps its input split along B.
     shard = layout.shard_layer if layout.num_devices > 1 else None
-    # Vocabulary chunks: `start` (the chunk's first id) is traced, so chunks of one length share
-    # one compiled function; pieces are trees at full-state paths (partition.py).
-    self.embed_chunk = jax.jit(on('embed_chunk', functools.partial(_embed_chunk, cfg), batch=[0]))
-    self.embed_chunk_add = jax.jit(on('embed_chunk_add', functools.partial(_embed_chunk_add, cfg),
-                                      batch=[0]), donate_argnums=(3,))
-    self.lse_init = jax.jit(head_chunks.lse_init)
-    self.lse_update = jax.jit(functools.partial(_lse_update, cfg))
-    self.lse_finish = jax.jit(head_chunks.lse_finish)
-    self.head_chunk_backward = jax.jit(on('head_chunk_backward',
-                                          functools.partial(_head_chunk_backward, cfg),
-                                          state=[0], batch=[1]))
-    self.embed_chunk_backward = jax.jit(on('embed_chunk_backward',
-                                           functools.partial(_embed_chunk_backward, cfg),
-                                           state=[0]), static_argnums=0)  # the chunk's shape
+    self._chunk_functions(cfg, on)
     self.group_forward = jax.jit(on(
         'group_forward',
         lambda group, x, positions: model_lib.apply_group(cfg, group['layers'], x, positions,
@@ -154,12 +141,34 @@ class StageFunctions:
            batch=[1]), donate_argnums=(2, 4), static_argnums=5)
     self.add = jax.jit(on('add_gradients', tree_add, state=[0]), donate_argnums=(0,))
     self.sum_of_squares = jax.jit(mean_sum_of_squares, static_argnums=1)
+    # The step's global norm and clip scale from the pieces' sums of squares, in one program (a
+    # Python sum of them would dispatch one add per piece: hundreds at a real vocabulary).
+    self.global_norm = jax.jit(_global_norm, static_argnums=1)
     # Donates the Adam state and the weights (the new ones reuse their buffers); the gradient has
     # no output of its shape left to alias, so it is freed rather than donated.
     self.device_update = jax.jit(on('device_update', functools.partial(adamw_update, tx),
                                     state=[0, 1]),
                                  static_argnums=4, donate_argnums=(1, 2))
     self._host_updates = {}  # (tree structure, leaf shapes, M) -> jitted host update
+
+  def _chunk_functions(self, cfg: ModelConfig, on) -> None:
+    """The vocabulary chunks' functions. `start` (the chunk's first id) is traced, so chunks of
+    one length share one compiled function; pieces are trees at full-state paths
+    (partition.py)."""
+    self.embed_chunk = jax.jit(on('embed_chunk', functools.partial(_embed_chunk, cfg), batch=[0]))
+    self.embed_chunk_add = jax.jit(on('embed_chunk_add', functools.partial(_embed_chunk_add, cfg),
+                                      batch=[0]), donate_argnums=(3,))
+    self.lse_init = jax.jit(head_chunks.lse_init)
+    self.lse_update = jax.jit(functools.partial(_lse_update, cfg))
+    self.lse_finish = jax.jit(head_chunks.lse_finish)
+    # Both also return the sum of squares of the chunk's mean gradient when given `squares_of`
+    # (M: the last microbatch's call; else None), as group_backward does: no program of its own.
+    self.head_chunk_backward = jax.jit(on('head_chunk_backward',
+                                          functools.partial(_head_chunk_backward, cfg),
+                                          state=[0], batch=[1]), static_argnums=8)
+    self.embed_chunk_backward = jax.jit(on('embed_chunk_backward',
+                                           functools.partial(_embed_chunk_backward, cfg),
+                                           state=[0]), static_argnums=(0, 5))  # shape, M
 
   def host_update(self, grad_sum, opt_state, params, scale, num_micro: int):
     """AdamW on the host (compute_on 'device_host') of pinned-host trees: (new params, new Adam
@@ -193,22 +202,38 @@ def _lse_update(cfg, piece, normed, targets, start, carry):
   return head_chunks.lse_update(cfg, normed, _weight(cfg, piece), targets, start, carry)
 
 
+def _global_norm(squares: list, grad_clip: float):
+  """(global norm, clip scale) from the pieces' sums of squares, summed in their order."""
+  norm = jnp.sqrt(sum(squares))
+  return norm, optim.clip_scale(norm, grad_clip)
+
+
 def _head_chunk_backward(cfg, piece, normed, targets, start, lse, grad_sum, d_normed,
-                         weights=None):
-  """Adds one microbatch's gradients from one vocabulary chunk: (piece grad, d normed); `weights`
-  [B, S] the microbatch's per-token loss weights (None: the mean)."""
+                         weights=None, squares_of=None):
+  """Adds one microbatch's gradients from one vocabulary chunk: (piece grad, d normed, sum of
+  squares of piece grad / `squares_of` or None); `weights` [B, S] the microbatch's per-token
+  loss weights (None: the mean)."""
   d_n, d_w = head_chunks.chunk_backward(cfg, normed, _weight(cfg, piece), targets, start, lse,
                                         weights)
   grad = (jax.tree.map(jnp.zeros_like, piece) if grad_sum is None else grad_sum)
   leaf = ['embed', 'embedding'] if cfg.tie_embeddings else ['head', 'lm_head', 'kernel']
   grad = jax.tree_util.tree_map_with_path(
       lambda p, g: g + d_w if [k.key for k in p] == leaf else g, grad)
-  return grad, d_n if d_normed is None else d_normed + d_n
+  return grad, d_n if d_normed is None else d_normed + d_n, _squares(grad, squares_of)
 
 
-def _embed_chunk_backward(cfg, piece_shape, tokens, start, dx, grad_sum):
+def _embed_chunk_backward(cfg, piece_shape, tokens, start, dx, grad_sum, squares_of=None):
+  """(grad_sum + this microbatch's rows of the chunk, its sum of squares / `squares_of` or
+  None)."""
   rows = head_chunks.embed_chunk_backward(cfg, piece_shape, tokens, start, dx)
-  return {'embed': {'embedding': rows if grad_sum is None else grad_sum['embed']['embedding'] + rows}}
+  grad = {'embed': {'embedding': rows if grad_sum is None
+                    else grad_sum['embed']['embedding'] + rows}}
+  return grad, _squares(grad, squares_of)
+
+
+def _squares(grad_sum, squares_of):
+  """The sum of squares of grad_sum / `squares_of` (M), or None when `squares_of` is None."""
+  return None if squares_of is None else mean_sum_of_squares(grad_sum, squares_of)
 
 
 def _final_norm_backward(cfg, norm, x, d_normed):
@@ -224,8 +249,7 @@ def _with_squares(backward):
   grad_sum / M, or None), computed in the same program."""
   def with_squares(group_params, x, dy, positions, grad_sum, squares_of=None):
     grad_sum, dx = backward(group_params, x, dy, positions, grad_sum)
-    squares = None if squares_of is None else mean_sum_of_squares(grad_sum, squares_of)
-    return grad_sum, dx, squares
+    return grad_sum, dx, _squares(grad_sum, squares_of)
   return with_squares
 
 

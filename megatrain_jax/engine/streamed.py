@@ -103,6 +103,9 @@ class StreamedEngine:
     self.layout = layout or Layout.single_device()
     self.slices = placement.group_slices(model_cfg.num_layers)
     self.vocab = placement.vocab_slices(model_cfg)
+    # Each chunk's first id as a device scalar, made once: a jnp.int32 per chunk call would be an
+    # eager program of its own (chunks x microbatches x 4 stages of them per step).
+    self._chunk_starts = [jnp.int32(start) for start, _ in self.vocab]
     self.kinds = piece_kinds(model_cfg.tie_embeddings)
     self.kind_slices = {'layers': self.slices, 'embed': self.vocab, 'head': self.vocab,
                         'final_norm': [(0, 0)]}
@@ -363,8 +366,7 @@ class StreamedEngine:
     updates = update_policy(self.updater, step.schedule)
     dys = self._backward(step, saved, dys, updates)
     self._embed_backward(step, dys)
-    grad_norm = jnp.sqrt(sum(step.squares))
-    scale = optim.clip_scale(grad_norm, self.grad_clip)
+    grad_norm, scale = self.fn.global_norm(step.squares, self.grad_clip)
     # Overlapped updates have run already; deferred ones wait for the next forward.
     self._pending = updates.finish(scale)
     self._update_outer(step, scale)
@@ -406,7 +408,7 @@ class StreamedEngine:
     hidden = None
     chunks = self._chunks(self.stores['embed'].params)
     for c, piece in chunks:
-      start = jnp.int32(self.vocab[c][0])
+      start = self._chunk_starts[c]
       hidden = ([self.fn.embed_chunk(piece, t, start) for t in tokens] if hidden is None else
                 [self.fn.embed_chunk_add(piece, t, start, h) for t, h in zip(tokens, hidden)])
     if step is not None:
@@ -457,7 +459,7 @@ class StreamedEngine:
     the mean, or Σ w·nll with `weights` (per microbatch [B, S] or None; None: all None)."""
     carry = [self.fn.lse_init(t) for t in targets]
     for c, piece in self._chunks(self.stores[self._head_kind].params):
-      start = jnp.int32(self.vocab[c][0])
+      start = self._chunk_starts[c]
       carry = [self.fn.lse_update(piece, n, t, start, k) for n, t, k in zip(normed, targets, carry)]
     weights = [None] * len(carry) if weights is None else weights
     finished = [self.fn.lse_finish(k, w) for k, w in zip(carry, weights)]
@@ -474,14 +476,18 @@ class StreamedEngine:
     normed = [self.fn.final_norm(step.norm, x) for x in hidden]
     losses, lses = self._head_losses(normed, step.targets, step.weights)
     stores, d_normed = self.stores[self._head_kind], [None] * step.num_micro
+    # The last microbatch's call also returns the chunk's sum of squares, unless it is the tied
+    # embedding's gradient, complete only after the embedding's backward.
+    squares_of = None if self.cfg.tie_embeddings else step.num_micro
     for c, piece in self._chunks(stores.params):
-      start, grad = jnp.int32(self.vocab[c][0]), None
+      start, grad = self._chunk_starts[c], None
       for m in range(step.num_micro):
         weights = None if step.weights is None else step.weights[m]
-        grad, d_normed[m] = self.fn.head_chunk_backward(piece, normed[m], step.targets[m], start,
-                                                        lses[m], grad, d_normed[m], weights)
-      if not self.cfg.tie_embeddings:  # complete: the tied embedding's waits for its backward
-        step.squares.append(self.fn.sum_of_squares(grad, step.num_micro))
+        grad, d_normed[m], squares = self.fn.head_chunk_backward(
+            piece, normed[m], step.targets[m], start, lses[m], grad, d_normed[m], weights,
+            squares_of if m == step.num_micro - 1 else None)
+      if squares is not None:
+        step.squares.append(squares)
       stores.grads.put(c, grad)
     dys = []
     for m, x in enumerate(hidden):
@@ -527,9 +533,11 @@ class StreamedEngine:
     for c, grad in tied:
       start, stop = self.vocab[c]
       shape = (stop - start, self.cfg.d_model)
-      for m in range(step.num_micro):
-        grad = self.fn.embed_chunk_backward(shape, step.tokens[m], jnp.int32(start), dys[m], grad)
-      step.squares.append(self.fn.sum_of_squares(grad, step.num_micro))
+      for m in range(step.num_micro):  # the last microbatch's call also returns the squares
+        grad, squares = self.fn.embed_chunk_backward(
+            shape, step.tokens[m], self._chunk_starts[c], dys[m], grad,
+            step.num_micro if m == step.num_micro - 1 else None)
+      step.squares.append(squares)
       stores.grads.put(c, grad)
 
   def _update_outer(self, step: _Step, scale) -> None:
