@@ -114,6 +114,7 @@ class PieceUpdater:
     # jitted call is ready together, and holding the whole outputs would keep a piece's new
     # weights and Adam state in memory after their write-behind has landed.
     self.last = None
+    self._host_scale = (None, None)  # (a device scale, its pinned-host copy): one put per step
 
   def request_inputs(self, key, parked: bool, refetch_weights: bool):
     """Starts reading what piece `key`'s update needs: (Adam state, weights or None, parked
@@ -141,7 +142,7 @@ class PieceUpdater:
     if self.host_optimizer:
       host = lambda tree: tree if memory_kind(tree) == 'pinned_host' else self.layout.put(tree, 'pinned_host')
       params, opt = self.fn.host_update(host(self._to_host(grad_sum)), host(opt), host(params),
-                                        self.layout.put(scale, 'pinned_host'), num_micro)
+                                        self._scale_on_host(scale), num_micro)
     else:
       params = device_params if device_params is not None else params
       params, opt = self.fn.device_update(self.to_device(grad_sum), opt, params, scale, num_micro)
@@ -152,6 +153,12 @@ class PieceUpdater:
     self.opt_state.put(key, opt, partial=band is not None)
     self.last = jax.tree.leaves(params)[:1]
     return params
+
+  def _scale_on_host(self, scale):
+    """The clip scale in pinned host memory, copied once for all the pieces updated with it."""
+    if self._host_scale[0] is not scale:
+      self._host_scale = (scale, self.layout.put(scale, 'pinned_host'))
+    return self._host_scale[1]
 
   def forward_fetch(self, key, on_device: list):
     """Piece `key`'s weights for the forward from its bands' outputs (`to_device`):
@@ -184,6 +191,7 @@ class OverlappedUpdates:
     self._prefetcher = Prefetcher(
         lambda g: updater.request_inputs(g, parked=False, refetch_weights=False), order, depth)
     self._inputs = iter(self._prefetcher)
+    self._unclipped = jnp.ones((), jnp.float32)  # one scale for every group, not one each
 
   @property
   def wait_s(self) -> float:
@@ -192,7 +200,7 @@ class OverlappedUpdates:
   def after_backward(self, g: int, grad_sum, device_params) -> None:
     key, inputs = next(self._inputs)
     assert key == g, (key, g)
-    self.updater.apply(g, inputs, scale=jnp.ones((), jnp.float32),
+    self.updater.apply(g, inputs, scale=self._unclipped,
                        num_micro=self.schedule.microbatches, grad_sum=grad_sum,
                        device_params=device_params)
 
