@@ -6,7 +6,7 @@
   python launch.py --calibrate                      # measure this machine for the planner (< 60 s)
   python launch.py --prepare --config.data.path=corpus.jsonl.zst   # tokenize only (resumable)
   python launch.py --config.init.from_hf=/models/llama --workdir runs/ft   # fine-tune an HF model
-  python launch.py --eval --workdir runs/ft --config.eval.path=test.txt   # sliding-window perplexity
+  python launch.py --eval --workdir runs/ft --config.eval.path=test.txt  # sliding-window perplexity
   python launch.py --export_hf=/tmp/ft-hf --workdir runs/ft               # newest checkpoint -> HF
   python launch.py --sample --workdir runs/ft --config.sample.prompt='Once'  # text from the model
   python launch.py --config.parallel.devices=4                             # 4 local devices

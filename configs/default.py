@@ -47,14 +47,15 @@ def get_config() -> ml_collections.ConfigDict:
   #                              computes the same function (a Mistral without a window stays
   #                              MistralForCausalLM); '' = by function: Qwen3 with qk_norm, Qwen2
   #                              with qkv_bias, Mistral with a window, else Llama.
-  model.attention_chunk = 512  # Queries per attention block. Longer sequences run attention block by
-  #                             block, each recomputed in the backward, so a layer holds B·H·512·S
-  #                             scores instead of B·H·S·S (17 GB for 405B at 4096 tokens), and each
-  #                             block skips the keys causality (or sliding_window) masks: about
-  #                             half the attention work. Same math; 0 = all queries at once.
-  model.vocab_chunk = 0  # Vocabulary columns per block of the LM head + loss. The loss runs block by
-  #                         block (online logsumexp, each block recomputed in the backward), so it
-  #                         holds [tokens, chunk] float32 logits instead of [tokens, vocab_size].
+  model.attention_chunk = 512  # Queries per attention block. Longer sequences run attention block
+  #                             by block, each recomputed in the backward, so a layer holds
+  #                             B·H·512·S scores instead of B·H·S·S (17 GB for 405B at 4096
+  #                             tokens), and each block skips the keys causality (or
+  #                             sliding_window) masks: about half the attention work. Same math;
+  #                             0 = all queries at once.
+  model.vocab_chunk = 0  # Vocabulary columns per block of the LM head + loss. The loss runs block
+  #                         by block (online logsumexp, each block recomputed in the backward), so
+  #                         it holds [tokens, chunk] float32 logits instead of [tokens, vocab_size].
   #                         Same math; 0 = auto = min(vocab_size, 8192); must be <= vocab_size.
   model.document_mask = False  # Training rows are windows of the packed token stream of
   #                               documents (records, each ending with data.eos_token). False:
@@ -115,8 +116,9 @@ def get_config() -> ml_collections.ConfigDict:
   train.early_stopping_threshold = 0.0  # The least drop of eval/loss below its best that counts
   #                                       as an improvement.
   train.seed = 0  # Seeds the parameter init and the data order.
-  train.progress_bar = True  # A progress bar with ETA on stderr, drawn on a terminal or in a notebook
-  #                             (not into a log file or pipe: the console line has the ETA there).
+  train.progress_bar = True  # A progress bar with ETA on stderr, drawn on a terminal or in a
+  #                             notebook (not into a log file or pipe: the console line has the
+  #                             ETA there).
 
   # ---------------------------------------------------------------------------------------------
   # Data.
@@ -173,8 +175,8 @@ def get_config() -> ml_collections.ConfigDict:
   checkpoint.every_minutes = 0.0  # Also checkpoint once this many minutes have passed since the
   #                                 last checkpoint (wall clock; checked after each step); 0 = off.
   #                                 Bounds the work lost to a crash when steps are slow. SIGTERM
-  #                                 and SIGINT always save the step in flight (docs/preemption.md: Preemptible
-  #                                 machines and SLURM).
+  #                                 and SIGINT always save the step in flight
+  #                                 (docs/preemption.md: Preemptible machines and SLURM).
   checkpoint.keep = 3  # Newest checkpoints kept on disk. NVMe runs: each kept checkpoint pins one
   #                      full copy of the NVMe state on disk (hard links to the stores' files).
   checkpoint.keep_best = False  # Also keep the checkpoint of the lowest validation loss, older
@@ -194,7 +196,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.offload = offload = ml_collections.ConfigDict()
   # 'auto' (and 0 for the two counts) lets the planner (megatrain_jax/planner.py) choose: the
   # fastest placement whose memory fits the hardware profile; `--dry_run` shows its plan.
-  offload.params = 'auto'  # Layer weights: 'device', 'host' (pinned host RAM), 'nvme' (disk), 'auto'.
+  offload.params = 'auto'  # Layer weights: 'device', 'host' (pinned host RAM), 'nvme' (disk),
+  #                           'auto'.
   offload.opt_state = 'auto'  # Adam m and v of the layers: 'device', 'host', 'nvme' or 'auto'.
   offload.activations = 'auto'  # Group-boundary activations kept for backward: 'device', 'host',
   #                               'auto'.

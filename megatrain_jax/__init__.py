@@ -27,7 +27,8 @@ if not JAX_STARTED_FIRST:
 # what stands in the way. A value the user set is kept, and the planner then budgets pinned memory
 # against it (planner.budgets_for).
 PINNED_LIMIT_ENV = 'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'
-_PINNED_LIMIT_OURS = 'MEGATRAIN_JAX_PINNED_LIMIT_AUTO'  # marks our value, which child processes inherit
+# Marks our value of PINNED_LIMIT_ENV, which child processes inherit.
+_PINNED_LIMIT_OURS = 'MEGATRAIN_JAX_PINNED_LIMIT_AUTO'
 PINNED_LIMIT_FROM_USER = (PINNED_LIMIT_ENV in _os.environ
                           and _os.environ[PINNED_LIMIT_ENV] != _os.environ.get(_PINNED_LIMIT_OURS))
 if not PINNED_LIMIT_FROM_USER and not JAX_STARTED_FIRST:

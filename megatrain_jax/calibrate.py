@@ -93,7 +93,8 @@ def _adam_gparams(memory_kind: str, n: int) -> float:
 
 
 def _copy_gbps(src_kind: str, dst_kind: str, nbytes: int) -> float:
-  src = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), layout_lib.Layout.single_device().sharding(src_kind))
+  src = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32),
+                       layout_lib.Layout.single_device().sharding(src_kind))
   dst = layout_lib.Layout.single_device().sharding(dst_kind)
   return nbytes / _best_time(lambda: jax.block_until_ready(jax.device_put(src, dst)), 5, 2.0) / _GB
 

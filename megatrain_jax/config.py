@@ -47,8 +47,8 @@ def resolve_config_path(name: str) -> pathlib.Path:
         break
   if not path.is_file():
     known = sorted(p.stem for p in CONFIGS_DIR.glob('*.py') if not p.stem.startswith('_'))
-    raise ConfigError(f'--config={name!r}: no such config file. Give a path, or one of the names in '
-                      f'{CONFIGS_DIR}: {", ".join(known)}.')
+    raise ConfigError(f'--config={name!r}: no such config file. Give a path, or one of the names '
+                      f'in {CONFIGS_DIR}: {", ".join(known)}.')
   return path.resolve()
 
 
@@ -254,7 +254,8 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   _require(0 <= t.warmup_ratio < 1, 'train.warmup_ratio',
            f'must be in [0, 1) (a fraction of train.steps; 0 = train.warmup_steps), got '
            f'{t.warmup_ratio}.')
-  _require(0 <= t.min_lr_ratio <= 1, 'train.min_lr_ratio', f'must be in [0, 1], got {t.min_lr_ratio}.')
+  _require(0 <= t.min_lr_ratio <= 1, 'train.min_lr_ratio',
+           f'must be in [0, 1], got {t.min_lr_ratio}.')
   _require(t.lr_schedule in optim.LR_SCHEDULES, 'train.lr_schedule',
            f'must be one of {", ".join(optim.LR_SCHEDULES)}, got {t.lr_schedule!r}.')
   _require(t.weight_decay >= 0, 'train.weight_decay', f'must be >= 0, got {t.weight_decay}.')
@@ -262,7 +263,8 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
     _require(0 <= t[name] < 1, f'train.{name}', f'must be in [0, 1), got {t[name]}.')
   _require(t.eps > 0, 'train.eps', f'must be > 0, got {t.eps}.')
   _require(t.grad_clip >= 0, 'train.grad_clip', f'must be >= 0 (0 = off), got {t.grad_clip}.')
-  _require(t.eval_every >= 0, 'train.eval_every', f'must be >= 0 (0 = at the end), got {t.eval_every}.')
+  _require(t.eval_every >= 0, 'train.eval_every',
+           f'must be >= 0 (0 = at the end), got {t.eval_every}.')
   _require(0 <= t.seed <= MAX_SEED, 'train.seed',
            f'must be in [0, 2**31 - 1] (it seeds a 32-bit PRNG key), got {t.seed}.')
   _validate_checkpoint(config.checkpoint, t.eval_every)

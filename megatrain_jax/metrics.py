@@ -51,7 +51,8 @@ def format_console_line(step: int, total: int, scalars: dict, eta_s: float | Non
   if 'data/epoch' in scalars:
     parts.append(f'epoch {scalars["data/epoch"]:.2f}')
   if 'eval/loss' in scalars:
-    parts.append(f'eval_loss {scalars["eval/loss"]:.4f} | eval_ppl {scalars["eval/perplexity"]:.2f}')
+    parts.append(f'eval_loss {scalars["eval/loss"]:.4f} | '
+                 f'eval_ppl {scalars["eval/perplexity"]:.2f}')
   if 'perf/tokens_per_sec' in scalars:
     parts.append(f'{scalars["perf/tokens_per_sec"]:,.0f} tok/s')
   if 'perf/step_time_s' in scalars:

@@ -458,7 +458,8 @@ def _one_device_rows(cfg: ModelConfig, sizes: StateSizes, p: Placement, micro: i
   else:
     add('activations (1 microbatch)', L * hidden_bytes(cfg, batch, seq) + internals,
         "L·B·S·D·c saved inputs + one layer's internals")
-  add('logits (1 microbatch)', logits_bytes(cfg, batch, seq), '3·B·S·V_c·4 (one vocabulary block)')
+  add('logits (1 microbatch)', logits_bytes(cfg, batch, seq),
+      '3·B·S·V_c·4 (one vocabulary block)')
   # Whole here; `_init_beyond_step` keeps what it needs beyond the step's rows.
   add(INIT_ROW, RESIDENT_INIT_TEMP_RATIO * (W + E),
       f'{RESIDENT_INIT_TEMP_RATIO:.2f}·4·P (XLA temporaries of the jitted init)')
@@ -1051,8 +1052,9 @@ def plan_run(config, hw: HardwareProfile, disk_free_gb: float | None = None,
     pinned_only = [p for p in rejected if list(p.over_budget()) == [PINNED_ROW]]
     if pinned_only:  # the cap the user set is all that stands in the way
       best = max(pinned_only, key=lambda p: p.tokens_per_s)
-      message += (f'\nRaising {PINNED_LIMIT_ENV} to {math.ceil(best.over_budget()[PINNED_ROW][0] / 2 ** 30)}'
-                  f' (GiB) would fit: {best.placement.summary()}, M={best.microbatches}, '
+      gib = math.ceil(best.over_budget()[PINNED_ROW][0] / 2 ** 30)
+      message += (f'\nRaising {PINNED_LIMIT_ENV} to {gib} (GiB) would fit: '
+                  f'{best.placement.summary()}, M={best.microbatches}, '
                   f'{best.step_time_s:,.4g} s/step.')
     if suggest_presets:
       message += presets_that_fit(config, hw, devices, shapes)

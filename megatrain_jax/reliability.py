@@ -61,8 +61,8 @@ JAX_CACHE_DIR = os.environ.get('MEGATRAIN_TEST_JAX_CACHE',
                                os.path.expanduser('~/.cache/megatrain_jax/jax-tests'))
 
 # A small model so each run compiles and trains in seconds on 2 cores.
-SMALL_MODEL = dict(model__d_model=64, model__num_layers=2, model__num_heads=4, model__num_kv_heads=2,
-                   model__d_ff=172, model__max_seq_len=128)
+SMALL_MODEL = dict(model__d_model=64, model__num_layers=2, model__num_heads=4,
+                   model__num_kv_heads=2, model__d_ff=172, model__max_seq_len=128)
 
 STEPS, EVERY, LAYERS = 12, 3, 2
 # Checkpoints every 3 of 12 steps (4 saves, so a kill can land before the first, between any two,

@@ -88,7 +88,8 @@ _applied = None  # the allocator setting in force: None (glibc untouched) or one
 
 def _glibc():
   """The C library if it is glibc with mallopt and nothing replaced malloc, else None."""
-  if 'jemalloc' in os.environ.get('LD_PRELOAD', '') or 'tcmalloc' in os.environ.get('LD_PRELOAD', ''):
+  preloaded = os.environ.get('LD_PRELOAD', '')
+  if 'jemalloc' in preloaded or 'tcmalloc' in preloaded:
     return None
   try:
     libc = ctypes.CDLL(None)

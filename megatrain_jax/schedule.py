@@ -137,6 +137,13 @@ class Row:
   stage: str = STATE
 
 
+def _adder(rows: list):
+  """add(stage, tier, item, bytes, formula): appends that Row to `rows`."""
+  def add(stage: str, tier: str, item: str, n, formula: str) -> None:
+    rows.append(Row(tier, item, float(n), formula, stage))
+  return add
+
+
 @dataclasses.dataclass
 class Traffic:
   """Bytes one stage moves per step: host<->device (h2d, d2h) and disk (read, write)."""
@@ -273,7 +280,7 @@ class StepSchedule:
     gw, go = sizes.group_params(k), sizes.group_opt(k)
     hidden, internals = hidden_bytes(cfg, batch, seq), layer_internal_bytes(cfg, batch, seq)
     rows = []
-    add = lambda stage, tier, item, n, formula: rows.append(Row(tier, item, float(n), formula, stage))
+    add = _adder(rows)
     add('forward', 'device', f'weights in flight ({p.prefetch_depth + 1} groups)',
         (p.prefetch_depth + 1) * gw, '(prefetch_depth + 1)·K·P_l·4')
     add('backward', 'device', 'group gradient accumulator', gw, 'K·P_l·4')
@@ -289,8 +296,8 @@ class StepSchedule:
     add('backward', 'device', 'group backward working set',
         internals if k == 1 else k * hidden + internals,
         "one layer's internals" if k == 1 else "K·B·S·D·c + one layer's internals")
-    add(FORWARD_TO_BACKWARD, p.activations, f'boundary activations ({G} groups × {M} mb)', G * M * hidden,
-        'G·M·B·S·D·c')
+    add(FORWARD_TO_BACKWARD, p.activations, f'boundary activations ({G} groups × {M} mb)',
+        G * M * hidden, 'G·M·B·S·D·c')
     rows += self._outer_rows(cfg, sizes, batch, seq)
     rows += self._state_rows(sizes)
     if self.host_optimizer:
@@ -314,7 +321,7 @@ class StepSchedule:
     p, L = self.placement, self.num_layers
     W, A = sizes.group_params(L), L * sizes.layer_opt + self.num_groups * sizes.group_opt_extra
     rows = []
-    add = lambda stage, tier, item, n, formula: rows.append(Row(tier, item, float(n), formula, stage))
+    add = _adder(rows)
     if p.params != 'nvme':
       add(STATE, p.params, 'layer params', W, '4·L·P_l')
     if p.opt_state != 'nvme':
@@ -357,7 +364,7 @@ class StepSchedule:
     chunk_rows = max(stop - start for start, stop in self.vocab_chunks())
     chunk = 4 * chunk_rows * cfg.d_model
     rows = []
-    add = lambda stage, tier, item, n, formula: rows.append(Row(tier, item, float(n), formula, stage))
+    add = _adder(rows)
     add(STATE, p.embed_head, 'embedding/head params + Adam',
         E + H + sizes.piece_opt(E, chunks) + (sizes.piece_opt(H, chunks) if H else 0),
         f'(4 + 8)·P_embed/head ({chunks} chunks)')

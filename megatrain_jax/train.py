@@ -120,8 +120,10 @@ def dry_run(config: ml_collections.ConfigDict, workdir: str | None = None,
   gib = 1024 ** 3
   print(f'params: {sizes["params"]}')
   for part in ('params', 'grads', 'adam_m', 'adam_v'):
-    print(f'{part + "_bytes:":<16}{sizes[part + "_bytes"]:>20,d}  ({sizes[part + "_bytes"] / gib:,.1f} GiB)')
-  print(f'{"state_bytes:":<16}{sizes["total_bytes"]:>20,d}  ({sizes["total_bytes"] / gib:,.1f} GiB, '
+    nbytes = sizes[part + '_bytes']
+    print(f'{part + "_bytes:":<16}{nbytes:>20,d}  ({nbytes / gib:,.1f} GiB)')
+  total = sizes['total_bytes']
+  print(f'{"state_bytes:":<16}{total:>20,d}  ({total / gib:,.1f} GiB, '
         'FP32 params + grads + Adam m, v)')
   try:
     hw, plan = plan_for(config, pathlib.Path(workdir) if workdir else None, dry_run=True)

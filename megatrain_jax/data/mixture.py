@@ -62,8 +62,8 @@ def block_counts(weights: list[float]) -> np.ndarray:
   order = np.argsort(-(shares - counts), kind='stable')
   counts[order[:BLOCK - counts.sum()]] += 1
   if (counts == 0).any():
-    raise ConfigError(f'data.mixture: a weight is below 1/{BLOCK} of the total, so its source would '
-                      'never be sampled; raise it or drop the source.')
+    raise ConfigError(f'data.mixture: a weight is below 1/{BLOCK} of the total, so its source '
+                      'would never be sampled; raise it or drop the source.')
   return counts
 
 

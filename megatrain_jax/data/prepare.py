@@ -47,7 +47,8 @@ from megatrain_jax.data.tokenizer import Tokenizer
 from megatrain_jax.errors import ConfigError
 
 # Re-exported: older callers import these from here.
-from megatrain_jax.data.formats import check_text_head, expand_sources  # pylint: disable=unused-import
+from megatrain_jax.data.formats import (  # pylint: disable=unused-import
+    check_text_head, expand_sources)
 
 META_FILE = 'meta.json'
 # Bumped whenever the on-disk layout or the tokenization procedure changes, so old caches are

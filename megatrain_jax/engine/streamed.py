@@ -71,7 +71,8 @@ class _Step:
   # every target learned, each microbatch's loss its mean.
   weights: list | None = None
   norm_grad: dict = None
-  squares: list = dataclasses.field(default_factory=list)  # per piece: sum of squares of the mean grad
+  # Per piece: the sum of squares of its mean gradient (the global norm's terms).
+  squares: list = dataclasses.field(default_factory=list)
   fetch_wait_s: float = 0.0
   started: float = dataclasses.field(default_factory=time.perf_counter)
   backward_done: float = 0.0
@@ -272,7 +273,8 @@ class StreamedEngine:
     """
     self.flush_updates()
     pieces = {kind: [{'params': self.stores[kind].params.get(key),
-                      'opt_state': self.stores[kind].opt_state.get(key)} for key in self._keys(kind)]
+                      'opt_state': self.stores[kind].opt_state.get(key)}
+                     for key in self._keys(kind)]
               for kind in self.kinds}
     return partition.merge_state(pieces, self.tx, np.int32(self.step), self.rng)
 

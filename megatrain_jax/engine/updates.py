@@ -140,7 +140,8 @@ class PieceUpdater:
     opt, params, parked = inputs
     grad_sum = parked if grad_sum is None else grad_sum
     if self.host_optimizer:
-      host = lambda tree: tree if memory_kind(tree) == 'pinned_host' else self.layout.put(tree, 'pinned_host')
+      host = lambda tree: (tree if memory_kind(tree) == 'pinned_host'
+                           else self.layout.put(tree, 'pinned_host'))
       params, opt = self.fn.host_update(host(self._to_host(grad_sum)), host(opt), host(params),
                                         self._scale_on_host(scale), num_micro)
     else:
@@ -170,7 +171,8 @@ class PieceUpdater:
     """A device gradient to pinned host memory for the host optimizer, counting the bytes."""
     if memory_kind(tree) == 'pinned_host':
       return tree
-    self.stats.add(d2h_bytes=sum(x.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)))
+    self.stats.add(d2h_bytes=sum(x.nbytes for x in jax.tree.leaves(tree)
+                                 if isinstance(x, jax.Array)))
     return self.layout.put(tree, 'pinned_host')
 
   def to_device(self, tree):

@@ -3,10 +3,10 @@
 Layer leaves: array [L, *leaf_shape] float32; one outer chunk per layer (a zarr3 shard = one file
 per layer), split by `sharding_indexed` into inner chunks of at most `shard_mb` so that codecs and
 reads run in parallel over a layer. Vocabulary leaves (embedding [V, D], head kernel [D, V]): one
-file per vocabulary chunk of at most `shard_mb`. Every inner chunk and the shard index carry a crc32c checksum: a read of
-a corrupted chunk fails instead of returning wrong numbers. Missing chunks are errors too
-(`fill_missing_data_reads=False`): a layer that was never written is never read as zeros, and
-all-zero chunks are written like any other (`store_data_equal_to_fill_value`).
+file per vocabulary chunk of at most `shard_mb`. Every inner chunk and the shard index carry a
+crc32c checksum: a read of a corrupted chunk fails instead of returning wrong numbers. Missing
+chunks are errors too (`fill_missing_data_reads=False`): a layer that was never written is never
+read as zeros, and all-zero chunks are written like any other (`store_data_equal_to_fill_value`).
 
 Codecs (all lossless):
   none   raw little-endian bytes
@@ -35,7 +35,8 @@ def compression_codecs(codec: str, level: int) -> list[dict]:
   raise ValueError(f'unknown codec {codec!r}; use one of {CODECS}')
 
 
-def inner_chunk_shape(layer_shape: tuple[int, ...], shard_mb: float, itemsize: int = 4) -> list[int]:
+def inner_chunk_shape(layer_shape: tuple[int, ...], shard_mb: float,
+                      itemsize: int = 4) -> list[int]:
   """[1, rows, *rest]: split a layer along its first axis into pieces of at most shard_mb
   (rows divides the first axis; a single row larger than shard_mb stays whole)."""
   if not layer_shape:
