@@ -299,7 +299,7 @@ def _note_gone_offload_dir(config, workdir: pathlib.Path) -> None:
   directory = pathlib.Path(config.offload.dir or workdir / 'offload').expanduser().absolute()
   disk = fs.nearest_existing(directory)
   where = 'there' if directory == recorded else f'in {directory}'
-  back = (f'If it was a drive\'s mount point, stop, mount the drive and rerun.'
+  back = ('If it was a drive\'s mount point, stop, mount the drive and rerun.'
           if directory == recorded else f'To keep them where they were, stop, make {recorded} '
           f'available again (mount its drive) and rerun with --config.offload.dir={recorded}.')
   print(f'note: offload.dir={recorded}, where this run kept its NVMe stores (its config.json), '

@@ -46,10 +46,6 @@ from megatrain_jax.data.documents import (LEARNED_RULES_FIELD, DocumentFormat, d
 from megatrain_jax.data.tokenizer import Tokenizer
 from megatrain_jax.errors import ConfigError
 
-# Re-exported: older callers import these from here.
-from megatrain_jax.data.formats import (  # pylint: disable=unused-import
-    check_text_head, expand_sources)
-
 META_FILE = 'meta.json'
 # Bumped whenever the on-disk layout or the tokenization procedure changes, so old caches are
 # re-prepared instead of being misread. 1: train.bin/val.bin. 2: shards, documents, masks.
@@ -245,8 +241,8 @@ def _plan(out_dir, tokenizer, train_sources, val_sources, val_fraction, doc_form
   if val_fraction is not None:
     check_val_fraction(val_fraction)
   check_shard_tokens(shard_tokens)
-  train_files = expand_sources(train_sources, 'data.path')
-  val_files = expand_sources(val_sources, 'data.val_path')
+  train_files = formats.expand_sources(train_sources, 'data.path')
+  val_files = formats.expand_sources(val_sources, 'data.val_path')
   out_dir = Path(out_dir).expanduser().resolve()
   if out_dir.exists() and not out_dir.is_dir():
     raise ConfigError(f'data.cache_dir: {out_dir} is a file; point data.cache_dir at a directory '
