@@ -8,10 +8,12 @@ transformers does), and stops after any of the stop ids (the data's EOS, generat
 or max_new_tokens.
 
 It decodes with a key/value cache (model.extend): one [1, L] buffer (L = prompt + max_new_tokens,
-at most model.max_seq_len) runs through the layers once, filling the cache [layers, 1, KV, L, Dh]
-(the slots after the prompt hold placeholders until their tokens are drawn; causality keeps
-every query from seeing them), then each new token runs the layers alone against the cache: one
-token's work per step instead of the L tokens a rerun of the whole buffer costs. One program
+at most model.max_seq_len) runs through the layers once, filling the cache [layers, 1, KV, C, Dh]
+with the prompt's keys and values (the slots after the prompt hold placeholders until their
+tokens are drawn; causality keeps every query from seeing them), then each new token runs the
+layers alone against the cache: one token's work per step instead of the L tokens a rerun of the
+whole buffer costs. The cache has C = L slots, or under a sliding window W < L only W
+(model.kv_cache_slots: a ring of the last W tokens, all a query can see). One program
 compiles per L and the whole loop runs inside it (`lax.while_loop`), vmapped over the rows of a
 batch of prompts (`generate_all`: a step reads the weights once for all). The weights are held
 whole in device memory: meant for models that fit there (a 1B model in FP32 needs 4 GB); export
@@ -118,9 +120,10 @@ def check_request(cfg: model_lib.ModelConfig, prompts: list, max_new_tokens: int
 
 def device_bytes(cfg: model_lib.ModelConfig, length: int, rows: int = 1) -> int:
   """What `generate_all` holds in device memory for `rows` buffers of `length` slots: the
-  float32 weights and the key/value caches (two [rows, L, 1, KV, length, Dh] arrays in the
-  compute dtype)."""
-  cache = 2 * rows * cfg.num_layers * cfg.num_kv_heads * length * cfg.head_dim
+  float32 weights and the key/value caches (two [rows, L, 1, KV, C, Dh] arrays in the compute
+  dtype, C = model.kv_cache_slots: `length`, or the sliding window where shorter)."""
+  slots = model_lib.kv_cache_slots(cfg, length)
+  cache = 2 * rows * cfg.num_layers * cfg.num_kv_heads * slots * cfg.head_dim
   return 4 * cfg.num_params + cache * jnp.dtype(cfg.dtype).itemsize
 
 
@@ -194,10 +197,11 @@ def _generation_loop(cfg: model_lib.ModelConfig, temperature: float, top_k: int,
     return buffer, n + 1, key, jnp.any(token == stops), logits, seen.at[token].set(True), cache
 
   def run(params, buffer, n, limit, key):
-    # The prefill: the whole buffer at once, for the logits after the prompt's last token.
+    # The prefill: the whole buffer at once, for the logits after the prompt's last token; the
+    # placeholders from slot n on are not cached (a windowed ring keeps the prompt's last keys).
     cache = model_lib.init_kv_cache(cfg, 1, buffer.shape[1])
     x, cache = model_lib.extend(cfg, params, buffer, 0, model_lib.token_positions(cfg, buffer),
-                                cache)
+                                cache, end=n)
     logits = model_lib.head(cfg, params, jax.lax.dynamic_slice_in_dim(x, n - 1, 1, axis=1))
     more = lambda carry: (carry[1] < limit) & ~carry[3]
     # The ids of the prompt (the slots before n) [V]: what a repetition penalty applies to.

@@ -312,28 +312,45 @@ def test_documents_the_data_marks_equal_each_document_alone(params, chunk):
   np.testing.assert_array_equal(positions.segments[0], np.repeat(np.arange(3), lengths))
 
 
-@pytest.mark.parametrize('extra', [dict(), dict(sliding_window=5, qk_norm=True),
-                                   dict(document_eos_id=3, attention_chunk=8)])
-def test_cached_decoding_equals_the_whole_forward(extra):
-  """model.extend (sample.py's key/value cache): a prefill of the buffer, then one token at a
-  time against the cache, gives the logits `forward` gives each position of the finished
-  sequence. The buffer's later slots hold zeros until written, as in sampling; with a document
-  mask the prompt holds an EOS, so the positions restart inside it."""
-  cfg = CFG.replace(**extra)
-  params = model_lib.init_params(cfg, jax.random.key(1))
-  tokens = np.array(_batch(7, (1, 24)))
-  tokens[0, 6] = 3  # an EOS (with document_eos_id=3) inside the prompt
-  want = model_lib.forward(cfg, params, jnp.asarray(tokens))
-  buffer, prompt = np.zeros_like(tokens), 9
+def _decoded(cfg, params, tokens, prompt: int, cache):
+  """Logits [T, V] of tokens [1, T] by model.extend: a prefill of the buffer holding the first
+  `prompt` of them (zeros after, as in sampling), then one token at a time against `cache`."""
+  buffer = np.zeros_like(tokens)
   buffer[0, :prompt] = tokens[0, :prompt]
   step = jax.jit(functools.partial(model_lib.extend, cfg))
-  cache = model_lib.init_kv_cache(cfg, 1, tokens.shape[1])
-  x, cache = step(params, jnp.asarray(buffer), 0, model_lib.token_positions(cfg, buffer), cache)
+  x, cache = step(params, jnp.asarray(buffer), 0, model_lib.token_positions(cfg, buffer), cache,
+                  prompt)
   got = [model_lib.head(cfg, params, x)[0, :prompt]]
   for n in range(prompt, tokens.shape[1]):
     buffer[0, n] = tokens[0, n]
     x, cache = step(params, jnp.asarray(buffer[:, n:n + 1]), n,
                     model_lib.token_positions(cfg, buffer), cache)
     got.append(model_lib.head(cfg, params, x)[0])
-  np.testing.assert_allclose(np.concatenate(got), want[0], rtol=1e-5, atol=1e-5)
+  return np.concatenate(got), cache
+
+
+@pytest.mark.parametrize('extra, prompt, length', [
+    (dict(), 9, 24), (dict(sliding_window=5, qk_norm=True), 9, 24),
+    (dict(document_eos_id=3, attention_chunk=8), 9, 24),
+    (dict(sliding_window=3, document_eos_id=3), 9, 24),
+    (dict(sliding_window=8), 5, 35), (dict(sliding_window=8, attention_chunk=8), 13, 43)])
+def test_cached_decoding_equals_the_whole_forward(extra, prompt, length):
+  """model.extend (sample.py's key/value cache): a prefill of the buffer, then one token at a
+  time against the cache, gives the logits `forward` gives each position of the finished
+  sequence. The buffer's later slots hold zeros until written, as in sampling; with a document
+  mask the prompt holds an EOS, so the positions restart inside it. Under a sliding window W
+  shorter than the buffer the cache is a ring of W slots, with prompts shorter and longer than
+  W and decoding that wraps it several times, and gives what a cache of every slot gives."""
+  cfg = CFG.replace(**extra)
+  params = model_lib.init_params(cfg, jax.random.key(1))
+  tokens = np.array(_batch(7, (1, length)))
+  tokens[0, 6] = 3  # an EOS (with document_eos_id=3) inside the prompt
+  want = model_lib.forward(cfg, params, jnp.asarray(tokens))
+  got, cache = _decoded(cfg, params, tokens, prompt, model_lib.init_kv_cache(cfg, 1, length))
+  np.testing.assert_allclose(got, want[0], rtol=1e-5, atol=1e-5)
   assert np.abs(np.asarray(want[0])).max() > 1.0  # logits of a size the tolerance can tell apart
+  slots = min(cfg.sliding_window or length, length)
+  assert cache[0].shape == (cfg.num_layers, 1, cfg.num_kv_heads, slots, cfg.head_dim)
+  whole = model_lib.init_kv_cache(cfg.replace(sliding_window=0), 1, length)  # a slot per token
+  np.testing.assert_allclose(_decoded(cfg, params, tokens, prompt, whole)[0], got, rtol=1e-5,
+                             atol=1e-5)

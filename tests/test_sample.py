@@ -16,6 +16,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from megatrain_jax import hardware
 from megatrain_jax import hf
+from megatrain_jax import model as model_lib
 from megatrain_jax import sample
 from megatrain_jax import train
 from megatrain_jax.data import ByteTokenizer, decode_continuation, load_tokenizer
@@ -29,6 +30,9 @@ _ARCHS = {
               dict(tie_word_embeddings=False)),
     'qwen2': (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
               dict(tie_word_embeddings=True)),
+    # A sliding window shorter than the prompt: the key/value cache is a ring of 4 slots.
+    'mistral': (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(tie_word_embeddings=False, sliding_window=4)),
 }
 
 
@@ -73,6 +77,26 @@ def test_greedy_continuation_equals_transformers_generate(arch, checkpoints):
                             pad_token_id=0)[0, PROMPT.size:].numpy()
   np.testing.assert_array_equal(penalised, theirs)
   assert not np.array_equal(penalised, ours)  # the penalty changed the text
+
+
+def test_a_windowed_cache_holds_the_window_and_decodes_as_transformers(checkpoints):
+  """Under a sliding window W the key/value cache is a ring of W slots: prompts shorter and
+  longer than W, decoded together (rows of one program, each at its own slot), wrapping it
+  several times, give transformers' greedy tokens; the memory check counts W slots, not L."""
+  directory, model = checkpoints['mistral']
+  cfg, params = hf.load_hf(directory)
+  prompts = [PROMPT[:3], np.tile(PROMPT, 2)[:11]]
+  ours = sample.generate_all(cfg, params, prompts, max_new_tokens=20)
+  for prompt, got in zip(prompts, ours):
+    with torch.no_grad():
+      theirs = model.generate(torch.from_numpy(prompt[None]), max_new_tokens=20, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, prompt.size:].numpy()
+    np.testing.assert_array_equal(got, theirs)
+  assert cfg.sliding_window == 4 and model_lib.kv_cache_slots(cfg, 31) == 4
+  whole = cfg.replace(sliding_window=0)
+  per_slot = 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # k and v, 2 rows
+  assert sample.device_bytes(whole, 31, 2) - sample.device_bytes(cfg, 31, 2) == 27 * per_slot
+  assert sample.device_bytes(cfg, 31, 2) == 4 * cfg.num_params + 4 * per_slot
 
 
 def test_sampling_draws_from_the_top_k_softmax(checkpoints):

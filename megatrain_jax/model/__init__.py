@@ -12,15 +12,16 @@ from megatrain_jax.model.decoder import (abstract_params, apply_group, apply_lay
                                          cross_entropy, default_positions, document_positions,
                                          embed, extend, final_norm, forward, fresh_rng, head,
                                          head_loss, init_kv_cache, init_layer, init_layers,
-                                         init_outer, init_outer_piece, init_params, logits,
-                                         logits_loss, loss_fn, param_keys, positions_of_batches,
-                                         run_keys, token_positions)
+                                         init_outer, init_outer_piece, init_params, kv_cache_slots,
+                                         logits, logits_loss, loss_fn, param_keys,
+                                         positions_of_batches, run_keys, token_positions)
 from megatrain_jax.model.layers import RopePositions, rope_positions
 from megatrain_jax.model.vocab import chunked_logits_loss, token_weights
 
 __all__ = ['ModelConfig', 'abstract_params', 'apply_group', 'apply_layer', 'chunked_logits_loss',
            'count_params', 'cross_entropy', 'default_positions', 'document_positions', 'embed',
            'extend', 'final_norm', 'forward', 'fresh_rng', 'head', 'head_loss', 'init_kv_cache',
-           'init_layer', 'init_layers', 'init_outer', 'init_outer_piece', 'init_params', 'logits',
-           'logits_loss', 'loss_fn', 'param_keys', 'positions_of_batches', 'RopePositions',
-           'rope_positions', 'run_keys', 'token_positions', 'token_weights']
+           'init_layer', 'init_layers', 'init_outer', 'init_outer_piece', 'init_params',
+           'kv_cache_slots', 'logits', 'logits_loss', 'loss_fn', 'param_keys',
+           'positions_of_batches', 'RopePositions', 'rope_positions', 'run_keys',
+           'token_positions', 'token_weights']

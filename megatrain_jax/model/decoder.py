@@ -354,28 +354,40 @@ def loss_fn(cfg: ModelConfig, params, batch, weights=None, starts=None, shard_la
 # values of the tokens before it kept in a cache, instead of rerunning the whole sequence.
 # ----------------------------------------------------------------------------------------------
 
+def kv_cache_slots(cfg: ModelConfig, length: int) -> int:
+  """The slots of a key/value cache for a buffer of `length` slots: all of them, or under a
+  sliding window W shorter than the buffer W (a ring: Attention.extend): no query sees a key W or
+  more slots back, so the cache need not hold it (Mistral-7B at 32k tokens: 0.5 GB instead of
+  4.3 GB in float32)."""
+  window = cfg.sliding_window
+  return min(length, window) if window else length
+
+
 def init_kv_cache(cfg: ModelConfig, batch: int, length: int) -> tuple:
-  """An empty key/value cache of `length` slots: (k, v), each [L, B, KV, T, Dh] zeros in the
-  compute dtype (layer-major, as params['layers'])."""
-  shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
+  """An empty key/value cache for a buffer of `length` slots: (k, v), each [L, B, KV, C, Dh]
+  zeros in the compute dtype (layer-major, as params['layers']), C = kv_cache_slots."""
+  shape = (cfg.num_layers, batch, cfg.num_kv_heads, kv_cache_slots(cfg, length), cfg.head_dim)
   zeros = jnp.zeros(shape, layers_lib.compute_dtype(cfg))
   return zeros, zeros
 
 
-def extend(cfg: ModelConfig, params, tokens, start, where, cache):
+def extend(cfg: ModelConfig, params, tokens, start, where, cache, end=None):
   """Runs tokens [B, S], the slots [start, start + S) of a buffer of T slots, through the layers
-  against `cache` (init_kv_cache [L, B, KV, T, Dh]; their keys and values are written into it).
+  against `cache` (init_kv_cache(cfg, B, T); their keys and values are written into it).
   `where`: token_positions of the whole buffer [B, T] as it stands (a slot's position depends
   only on the tokens before it, so the slots not yet written do not change those before them).
+  `end` (default start + S): the slots from it on are placeholders, not to be cached: a ring
+  (under a sliding window) would let them displace the keys of the slots before them that the
+  next token needs. Calls must run the buffer's slots in order.
   -> (hidden [B, S, D] after the last layer (head() gives the logits), the updated cache).
 
-  Equals `forward` on the buffer at those slots: the same layer math, the keys and values of the
-  earlier slots read from the cache rather than recomputed."""
+  Equals `forward` on the buffer at those slots (before `end`): the same layer math, the keys
+  and values of the earlier slots read from the cache rather than recomputed."""
   x = embed(cfg, params, tokens)
 
   def layer(h, xs):
     layer_params, *layer_cache = xs
-    return _merge(cfg, 'layer', layer_params).extend(h, where, tuple(layer_cache), start)
+    return _merge(cfg, 'layer', layer_params).extend(h, where, tuple(layer_cache), start, end)
 
   x, cache = jax.lax.scan(layer, x, (params['layers'], *cache))
   return x, cache

@@ -147,19 +147,25 @@ class Attention(nnx.Module):
     where = (positions, segments)
     return self._output(_attend_blocks(self.cfg, q, k, v, where, where))
 
-  def extend(self, x, where: RopePositions, cache, start):
-    """Attention of S new tokens x [B, S, D], at slots [start, start + S) of a key/value cache
-    (k, v) [B, KV, T, Dh] (decoder.extend), to every slot of the cache: their k and v are written
-    into it first. `where`: the positions of all T slots (its ids, tables and segments [B, T, ...]);
-    slots after a query's position are masked by causality, so what they hold does not matter.
+  def extend(self, x, where: RopePositions, cache, start, end=None):
+    """Attention of S new tokens x [B, S, D], at slots [start, start + S) of a buffer of T
+    slots, to the tokens before them held in a key/value cache (k, v) [B, KV, C, Dh]
+    (decoder.extend); their k and v are written into it. `where`: the positions of all T slots
+    (its ids, tables and segments [B, T, ...]); slots after a query's position are masked by
+    causality, so what they hold does not matter. A cache of C < T slots is a ring
+    (`_ring_extend`), where only the new slots before `end` (default start + S) are written.
     -> (out [B, S, D], the updated (k, v))."""
     s = x.shape[1]
     query = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, s, axis=1), where)
     q, k, v = self._heads(x, query.cos, query.sin)
+    q_where = (query.ids, query.segments)
+    if cache[0].shape[2] < where.ids.shape[1]:
+      out, cache = _ring_extend(self.cfg, q, (k, v), q_where, where, cache, start,
+                                start + s if end is None else end)
+      return self._output(out), cache
     cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=2)
                   for c, new in zip(cache, (k, v)))
-    out = _attend_blocks(self.cfg, q, *cache, (query.ids, query.segments),
-                         (where.ids, where.segments))
+    out = _attend_blocks(self.cfg, q, *cache, q_where, (where.ids, where.segments))
     return self._output(out), cache
 
   def _heads(self, x, cos, sin):
@@ -188,6 +194,53 @@ class Attention(nnx.Module):
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, self.cfg.num_heads * self.cfg.head_dim)
     out = checkpoint_name(out, 'attn_out')
     return checkpoint_name(self.o_proj(out), 'o_proj')
+
+
+# The position a ring slot holding no key yet is given: after every query, so causality masks it.
+_NO_KEY = jnp.iinfo(jnp.int32).max
+
+
+def _ring_extend(cfg: ModelConfig, q, new, q_where, where: RopePositions, cache, start, end):
+  """Attention.extend against a ring cache (k, v) [B, KV, C, Dh] of a buffer's T > C slots
+  (decoder.init_kv_cache under a sliding window W: C = W): the keys and values of buffer slot i
+  live in ring slot i mod C, and each query's mask reads the true positions of the slots the
+  ring holds (`_ring_where`), so it sees what it sees in the whole buffer. q [B, KV, G, S, Dh]
+  and new = its (k, v) [B, KV, S, Dh], at buffer slots [start, start + S). -> (out, cache).
+
+  One token (a decoding step) is written first: the key it displaces is C = W slots back, out
+  of its window. Several (a prefill, S up to T) attend to the ring as it was plus their own
+  keys (C + S keys, one layer at a time: what a prefill needs beyond the ring), then the newest
+  of them before `end` take their slots: a prefill of a buffer whose slots after the prompt hold
+  placeholders keeps the prompt's last keys, not theirs."""
+  slots = cache[0].shape[2]
+  if new[0].shape[2] == 1:
+    cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), start % slots, axis=2)
+                  for c, n in zip(cache, new))
+    return _attend_blocks(cfg, q, *cache, q_where, _ring_where(where, start, slots)), cache
+  k_where = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1),
+                         _ring_where(where, start - 1, slots), q_where)
+  keys, values = (jnp.concatenate([c, n.astype(c.dtype)], axis=2) for c, n in zip(cache, new))
+  out = _attend_blocks(cfg, q, keys, values, q_where, k_where)
+  held = _ring_slots(end - 1, slots)
+  fresh = (held >= start)[:, None]  # [C, 1]: against the slots and head dims of [B, KV, C, Dh]
+  taken = jnp.clip(held - start, 0, new[0].shape[2] - 1)
+  return out, tuple(jnp.where(fresh, jnp.take(n, taken, axis=2).astype(c.dtype), c)
+                    for c, n in zip(cache, new))
+
+
+def _ring_slots(last, slots: int):
+  """The buffer slot each of a ring's `slots` slots holds once buffer slots 0..last were written
+  in order (int [C]; negative: none yet): the latest i <= last with i mod C equal to its own."""
+  return last - jnp.mod(last - jnp.arange(slots), slots)
+
+
+def _ring_where(where: RopePositions, last, slots: int):
+  """(positions, segments or None) [B, C] of what a ring of `slots` slots holds once buffer
+  slots 0..last were written: `where`'s of the slot each holds, _NO_KEY where none."""
+  held = _ring_slots(last, slots)
+  index = jnp.maximum(held, 0)
+  ids = jnp.where(held >= 0, where.ids[:, index], _NO_KEY)
+  return ids, None if where.segments is None else where.segments[:, index]
 
 
 def _attend_blocks(cfg: ModelConfig, q, k, v, q_where, k_where):
@@ -332,10 +385,10 @@ class DecoderLayer(nnx.Module):
     h = x + self.attn(self.attn_norm(x), positions)
     return h + self.mlp(self.mlp_norm(h))
 
-  def extend(self, x, where: RopePositions, cache, start):
+  def extend(self, x, where: RopePositions, cache, start, end=None):
     """The layer on new tokens x [B, S, D] against its key/value cache (Attention.extend) ->
     (out [B, S, D], the updated cache)."""
-    attended, cache = self.attn.extend(self.attn_norm(x), where, cache, start)
+    attended, cache = self.attn.extend(self.attn_norm(x), where, cache, start, end)
     h = x + attended
     return h + self.mlp(self.mlp_norm(h)), cache
 
