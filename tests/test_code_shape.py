@@ -1,5 +1,5 @@
-"""The code keeps the shape issue 15 gave it: layers enforced by import-linter, short functions,
-and a streamed step that reads as its stages."""
+"""The code keeps the shape issue 15 gave it: layers enforced by import-linter, short functions
+and lines, and a streamed step that reads as its stages."""
 
 import ast
 import pathlib
@@ -9,6 +9,7 @@ import subprocess
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'megatrain_jax'
 MAX_FUNCTION_LINES = 60
 MAX_TRAIN_STEP_LINES = 30
+MAX_LINE_CHARS = 100
 
 
 def _functions():
@@ -23,6 +24,18 @@ def test_no_function_is_longer_than_60_lines():
   long = [f'{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)'
           for path, node in _functions() if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
   assert not long, 'split these functions:\n' + '\n'.join(long)
+
+
+def test_no_line_of_the_product_is_longer_than_100_characters():
+  """The package, launch.py and configs/ (what users read and the next engineer edits); tests and
+  bench scripts are exempt."""
+  root = PACKAGE.parent
+  files = [*PACKAGE.rglob('*.py'), root / 'launch.py', *(root / 'configs').glob('*.py')]
+  long = [f'{path.relative_to(root)}:{number} ({len(line)} characters)'
+          for path in sorted(files)
+          for number, line in enumerate(path.read_text().splitlines(), 1)
+          if len(line) > MAX_LINE_CHARS]
+  assert not long, 'rewrap these lines:\n' + '\n'.join(long)
 
 
 def test_streamed_train_step_reads_as_its_stages():

@@ -75,15 +75,16 @@ class ModelConfig:
       if self.d_model % self.num_heads:
         raise ConfigError(
             f'model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}: '
-            'each head needs d_model / num_heads features. Choose num_heads dividing d_model, or set '
-            'model.head_dim explicitly.')
+            'each head needs d_model / num_heads features. Choose num_heads dividing d_model, or '
+            'set model.head_dim explicitly.')
       object.__setattr__(self, 'head_dim', self.d_model // self.num_heads)
     elif self.head_dim < 0 or self.head_dim % 2:
       raise ConfigError(f'model.head_dim={self.head_dim} must be a positive even number (RoPE '
                         'rotates pairs of features), or 0 for d_model / num_heads.')
     if self.head_dim % 2:
       raise ConfigError(f'the head dimension d_model / num_heads = {self.head_dim} must be even '
-                        '(RoPE rotates pairs of features): change model.d_model or model.num_heads.')
+                        '(RoPE rotates pairs of features): change model.d_model or '
+                        'model.num_heads.')
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(
           f'model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads='
@@ -92,7 +93,8 @@ class ModelConfig:
     self._check_choices()
     # `not x > 0` rather than `x <= 0`: NaN fails every comparison and must be refused too.
     if not self.rope_theta > 0:
-      raise ConfigError(f'model.rope_theta={self.rope_theta} must be > 0 (Llama uses 10000 or 500000).')
+      raise ConfigError(f'model.rope_theta={self.rope_theta} must be > 0 (Llama uses 10000 or '
+                        '500000).')
     if self.rope_scaling_type != 'none' and not self.rope_scaling_factor > 0:
       raise ConfigError(f'model.rope_scaling.factor={self.rope_scaling_factor} must be > 0.')
     if self.rope_scaling_type == 'llama3':
@@ -308,7 +310,8 @@ def rope_inverse_frequencies(cfg: ModelConfig):
   """
   import numpy as np  # local: keeps this module import-light for the config layer
   dim = cfg.head_dim
-  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+  exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+  inv_freq = 1.0 / (cfg.rope_theta ** exponents)
   inv_freq = inv_freq.astype(np.float32)
   if cfg.rope_scaling_type == 'linear':
     inv_freq = inv_freq / np.float32(cfg.rope_scaling_factor)

@@ -17,7 +17,8 @@ Params (all float32; L = num_layers; every leaf under 'layers' has a leading lay
 The model is cut into stages so that a streaming engine can run it from weights that arrive one
 piece at a time: `embed` -> `apply_group` over consecutive K-slices of 'layers' (or
 `apply_group_keeping_inputs`, which also returns each layer's input) -> `final_norm` ->
-`logits`/`logits_loss` (`head` and `head_loss` chain the last two). `forward` and `loss_fn` chain them over the whole stack (the resident path).
+`logits`/`logits_loss` (`head` and `head_loss` chain the last two). `forward` and `loss_fn` chain
+them over the whole stack (the resident path).
 
 `logits_loss` (and so `head_loss` and `loss_fn`, i.e. every engine's training and eval loss) runs
 the head over vocabulary blocks (model/vocab.py) without materialising the [B, S, V] logits;
@@ -282,14 +283,16 @@ def head(cfg: ModelConfig, params, x):
 
 
 def final_norm(cfg: ModelConfig, params, x):
-  """The final RMSNorm alone: hidden [B, S, D] -> normed [B, S, D]. Needs params['head']['final_norm']."""
+  """The final RMSNorm alone: hidden [B, S, D] -> normed [B, S, D]. Needs
+  params['head']['final_norm']."""
   scale = params['head']['final_norm']['scale']
   return layers_lib.rms_norm(x, scale, cfg.norm_eps, layers_lib.compute_dtype(cfg))
 
 
 def logits(cfg: ModelConfig, params, normed):
-  """The LM head alone: normed [B, S, D] -> logits [B, S, V] float32. Needs params['head']['lm_head']
-  or, with tied embeddings, params['embed']. `head` = logits(final_norm(x)), the same ops."""
+  """The LM head alone: normed [B, S, D] -> logits [B, S, V] float32. Needs
+  params['head']['lm_head'] or, with tied embeddings, params['embed']. `head` =
+  logits(final_norm(x)), the same ops."""
   if cfg.tie_embeddings:
     return layers_lib.tied_logits(cfg, normed, params['embed']['embedding'])
   return layers_lib.untied_logits(cfg, normed, params['head']['lm_head']['kernel'])
@@ -333,7 +336,8 @@ def forward(cfg: ModelConfig, params, tokens):
 
 
 def loss_fn(cfg: ModelConfig, params, batch, weights=None, starts=None, shard_layer=None):
-  """batch [B, S + 1] int tokens -> mean next-token cross-entropy (inputs [:, :-1], targets [:, 1:]).
+  """batch [B, S + 1] int tokens -> mean next-token cross-entropy (inputs [:, :-1], targets
+  [:, 1:]).
 
   The same stages as `forward`, but the head and loss run over vocabulary blocks (`logits_loss`),
   so the [B, S, V] logits are never materialised. `weights` [B, S] float32 (per target; from

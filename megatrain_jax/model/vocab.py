@@ -16,7 +16,8 @@ rounding. When `chunk` does not divide V, the last block slides back to end at c
 copy of the weight): its columns that the previous block already covered are masked to -inf in the
 forward (they add nothing to the sum) and get a zero gradient in the backward. Besides its inputs
 and outputs the pair holds O(N * chunk) floats: the compiled forward + backward of N = 512 tokens,
-V = 32000, D = 64, chunk = 1024 needs 4.2 MB of temporaries (XLA CPU) where the full logits need 262 MB.
+V = 32000, D = 64, chunk = 1024 needs 4.2 MB of temporaries (XLA CPU) where the full logits need
+262 MB.
 """
 
 import functools
