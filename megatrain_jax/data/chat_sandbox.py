@@ -74,7 +74,7 @@ def render(template: str, budget: int, **variables) -> str:
     _BUDGET.reset(token)
 
 
-_TEMPLATES: dict[str, Any] = {}
+_TEMPLATES: dict[str, Any] = {}  # template text -> its compiled program
 
 
 def compiled(template: str):
@@ -82,12 +82,11 @@ def compiled(template: str):
   apply_chat_template gives it (`_environment`)."""
   program = _TEMPLATES.get(template)
   if program is None:
-    if 'env' not in _TEMPLATES:
-      _TEMPLATES['env'] = _environment()
-    program = _TEMPLATES[template] = _TEMPLATES['env'].from_string(template)
+    program = _TEMPLATES[template] = _environment().from_string(template)
   return program
 
 
+@functools.cache
 def _environment():
   """transformers' chat template environment (chat_template_utils), less `strftime_now` (the
   date would differ between prepares; Llama 3's templates then use their own fixed date): the
